@@ -1,0 +1,166 @@
+//! Counts of storage round trips by kind. Azure bills per transaction and each one is a round trip
+//! on the critical path, so every store counts what it sends; tests and benchmarks read the counts.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One kind of storage round trip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Op {
+    ContainerCreate,
+    BlobCreate,
+    BlobProperties,
+    BlobSetMetadata,
+    LeaseAcquire,
+    LeaseRenew,
+    LeaseRelease,
+    LeaseBreak,
+    FlagPut,
+    FlagDelete,
+    QueueCreate,
+    QueuePut,
+    QueueGet,
+    QueueDelete,
+    QueueUpdate,
+    QueuePeek,
+}
+
+impl Op {
+    /// Every kind, in display order.
+    pub const ALL: [Op; 16] = [
+        Op::ContainerCreate,
+        Op::BlobCreate,
+        Op::BlobProperties,
+        Op::BlobSetMetadata,
+        Op::LeaseAcquire,
+        Op::LeaseRenew,
+        Op::LeaseRelease,
+        Op::LeaseBreak,
+        Op::FlagPut,
+        Op::FlagDelete,
+        Op::QueueCreate,
+        Op::QueuePut,
+        Op::QueueGet,
+        Op::QueueDelete,
+        Op::QueueUpdate,
+        Op::QueuePeek,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::ContainerCreate => "container create",
+            Op::BlobCreate => "blob create",
+            Op::BlobProperties => "blob properties",
+            Op::BlobSetMetadata => "blob set metadata",
+            Op::LeaseAcquire => "lease acquire",
+            Op::LeaseRenew => "lease renew",
+            Op::LeaseRelease => "lease release",
+            Op::LeaseBreak => "lease break",
+            Op::FlagPut => "flag put",
+            Op::FlagDelete => "flag delete",
+            Op::QueueCreate => "queue create",
+            Op::QueuePut => "queue put",
+            Op::QueueGet => "queue get",
+            Op::QueueDelete => "queue delete",
+            Op::QueueUpdate => "queue update",
+            Op::QueuePeek => "queue peek",
+        }
+    }
+
+    /// Whether this is a queue operation (the rest are blob operations).
+    pub fn is_queue(self) -> bool {
+        matches!(
+            self,
+            Op::QueueCreate | Op::QueuePut | Op::QueueGet | Op::QueueDelete | Op::QueueUpdate | Op::QueuePeek
+        )
+    }
+
+    fn index(self) -> usize {
+        Op::ALL
+            .iter()
+            .position(|o| *o == self)
+            .expect("every Op is in ALL")
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Shared, lock-free counters of round trips sent. Cheap to clone (an `Arc`); hand the same
+/// counters to the blob store and the queue to count a whole trigger.
+#[derive(Debug, Clone, Default)]
+pub struct OpCounters {
+    counts: Arc<[AtomicU64; Op::ALL.len()]>,
+}
+
+impl OpCounters {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records one round trip of `op` (sent, whatever its answer).
+    pub fn record(&self, op: Op) {
+        self.counts[op.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A copy of the counts now.
+    pub fn snapshot(&self) -> OpCounts {
+        OpCounts(std::array::from_fn(|i| self.counts[i].load(Ordering::Relaxed)))
+    }
+}
+
+/// A snapshot of [`OpCounters`]; subtract two to count what happened in between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OpCounts([u64; Op::ALL.len()]);
+
+impl OpCounts {
+    pub fn get(&self, op: Op) -> u64 {
+        self.0[op.index()]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    pub fn blob_total(&self) -> u64 {
+        Op::ALL
+            .iter()
+            .filter(|o| !o.is_queue())
+            .map(|o| self.get(*o))
+            .sum()
+    }
+
+    pub fn queue_total(&self) -> u64 {
+        Op::ALL
+            .iter()
+            .filter(|o| o.is_queue())
+            .map(|o| self.get(*o))
+            .sum()
+    }
+
+    /// Counts since `earlier`.
+    pub fn since(&self, earlier: &OpCounts) -> OpCounts {
+        OpCounts(std::array::from_fn(|i| self.0[i] - earlier.0[i]))
+    }
+}
+
+impl fmt::Display for OpCounts {
+    /// `total 5: lease acquire 1, lease release 1, ...` listing only the kinds that occurred.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "total {}", self.total())?;
+        let mut sep = ": ";
+        for op in Op::ALL {
+            let n = self.get(op);
+            if n > 0 {
+                write!(f, "{sep}{op} {n}")?;
+                sep = ", ";
+            }
+        }
+        Ok(())
+    }
+}

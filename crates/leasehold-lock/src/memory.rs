@@ -1,0 +1,367 @@
+//! An in-memory [`LeaseStore`] that follows Azure's lease rules, with time from tokio (so paused
+//! time drives lease expiry). For unit tests and the deterministic simulation, never a stand-in
+//! for proving the Azure path.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+use crate::counters::{Op, OpCounters};
+use crate::error::{StoreError, StoreErrorKind, StoreResult};
+use crate::store::{BlobProperties, ETag, FlagPut, LeaseId, LeaseState, LeaseStore, Metadata};
+
+#[derive(Debug, Clone)]
+enum Lease {
+    None,
+    Active {
+        id: LeaseId,
+        expires: Instant,
+        duration: Duration,
+    },
+    Broken,
+}
+
+#[derive(Debug, Clone)]
+struct Blob {
+    lease: Lease,
+    metadata: Metadata,
+    etag: u64,
+    /// A lease that ran out, kept so its holder may still renew it (as Azure allows) until
+    /// someone else acquires or the blob is written.
+    expired: Option<(LeaseId, Duration)>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    container_exists: bool,
+    blobs: HashMap<String, Blob>,
+    next_etag: u64,
+}
+
+/// In-memory blob container with Azure lease semantics.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    state: Mutex<State>,
+    counters: OpCounters,
+}
+
+impl MemoryStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A store that records into the given counters.
+    pub fn with_counters(counters: OpCounters) -> Self {
+        Self {
+            state: Mutex::default(),
+            counters,
+        }
+    }
+
+    /// Names of the blobs that exist, sorted (for tests).
+    pub fn blob_names(&self) -> Vec<String> {
+        let mut names: Vec<_> = self
+            .state
+            .lock()
+            .expect("poisoned")
+            .blobs
+            .keys()
+            .cloned()
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn with_state<T>(&self, op: Op, f: impl FnOnce(&mut State, Instant) -> StoreResult<T>) -> StoreResult<T> {
+        self.counters.record(op);
+        let mut state = self.state.lock().expect("memory store mutex poisoned");
+        let now = Instant::now();
+        for blob in state.blobs.values_mut() {
+            if let Lease::Active {
+                id,
+                expires,
+                duration,
+            } = blob.lease
+            {
+                if expires <= now {
+                    blob.lease = Lease::None;
+                    blob.expired = Some((id, duration));
+                }
+            }
+        }
+        f(&mut state, now)
+    }
+}
+
+fn err(kind: StoreErrorKind, op: Op, status: u16, code: &str) -> StoreError {
+    StoreError::new(kind, op, "").with_status(status, Some(code.to_string()))
+}
+
+fn not_found(state: &State, op: Op) -> StoreError {
+    if state.container_exists {
+        err(StoreErrorKind::NotFound, op, 404, "BlobNotFound")
+    } else {
+        err(StoreErrorKind::NotFound, op, 404, "ContainerNotFound")
+    }
+}
+
+impl State {
+    fn bump(&mut self) -> u64 {
+        self.next_etag += 1;
+        self.next_etag
+    }
+
+    fn new_blob(&mut self) -> Blob {
+        Blob {
+            lease: Lease::None,
+            metadata: Metadata::new(),
+            etag: self.bump(),
+            expired: None,
+        }
+    }
+}
+
+fn lease_state(blob: &Blob) -> LeaseState {
+    match blob.lease {
+        Lease::Active { .. } => LeaseState::Leased,
+        Lease::Broken => LeaseState::Broken,
+        Lease::None if blob.expired.is_some() => LeaseState::Expired,
+        Lease::None => LeaseState::Available,
+    }
+}
+
+#[async_trait]
+impl LeaseStore for MemoryStore {
+    async fn create_blob(&self, name: &str) -> StoreResult<()> {
+        let needs_container = !self.state.lock().expect("poisoned").container_exists;
+        if needs_container {
+            self.with_state(Op::ContainerCreate, |s, _| {
+                s.container_exists = true;
+                Ok(())
+            })?;
+        }
+        self.with_state(Op::BlobCreate, |s, _| {
+            if !s.blobs.contains_key(name) {
+                let blob = s.new_blob();
+                s.blobs.insert(name.to_string(), blob);
+            }
+            Ok(())
+        })
+    }
+
+    async fn acquire_lease(&self, name: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
+        let op = Op::LeaseAcquire;
+        self.with_state(op, |s, now| {
+            if !s.container_exists || !s.blobs.contains_key(name) {
+                return Err(not_found(s, op));
+            }
+            let blob = s.blobs.get_mut(name).expect("checked above");
+            match blob.lease {
+                Lease::Active { id, .. } if id != lease => Err(err(
+                    StoreErrorKind::LeaseAlreadyPresent,
+                    op,
+                    409,
+                    "LeaseAlreadyPresent",
+                )),
+                _ => {
+                    blob.lease = Lease::Active {
+                        id: lease,
+                        expires: now + duration,
+                        duration,
+                    };
+                    blob.expired = None;
+                    Ok(())
+                }
+            }
+        })
+    }
+
+    async fn renew_lease(&self, name: &str, lease: LeaseId) -> StoreResult<()> {
+        let op = Op::LeaseRenew;
+        self.with_state(op, |s, now| {
+            let Some(blob) = s.blobs.get_mut(name) else {
+                return Err(not_found(s, op));
+            };
+            match blob.lease {
+                Lease::Active { id, duration, .. } if id == lease => {
+                    blob.lease = Lease::Active {
+                        id,
+                        expires: now + duration,
+                        duration,
+                    };
+                    Ok(())
+                }
+                // Azure lets the holder renew a lease that ran out, as long as nobody else
+                // acquired it and the blob was not written in between.
+                Lease::None if blob.expired.is_some_and(|(id, _)| id == lease) => {
+                    let (id, duration) = blob.expired.take().expect("checked");
+                    blob.lease = Lease::Active {
+                        id,
+                        expires: now + duration,
+                        duration,
+                    };
+                    Ok(())
+                }
+                Lease::Active { .. } => Err(err(
+                    StoreErrorKind::LeaseLost,
+                    op,
+                    409,
+                    "LeaseIdMismatchWithLeaseOperation",
+                )),
+                _ => Err(err(
+                    StoreErrorKind::LeaseLost,
+                    op,
+                    409,
+                    "LeaseNotPresentWithLeaseOperation",
+                )),
+            }
+        })
+    }
+
+    async fn release_lease(&self, name: &str, lease: LeaseId, if_match: Option<&ETag>) -> StoreResult<()> {
+        let op = Op::LeaseRelease;
+        self.with_state(op, |s, _| {
+            let Some(blob) = s.blobs.get_mut(name) else {
+                return Err(not_found(s, op));
+            };
+            if let Some(tag) = if_match {
+                if tag.0 != blob.etag.to_string() {
+                    return Err(err(StoreErrorKind::ConditionNotMet, op, 412, "ConditionNotMet"));
+                }
+            }
+            match blob.lease {
+                Lease::Active { id, .. } if id == lease => {
+                    blob.lease = Lease::None;
+                    Ok(())
+                }
+                Lease::None if blob.expired.is_some_and(|(id, _)| id == lease) => {
+                    blob.expired = None;
+                    Ok(())
+                }
+                Lease::Active { .. } => Err(err(
+                    StoreErrorKind::LeaseLost,
+                    op,
+                    409,
+                    "LeaseIdMismatchWithLeaseOperation",
+                )),
+                _ => Err(err(
+                    StoreErrorKind::LeaseLost,
+                    op,
+                    409,
+                    "LeaseNotPresentWithLeaseOperation",
+                )),
+            }
+        })
+    }
+
+    async fn break_lease(&self, name: &str) -> StoreResult<()> {
+        let op = Op::LeaseBreak;
+        self.with_state(op, |s, _| {
+            let Some(blob) = s.blobs.get_mut(name) else {
+                return Err(not_found(s, op));
+            };
+            if matches!(blob.lease, Lease::Active { .. }) {
+                blob.lease = Lease::Broken;
+            }
+            blob.expired = None;
+            Ok(())
+        })
+    }
+
+    async fn properties(&self, name: &str) -> StoreResult<BlobProperties> {
+        let op = Op::BlobProperties;
+        self.with_state(op, |s, _| {
+            let Some(blob) = s.blobs.get(name) else {
+                return Err(not_found(s, op));
+            };
+            Ok(BlobProperties {
+                lease_state: lease_state(blob),
+                metadata: blob.metadata.clone(),
+                etag: ETag(blob.etag.to_string()),
+            })
+        })
+    }
+
+    async fn set_metadata(
+        &self,
+        name: &str,
+        lease: Option<LeaseId>,
+        if_match: Option<&ETag>,
+        metadata: &Metadata,
+    ) -> StoreResult<ETag> {
+        let op = Op::BlobSetMetadata;
+        self.with_state(op, |s, _| {
+            let etag = s.next_etag + 1;
+            let Some(blob) = s.blobs.get_mut(name) else {
+                return Err(not_found(s, op));
+            };
+            if let Some(tag) = if_match {
+                if tag.0 != blob.etag.to_string() {
+                    return Err(err(StoreErrorKind::ConditionNotMet, op, 412, "ConditionNotMet"));
+                }
+            }
+            match (blob.lease.clone(), lease) {
+                (Lease::Active { id, .. }, Some(given)) if id == given => {}
+                (Lease::Active { .. }, None) => {
+                    return Err(err(StoreErrorKind::LeaseLost, op, 412, "LeaseIdMissing"));
+                }
+                (Lease::Active { .. }, Some(_)) => {
+                    return Err(err(
+                        StoreErrorKind::LeaseLost,
+                        op,
+                        412,
+                        "LeaseIdMismatchWithBlobOperation",
+                    ));
+                }
+                (_, Some(_)) => {
+                    return Err(err(
+                        StoreErrorKind::LeaseLost,
+                        op,
+                        412,
+                        "LeaseNotPresentWithBlobOperation",
+                    ));
+                }
+                (_, None) => {}
+            }
+            blob.metadata = metadata.clone();
+            blob.etag = etag;
+            // A write ends the chance to renew an expired lease, as in Azure.
+            blob.expired = None;
+            s.next_etag = etag;
+            Ok(ETag(etag.to_string()))
+        })
+    }
+
+    async fn put_flag(&self, name: &str) -> StoreResult<FlagPut> {
+        let needs_container = !self.state.lock().expect("poisoned").container_exists;
+        if needs_container {
+            self.with_state(Op::ContainerCreate, |s, _| {
+                s.container_exists = true;
+                Ok(())
+            })?;
+        }
+        self.with_state(Op::FlagPut, |s, _| {
+            if s.blobs.contains_key(name) {
+                return Ok(FlagPut::AlreadySet);
+            }
+            let blob = s.new_blob();
+            s.blobs.insert(name.to_string(), blob);
+            Ok(FlagPut::Created)
+        })
+    }
+
+    async fn delete_flag(&self, name: &str) -> StoreResult<bool> {
+        self.with_state(Op::FlagDelete, |s, _| Ok(s.blobs.remove(name).is_some()))
+    }
+
+    async fn flag_exists(&self, name: &str) -> StoreResult<bool> {
+        self.with_state(Op::BlobProperties, |s, _| Ok(s.blobs.contains_key(name)))
+    }
+
+    fn counters(&self) -> &OpCounters {
+        &self.counters
+    }
+}

@@ -1,0 +1,71 @@
+//! Retrying transient storage failures with exponential backoff and jitter (`backon`). Definitive
+//! answers (lease present, lease lost, not found, precondition failed, rejected) are returned at once.
+
+use std::future::Future;
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+
+use crate::error::StoreResult;
+
+/// How transient storage failures are retried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryOptions {
+    /// Retries after the first attempt (0 = no retry).
+    pub retries: usize,
+    pub min_delay: Duration,
+    pub max_delay: Duration,
+    /// Seed for the jitter, so a simulation replays the same delays; `None` seeds from entropy.
+    pub jitter_seed: Option<u64>,
+}
+
+impl Default for RetryOptions {
+    /// Four retries from 200 ms doubling to at most 2 s with jitter: rides out about 4–6 s of
+    /// trouble, well inside a 30 s lease, before the failure is surfaced.
+    fn default() -> Self {
+        Self {
+            retries: 4,
+            min_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(2),
+            jitter_seed: None,
+        }
+    }
+}
+
+impl RetryOptions {
+    /// No retries at all.
+    pub fn none() -> Self {
+        Self {
+            retries: 0,
+            ..Self::default()
+        }
+    }
+
+    pub(crate) fn backoff(&self) -> ExponentialBuilder {
+        let builder = ExponentialBuilder::default()
+            .with_min_delay(self.min_delay)
+            .with_max_delay(self.max_delay)
+            .with_max_times(self.retries);
+        match self.jitter_seed {
+            Some(seed) => builder.with_jitter_seed(seed).with_jitter(),
+            None => builder.with_jitter(),
+        }
+    }
+
+    /// Runs `attempt` until it succeeds, answers definitively, or the retries are spent. Each
+    /// transient failure is logged (redacted) with the delay before the next try.
+    pub async fn run<T, F, Fut>(&self, what: &str, attempt: F) -> StoreResult<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = StoreResult<T>>,
+    {
+        attempt
+            .retry(self.backoff())
+            .sleep(tokio::time::sleep)
+            .when(|e| e.is_transient())
+            .notify(
+                |e, delay| tracing::warn!(error = %e, ?delay, "{what}: transient storage failure, retrying"),
+            )
+            .await
+    }
+}

@@ -1,0 +1,158 @@
+//! Shared holds: members presenting the same share key hold one lease together.
+//!
+//! All members present the same lease id (derived from key and share key), which storage grants
+//! to each of them. The member list lives in the lock blob's metadata, tagged with that lease id,
+//! and is changed only with `If-Match` on the ETag read just before: a member that leaves last
+//! writes the empty list and then releases *with `If-Match` on the ETag of that write*, so a
+//! member joining in between (which changes the ETag) makes the release fail instead of freeing
+//! the key under the newcomer. A member that dies simply stops renewing; when every member has
+//! left or died, the lease lapses.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::error::{Error, Result, StoreErrorKind};
+use crate::key::LockKey;
+use crate::lock::{
+    LeaseGuard, LeaseLock, META_GENERATION, META_SHARE_GROUP, META_SHARERS, generation_of, holder_metadata,
+    lease_lost, lock_blob_name, release_lease,
+};
+use crate::store::{LeaseId, Metadata};
+
+/// Attempts before a join or leave gives up under heavy churn.
+const ATTEMPTS: usize = 16;
+
+pub(crate) fn members(metadata: &Metadata) -> Vec<String> {
+    metadata
+        .get(META_SHARERS)
+        .map(|list| {
+            list.split(',')
+                .filter(|m| !m.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn with_members(metadata: &Metadata, group: LeaseId, list: &[String]) -> Metadata {
+    let mut md = metadata.clone();
+    md.insert(META_SHARERS.into(), list.join(","));
+    md.insert(META_SHARE_GROUP.into(), group.to_string());
+    md
+}
+
+fn belongs_to(metadata: &Metadata, group: LeaseId) -> bool {
+    metadata
+        .get(META_SHARE_GROUP)
+        .is_some_and(|g| *g == group.to_string())
+}
+
+pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Result<Option<LeaseGuard>> {
+    let blob = lock_blob_name(key);
+    let group = LeaseId::derived(&[key.as_str(), share_key]);
+    let member = uuid::Uuid::new_v4().simple().to_string();
+    let store = lock.store();
+    for attempt in 0..ATTEMPTS {
+        let before = match lock.retry("read shared lock", || store.properties(&blob)).await {
+            Ok(p) => p,
+            Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                lock.retry("create lock blob", || store.create_blob(&blob))
+                    .await?;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let granted_at = Instant::now();
+        if !lock.acquire_creating(&blob, group).await? {
+            return Ok(None);
+        }
+        // The list is current only if our group held the lease before we acquired; otherwise
+        // it is left over from a group whose members all died.
+        let mut list = if before.lease_state.is_held() && belongs_to(&before.metadata, group) {
+            members(&before.metadata)
+        } else {
+            Vec::new()
+        };
+        let founding = list.is_empty();
+        list.push(member.clone());
+        let mut metadata = with_members(&before.metadata, group, &list);
+        let mut token = generation_of(&before.metadata);
+        if founding {
+            holder_metadata(lock.options(), &mut metadata);
+            if lock.options().fencing {
+                token += 1;
+                metadata.insert(META_GENERATION.into(), token.to_string());
+            }
+        }
+        let write = || store.set_metadata(&blob, Some(group), Some(&before.etag), &metadata);
+        match lock.retry("join shared lock", write).await {
+            Ok(_) => {
+                tracing::debug!(%key, %member, members = list.len(), "joined shared lock");
+                let fencing = lock.options().fencing.then_some(token);
+                return Ok(Some(LeaseGuard::start(
+                    lock,
+                    key.clone(),
+                    blob,
+                    group,
+                    fencing,
+                    granted_at,
+                    Some(member),
+                )));
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    StoreErrorKind::ConditionNotMet | StoreErrorKind::LeaseLost
+                ) =>
+            {
+                // Someone joined or left between our read and write: read again.
+                tokio::time::sleep(Duration::from_millis(10 * (attempt as u64 + 1))).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(Error::Config(format!(
+        "could not join the shared lock on {key} after {ATTEMPTS} attempts of churn"
+    )))
+}
+
+pub(crate) async fn leave(lock: &LeaseLock, blob: &str, group: LeaseId, member: &str) -> Result<()> {
+    let store = lock.store();
+    let key = LockKey::new(blob.trim_start_matches(crate::lock::LOCK_PREFIX))?;
+    for attempt in 0..ATTEMPTS {
+        let props = match lock.retry("read shared lock", || store.properties(blob)).await {
+            Ok(p) => p,
+            Err(e) if e.kind() == StoreErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if !props.lease_state.is_held() || !belongs_to(&props.metadata, group) {
+            return Ok(()); // the shared lease is gone already
+        }
+        let list: Vec<String> = members(&props.metadata)
+            .into_iter()
+            .filter(|m| m != member)
+            .collect();
+        let metadata = with_members(&props.metadata, group, &list);
+        let write = || store.set_metadata(blob, Some(group), Some(&props.etag), &metadata);
+        let etag = match lock.retry("leave shared lock", write).await {
+            Ok(etag) => etag,
+            Err(e) if e.kind() == StoreErrorKind::ConditionNotMet => {
+                tokio::time::sleep(Duration::from_millis(10 * (attempt as u64 + 1))).await;
+                continue;
+            }
+            Err(e) if e.kind() == StoreErrorKind::LeaseLost => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if !list.is_empty() {
+            tracing::debug!(%key, member, remaining = list.len(), "left shared lock; others still hold it");
+            return Ok(());
+        }
+        return match release_lease(lock, &key, blob, group, Some(&etag)).await {
+            // A member joined after our write: the key stays held, by them.
+            Err(Error::Storage(e)) if e.kind() == StoreErrorKind::ConditionNotMet => Ok(()),
+            other => other,
+        };
+    }
+    Err(lease_lost(&key))
+}

@@ -1,0 +1,137 @@
+//! The storage seam. Every Azure call the lock (and the runner on top of it) makes goes through
+//! [`LeaseStore`]; [`crate::azure::AzureBlobStore`] speaks to Azure Blob Storage (or Azurite) and
+//! [`crate::memory::MemoryStore`] is an exact, deterministic model for unit tests and simulation.
+//!
+//! Each method is one round trip on the hot path (and is counted as one). Creating a missing
+//! container on first use is the only place a method may send more than one request.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::counters::OpCounters;
+use crate::error::StoreResult;
+
+/// A lease id: a GUID chosen by the acquirer ("proposed lease id").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseId(pub uuid::Uuid);
+
+impl LeaseId {
+    pub fn random() -> Self {
+        Self(uuid::Uuid::new_v4())
+    }
+
+    /// A lease id every caller computes alike from `parts` (used by shared holders, who must all
+    /// present the same id).
+    pub fn derived(parts: &[&str]) -> Self {
+        const NAMESPACE: uuid::Uuid = uuid::Uuid::from_u128(0x6c65_6173_6568_6f6c_642d_6c6f_636b_0001);
+        Self(uuid::Uuid::new_v5(&NAMESPACE, parts.join("\u{1f}").as_bytes()))
+    }
+}
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// An entity tag, for optimistic concurrency (`If-Match`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ETag(pub String);
+
+/// User metadata on a blob. Names are lower-case C# identifiers (`leasehold_generation`).
+pub type Metadata = BTreeMap<String, String>;
+
+/// The lease state of a blob as the service reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseState {
+    /// Never leased, or released.
+    Available,
+    /// A lease is active.
+    Leased,
+    /// A lease ran out without being renewed or released.
+    Expired,
+    /// A lease is being broken (break period still running).
+    Breaking,
+    /// A lease was broken.
+    Broken,
+}
+
+impl LeaseState {
+    /// Whether someone holds the blob now (a breaking lease is still held until its period ends).
+    pub fn is_held(self) -> bool {
+        matches!(self, LeaseState::Leased | LeaseState::Breaking)
+    }
+}
+
+/// What one `properties` call tells about a blob.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlobProperties {
+    pub lease_state: LeaseState,
+    pub metadata: Metadata,
+    pub etag: ETag,
+}
+
+/// Answer of [`LeaseStore::put_flag`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlagPut {
+    /// The flag did not exist and this call created it.
+    Created,
+    /// The flag existed already; nothing was written.
+    AlreadySet,
+}
+
+/// The storage operations the lock and the runner need, one round trip each.
+///
+/// Errors carry a [`crate::StoreErrorKind`]: lease conflicts, lost leases, missing blobs and
+/// failed preconditions are *definitive*; only `Transient` errors are worth retrying, and the
+/// callers in this crate do that (with backoff), not the stores.
+#[async_trait]
+pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
+    /// Creates an empty blob (and its container) if it does not exist. Losing a creation race
+    /// is success.
+    async fn create_blob(&self, blob: &str) -> StoreResult<()>;
+
+    /// Acquires a lease of `duration` (15–60 s) with the proposed id. Answers `NotFound` if the
+    /// blob (or container) is missing and `LeaseAlreadyPresent` if another id holds it; with the
+    /// id that holds it, it succeeds and renews.
+    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()>;
+
+    /// Renews a lease; `LeaseLost` if the id no longer holds it.
+    async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()>;
+
+    /// Releases a lease; `LeaseLost` if the id does not hold it; `ConditionNotMet` if `if_match`
+    /// is given and the blob's ETag differs.
+    async fn release_lease(&self, blob: &str, lease: LeaseId, if_match: Option<&ETag>) -> StoreResult<()>;
+
+    /// Breaks whatever lease is on the blob, at once (break period 0). No lease is success.
+    async fn break_lease(&self, blob: &str) -> StoreResult<()>;
+
+    /// Lease state, metadata and ETag of a blob.
+    async fn properties(&self, blob: &str) -> StoreResult<BlobProperties>;
+
+    /// Replaces a blob's metadata; `lease` must name the active lease if there is one. Returns
+    /// the new ETag.
+    async fn set_metadata(
+        &self,
+        blob: &str,
+        lease: Option<LeaseId>,
+        if_match: Option<&ETag>,
+        metadata: &Metadata,
+    ) -> StoreResult<ETag>;
+
+    /// Creates a small flag blob if it does not exist (`If-None-Match: *`), creating the
+    /// container on first use.
+    async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut>;
+
+    /// Deletes a flag blob: `true` if it existed (202), `false` if not (404).
+    async fn delete_flag(&self, blob: &str) -> StoreResult<bool>;
+
+    /// Whether a flag blob exists (a read, for status displays; not used by the protocol).
+    async fn flag_exists(&self, blob: &str) -> StoreResult<bool>;
+
+    /// The round-trip counters this store records into.
+    fn counters(&self) -> &OpCounters;
+}

@@ -1,0 +1,555 @@
+//! Lock behaviour, each scenario run twice: against a real Azurite (real time) and against the
+//! in-memory store (paused tokio time).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use leasehold_lock::memory::MemoryStore;
+use leasehold_lock::{
+    BlobProperties, ETag, FlagPut, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
+    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
+};
+use leasehold_test_support::{Azurite, unique_name};
+
+fn key(k: &str) -> LockKey {
+    LockKey::new(k).unwrap()
+}
+
+/// Options for tests: the shortest lease Azure allows, renewed often.
+fn fast_options() -> LeaseOptions {
+    LeaseOptions {
+        duration: Duration::from_secs(15),
+        renew_every: Duration::from_secs(3),
+        safety_margin: Duration::from_secs(2),
+        holder: "test".into(),
+        ..LeaseOptions::default()
+    }
+}
+
+mod scenarios {
+    use super::*;
+
+    /// N tasks contend for one key; an overlap detector sees one holder at a time, and fencing
+    /// tokens rise strictly in the order the grants happened.
+    pub async fn contention(store: Arc<dyn LeaseStore>, tasks: usize, rounds: usize) {
+        let lock = LeaseLock::new(store, fast_options()).unwrap();
+        let inside = Arc::new(AtomicUsize::new(0));
+        let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut handles = Vec::new();
+        for _ in 0..tasks {
+            let (lock, inside, tokens) = (lock.clone(), inside.clone(), tokens.clone());
+            handles.push(tokio::spawn(async move {
+                for _ in 0..rounds {
+                    let guard = lock
+                        .acquire(&key("contended"), Duration::from_secs(120))
+                        .await
+                        .unwrap();
+                    let now_inside = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    assert_eq!(now_inside, 1, "two holders of one key at once");
+                    tokens.lock().unwrap().push(guard.fencing_token().unwrap());
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    guard.release().await.unwrap();
+                }
+            }));
+        }
+        for h in handles {
+            h.await.unwrap();
+        }
+        let tokens = tokens.lock().unwrap().clone();
+        assert_eq!(tokens.len(), tasks * rounds);
+        assert!(
+            tokens.windows(2).all(|w| w[0] < w[1]),
+            "tokens not strictly increasing: {tokens:?}"
+        );
+    }
+
+    /// A guard keeps its lease well past the lease duration by renewing it.
+    pub async fn renewal_keeps_lease(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let other = LeaseLock::new(store, fast_options()).unwrap();
+        let guard = lock
+            .try_acquire(&key("renewed"))
+            .await
+            .unwrap()
+            .expect("free key");
+        tokio::time::sleep(Duration::from_secs(20)).await; // > 15 s lease duration
+        assert!(!guard.is_lost(), "renewal should have kept the lease");
+        assert!(
+            other.try_acquire(&key("renewed")).await.unwrap().is_none(),
+            "lease lapsed despite renewal"
+        );
+        assert!(
+            store_counts(&lock, Op::LeaseRenew) >= 5,
+            "expected a renewal every 3 s"
+        );
+        guard.release().await.unwrap();
+        assert!(
+            other.try_acquire(&key("renewed")).await.unwrap().is_some(),
+            "released key should be free"
+        );
+    }
+
+    /// An operator's break, from another client, fires the holder's lost signal.
+    pub async fn break_fires_lost(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let operator = LeaseLock::new(store, fast_options()).unwrap();
+        let guard = lock.try_acquire(&key("broken")).await.unwrap().unwrap();
+        let lost = guard.lost();
+        operator.break_lock(&key("broken"), "test").await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), lost.cancelled())
+            .await
+            .expect("lost signal within one renewal period after a break");
+        // Someone else may take it now, and the old guard's release is harmless.
+        let next = operator
+            .try_acquire(&key("broken"))
+            .await
+            .unwrap()
+            .expect("free after break");
+        guard.release().await.unwrap();
+        assert!(
+            lock.try_acquire(&key("broken")).await.unwrap().is_none(),
+            "old release freed the new holder"
+        );
+        next.release().await.unwrap();
+    }
+
+    /// Fencing tokens rise across release/re-acquire and across takeover after expiry, and a
+    /// stale holder can no longer write the lock blob.
+    pub async fn fencing_increases(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let k = key("fenced");
+        let mut last = 0;
+        for _ in 0..3 {
+            let g = lock.try_acquire(&k).await.unwrap().unwrap();
+            let t = g.fencing_token().unwrap();
+            assert!(t > last, "{t} after {last}");
+            last = t;
+            g.release().await.unwrap();
+        }
+        // Takeover after expiry: the holder "crashes" (stops renewing, never releases).
+        let dead = lock.try_acquire(&k).await.unwrap().unwrap();
+        let dead_token = dead.fencing_token().unwrap();
+        let dead_lease = dead.lease_id();
+        dead.abandon();
+        assert!(
+            lock.try_acquire(&k).await.unwrap().is_none(),
+            "held until it expires"
+        );
+        tokio::time::sleep(Duration::from_secs(16)).await;
+        let taker = lock.try_acquire(&k).await.unwrap().expect("free after expiry");
+        assert!(taker.fencing_token().unwrap() > dead_token);
+        let stale_write = store
+            .set_metadata("locks/fenced", Some(dead_lease), None, &Metadata::new())
+            .await;
+        assert_eq!(stale_write.unwrap_err().kind(), StoreErrorKind::LeaseLost);
+        let info = lock.inspect(&k).await.unwrap();
+        assert!(info.held);
+        assert_eq!(info.generation, taker.fencing_token().unwrap());
+        assert_eq!(info.holder.as_deref(), Some("test"));
+        taker.release().await.unwrap();
+        assert!(!lock.inspect(&k).await.unwrap().held);
+    }
+
+    /// Sharers with one share key hold together; the key is free only after the last leaves.
+    pub async fn shared_holders(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store, fast_options()).unwrap();
+        let k = key("shared");
+        let a = lock
+            .try_acquire_shared(&k, "batch-7")
+            .await
+            .unwrap()
+            .expect("first sharer");
+        let b = lock
+            .try_acquire_shared(&k, "batch-7")
+            .await
+            .unwrap()
+            .expect("second sharer, same share key");
+        assert_eq!(
+            a.fencing_token(),
+            b.fencing_token(),
+            "one shared grant, one token"
+        );
+        assert!(
+            lock.try_acquire(&k).await.unwrap().is_none(),
+            "exclusive holder kept out"
+        );
+        assert!(
+            lock.try_acquire_shared(&k, "batch-8").await.unwrap().is_none(),
+            "other share key kept out"
+        );
+        assert_eq!(lock.inspect(&k).await.unwrap().sharers.len(), 2);
+        let shared_token = a.fencing_token();
+        a.release().await.unwrap();
+        assert!(
+            lock.try_acquire(&k).await.unwrap().is_none(),
+            "one sharer's release freed it under another"
+        );
+        let c = lock
+            .try_acquire_shared(&k, "batch-7")
+            .await
+            .unwrap()
+            .expect("late joiner");
+        b.release().await.unwrap();
+        assert!(
+            lock.try_acquire(&k).await.unwrap().is_none(),
+            "still held by the late joiner"
+        );
+        c.release().await.unwrap();
+        let solo = lock
+            .try_acquire(&k)
+            .await
+            .unwrap()
+            .expect("free after the last sharer left");
+        assert!(solo.fencing_token() > shared_token);
+        solo.release().await.unwrap();
+    }
+
+    /// All-or-nothing multi-key acquisition leaves nothing held on failure.
+    pub async fn multi_key(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store, fast_options()).unwrap();
+        let keys = [key("m/c"), key("m/a"), key("m/b")];
+        let blocker = lock.try_acquire(&key("m/b")).await.unwrap().unwrap();
+        assert!(lock.try_acquire_many(&keys).await.unwrap().is_none());
+        for k in [key("m/a"), key("m/c")] {
+            let g = lock
+                .try_acquire(&k)
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("{k} left held"));
+            g.release().await.unwrap();
+        }
+        blocker.release().await.unwrap();
+        let all = lock.acquire_many(&keys, Duration::from_secs(5)).await.unwrap();
+        let names: Vec<_> = all.guards().iter().map(|g| g.key().to_string()).collect();
+        assert_eq!(names, ["m/a", "m/b", "m/c"], "canonical order");
+        assert!(lock.try_acquire(&key("m/a")).await.unwrap().is_none());
+        all.release().await.unwrap();
+        assert!(lock.try_acquire_many(&keys).await.unwrap().is_some());
+    }
+
+    /// Many tasks use a brand-new key (and container) at once: exactly one wins, none errs.
+    pub async fn concurrent_first_use(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store, fast_options()).unwrap();
+        let barrier = Arc::new(tokio::sync::Barrier::new(16));
+        let mut handles = Vec::new();
+        for _ in 0..16 {
+            let (lock, barrier) = (lock.clone(), barrier.clone());
+            handles.push(tokio::spawn(async move {
+                barrier.wait().await;
+                lock.try_acquire(&key("first/use")).await
+            }));
+        }
+        let mut winners = Vec::new();
+        for h in handles {
+            if let Some(g) = h.await.unwrap().expect("no errors on first use") {
+                winners.push(g);
+            }
+        }
+        assert_eq!(winners.len(), 1, "exactly one holder");
+        assert_eq!(winners[0].fencing_token(), Some(1));
+    }
+
+    /// Round trips per operation once a key exists.
+    pub async fn round_trips(store: Arc<dyn LeaseStore>, label: &str) {
+        for fencing in [false, true] {
+            let lock = LeaseLock::new(
+                store.clone(),
+                LeaseOptions {
+                    fencing,
+                    ..fast_options()
+                },
+            )
+            .unwrap();
+            let k = key(if fencing { "rt/fenced" } else { "rt/plain" });
+            let t0 = store.counters().snapshot();
+            lock.try_acquire(&k)
+                .await
+                .unwrap()
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+            let first = store.counters().snapshot().since(&t0);
+            let t1 = store.counters().snapshot();
+            let guard = lock.try_acquire(&k).await.unwrap().unwrap();
+            guard.release().await.unwrap();
+            let steady = store.counters().snapshot().since(&t1);
+            let holder = lock.try_acquire(&k).await.unwrap().unwrap();
+            let t2 = store.counters().snapshot();
+            assert!(lock.try_acquire(&k).await.unwrap().is_none());
+            let contended = store.counters().snapshot().since(&t2);
+            holder.release().await.unwrap();
+            println!(
+                "[{label}] fencing={fencing}: first use acquire+release: {first}\n\
+                 [{label}] fencing={fencing}: acquire+release: {steady}\n\
+                 [{label}] fencing={fencing}: failed contended attempt: {contended}"
+            );
+            assert_eq!(steady.total(), if fencing { 4 } else { 2 });
+            assert_eq!(contended.total(), 1);
+        }
+    }
+
+    fn store_counts(lock: &LeaseLock, op: Op) -> u64 {
+        lock.store().counters().snapshot().get(op)
+    }
+}
+
+mod azurite {
+    use super::*;
+
+    fn store() -> Arc<dyn LeaseStore> {
+        let azurite = Azurite::shared();
+        Arc::new(AzureBlobStore::new(
+            &azurite.account(),
+            &unique_name("locks"),
+            OpCounters::new(),
+        ))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn contention() {
+        scenarios::contention(store(), 8, 5).await;
+    }
+
+    #[tokio::test]
+    async fn renewal_keeps_lease() {
+        scenarios::renewal_keeps_lease(store()).await;
+    }
+
+    #[tokio::test]
+    async fn break_fires_lost() {
+        scenarios::break_fires_lost(store()).await;
+    }
+
+    #[tokio::test]
+    async fn fencing_increases() {
+        scenarios::fencing_increases(store()).await;
+    }
+
+    #[tokio::test]
+    async fn shared_holders() {
+        scenarios::shared_holders(store()).await;
+    }
+
+    #[tokio::test]
+    async fn multi_key() {
+        scenarios::multi_key(store()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_first_use() {
+        scenarios::concurrent_first_use(store()).await;
+    }
+
+    #[tokio::test]
+    async fn round_trips() {
+        scenarios::round_trips(store(), "azurite").await;
+    }
+
+    /// A SAS connection string pointing nowhere: the error is transient (retried, then
+    /// surfaced) and its text carries no signature.
+    #[tokio::test]
+    async fn errors_carry_no_secrets() {
+        let account = leasehold_lock::StorageAccount::from_connection_string(
+            "BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;QueueEndpoint=http://127.0.0.1:9/devstoreaccount1;\
+             SharedAccessSignature=sv=2022-11-02&ss=b&srt=sco&sp=rwdlac&se=2030-01-01T00:00:00Z&sig=TOPSECRETSIG",
+        )
+        .unwrap();
+        let store = Arc::new(AzureBlobStore::new(&account, "locks", OpCounters::new()));
+        let options = LeaseOptions {
+            retry: RetryOptions {
+                retries: 1,
+                ..RetryOptions::default()
+            },
+            ..fast_options()
+        };
+        let lock = LeaseLock::new(store.clone(), options).unwrap();
+        let err = lock.try_acquire(&key("x")).await.unwrap_err();
+        let text = format!("{err} {err:?}");
+        assert!(!text.contains("TOPSECRETSIG"), "{text}");
+        match err {
+            leasehold_lock::Error::Storage(e) => assert!(e.is_transient(), "{e}"),
+            other => panic!("expected a storage error, got {other}"),
+        }
+        assert_eq!(
+            store.counters().snapshot().get(Op::LeaseAcquire),
+            2,
+            "one retry of a transient failure"
+        );
+    }
+}
+
+mod memory {
+    use super::*;
+
+    fn store() -> Arc<dyn LeaseStore> {
+        Arc::new(MemoryStore::new())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn contention() {
+        scenarios::contention(store(), 8, 20).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renewal_keeps_lease() {
+        scenarios::renewal_keeps_lease(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn break_fires_lost() {
+        scenarios::break_fires_lost(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fencing_increases() {
+        scenarios::fencing_increases(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shared_holders() {
+        scenarios::shared_holders(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn multi_key() {
+        scenarios::multi_key(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn concurrent_first_use() {
+        scenarios::concurrent_first_use(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn round_trips() {
+        scenarios::round_trips(store(), "memory").await;
+    }
+
+    /// Renewals that keep failing transiently: the lost signal fires by the local deadline,
+    /// before storage could let the lease expire.
+    #[tokio::test(start_paused = true)]
+    async fn lost_when_renewals_keep_failing() {
+        let inner = Arc::new(MemoryStore::new());
+        let flaky = Arc::new(Flaky {
+            inner: inner.clone(),
+            fail_renewals: true.into(),
+            fail_acquires: 0.into(),
+        });
+        let lock = LeaseLock::new(flaky, fast_options()).unwrap();
+        let start = tokio::time::Instant::now();
+        let guard = lock.try_acquire(&key("flaky")).await.unwrap().unwrap();
+        guard.lost().cancelled().await;
+        let after = start.elapsed();
+        // duration 15 s − margin 2 s = 13 s from the grant.
+        assert_eq!(after, Duration::from_secs(13), "lost at the local deadline");
+        // Storage still thinks the lease is held for 2 s more: the margin protects the holder.
+        let other = LeaseLock::new(inner, fast_options()).unwrap();
+        assert!(other.try_acquire(&key("flaky")).await.unwrap().is_none());
+    }
+
+    /// Transient failures are retried with backoff; definitive ones are not.
+    #[tokio::test(start_paused = true)]
+    async fn transient_failures_are_retried() {
+        let inner = Arc::new(MemoryStore::new());
+        let flaky = Arc::new(Flaky {
+            inner: inner.clone(),
+            fail_renewals: false.into(),
+            fail_acquires: 2.into(),
+        });
+        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let guard = lock
+            .try_acquire(&key("retry"))
+            .await
+            .unwrap()
+            .expect("acquired after two transient failures");
+        // 1 (not found) + create + 2 failed + 1 ok acquires.
+        assert_eq!(inner.counters().snapshot().get(Op::LeaseAcquire), 2);
+        assert_eq!(flaky.fail_acquires.load(Ordering::SeqCst), 0);
+        let before = inner.counters().snapshot();
+        assert!(
+            lock.try_acquire(&key("retry")).await.unwrap().is_none(),
+            "409 is an answer, not retried"
+        );
+        assert_eq!(
+            inner.counters().snapshot().since(&before).get(Op::LeaseAcquire),
+            1
+        );
+        guard.release().await.unwrap();
+    }
+
+    /// A store that fails chosen calls transiently, in front of a memory store.
+    #[derive(Debug)]
+    struct Flaky {
+        inner: Arc<MemoryStore>,
+        fail_renewals: std::sync::atomic::AtomicBool,
+        fail_acquires: AtomicUsize,
+    }
+
+    fn transient(op: Op) -> StoreError {
+        StoreError::new(StoreErrorKind::Transient, op, "injected").with_status(503, Some("ServerBusy".into()))
+    }
+
+    #[async_trait]
+    impl LeaseStore for Flaky {
+        async fn create_blob(&self, blob: &str) -> StoreResult<()> {
+            self.inner.create_blob(blob).await
+        }
+        async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
+            let exists = self.inner.properties(blob).await.is_ok();
+            if exists
+                && self
+                    .fail_acquires
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+            {
+                return Err(transient(Op::LeaseAcquire));
+            }
+            self.inner.acquire_lease(blob, lease, duration).await
+        }
+        async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()> {
+            if self.fail_renewals.load(Ordering::SeqCst) {
+                return Err(transient(Op::LeaseRenew));
+            }
+            self.inner.renew_lease(blob, lease).await
+        }
+        async fn release_lease(
+            &self,
+            blob: &str,
+            lease: LeaseId,
+            if_match: Option<&ETag>,
+        ) -> StoreResult<()> {
+            self.inner.release_lease(blob, lease, if_match).await
+        }
+        async fn break_lease(&self, blob: &str) -> StoreResult<()> {
+            self.inner.break_lease(blob).await
+        }
+        async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
+            self.inner.properties(blob).await
+        }
+        async fn set_metadata(
+            &self,
+            blob: &str,
+            lease: Option<LeaseId>,
+            if_match: Option<&ETag>,
+            metadata: &Metadata,
+        ) -> StoreResult<ETag> {
+            self.inner.set_metadata(blob, lease, if_match, metadata).await
+        }
+        async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut> {
+            self.inner.put_flag(blob).await
+        }
+        async fn delete_flag(&self, blob: &str) -> StoreResult<bool> {
+            self.inner.delete_flag(blob).await
+        }
+        async fn flag_exists(&self, blob: &str) -> StoreResult<bool> {
+            self.inner.flag_exists(blob).await
+        }
+        fn counters(&self) -> &OpCounters {
+            self.inner.counters()
+        }
+    }
+}
