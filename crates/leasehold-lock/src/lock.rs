@@ -553,12 +553,14 @@ async fn renew_loop(
     let mut failures = 0u32;
     loop {
         tokio::select! {
+            biased;
             _ = stop.cancelled() => return,
             _ = sleep_until(deadline) => break,
             _ = sleep_until(next) => {}
         }
         let sent = Instant::now();
         let outcome = tokio::select! {
+            biased;
             _ = stop.cancelled() => return,
             _ = sleep_until(deadline) => break,
             r = store.renew_lease(&blob, lease) => r,

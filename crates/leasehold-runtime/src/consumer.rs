@@ -1,0 +1,319 @@
+//! The standalone queue consumer (`leasehold serve`): polls the trigger queue, runs deliveries
+//! through the [`RecordRunner`] with a concurrency limit, keeps each message invisible while its
+//! run lasts, acknowledges what the runner says to, and moves messages that keep failing to the
+//! poison queue with their reason.
+//!
+//! Visibility is the consumer's half of the dead-holder mechanism: a message stays hidden only
+//! while its worker lives and renews it, so a dead worker's message comes back within one
+//! visibility period. A run whose message could not be kept hidden is cancelled, because a copy
+//! of it may now be running elsewhere.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::message::TriggerMessage;
+use crate::queue::{Received, TriggerQueue};
+use crate::runner::{Delivery, Outcome, RecordRunner};
+
+/// The poison queue of a trigger queue, as the Functions host names it.
+pub fn poison_queue_name(queue: &str) -> String {
+    format!("{queue}-poison")
+}
+
+/// How the consumer behaves.
+#[derive(Debug, Clone)]
+pub struct ConsumerOptions {
+    /// Runs in progress at once. Default 8.
+    pub concurrency: usize,
+    /// Messages taken per request (at most 32). Default 16.
+    pub batch_size: u32,
+    /// How long a taken message stays hidden; renewed while its run lasts. A dead worker's
+    /// message reappears within this. Default 30 s.
+    pub visibility: Duration,
+    /// How often visibility is renewed. Default 10 s.
+    pub visibility_renew_every: Duration,
+    /// A delivery beyond this count goes to the poison queue. Default 5 (as the Functions host).
+    pub max_dequeue_count: u32,
+    /// Delay before a failed trigger is tried again. Default 5 s.
+    pub retry_delay: Duration,
+    /// Shortest and longest pause between polls of an empty queue (the pause doubles while
+    /// the queue stays empty). Defaults 100 ms and 2 s.
+    pub poll_min: Duration,
+    pub poll_max: Duration,
+    /// On shutdown, how long in-flight runs may take to finish before they are cancelled and
+    /// handed back. Default 30 s.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ConsumerOptions {
+    fn default() -> Self {
+        Self {
+            concurrency: 8,
+            batch_size: 16,
+            visibility: Duration::from_secs(30),
+            visibility_renew_every: Duration::from_secs(10),
+            max_dequeue_count: 5,
+            retry_delay: Duration::from_secs(5),
+            poll_min: Duration::from_millis(100),
+            poll_max: Duration::from_secs(2),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What the poison queue holds: the trigger and why it was given up.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoisonMessage {
+    /// The original message body as it was on the queue.
+    pub body: String,
+    /// The trigger, when the body could be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<TriggerMessage>,
+    pub reason: String,
+    pub dequeue_count: u32,
+}
+
+/// Polls a queue and runs its triggers.
+#[derive(Debug, Clone)]
+pub struct Consumer {
+    runner: RecordRunner,
+    poison: Arc<dyn TriggerQueue>,
+    options: ConsumerOptions,
+    wake: Arc<Notify>,
+}
+
+impl Consumer {
+    pub fn new(runner: RecordRunner, poison: Arc<dyn TriggerQueue>, options: ConsumerOptions) -> Self {
+        Self {
+            runner,
+            poison,
+            options,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    /// A handle that makes the consumer poll at once (Start in the same process calls it after
+    /// enqueueing).
+    pub fn waker(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    fn queue(&self) -> &Arc<dyn TriggerQueue> {
+        self.runner.queue()
+    }
+
+    /// Runs until `shutdown` fires; then stops taking work, lets in-flight runs finish within the
+    /// grace period, cancels the rest (their leases are released and their messages handed back).
+    pub async fn run(&self, shutdown: CancellationToken) {
+        let tracker = TaskTracker::new();
+        let runs_cancel = CancellationToken::new();
+        let slots = Arc::new(tokio::sync::Semaphore::new(self.options.concurrency));
+        let mut idle_pause = self.options.poll_min;
+        loop {
+            // Wait for a free slot before taking messages, so none sit hidden without a worker.
+            let free = tokio::select! {
+               biased;
+                _ = shutdown.cancelled() => break,
+                permit = slots.clone().acquire_many_owned(1) => {
+                    drop(permit);
+                    slots.available_permits()
+                }
+            };
+            let want = (free as u32).clamp(1, self.options.batch_size.min(32));
+            let taken = match self.queue().get(want, self.options.visibility).await {
+                Ok(messages) => messages,
+                Err(e) => {
+                    tracing::warn!(queue = self.queue().name(), error = %e, "polling the queue failed; backing off");
+                    Vec::new()
+                }
+            };
+            if taken.is_empty() {
+                tokio::select! {
+                   biased;
+                    _ = shutdown.cancelled() => break,
+                    _ = self.wake.notified() => idle_pause = self.options.poll_min,
+                    _ = tokio::time::sleep(idle_pause) => idle_pause = (idle_pause * 2).min(self.options.poll_max),
+                }
+                continue;
+            }
+            idle_pause = self.options.poll_min;
+            for received in taken {
+                let permit = slots
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("semaphore never closed");
+                let this = self.clone();
+                let cancel = runs_cancel.child_token();
+                tracker.spawn(async move {
+                    this.process(received, cancel).await;
+                    drop(permit);
+                });
+            }
+        }
+        tracker.close();
+        tracing::info!(in_flight = tracker.len(), grace = ?self.options.shutdown_grace, "consumer stopping");
+        if tokio::time::timeout(self.options.shutdown_grace, tracker.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("grace period over: cancelling in-flight runs and handing their messages back");
+            runs_cancel.cancel();
+            tracker.wait().await;
+        }
+        tracing::info!("consumer stopped");
+    }
+
+    /// Handles one taken message from start to acknowledgement (or not).
+    pub async fn process(&self, received: Received, cancel: CancellationToken) {
+        let message = match TriggerMessage::decode(&received.body) {
+            Ok(m) => m,
+            Err(e) => {
+                self.poison(&received, None, format!("unreadable message: {e}"))
+                    .await;
+                return;
+            }
+        };
+        let delivery = Delivery {
+            message,
+            dequeue_count: received.dequeue_count,
+        };
+        if delivery.attempts() > self.options.max_dequeue_count {
+            let reason = format!(
+                "gave up after {} deliveries (max {}); last failures are in the logs",
+                delivery.attempts() - 1,
+                self.options.max_dequeue_count
+            );
+            self.poison(&received, Some(delivery.message.clone()), reason)
+                .await;
+            return;
+        }
+
+        // Visibility is renewed by a task of its own, so a slow renewal never stalls the run.
+        let receipt = Arc::new(std::sync::Mutex::new(received.pop_receipt.clone()));
+        let run_cancel = cancel.child_token();
+        let renewer = tokio::spawn(keep_hidden(
+            self.queue().clone(),
+            received.clone(),
+            receipt.clone(),
+            self.options.clone(),
+            run_cancel.clone(),
+        ));
+        let outcome = self.runner.handle(&delivery, &run_cancel).await;
+        renewer.abort();
+        let _ = renewer.await;
+        let receipt = receipt.lock().expect("receipt mutex").clone();
+
+        match outcome {
+            o if o.acknowledge() => {
+                if let Err(e) = self.queue().delete(&received.id, &receipt).await {
+                    // The trigger was honoured; a redelivery will find nothing to do but run once more.
+                    tracing::warn!(error = %e, "acknowledging the message failed; it may be delivered again");
+                }
+            }
+            Outcome::Rejected { reason } => {
+                self.poison_with_receipt(&received, &receipt, Some(delivery.message), reason)
+                    .await
+            }
+            Outcome::Failed { .. } => {
+                // Hand the message back for a retry after a pause (or at once if we were cancelled
+                // by shutdown, so another worker can take it).
+                let delay = if cancel.is_cancelled() {
+                    Duration::ZERO
+                } else {
+                    self.options.retry_delay
+                };
+                if let Err(e) = self
+                    .queue()
+                    .set_visibility(&received.id, &receipt, &received.body, delay)
+                    .await
+                {
+                    tracing::debug!(error = %e, "could not shorten visibility; the message reappears when it lapses");
+                }
+            }
+            _ => unreachable!("acknowledge() covers the remaining outcomes"),
+        }
+    }
+
+    async fn poison(&self, received: &Received, trigger: Option<TriggerMessage>, reason: String) {
+        self.poison_with_receipt(received, &received.pop_receipt.clone(), trigger, reason)
+            .await;
+    }
+
+    async fn poison_with_receipt(
+        &self,
+        received: &Received,
+        receipt: &str,
+        trigger: Option<TriggerMessage>,
+        reason: String,
+    ) {
+        tracing::error!(
+            scope = trigger.as_ref().map(|t| t.scope.as_str()), record = trigger.as_ref().map(|t| t.record_id.as_str()),
+            dequeue_count = received.dequeue_count, %reason, poison_queue = self.poison.name(),
+            "trigger moved to the poison queue"
+        );
+        let poison = PoisonMessage {
+            body: received.body.clone(),
+            trigger,
+            reason,
+            dequeue_count: received.dequeue_count,
+        };
+        let body = serde_json::to_string(&poison).expect("poison message serialises");
+        let encoded = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, body);
+        match self.poison.put(&encoded, Duration::ZERO).await {
+            Ok(()) => {
+                if let Err(e) = self.queue().delete(&received.id, receipt).await {
+                    tracing::warn!(error = %e, "deleting the poisoned message failed; it may be poisoned twice");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "could not write to the poison queue; the message stays for a retry")
+            }
+        }
+    }
+}
+
+/// Renews a message's visibility every `visibility_renew_every` while its run lasts; cancels the
+/// run when the message can no longer be kept hidden (a copy may then run elsewhere).
+async fn keep_hidden(
+    queue: Arc<dyn TriggerQueue>,
+    received: Received,
+    receipt: Arc<std::sync::Mutex<String>>,
+    options: ConsumerOptions,
+    run_cancel: CancellationToken,
+) {
+    let mut hidden_until = Instant::now() + options.visibility;
+    let mut next = Instant::now() + options.visibility_renew_every;
+    loop {
+        sleep_until(next).await;
+        let sent = Instant::now();
+        let current = receipt.lock().expect("receipt mutex").clone();
+        match queue
+            .set_visibility(&received.id, &current, &received.body, options.visibility)
+            .await
+        {
+            Ok(fresh) => {
+                *receipt.lock().expect("receipt mutex") = fresh;
+                hidden_until = sent + options.visibility;
+                next = sent + options.visibility_renew_every;
+            }
+            Err(e) if e.is_transient() && Instant::now() + Duration::from_secs(2) < hidden_until => {
+                tracing::warn!(error = %e, "renewing message visibility failed; trying again");
+                next = Instant::now() + Duration::from_secs(1);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, message = %received.id,
+                    "message visibility lost: cancelling the run (the trigger may be redelivered)");
+                run_cancel.cancel();
+                return;
+            }
+        }
+    }
+}

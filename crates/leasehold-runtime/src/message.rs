@@ -1,0 +1,132 @@
+//! The trigger message: JSON naming scope and record, base64-encoded on the wire (the Functions
+//! queue trigger's default `messageEncoding`), so both modes read what either wrote.
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use serde::{Deserialize, Serialize};
+
+/// Why a message was enqueued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TriggerKind {
+    /// From Start (or `leasehold enqueue`): an event for the record.
+    #[default]
+    Trigger,
+    /// From a holder that found the retrigger marker set after its run.
+    Retrigger,
+    /// From a redelivered trigger that found the lease held: look again once a dead holder's
+    /// lease must have expired.
+    Recheck,
+}
+
+/// A trigger for one record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TriggerMessage {
+    pub scope: String,
+    pub record_id: String,
+    #[serde(default)]
+    pub kind: TriggerKind,
+    /// Deliveries spent on this trigger by earlier messages it was carried over from (a recheck
+    /// carries its origin's count), so a trigger cannot dodge the poison limit by being copied.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub prior_attempts: u32,
+    /// Correlation id from the source (Dataverse `CorrelationId`, or one Start made up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub correlation_id: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A queue message body that is not a trigger.
+#[derive(Debug, thiserror::Error)]
+#[error("not a trigger message: {0}")]
+pub struct DecodeError(String);
+
+impl TriggerMessage {
+    pub fn new(scope: impl Into<String>, record_id: impl Into<String>) -> Self {
+        Self {
+            scope: scope.into(),
+            record_id: record_id.into(),
+            kind: TriggerKind::Trigger,
+            prior_attempts: 0,
+            correlation_id: None,
+        }
+    }
+
+    /// A follow-up of `self` of another kind, keeping its identity.
+    pub fn follow_up(&self, kind: TriggerKind, prior_attempts: u32) -> Self {
+        Self {
+            kind,
+            prior_attempts,
+            ..self.clone()
+        }
+    }
+
+    /// The JSON text (what the Functions host hands the handler after decoding base64).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("a trigger message always serialises")
+    }
+
+    /// The queue wire form: base64 of the JSON.
+    pub fn encode(&self) -> String {
+        STANDARD.encode(self.to_json())
+    }
+
+    /// Reads the queue wire form: base64 of the JSON, or the JSON itself (messages put by tools
+    /// that do not encode).
+    pub fn decode(body: &str) -> Result<Self, DecodeError> {
+        let body = body.trim();
+        if body.starts_with('{') {
+            return Self::from_json(body);
+        }
+        let bytes = STANDARD
+            .decode(body)
+            .map_err(|_| DecodeError("neither JSON nor base64".into()))?;
+        let text =
+            String::from_utf8(bytes).map_err(|_| DecodeError("base64 of something not UTF-8".into()))?;
+        Self::from_json(&text)
+    }
+
+    /// Reads the JSON text.
+    pub fn from_json(text: &str) -> Result<Self, DecodeError> {
+        let msg: Self = serde_json::from_str(text).map_err(|e| DecodeError(e.to_string()))?;
+        if msg.scope.is_empty() || msg.record_id.is_empty() {
+            return Err(DecodeError("scope and recordId must not be empty".into()));
+        }
+        Ok(msg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_through_base64_and_reads_plain_json() {
+        let m = TriggerMessage::new("account", "8f9c1d2e-0000-4000-8000-000000000001");
+        assert_eq!(TriggerMessage::decode(&m.encode()).unwrap(), m);
+        assert_eq!(TriggerMessage::decode(&m.to_json()).unwrap(), m);
+        assert_eq!(
+            m.to_json(),
+            r#"{"scope":"account","recordId":"8f9c1d2e-0000-4000-8000-000000000001","kind":"trigger"}"#
+        );
+        let r = m.follow_up(TriggerKind::Recheck, 3);
+        assert_eq!(TriggerMessage::decode(&r.encode()).unwrap().prior_attempts, 3);
+    }
+
+    #[test]
+    fn rejects_what_is_not_a_trigger() {
+        for body in [
+            "",
+            "hello",
+            "e30=",
+            r#"{"scope":"","recordId":"x"}"#,
+            r#"{"recordId":"x"}"#,
+        ] {
+            assert!(TriggerMessage::decode(body).is_err(), "{body:?}");
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! The runner and consumer against a real Azurite (filled in below).
