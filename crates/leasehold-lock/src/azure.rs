@@ -57,14 +57,8 @@ impl AzureBlobStore {
         self.container.blob_client(name)
     }
 
-    /// Sends one request: counts it, bounds it in time and maps its error.
     async fn call<T>(&self, op: Op, fut: impl Future<Output = azure_core::Result<T>>) -> StoreResult<T> {
-        self.counters.record(op);
-        match tokio::time::timeout(self.request_timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(map_error(op, &e)),
-            Err(_) => Err(StoreError::timeout(op, self.request_timeout)),
-        }
+        send(&self.counters, op, self.request_timeout, fut).await
     }
 
     /// Creates the container; an existing one is success.
@@ -95,6 +89,23 @@ impl AzureBlobStore {
     }
 }
 
+/// Sends one SDK request for any storage service: counts it, bounds it in time and maps its
+/// error. Shared by the blob store here and the queue in `leasehold-runtime`, so every Azure
+/// round trip is counted and classified the same way.
+pub async fn send<T>(
+    counters: &OpCounters,
+    op: Op,
+    timeout: Duration,
+    fut: impl Future<Output = azure_core::Result<T>>,
+) -> StoreResult<T> {
+    counters.record(op);
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(map_error(op, &e)),
+        Err(_) => Err(StoreError::timeout(op, timeout)),
+    }
+}
+
 /// Classifies an SDK error as a definitive or transient storage answer. Only the status, the
 /// storage error code and a redacted message are kept.
 fn map_error(op: Op, e: &azure_core::Error) -> StoreError {
@@ -119,7 +130,11 @@ fn classify(status: u16, code: Option<&str>) -> StoreErrorKind {
             StoreErrorKind::LeaseAlreadyPresent
         }
         (409 | 412, c) if c.starts_with("Lease") => StoreErrorKind::LeaseLost,
-        (409, "ContainerBeingDeleted" | "BlobBeingRehydrated") => StoreErrorKind::Transient,
+        (409, "ContainerBeingDeleted" | "BlobBeingRehydrated" | "QueueBeingDeleted") => {
+            StoreErrorKind::Transient
+        }
+        // Queue: a stale pop receipt means someone else took the message since.
+        (400, "PopReceiptMismatch") => StoreErrorKind::NotFound,
         (404, _) => StoreErrorKind::NotFound,
         (412, _) => StoreErrorKind::ConditionNotMet,
         (408 | 429 | 500..=599, _) => StoreErrorKind::Transient,
@@ -330,6 +345,8 @@ mod tests {
         assert_eq!(classify(429, None), Transient);
         assert_eq!(classify(403, Some("AuthenticationFailed")), Rejected);
         assert_eq!(classify(400, Some("InvalidHeaderValue")), Rejected);
+        assert_eq!(classify(400, Some("PopReceiptMismatch")), NotFound);
+        assert_eq!(classify(409, Some("QueueBeingDeleted")), Transient);
     }
 
     #[test]

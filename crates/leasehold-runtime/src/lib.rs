@@ -10,5 +10,5 @@ pub use message::{DecodeError, TriggerKind, TriggerMessage};
 pub use queue::{AzureQueue, MemoryQueue, Received, TriggerQueue};
 pub use runner::{
     Delivery, Logic, LogicError, MARKER_PREFIX, Outcome, ProtocolVariant, RecordRunner, RunContext,
-    RunnerOptions, is_not_found, marker_blob_name, record_key,
+    RunnerOptions, marker_blob_name, record_key,
 };

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use azure_core::RetryOptions as AzureRetryOptions;
-use azure_core::error::ErrorKind as AzureErrorKind;
 use azure_storage_queues::{QueueClient, QueueServiceClientBuilder};
 use leasehold_lock::{Op, OpCounters, StorageAccount, StoreError, StoreErrorKind, StoreResult};
 use tokio::time::Instant;
@@ -241,12 +240,7 @@ impl AzureQueue {
     }
 
     async fn call<T>(&self, op: Op, fut: impl Future<Output = azure_core::Result<T>>) -> StoreResult<T> {
-        self.counters.record(op);
-        match tokio::time::timeout(self.request_timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(map_error(op, &e)),
-            Err(_) => Err(StoreError::timeout(op, self.request_timeout)),
-        }
+        leasehold_lock::azure::send(&self.counters, op, self.request_timeout, fut).await
     }
 
     /// Creates the queue; an existing one is success.
@@ -259,28 +253,6 @@ impl AzureQueue {
             Err(e) if e.code() == Some("QueueAlreadyExists") => Ok(()),
             Err(e) => Err(e),
         }
-    }
-}
-
-fn map_error(op: Op, e: &azure_core::Error) -> StoreError {
-    match e.kind() {
-        AzureErrorKind::HttpResponse { status, error_code } => {
-            let status = u16::from(*status);
-            let kind = match status {
-                404 => StoreErrorKind::NotFound,
-                // A stale pop receipt: the message was taken by someone else since.
-                400 if error_code.as_deref() == Some("PopReceiptMismatch") => StoreErrorKind::NotFound,
-                408 | 429 | 500..=599 => StoreErrorKind::Transient,
-                409 if error_code.as_deref() == Some("QueueBeingDeleted") => StoreErrorKind::Transient,
-                _ => StoreErrorKind::Rejected,
-            };
-            StoreError::new(kind, op, "").with_status(status, error_code.clone())
-        }
-        AzureErrorKind::Io => StoreError::new(StoreErrorKind::Transient, op, format!("connection: {e}")),
-        AzureErrorKind::Credential => {
-            StoreError::new(StoreErrorKind::Rejected, op, "credentials were refused")
-        }
-        _ => StoreError::new(StoreErrorKind::Transient, op, e.to_string()),
     }
 }
 

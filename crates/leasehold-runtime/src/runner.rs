@@ -23,16 +23,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold_lock::{FlagPut, LeaseLock, LockKey, StoreErrorKind, StoreResult};
+use leasehold_lock::{FlagPut, LeaseLock, LockKey, StoreResult};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::message::{TriggerKind, TriggerMessage};
 use crate::queue::TriggerQueue;
-
-/// Whether a contender that wins the second acquire but finds its own marker already consumed
-/// stands down. Off: the simulation found lost triggers with it on (see issue 3's note).
-const COALESCE_ON_CONSUMED_MARKER: bool = false;
 
 /// Prefix of retrigger marker blobs.
 pub const MARKER_PREFIX: &str = "retrigger/";
@@ -293,32 +289,14 @@ impl RecordRunner {
     ) -> Outcome {
         let marker = marker_blob_name(key);
         if clear_own_marker {
-            let mut attempts = 0u32;
-            let store = self.lock.store();
-            let cleared = self
-                .lock
-                .options()
-                .retry
-                .run("clear own marker", || {
-                    attempts += 1;
-                    store.delete_flag(&marker)
-                })
+            // Our run covers the marker we set. (Standing down when the marker was already
+            // consumed looks tempting but lost triggers in the simulation.)
+            let (cleared, _) = self
+                .marker_op("clear own marker", |store| store.delete_flag(&marker))
                 .await;
-            match cleared {
-                // Our marker is gone: the previous holder's post-release check consumed it and
-                // is bound to enqueue a retrigger, which covers this trigger. Running now as
-                // well would be one run too many.
-                Ok(false) if attempts == 1 && COALESCE_ON_CONSUMED_MARKER => {
-                    return match guard.release().await {
-                        Ok(()) => Outcome::Coalesced,
-                        Err(e) => storage_failed("release lease", e),
-                    };
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    let _ = guard.release().await;
-                    return storage_failed("clear own marker", e);
-                }
+            if let Err(e) = cleared {
+                let _ = guard.release().await;
+                return storage_failed("clear own marker", e);
             }
         }
         let token = guard.fencing_token();
@@ -407,18 +385,10 @@ impl RecordRunner {
     /// (a transient failure before a retry) may have removed a set marker: then we retrigger
     /// anyway, because an extra run is harmless and a lost trigger is not.
     async fn take_marker_and_retrigger(&self, marker: &str, delivery: &Delivery) -> StoreResult<bool> {
-        let mut attempts = 0u32;
-        let store = self.lock.store();
-        let was_set = self
-            .lock
-            .options()
-            .retry
-            .run("check retrigger marker", || {
-                attempts += 1;
-                store.delete_flag(marker)
-            })
-            .await?;
-        if !was_set && attempts == 1 {
+        let (was_set, retried) = self
+            .marker_op("check retrigger marker", |store| store.delete_flag(marker))
+            .await;
+        if !was_set? && !retried {
             return Ok(false);
         }
         let retrigger = delivery.message.follow_up(TriggerKind::Retrigger, 0);
@@ -429,18 +399,33 @@ impl RecordRunner {
     /// Creates the marker. If an earlier attempt's answer was lost, "already set" may mean we set
     /// it, so it counts as created (we then make the second acquire attempt a setter owes).
     async fn put_marker(&self, marker: &str) -> StoreResult<FlagPut> {
+        let (put, retried) = self
+            .marker_op("set retrigger marker", |store| store.put_flag(marker))
+            .await;
+        let put = put?;
+        Ok(if retried { FlagPut::Created } else { put })
+    }
+
+    /// Runs a marker operation with retries, and says whether it was retried: after a retry a
+    /// definitive-looking answer ("not there", "already there") may describe our own earlier
+    /// attempt, whose answer was lost.
+    async fn marker_op<'a, T, F, Fut>(&'a self, what: &str, mut op: F) -> (StoreResult<T>, bool)
+    where
+        F: FnMut(&'a Arc<dyn leasehold_lock::LeaseStore>) -> Fut,
+        Fut: std::future::Future<Output = StoreResult<T>>,
+    {
         let mut attempts = 0u32;
         let store = self.lock.store();
-        let put = self
+        let result = self
             .lock
             .options()
             .retry
-            .run("set retrigger marker", || {
+            .run(what, || {
                 attempts += 1;
-                store.put_flag(marker)
+                op(store)
             })
-            .await?;
-        Ok(if attempts > 1 { FlagPut::Created } else { put })
+            .await;
+        (result, attempts > 1)
     }
 
     async fn enqueue(&self, message: &TriggerMessage, delay: Duration) -> StoreResult<()> {
@@ -458,9 +443,4 @@ fn storage_failed(what: &str, e: impl std::fmt::Display) -> Outcome {
         reason: format!("storage: {what}: {e}"),
         retriggered: false,
     }
-}
-
-/// Whether a storage error is a missing blob (used by status displays).
-pub fn is_not_found(e: &leasehold_lock::StoreError) -> bool {
-    e.kind() == StoreErrorKind::NotFound
 }

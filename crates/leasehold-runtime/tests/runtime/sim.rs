@@ -822,12 +822,3 @@ fn check(plan: &Plan, world: &World) -> Report {
         fingerprint,
     }
 }
-
-#[allow(dead_code)]
-fn kind_name(k: TriggerKind) -> &'static str {
-    match k {
-        TriggerKind::Trigger => "trigger",
-        TriggerKind::Retrigger => "retrigger",
-        TriggerKind::Recheck => "recheck",
-    }
-}
