@@ -289,14 +289,29 @@ impl RecordRunner {
     ) -> Outcome {
         let marker = marker_blob_name(key);
         if clear_own_marker {
-            // Our run covers the marker we set. (Standing down when the marker was already
-            // consumed looks tempting but lost triggers in the simulation.)
-            let (cleared, _) = self
+            let (cleared, retried) = self
                 .marker_op("clear own marker", |store| store.delete_flag(&marker))
                 .await;
-            if let Err(e) = cleared {
-                let _ = guard.release().await;
-                return storage_failed("clear own marker", e);
+            match cleared {
+                // Our run would cover the marker we set, but it is gone: the previous holder's
+                // post-release check consumed it and is bound to enqueue a retrigger that covers
+                // this trigger. Running too would be one run more than needed, so stand down —
+                // but as a holder: others may have found *our* lease held and set the marker
+                // since, so release and check the marker like any holder.
+                Ok(false) if !retried => {
+                    if let Err(e) = guard.release().await {
+                        return storage_failed("release lease", e);
+                    }
+                    return match self.take_marker_and_retrigger(&marker, delivery).await {
+                        Ok(_) => Outcome::Coalesced,
+                        Err(e) => storage_failed("check retrigger marker", e),
+                    };
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    let _ = guard.release().await;
+                    return storage_failed("clear own marker", e);
+                }
             }
         }
         let token = guard.fencing_token();

@@ -55,10 +55,11 @@ fn run_seeds(
     f
 }
 
-/// Safety (invariants 1 and 2: exclusive runs with rising fencing tokens, nothing lost) must
-/// hold on every seed. Coalescing (3) and the recovery bound (4) still have rare open cases
-/// (Functions-host-mode recovery beyond the bound, one coalescing pattern; see issue 3's note):
-/// they are printed with their seeds and held to at most 1% of seeds so a regression fails.
+/// Safety (invariants 1 and 2: exclusive runs with rising fencing tokens, nothing lost) and the
+/// recovery bound (4) must hold on every seed. Coalescing (3) has one known gap: a retrigger
+/// that acquires the lease in the moment between another holder's release and that holder's
+/// marker check makes one redundant run (5 of 10,000 seeds). Such seeds are printed and held
+/// to at most 0.1% of seeds, so any regression fails.
 #[test]
 fn simulation_upholds_the_invariants() {
     let seeds = seeds();
@@ -67,7 +68,8 @@ fn simulation_upholds_the_invariants() {
     let failures = run_seeds(seeds, ProtocolVariant::Correct, false);
     println!("simulation: {count} seeds in {:.1?}", started.elapsed());
     let is_safety = |v: &String| {
-        v.starts_with("lost")
+        v.starts_with("recovery")
+            || v.starts_with("lost")
             || v.starts_with("overlap")
             || v.starts_with("fencing")
             || v.starts_with("did not drain")
@@ -82,8 +84,13 @@ fn simulation_upholds_the_invariants() {
             liveness.push((*seed, violations));
         }
     }
-    for (kind, list) in [("SAFETY", &safety), ("coalescing/recovery", &liveness)] {
-        for (seed, violations) in list.iter().take(10) {
+    for (kind, list) in [("SAFETY/RECOVERY", &safety), ("coalescing", &liveness)] {
+        let shown = if std::env::var_os("LEASEHOLD_SIM_ALL").is_some() {
+            usize::MAX
+        } else {
+            10
+        };
+        for (seed, violations) in list.iter().take(shown) {
             println!(
                 "{kind}: seed {seed} (replay: LEASEHOLD_SIM_SEED={seed} LEASEHOLD_SIM_TRACE=1 cargo test -p leasehold-runtime --test runtime simulation_upholds -- --nocapture):"
             );
@@ -93,19 +100,19 @@ fn simulation_upholds_the_invariants() {
         }
     }
     println!(
-        "simulation: {} seeds broke safety, {} missed the coalescing or recovery bound",
+        "simulation: {} seeds broke safety or the recovery bound, {} made a redundant run",
         safety.len(),
         liveness.len()
     );
     assert!(
         safety.is_empty(),
-        "{} seeds broke invariant 1 or 2; first seed {}",
+        "{} seeds broke invariant 1, 2 or 4; first seed {}",
         safety.len(),
         safety[0].0
     );
     assert!(
-        (liveness.len() as u64) * 100 <= count.max(100),
-        "{} of {count} seeds missed the coalescing or recovery bound (more than 1%)",
+        (liveness.len() as u64) * 1000 <= count.max(1000),
+        "{} of {count} seeds made a redundant run (more than 0.1%)",
         liveness.len()
     );
 }
