@@ -34,7 +34,10 @@ pub struct ConsumerOptions {
     /// Messages taken per request (at most 32). Default 16.
     pub batch_size: u32,
     /// How long a taken message stays hidden; renewed while its run lasts. A dead worker's
-    /// message reappears within this. Default 30 s.
+    /// message reappears within this. Default 40 s = the default lease duration (30 s) plus its
+    /// renewal interval (10 s): then a dead worker's message can only reappear once its lease
+    /// has expired, so it runs at once instead of waiting for a recheck, and recovery takes at
+    /// most this long. Keep it at least lease duration + renewal interval.
     pub visibility: Duration,
     /// How often visibility is renewed. Default 10 s.
     pub visibility_renew_every: Duration,
@@ -56,7 +59,7 @@ impl Default for ConsumerOptions {
         Self {
             concurrency: 8,
             batch_size: 16,
-            visibility: Duration::from_secs(30),
+            visibility: Duration::from_secs(40),
             visibility_renew_every: Duration::from_secs(10),
             max_dequeue_count: 5,
             retry_delay: Duration::from_secs(5),

@@ -103,7 +103,8 @@ impl Plan {
 const FAULT_PHASE: Duration = Duration::from_secs(130);
 const DRAIN_LIMIT: Duration = Duration::from_secs(1800);
 const LEASE: Duration = Duration::from_secs(30);
-const VISIBILITY: Duration = Duration::from_secs(30);
+/// Standalone visibility: lease duration + renewal interval (the consumer's default rule).
+const VISIBILITY: Duration = Duration::from_secs(40);
 const HOST_RETRY_VISIBILITY: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
@@ -787,12 +788,15 @@ fn check(plan: &Plan, world: &World) -> Report {
     }
     // (4) Bounded recovery: a record whose run died with its node runs again within lease
     // duration + visibility period + recheck delay (+ polling and slack).
-    let visibility = match plan.mode {
-        Mode::Standalone => VISIBILITY,
-        Mode::FunctionsHost => HOST_RETRY_VISIBILITY,
+    // Standalone: the message reappears only after the dead holder's lease expired (visibility
+    // >= lease + renewal interval), so it runs at once: visibility + polling + slack.
+    // Functions host: the message is back after visibilityTimeout (5 s) while the lease may still
+    // be live, so a recheck follows: lease + 5 s + visibilityTimeout + polling + slack.
+    let slack = Duration::from_secs(2) + Duration::from_secs(10);
+    let bound = match plan.mode {
+        Mode::Standalone => VISIBILITY + slack,
+        Mode::FunctionsHost => LEASE + Duration::from_secs(5) + HOST_RETRY_VISIBILITY + slack,
     };
-    let bound =
-        LEASE + visibility + Duration::from_secs(5) + Duration::from_secs(2) + Duration::from_secs(10);
     let bound_after = |restart: Duration| match plan.mode {
         // Under the Functions host, the host whose handler died keeps taking messages and fails
         // them until its handler is back: the restart time adds to the bound.
