@@ -1,6 +1,7 @@
 //! The runtime's integration tests: the deterministic simulation and the Azurite tests.
 
 mod azurite;
+mod behaviour;
 mod sim;
 
 use std::time::Instant;

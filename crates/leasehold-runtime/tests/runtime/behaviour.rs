@@ -1,0 +1,355 @@
+//! Runner and consumer behaviour on the in-memory store and queue, with paused time: run time
+//! limit, lease loss, failures, redelivery rechecks, poison and graceful shutdown.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use leasehold_lock::memory::MemoryStore;
+use leasehold_lock::{LeaseLock, LeaseOptions, LeaseStore, OpCounters, RetryOptions};
+use leasehold_runtime::{
+    Consumer, ConsumerOptions, Delivery, Logic, LogicError, MemoryQueue, Outcome, PoisonMessage,
+    RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue, record_key,
+};
+use tokio_util::sync::CancellationToken;
+
+/// What the logic does.
+#[derive(Clone, Copy)]
+enum Behaviour {
+    /// Waits for cancellation (and records that it saw it).
+    Hang,
+    Fail,
+}
+
+struct TestLogic {
+    behaviour: Behaviour,
+    cancelled: AtomicUsize,
+    runs: AtomicUsize,
+    started: tokio::sync::Notify,
+}
+
+impl TestLogic {
+    fn new(behaviour: Behaviour) -> Arc<Self> {
+        Arc::new(Self {
+            behaviour,
+            cancelled: 0.into(),
+            runs: 0.into(),
+            started: tokio::sync::Notify::new(),
+        })
+    }
+}
+
+#[async_trait]
+impl Logic for TestLogic {
+    async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        self.started.notify_one();
+        match self.behaviour {
+            Behaviour::Hang => {
+                ctx.cancel.cancelled().await;
+                self.cancelled.fetch_add(1, Ordering::SeqCst);
+                Err(LogicError("stopped".into()))
+            }
+            Behaviour::Fail => Err(LogicError("the CRM said no".into())),
+        }
+    }
+}
+
+struct World {
+    store: Arc<MemoryStore>,
+    queue: Arc<MemoryQueue>,
+    poison: Arc<MemoryQueue>,
+}
+
+fn world() -> World {
+    let counters = OpCounters::new();
+    World {
+        store: Arc::new(MemoryStore::with_counters(counters.clone())),
+        queue: Arc::new(MemoryQueue::new("triggers", counters.clone())),
+        poison: Arc::new(MemoryQueue::new("triggers-poison", counters)),
+    }
+}
+
+fn lock(world: &World) -> LeaseLock {
+    let options = LeaseOptions {
+        retry: RetryOptions {
+            jitter_seed: Some(1),
+            ..RetryOptions::default()
+        },
+        ..LeaseOptions::default()
+    };
+    LeaseLock::new(world.store.clone() as Arc<dyn LeaseStore>, options).unwrap()
+}
+
+fn runner(world: &World, logic: Arc<dyn Logic>, options: RunnerOptions) -> RecordRunner {
+    RecordRunner::new(lock(world), world.queue.clone(), logic, options)
+}
+
+fn delivery(record: &str, dequeue_count: u32) -> Delivery {
+    Delivery {
+        message: TriggerMessage::new("acct", record),
+        dequeue_count,
+    }
+}
+
+async fn held(world: &World, record: &str) -> bool {
+    let key = record_key("acct", record).unwrap();
+    lock(world).inspect(&key).await.unwrap().held
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_over_its_time_limit_is_cancelled_released_and_not_acknowledged() {
+    let world = world();
+    let logic = TestLogic::new(Behaviour::Hang);
+    let options = RunnerOptions {
+        run_timeout: Duration::from_secs(90),
+        ..RunnerOptions::default()
+    };
+    let runner = runner(&world, logic.clone(), options);
+    let started = tokio::time::Instant::now();
+    let outcome = runner
+        .handle(&delivery("slow", 1), &CancellationToken::new())
+        .await;
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(90),
+        "cancelled exactly at the limit"
+    );
+    let Outcome::Failed { reason, .. } = &outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(reason.contains("time limit"), "{reason}");
+    assert!(!outcome.acknowledge());
+    assert_eq!(
+        logic.cancelled.load(Ordering::SeqCst),
+        1,
+        "the logic was told to stop"
+    );
+    let lock = lock(&world);
+    assert!(
+        !lock
+            .inspect(&record_key("acct", "slow").unwrap())
+            .await
+            .unwrap()
+            .held,
+        "lease released"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_that_loses_its_lease_is_told_at_once_and_not_acknowledged() {
+    let world = world();
+    let logic = TestLogic::new(Behaviour::Hang);
+    let runner = runner(&world, logic.clone(), RunnerOptions::default());
+    let handle = {
+        let runner = runner.clone();
+        tokio::spawn(async move {
+            runner
+                .handle(&delivery("stolen", 1), &CancellationToken::new())
+                .await
+        })
+    };
+    logic.started.notified().await;
+    let operator = lock(&world);
+    operator
+        .break_lock(&record_key("acct", "stolen").unwrap(), "test")
+        .await
+        .unwrap();
+    let broke_at = tokio::time::Instant::now();
+    let outcome = handle.await.unwrap();
+    // The next renewal (every 10 s) is refused: the run hears of it then, not at expiry.
+    assert!(
+        broke_at.elapsed() <= Duration::from_secs(10),
+        "told after {:?}",
+        broke_at.elapsed()
+    );
+    let Outcome::Failed { reason, .. } = &outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(reason.contains("lease lost"), "{reason}");
+    assert_eq!(logic.cancelled.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_run_still_honours_triggers_that_arrived_during_it() {
+    let world = world();
+    let failing = TestLogic::new(Behaviour::Fail);
+    let runner_a = runner(&world, failing, RunnerOptions::default());
+    // A second trigger arrives while the first run holds the lease: emulate by setting the marker
+    // from a contender while a hanging run holds it, then let the holder fail.
+    let hanging = TestLogic::new(Behaviour::Hang);
+    let runner_h = runner(&world, hanging.clone(), RunnerOptions::default());
+    let cancel = CancellationToken::new();
+    let holder = {
+        let (runner_h, cancel) = (runner_h.clone(), cancel.clone());
+        tokio::spawn(async move { runner_h.handle(&delivery("r", 1), &cancel).await })
+    };
+    hanging.started.notified().await;
+    assert_eq!(
+        runner_a
+            .handle(&delivery("r", 1), &CancellationToken::new())
+            .await,
+        Outcome::Coalesced
+    );
+    cancel.cancel(); // the holder's run ends unsuccessfully
+    let outcome = holder.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Failed {
+                retriggered: true,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    let retriggers: Vec<_> = world
+        .queue
+        .bodies()
+        .iter()
+        .map(|b| TriggerMessage::decode(b).unwrap().kind)
+        .collect();
+    assert_eq!(retriggers, [TriggerKind::Retrigger]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_redelivery_that_finds_the_lease_held_schedules_a_recheck_after_the_lease() {
+    let world = world();
+    let hanging = TestLogic::new(Behaviour::Hang);
+    let runner = runner(&world, hanging.clone(), RunnerOptions::default());
+    let cancel = CancellationToken::new();
+    let holder = {
+        let (runner, cancel) = (runner.clone(), cancel.clone());
+        tokio::spawn(async move { runner.handle(&delivery("r", 1), &cancel).await })
+    };
+    hanging.started.notified().await;
+    let now = tokio::time::Instant::now();
+    let outcome = runner.handle(&delivery("r", 2), &CancellationToken::new()).await;
+    assert_eq!(
+        outcome,
+        Outcome::Rechecking {
+            after: Duration::from_secs(35)
+        }
+    );
+    let body = &world.queue.bodies()[0];
+    let recheck = TriggerMessage::decode(body).unwrap();
+    assert_eq!((recheck.kind, recheck.prior_attempts), (TriggerKind::Recheck, 2));
+    assert_eq!(
+        world.queue.next_visible_at().unwrap() - now,
+        Duration::from_secs(35)
+    );
+    cancel.cancel();
+    holder.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_record_id_that_cannot_be_a_key_is_rejected() {
+    let world = world();
+    let runner = runner(&world, TestLogic::new(Behaviour::Fail), RunnerOptions::default());
+    let outcome = runner
+        .handle(&delivery("a/b", 1), &CancellationToken::new())
+        .await;
+    assert!(matches!(outcome, Outcome::Rejected { .. }), "{outcome:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_trigger_that_keeps_failing_ends_in_the_poison_queue_with_its_reason() {
+    let world = world();
+    let logic = TestLogic::new(Behaviour::Fail);
+    let runner = runner(&world, logic.clone(), RunnerOptions::default());
+    let options = ConsumerOptions {
+        max_dequeue_count: 3,
+        retry_delay: Duration::from_secs(1),
+        ..ConsumerOptions::default()
+    };
+    let consumer = Consumer::new(runner, world.poison.clone(), options);
+    world
+        .queue
+        .put(&TriggerMessage::new("acct", "doomed").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    world
+        .queue
+        .put("this is not a trigger", Duration::ZERO)
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        tokio::spawn(async move { consumer.run(shutdown).await })
+    };
+    while world.poison.bodies().len() < 2 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+    assert!(
+        world.queue.bodies().is_empty(),
+        "poisoned messages leave the trigger queue"
+    );
+    assert_eq!(
+        logic.runs.load(Ordering::SeqCst),
+        3,
+        "tried max_dequeue_count times"
+    );
+    let poisoned: Vec<PoisonMessage> = world
+        .poison
+        .bodies()
+        .iter()
+        .map(|b| {
+            let json = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, b).unwrap();
+            serde_json::from_slice(&json).unwrap()
+        })
+        .collect();
+    assert!(
+        poisoned
+            .iter()
+            .any(|p| p.reason.starts_with("unreadable message")),
+        "{poisoned:?}"
+    );
+    let doomed = poisoned.iter().find(|p| p.trigger.is_some()).unwrap();
+    assert!(
+        doomed.reason.contains("gave up after 3 deliveries"),
+        "{}",
+        doomed.reason
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_finishes_short_runs_and_hands_back_long_ones() {
+    let world = world();
+    let logic = TestLogic::new(Behaviour::Hang);
+    let runner = runner(&world, logic.clone(), RunnerOptions::default());
+    let options = ConsumerOptions {
+        shutdown_grace: Duration::from_secs(5),
+        ..ConsumerOptions::default()
+    };
+    let consumer = Consumer::new(runner, world.poison.clone(), options);
+    world
+        .queue
+        .put(&TriggerMessage::new("acct", "long").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        tokio::spawn(async move { consumer.run(shutdown).await })
+    };
+    logic.started.notified().await;
+    let asked = tokio::time::Instant::now();
+    shutdown.cancel();
+    task.await.unwrap();
+    assert_eq!(
+        asked.elapsed(),
+        Duration::from_secs(5),
+        "stopped at the end of the grace period"
+    );
+    assert_eq!(logic.cancelled.load(Ordering::SeqCst), 1, "the run was cancelled");
+    assert!(!held(&world, "long").await, "its lease was released");
+    // Handed back: visible again at once for another worker.
+    assert_eq!(
+        world.queue.next_visible_at().unwrap(),
+        tokio::time::Instant::now()
+    );
+}
