@@ -1,0 +1,111 @@
+//! Dataverse (Dynamics 365) webhook bodies: the JSON serialisation of a RemoteExecutionContext.
+//!
+//! The record is `PrimaryEntityName` / `PrimaryEntityId`; in some Create stages the id is the
+//! empty GUID, and then it is `InputParameters["Target"].Id` or `OutputParameters["id"]`.
+//! Collections are WCF-style lists of `{"key": ..., "value": ...}`. When the context is over
+//! 256 KB, Dataverse drops `InputParameters`, `ParentContext` and the images and sets the
+//! `x-ms-dynamics-msg-size-exceeded` header; the primary name and id remain, which is all we need.
+
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use leasehold_runtime::TriggerMessage;
+
+use crate::start::{Decision, StartPolicy, normalise_record_id, normalise_scope, org_allowed};
+
+/// Whether a JSON object is a RemoteExecutionContext (rather than a plain `{recordId}` body).
+pub fn looks_like_context(object: &Map<String, Value>) -> bool {
+    object.contains_key("PrimaryEntityId")
+        || object.contains_key("PrimaryEntityName")
+        || object.contains_key("MessageName")
+}
+
+/// Looks up `key` in a WCF key/value list (or a plain JSON object, which some tools send).
+pub fn lookup<'a>(collection: Option<&'a Value>, key: &str) -> Option<&'a Value> {
+    match collection? {
+        Value::Array(items) => items
+            .iter()
+            .find(|kv| {
+                kv.get("key")
+                    .and_then(Value::as_str)
+                    .is_some_and(|k| k.eq_ignore_ascii_case(key))
+            })
+            .and_then(|kv| kv.get("value")),
+        Value::Object(map) => map
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+            .map(|(_, v)| v),
+        _ => None,
+    }
+}
+
+fn guid_of(value: Option<&Value>) -> Option<Uuid> {
+    let text = value?.as_str()?;
+    let text = text.trim().trim_start_matches('{').trim_end_matches('}');
+    Uuid::try_parse(text).ok().filter(|g| !g.is_nil())
+}
+
+/// The record a context is about: (scope, record id), or why it names none.
+pub fn record_of(context: &Value) -> Result<(String, String), String> {
+    let name = context.get("PrimaryEntityName").and_then(Value::as_str);
+    let target = lookup(context.get("InputParameters"), "Target");
+    let name = name
+        .filter(|n| !n.trim().is_empty() && *n != "none")
+        .or_else(|| target.and_then(|t| t.get("LogicalName")).and_then(Value::as_str))
+        .ok_or("PrimaryEntityName is missing")?;
+    let scope = normalise_scope(name).map_err(|e| format!("PrimaryEntityName: {e}"))?;
+    let id = guid_of(context.get("PrimaryEntityId"))
+        .or_else(|| guid_of(target.and_then(|t| t.get("Id"))))
+        .or_else(|| guid_of(lookup(context.get("OutputParameters"), "id")))
+        .ok_or("no record id: PrimaryEntityId is missing or empty and neither Target.Id nor OutputParameters[id] is set")?;
+    let id = normalise_record_id(&id.to_string())?;
+    Ok((scope, id))
+}
+
+pub(crate) fn decide(policy: &StartPolicy, org_header: Option<&str>, context: &Value) -> Decision {
+    let reject = |status: u16, error: String| Decision::Reject { status, error };
+    if !policy.allowed_organizations.is_empty() {
+        let names: Vec<&str> = ["OrganizationId", "OrganizationName"]
+            .iter()
+            .filter_map(|k| context.get(*k).and_then(Value::as_str))
+            .chain(org_header)
+            .collect();
+        if !org_allowed(policy, &names) {
+            let named = names.first().copied().unwrap_or("(none named)");
+            return reject(
+                403,
+                format!("organization {named:?} is not allowed to trigger this environment"),
+            );
+        }
+    }
+    let (scope, record_id) = match record_of(context) {
+        Ok(r) => r,
+        Err(e) => return reject(400, e),
+    };
+    if let Some(user) = guid_of(context.get("InitiatingUserId")) {
+        if policy.integration_user_ids.contains(&user) {
+            return Decision::Ignore {
+                scope,
+                record_id,
+                reason: format!(
+                    "initiated by the integration's own user {user}: ignored to break a write-back loop"
+                ),
+            };
+        }
+    }
+    if let (Some(max), Some(depth)) = (policy.max_depth, context.get("Depth").and_then(Value::as_u64)) {
+        if depth > max {
+            return Decision::Ignore {
+                scope,
+                record_id,
+                reason: format!("Depth {depth} is over the maximum {max}: ignored to break a loop"),
+            };
+        }
+    }
+    let mut message = TriggerMessage::new(scope, record_id);
+    message.correlation_id = context
+        .get("CorrelationId")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    Decision::Enqueue(message)
+}

@@ -1,0 +1,264 @@
+//! The Azure Functions custom-handler protocol, as the host speaks it.
+//!
+//! The host `POST`s `/<FunctionName>` with `{"Data": {<binding>: value}, "Metadata": {...}}` and
+//! expects `{"Outputs": {<binding>: value}, "Logs": [...], "ReturnValue": ...}`. Binding names
+//! here must match the `function.json` files under `functions/`:
+//!
+//! | function | trigger | outputs |
+//! | --- | --- | --- |
+//! | `Start` | `req` (httpTrigger) | `res` (http), `message` (queue) |
+//! | `Worker` | `trigger` (queueTrigger) | none |
+//!
+//! Hosts differ in small ways, so both forms are accepted where they are known to vary: a
+//! queue message plain or JSON-encoded as a string ("double-encoded"), `DequeueCount` as a
+//! number or a string, header values as strings or arrays, a body as a string or as JSON.
+
+use serde_json::{Map, Value, json};
+
+use leasehold_runtime::TriggerMessage;
+
+/// Function names, as folder names under `functions/` (the host calls `POST /<name>`).
+pub const START_FUNCTION: &str = "Start";
+pub const WORKER_FUNCTION: &str = "Worker";
+/// Binding names used in the `function.json` files.
+pub const HTTP_IN: &str = "req";
+pub const HTTP_OUT: &str = "res";
+pub const QUEUE_OUT: &str = "message";
+pub const QUEUE_IN: &str = "trigger";
+
+/// The HTTP request inside a Start invocation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HostHttpRequest {
+    pub method: String,
+    pub headers: Vec<(String, String)>,
+    pub query: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+/// Reads `Data.req` of a Start invocation.
+pub fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, String> {
+    let req = payload
+        .get("Data")
+        .and_then(|d| d.get(HTTP_IN))
+        .ok_or_else(|| format!("invocation has no Data.{HTTP_IN}"))?;
+    let method = req
+        .get("Method")
+        .and_then(Value::as_str)
+        .unwrap_or("POST")
+        .to_string();
+    let pairs = |v: Option<&Value>| -> Vec<(String, String)> {
+        let Some(Value::Object(map)) = v else {
+            return Vec::new();
+        };
+        map.iter()
+            .flat_map(|(k, v)| match v {
+                Value::String(s) => vec![(k.clone(), s.clone())],
+                Value::Array(items) => items
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .map(|s| (k.clone(), s.to_string()))
+                    .collect(),
+                Value::Null => Vec::new(),
+                other => vec![(k.clone(), other.to_string())],
+            })
+            .collect()
+    };
+    let body = match req.get("Body") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => s.clone().into_bytes(),
+        Some(other) => other.to_string().into_bytes(),
+    };
+    Ok(HostHttpRequest {
+        method,
+        headers: pairs(req.get("Headers")),
+        query: pairs(req.get("Query")),
+        body,
+    })
+}
+
+/// The answer to a Start invocation: the caller's HTTP response in `Outputs.res` (status and
+/// JSON body), and the trigger in the queue output when there is one. The host's own status is
+/// always 200, so a 4xx for the caller does not count as a failed invocation.
+pub fn http_invocation_response(
+    status: u16,
+    body: &Value,
+    enqueue: Option<&TriggerMessage>,
+    logs: Vec<String>,
+) -> Value {
+    let mut outputs = Map::new();
+    outputs.insert(
+        HTTP_OUT.into(),
+        json!({
+            "statusCode": status,
+            "body": body.to_string(),
+            "headers": { "Content-Type": "application/json" },
+        }),
+    );
+    if let Some(message) = enqueue {
+        // JSON text: the host writes it to the queue (base64-encoded, as messageEncoding says);
+        // JSON is never mistaken for a bare base64 token.
+        outputs.insert(QUEUE_OUT.into(), Value::String(message.to_json()));
+    }
+    json!({ "Outputs": outputs, "Logs": logs, "ReturnValue": Value::Null })
+}
+
+/// A Worker invocation: the trigger and its delivery count.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueInvocation {
+    /// The message as read; `Err` with the reason if it is not a trigger.
+    pub message: Result<TriggerMessage, String>,
+    pub raw: String,
+    pub dequeue_count: u32,
+    pub id: Option<String>,
+}
+
+/// Reads `Data.trigger` and `Metadata` of a Worker invocation.
+pub fn parse_queue_invocation(payload: &Value) -> Result<QueueInvocation, String> {
+    let data = payload
+        .get("Data")
+        .and_then(|d| d.get(QUEUE_IN))
+        .ok_or_else(|| format!("invocation has no Data.{QUEUE_IN}"))?;
+    let raw = match data {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let message = read_trigger(data);
+    let metadata = payload.get("Metadata");
+    let dequeue_count = match metadata.and_then(|m| m.get("DequeueCount")) {
+        Some(Value::Number(n)) => n.as_u64().unwrap_or(1),
+        Some(Value::String(s)) => s.trim().trim_matches('"').parse().unwrap_or(1),
+        _ => 1,
+    };
+    let id = metadata
+        .and_then(|m| m.get("Id"))
+        .and_then(Value::as_str)
+        .map(|s| s.trim_matches('"').to_string());
+    Ok(QueueInvocation {
+        message,
+        raw,
+        dequeue_count: u32::try_from(dequeue_count.max(1)).unwrap_or(u32::MAX),
+        id,
+    })
+}
+
+/// A trigger from whatever form the host passed: an object, a JSON string holding the object
+/// (double-encoded), a string holding that string (triple), or base64 of the JSON.
+fn read_trigger(value: &Value) -> Result<TriggerMessage, String> {
+    let mut value = value.clone();
+    for _ in 0..3 {
+        match value {
+            Value::Object(_) => {
+                return serde_json::from_value::<TriggerMessage>(value)
+                    .map_err(|e| format!("not a trigger message: {e}"))
+                    .and_then(|m| TriggerMessage::from_json(&m.to_json()).map_err(|e| e.to_string()));
+            }
+            Value::String(s) => match serde_json::from_str::<Value>(&s) {
+                Ok(inner) => value = inner,
+                Err(_) => return TriggerMessage::decode(&s).map_err(|e| e.to_string()),
+            },
+            _ => return Err("not a trigger message: expected a JSON object".into()),
+        }
+    }
+    Err("not a trigger message: nested too deeply".into())
+}
+
+/// The answer to a successful Worker invocation (the host deletes the message).
+pub fn queue_invocation_done(outcome: &str, logs: Vec<String>) -> Value {
+    json!({ "Outputs": {}, "Logs": logs, "ReturnValue": { "outcome": outcome } })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker_payload(data: Value, dequeue: Value) -> Value {
+        json!({
+            "Data": { "trigger": data },
+            "Metadata": {
+                "DequeueCount": dequeue,
+                "Id": "\"5c3a0d3c-7c55-4f7b-9d2c-2b1f0a4b9e11\"",
+                "PopReceipt": "\"AgAAAAMAAAAAAAAA\"",
+                "InsertionTime": "2026-11-22T02:00:00+00:00",
+                "sys": { "MethodName": "Worker", "UtcNow": "2026-11-22T02:00:01Z", "RandGuid": "x" },
+                "SomethingNew": 1
+            }
+        })
+    }
+
+    #[test]
+    fn queue_trigger_in_every_encoding() {
+        let m = TriggerMessage::new("account", "8f9c1d2e-0000-4000-8000-000000000001");
+        let plain = serde_json::from_str::<Value>(&m.to_json()).unwrap();
+        let double = Value::String(m.to_json());
+        let triple = Value::String(Value::String(m.to_json()).to_string());
+        let base64 = Value::String(m.encode());
+        for (data, dc) in [
+            (plain, json!(1)),
+            (double, json!("2")),
+            (triple, json!(3)),
+            (base64, json!("\"4\"")),
+        ] {
+            let inv = parse_queue_invocation(&worker_payload(data.clone(), dc)).unwrap();
+            assert_eq!(inv.message.as_ref().unwrap(), &m, "{data}");
+            assert!((1..=4).contains(&inv.dequeue_count));
+            assert_eq!(inv.id.as_deref(), Some("5c3a0d3c-7c55-4f7b-9d2c-2b1f0a4b9e11"));
+        }
+    }
+
+    #[test]
+    fn unreadable_queue_messages_are_reported_not_guessed() {
+        for data in [
+            json!("hello"),
+            json!(42),
+            json!({"scope": "a"}),
+            json!("{\"scope\":\"\",\"recordId\":\"x\"}"),
+        ] {
+            let inv = parse_queue_invocation(&worker_payload(data.clone(), json!(1))).unwrap();
+            assert!(inv.message.is_err(), "{data}");
+        }
+        assert!(parse_queue_invocation(&json!({"Data": {}})).is_err());
+    }
+
+    #[test]
+    fn http_request_from_the_host() {
+        let payload = json!({
+            "Data": { "req": {
+                "Url": "https://app.azurewebsites.net/api/start?code=k",
+                "Method": "POST",
+                "Query": { "code": "k" },
+                "Headers": { "Content-Type": ["application/json"], "x-ms-dynamics-organization": ["contoso"] },
+                "Params": {},
+                "Identities": [],
+                "Body": "{\"recordId\":\"42\"}"
+            }},
+            "Metadata": {}
+        });
+        let req = parse_http_invocation(&payload).unwrap();
+        assert_eq!(req.method, "POST");
+        assert_eq!(req.body, b"{\"recordId\":\"42\"}");
+        assert!(
+            req.headers
+                .contains(&("x-ms-dynamics-organization".into(), "contoso".into()))
+        );
+        assert_eq!(req.query, [("code".to_string(), "k".to_string())]);
+        let no_body = json!({"Data": {"req": {"Method": "POST", "Headers": {}}}});
+        assert!(parse_http_invocation(&no_body).unwrap().body.is_empty());
+    }
+
+    #[test]
+    fn start_response_puts_the_callers_status_in_res_and_the_trigger_in_the_queue_output() {
+        let m = TriggerMessage::new("account", "42");
+        let r = http_invocation_response(202, &json!({"ok": true}), Some(&m), vec!["log".into()]);
+        assert_eq!(r["Outputs"]["res"]["statusCode"], 202);
+        assert_eq!(r["Outputs"]["res"]["body"], "{\"ok\":true}");
+        assert_eq!(
+            TriggerMessage::from_json(r["Outputs"]["message"].as_str().unwrap()).unwrap(),
+            m
+        );
+        let rejected = http_invocation_response(400, &json!({"error": "x"}), None, vec![]);
+        assert!(
+            rejected["Outputs"].get("message").is_none(),
+            "nothing enqueued on rejection"
+        );
+    }
+}

@@ -1,0 +1,267 @@
+//! HTTP surfaces: the standalone Start endpoint (`POST /api/start`, `GET /healthz`) and the
+//! custom-handler endpoints (`GET /` for the host's readiness probe, `POST /Start`,
+//! `POST /Worker`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use leasehold_lock::RetryOptions;
+use leasehold_runtime::{Delivery, Outcome, RecordRunner, TriggerMessage, TriggerQueue};
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::handler::{self, START_FUNCTION, WORKER_FUNCTION};
+use crate::start::{Decision, MAX_BODY_BYTES, StartPolicy, StartRequest, decide};
+
+/// Largest custom-handler invocation accepted (a Start body plus the host's envelope).
+const MAX_INVOCATION_BYTES: usize = 2 * MAX_BODY_BYTES + 64 * 1024;
+
+/// What both HTTP surfaces share.
+#[derive(Debug, Clone)]
+pub struct App {
+    pub policy: StartPolicy,
+    /// The trigger queue (standalone Start enqueues here).
+    pub queue: Arc<dyn TriggerQueue>,
+    /// The poison queue (a Worker invocation with an unreadable message goes here).
+    pub poison: Arc<dyn TriggerQueue>,
+    pub runner: RecordRunner,
+    /// Wakes the in-process consumer after an enqueue (standalone).
+    pub wake: Option<Arc<Notify>>,
+    /// Fires on shutdown: in-flight Worker invocations are cancelled and answered as failures.
+    pub shutdown: CancellationToken,
+}
+
+/// `POST /api/start` and `GET /healthz` for `leasehold serve`.
+pub fn standalone_router(app: App) -> Router {
+    Router::new()
+        .route("/api/start", any(standalone_start))
+        .route(
+            "/healthz",
+            get(|| async { axum::Json(json!({ "status": "ok" })) }),
+        )
+        .layer(DefaultBodyLimit::disable())
+        .with_state(Arc::new(app))
+}
+
+/// `GET /`, `POST /Start`, `POST /Worker` for `leasehold handler`.
+pub fn handler_router(app: App) -> Router {
+    Router::new()
+        .route("/", get(|| async { "leasehold custom handler ready" }))
+        .route("/{function}", post(invoke))
+        .layer(DefaultBodyLimit::max(MAX_INVOCATION_BYTES))
+        .with_state(Arc::new(app))
+}
+
+fn json_response(status: u16, body: Value) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, axum::Json(body)).into_response()
+}
+
+async fn standalone_start(State(app): State<Arc<App>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    // Read one byte past the limit, so an oversize body gets Start's own 413 with a JSON reason.
+    let bytes = match axum::body::to_bytes(Body::new(body), MAX_BODY_BYTES + 1).await {
+        Ok(b) => b,
+        Err(_) => Bytes::from(vec![b' '; MAX_BODY_BYTES + 1]),
+    };
+    let headers = parts
+        .headers
+        .iter()
+        .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str().to_string(), v.to_string())))
+        .collect();
+    let query = parts.uri.query().map(url_pairs).unwrap_or_default();
+    let request = StartRequest {
+        method: parts.method.as_str(),
+        headers,
+        query,
+        body: &bytes,
+        check_key: true,
+    };
+    let decision = decide(&app.policy, &request);
+    let (status, body) = carry_out(&app, &decision).await;
+    json_response(status, body)
+}
+
+fn url_pairs(query: &str) -> Vec<(String, String)> {
+    url::form_urlencoded::parse(query.as_bytes())
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect()
+}
+
+/// Logs a decision and, for an accepted trigger in standalone mode, enqueues it.
+async fn carry_out(app: &App, decision: &Decision) -> (u16, Value) {
+    match decision {
+        Decision::Enqueue(message) => {
+            let body = message.encode();
+            let put = RetryOptions::default()
+                .run("enqueue trigger", || app.queue.put(&body, Duration::ZERO))
+                .await;
+            if let Err(e) = put {
+                tracing::error!(scope = %message.scope, record = %message.record_id, error = %e, "start: queue unreachable; trigger not accepted");
+                return (
+                    503,
+                    json!({ "error": format!("the trigger queue cannot be reached: {e}") }),
+                );
+            }
+            if let Some(wake) = &app.wake {
+                wake.notify_one();
+            }
+            log_decision(decision);
+            decision.response()
+        }
+        other => {
+            log_decision(other);
+            other.response()
+        }
+    }
+}
+
+fn log_decision(decision: &Decision) {
+    match decision {
+        Decision::Enqueue(m) => tracing::info!(scope = %m.scope, record = %m.record_id,
+            correlation_id = m.correlation_id.as_deref().unwrap_or(""), outcome = "enqueued", "start: trigger accepted"),
+        Decision::Ignore {
+            scope,
+            record_id,
+            reason,
+        } => {
+            tracing::info!(%scope, record = %record_id, outcome = "ignored", %reason, "start: trigger ignored")
+        }
+        Decision::Reject { status, error } => {
+            tracing::warn!(status, %error, outcome = "rejected", "start: request refused")
+        }
+    }
+}
+
+async fn invoke(State(app): State<Arc<App>>, Path(function): Path<String>, body: Bytes) -> Response {
+    let payload: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return json_response(400, json!({ "error": format!("invocation is not JSON: {e}") })),
+    };
+    match function.as_str() {
+        START_FUNCTION => invoke_start(&app, &payload).await,
+        WORKER_FUNCTION => invoke_worker(&app, &payload).await,
+        other => json_response(404, json!({ "error": format!("no function named {other:?}") })),
+    }
+}
+
+async fn invoke_start(app: &App, payload: &Value) -> Response {
+    let req = match handler::parse_http_invocation(payload) {
+        Ok(r) => r,
+        Err(e) => return json_response(400, json!({ "error": e })),
+    };
+    // The host already checked the function key (authLevel: function).
+    let request = StartRequest {
+        method: &req.method,
+        headers: req.headers.clone(),
+        query: req.query.clone(),
+        body: &req.body,
+        check_key: false,
+    };
+    let decision = decide(&app.policy, &request);
+    log_decision(&decision);
+    let (status, body) = decision.response();
+    let enqueue = match &decision {
+        Decision::Enqueue(m) => Some(m),
+        _ => None,
+    };
+    let log = format!("start: {}", body);
+    json_response(
+        200,
+        handler::http_invocation_response(status, &body, enqueue, vec![log]),
+    )
+}
+
+async fn invoke_worker(app: &App, payload: &Value) -> Response {
+    let invocation = match handler::parse_queue_invocation(payload) {
+        Ok(i) => i,
+        Err(e) => return json_response(400, json!({ "error": e })),
+    };
+    let message = match invocation.message {
+        Ok(m) => m,
+        Err(reason) => {
+            return poison_unreadable(app, &invocation.raw, invocation.dequeue_count, reason).await;
+        }
+    };
+    let delivery = Delivery {
+        message: message.clone(),
+        dequeue_count: invocation.dequeue_count,
+    };
+    let outcome = app.runner.handle(&delivery, &app.shutdown).await;
+    let log = format!(
+        "worker: {} {}/{}: {}",
+        outcome.name(),
+        message.scope,
+        message.record_id,
+        describe(&outcome)
+    );
+    match &outcome {
+        o if o.acknowledge() => json_response(200, handler::queue_invocation_done(o.name(), vec![log])),
+        Outcome::Rejected { reason } => {
+            poison_unreadable(app, &invocation.raw, invocation.dequeue_count, reason.clone()).await
+        }
+        // Any non-2xx fails the invocation: the host makes the message visible again after
+        // visibilityTimeout and poisons it after maxDequeueCount.
+        _ => json_response(
+            500,
+            json!({ "Outputs": {}, "Logs": [log], "error": describe(&outcome) }),
+        ),
+    }
+}
+
+fn describe(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Completed {
+            fencing_token,
+            retriggered,
+            run_time,
+        } => {
+            format!("ran in {run_time:?} with fencing token {fencing_token:?}, retriggered: {retriggered}")
+        }
+        Outcome::Coalesced => "a run is in progress; it will run once more".into(),
+        Outcome::Rechecking { after } => format!("lease held after a redelivery; rechecking in {after:?}"),
+        Outcome::Rejected { reason } | Outcome::Failed { reason, .. } => reason.clone(),
+    }
+}
+
+/// A message that can never be a trigger: moved to the poison queue with its reason (the host
+/// would only retry it five times and then poison it without one), and the invocation succeeds.
+async fn poison_unreadable(app: &App, raw: &str, dequeue_count: u32, reason: String) -> Response {
+    let trigger = TriggerMessage::decode(raw).ok();
+    let poison = leasehold_runtime::PoisonMessage {
+        body: raw.to_string(),
+        trigger,
+        reason: reason.clone(),
+        dequeue_count,
+    };
+    let text = serde_json::to_string(&poison).expect("poison message serialises");
+    let encoded = base64_encode(&text);
+    match RetryOptions::default()
+        .run("write poison", || app.poison.put(&encoded, Duration::ZERO))
+        .await
+    {
+        Ok(()) => {
+            tracing::error!(%reason, poison_queue = app.poison.name(), "worker: message moved to the poison queue");
+            json_response(
+                200,
+                handler::queue_invocation_done("poisoned", vec![format!("poisoned: {reason}")]),
+            )
+        }
+        Err(e) => json_response(
+            500,
+            json!({ "error": format!("could not write to the poison queue: {e}") }),
+        ),
+    }
+}
+
+fn base64_encode(text: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(text)
+}

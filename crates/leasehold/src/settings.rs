@@ -1,0 +1,346 @@
+//! Settings from the environment, with the app-setting names Azure Functions users know.
+//! Every setting is documented in the README and in `local.settings.example.json`.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use leasehold_functions::start::StartPolicy;
+use leasehold_lock::{LeaseOptions, StorageAccount};
+use leasehold_runtime::{ConsumerOptions, RunnerOptions};
+use serde::Deserialize;
+
+/// The environment as read (all text; parsed and checked by [`Settings::from_env`]).
+#[derive(Deserialize, Default)]
+struct Raw {
+    #[serde(rename = "azurewebjobsstorage")]
+    storage: Option<String>,
+    leasehold_queue: Option<String>,
+    leasehold_container: Option<String>,
+    leasehold_logic_command: Option<String>,
+    leasehold_logic_url: Option<String>,
+    leasehold_api_key: Option<String>,
+    leasehold_port: Option<String>,
+    leasehold_bind: Option<String>,
+    leasehold_concurrency: Option<String>,
+    leasehold_lease_seconds: Option<String>,
+    leasehold_fencing: Option<String>,
+    leasehold_run_timeout_seconds: Option<String>,
+    leasehold_max_dequeue_count: Option<String>,
+    leasehold_poll_max_seconds: Option<String>,
+    leasehold_shutdown_grace_seconds: Option<String>,
+    leasehold_allowed_organizations: Option<String>,
+    leasehold_integration_user_ids: Option<String>,
+    leasehold_max_depth: Option<String>,
+    leasehold_demo_seconds: Option<String>,
+    functions_customhandler_port: Option<String>,
+    functions_httpworker_port: Option<String>,
+}
+
+/// Which logic runs per record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogicSetting {
+    Command(String),
+    Url(String),
+    Demo(Duration),
+    Unset,
+}
+
+/// Checked settings.
+pub struct Settings {
+    pub account: StorageAccount,
+    pub queue: String,
+    pub container: String,
+    pub logic: LogicSetting,
+    pub policy: StartPolicy,
+    pub port: u16,
+    pub bind: String,
+    pub handler_port: Option<u16>,
+    pub lease: LeaseOptions,
+    pub runner: RunnerOptions,
+    pub consumer: ConsumerOptions,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("account", &self.account)
+            .field("queue", &self.queue)
+            .field("container", &self.container)
+            .field(
+                "logic",
+                &match &self.logic {
+                    LogicSetting::Url(_) => "url".to_string(),
+                    other => format!("{other:?}"),
+                },
+            )
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+fn number<T: std::str::FromStr>(name: &str, value: &Option<String>, default: T) -> Result<T> {
+    match value.as_deref().map(str::trim) {
+        None | Some("") => Ok(default),
+        Some(v) => v
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{name} must be a whole number, not {v:?}")),
+    }
+}
+
+fn flag(name: &str, value: &Option<String>, default: bool) -> Result<bool> {
+    match value.as_deref().map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("") => Ok(default),
+        Some("true" | "1" | "yes" | "on") => Ok(true),
+        Some("false" | "0" | "no" | "off") => Ok(false),
+        Some(v) => bail!("{name} must be true or false, not {v:?}"),
+    }
+}
+
+fn list(value: &Option<String>) -> Vec<String> {
+    value
+        .as_deref()
+        .unwrap_or("")
+        .split([',', ';'])
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+fn name(setting: &str, value: Option<String>, default: &str) -> Result<String> {
+    let v = value
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| default.to_string());
+    let ok = (3..=63).contains(&v.len())
+        && v.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !v.starts_with('-')
+        && !v.ends_with('-')
+        && !v.contains("--");
+    if !ok {
+        bail!(
+            "{setting} {v:?} is not a valid Azure queue/container name (3-63 lower-case letters, digits and single hyphens)"
+        );
+    }
+    Ok(v)
+}
+
+impl Settings {
+    /// Reads and checks the environment. `need_storage`: whether `AzureWebJobsStorage` must be set.
+    pub fn from_env() -> Result<Self> {
+        let raw: Raw = envy::from_env().context("reading settings from the environment")?;
+        Self::from_raw(raw)
+    }
+
+    fn from_raw(raw: Raw) -> Result<Self> {
+        let storage = raw.storage.as_deref().map(str::trim).filter(|s| !s.is_empty()).ok_or_else(|| {
+            anyhow::anyhow!("AzureWebJobsStorage is not set: set it to a storage connection string (UseDevelopmentStorage=true for Azurite)")
+        })?;
+        let account = StorageAccount::from_connection_string(storage)
+            .map_err(|e| anyhow::anyhow!("AzureWebJobsStorage: {e}"))?;
+
+        let logic = match (
+            raw.leasehold_logic_command.filter(|s| !s.trim().is_empty()),
+            raw.leasehold_logic_url.filter(|s| !s.trim().is_empty()),
+        ) {
+            (Some(_), Some(_)) => bail!("set LEASEHOLD_LOGIC_COMMAND or LEASEHOLD_LOGIC_URL, not both"),
+            (Some(c), None) => LogicSetting::Command(c),
+            (None, Some(u)) => LogicSetting::Url(u),
+            (None, None) => LogicSetting::Unset,
+        };
+        let demo = Duration::from_secs(number(
+            "LEASEHOLD_DEMO_SECONDS",
+            &raw.leasehold_demo_seconds,
+            2u64,
+        )?);
+        let logic = match logic {
+            LogicSetting::Unset if raw.leasehold_demo_seconds.is_some() => LogicSetting::Demo(demo),
+            other => other,
+        };
+
+        let lease_seconds: u64 = number("LEASEHOLD_LEASE_SECONDS", &raw.leasehold_lease_seconds, 30)?;
+        if !(15..=60).contains(&lease_seconds) {
+            bail!(
+                "LEASEHOLD_LEASE_SECONDS must be from 15 to 60 (Azure's lease limits), not {lease_seconds}"
+            );
+        }
+        let lease = LeaseOptions {
+            duration: Duration::from_secs(lease_seconds),
+            renew_every: Duration::from_secs(lease_seconds / 3),
+            fencing: flag("LEASEHOLD_FENCING", &raw.leasehold_fencing, true)?,
+            ..LeaseOptions::default()
+        };
+        let run_timeout = number(
+            "LEASEHOLD_RUN_TIMEOUT_SECONDS",
+            &raw.leasehold_run_timeout_seconds,
+            600u64,
+        )?;
+        if run_timeout == 0 {
+            bail!("LEASEHOLD_RUN_TIMEOUT_SECONDS must be at least 1");
+        }
+        let runner = RunnerOptions {
+            run_timeout: Duration::from_secs(run_timeout),
+            ..RunnerOptions::default()
+        };
+        let concurrency: usize = number("LEASEHOLD_CONCURRENCY", &raw.leasehold_concurrency, 8)?;
+        if concurrency == 0 {
+            bail!("LEASEHOLD_CONCURRENCY must be at least 1");
+        }
+        let max_dequeue_count = number(
+            "LEASEHOLD_MAX_DEQUEUE_COUNT",
+            &raw.leasehold_max_dequeue_count,
+            5u32,
+        )?;
+        if max_dequeue_count == 0 {
+            bail!("LEASEHOLD_MAX_DEQUEUE_COUNT must be at least 1");
+        }
+        let consumer = ConsumerOptions {
+            concurrency,
+            batch_size: concurrency.min(32) as u32,
+            // Visibility of a taken message: lease + renewal interval, so a dead worker's
+            // message reappears only after its lease has expired.
+            visibility: lease.duration + lease.renew_every,
+            visibility_renew_every: lease.renew_every,
+            max_dequeue_count,
+            poll_max: Duration::from_secs(
+                number(
+                    "LEASEHOLD_POLL_MAX_SECONDS",
+                    &raw.leasehold_poll_max_seconds,
+                    2u64,
+                )?
+                .max(1),
+            ),
+            shutdown_grace: Duration::from_secs(number(
+                "LEASEHOLD_SHUTDOWN_GRACE_SECONDS",
+                &raw.leasehold_shutdown_grace_seconds,
+                30u64,
+            )?),
+            ..ConsumerOptions::default()
+        };
+
+        let mut integration_user_ids = Vec::new();
+        for id in list(&raw.leasehold_integration_user_ids) {
+            let guid = uuid::Uuid::try_parse(id.trim_matches(['{', '}']))
+                .map_err(|_| anyhow::anyhow!("LEASEHOLD_INTEGRATION_USER_IDS: {id:?} is not a GUID"))?;
+            integration_user_ids.push(guid);
+        }
+        let max_depth = match raw.leasehold_max_depth.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(_) => Some(number("LEASEHOLD_MAX_DEPTH", &raw.leasehold_max_depth, 0u64)?),
+        };
+        let policy = StartPolicy {
+            api_key: raw.leasehold_api_key.filter(|k| !k.is_empty()),
+            allowed_organizations: list(&raw.leasehold_allowed_organizations),
+            integration_user_ids,
+            max_depth,
+        };
+        let handler_port = match raw.functions_customhandler_port.or(raw.functions_httpworker_port) {
+            Some(p) => Some(number("FUNCTIONS_CUSTOMHANDLER_PORT", &Some(p), 0u16)?),
+            None => None,
+        };
+        Ok(Self {
+            account,
+            queue: name("LEASEHOLD_QUEUE", raw.leasehold_queue, "leasehold-triggers")?,
+            container: name("LEASEHOLD_CONTAINER", raw.leasehold_container, "leasehold-locks")?,
+            logic,
+            policy,
+            port: number("LEASEHOLD_PORT", &raw.leasehold_port, 7071u16)?,
+            bind: raw
+                .leasehold_bind
+                .filter(|b| !b.trim().is_empty())
+                .unwrap_or_else(|| "127.0.0.1".into()),
+            handler_port,
+            lease,
+            runner,
+            consumer,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw() -> Raw {
+        Raw {
+            storage: Some("UseDevelopmentStorage=true".into()),
+            ..Raw::default()
+        }
+    }
+
+    #[test]
+    fn defaults_are_sane() {
+        let s = Settings::from_raw(raw()).unwrap();
+        assert_eq!(
+            (s.queue.as_str(), s.container.as_str(), s.port),
+            ("leasehold-triggers", "leasehold-locks", 7071)
+        );
+        assert_eq!(s.lease.duration, Duration::from_secs(30));
+        assert_eq!(s.consumer.visibility, Duration::from_secs(40));
+        assert_eq!(s.logic, LogicSetting::Unset);
+        assert!(s.lease.fencing);
+    }
+
+    #[test]
+    fn bad_settings_name_the_variable_and_hide_secrets() {
+        let cases: Vec<(Raw, &str)> = vec![
+            (Raw::default(), "AzureWebJobsStorage is not set"),
+            (
+                Raw {
+                    storage: Some("AccountName=a;AccountKey=SECRET;Bogus".into()),
+                    ..Raw::default()
+                },
+                "AzureWebJobsStorage",
+            ),
+            (
+                Raw {
+                    leasehold_port: Some("http".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_PORT",
+            ),
+            (
+                Raw {
+                    leasehold_lease_seconds: Some("90".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_LEASE_SECONDS",
+            ),
+            (
+                Raw {
+                    leasehold_queue: Some("Bad_Name".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_QUEUE",
+            ),
+            (
+                Raw {
+                    leasehold_fencing: Some("maybe".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_FENCING",
+            ),
+            (
+                Raw {
+                    leasehold_integration_user_ids: Some("not-a-guid".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_INTEGRATION_USER_IDS",
+            ),
+            (
+                Raw {
+                    leasehold_logic_command: Some("true".into()),
+                    leasehold_logic_url: Some("http://x".into()),
+                    ..raw()
+                },
+                "not both",
+            ),
+        ];
+        for (raw, expect) in cases {
+            let e = format!("{:#}", Settings::from_raw(raw).unwrap_err());
+            assert!(e.contains(expect), "expected {expect:?} in {e}");
+            assert!(!e.contains("SECRET"), "{e}");
+        }
+    }
+}
