@@ -75,7 +75,8 @@ pub enum ProtocolVariant {
 #[derive(Debug, Clone)]
 pub struct RunnerOptions {
     /// A run longer than this is cancelled, its lease released and its trigger retried.
-    /// Default 10 minutes (the Functions Consumption plan's limit).
+    /// Default 9 minutes: inside the Functions Consumption plan's 10-minute limit, with a
+    /// minute left to release the lease and enqueue a retrigger.
     pub run_timeout: Duration,
     /// How long a cancelled run may take to stop before it is abandoned. Default 10 s.
     pub stop_grace: Duration,
@@ -89,7 +90,7 @@ pub struct RunnerOptions {
 impl Default for RunnerOptions {
     fn default() -> Self {
         Self {
-            run_timeout: Duration::from_secs(600),
+            run_timeout: Duration::from_secs(540),
             stop_grace: Duration::from_secs(10),
             recheck_delay: None,
             variant: ProtocolVariant::Correct,

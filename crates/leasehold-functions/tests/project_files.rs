@@ -1,0 +1,96 @@
+//! The Functions project files agree with the code: function names, binding names, the queue
+//! setting and the custom-handler entry point.
+
+use leasehold_functions::handler::{HTTP_IN, HTTP_OUT, QUEUE_IN, QUEUE_OUT, START_FUNCTION, WORKER_FUNCTION};
+use serde_json::Value;
+
+fn read(path: &str) -> Value {
+    let full = leasehold_test_support::workspace_root().join(path);
+    let text = std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{}: {e}", full.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path} is not JSON: {e}"))
+}
+
+fn binding<'a>(function: &'a Value, name: &str) -> &'a Value {
+    function["bindings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == name)
+        .unwrap_or_else(|| panic!("no binding named {name:?}"))
+}
+
+#[test]
+fn start_and_worker_bindings_match_the_handler() {
+    let start = read(&format!("{START_FUNCTION}/function.json"));
+    let req = binding(&start, HTTP_IN);
+    assert_eq!(req["type"], "httpTrigger");
+    assert_eq!(
+        req["authLevel"], "function",
+        "the host must check the key before calling the handler"
+    );
+    assert_eq!(req["route"], "start", "Start is POST /api/start in both modes");
+    assert_eq!(binding(&start, HTTP_OUT)["type"], "http");
+    let out = binding(&start, QUEUE_OUT);
+    assert_eq!(
+        (out["type"].as_str(), out["queueName"].as_str()),
+        (Some("queue"), Some("%LEASEHOLD_QUEUE%"))
+    );
+    assert_eq!(out["connection"], "AzureWebJobsStorage");
+
+    let worker = read(&format!("{WORKER_FUNCTION}/function.json"));
+    let trigger = binding(&worker, QUEUE_IN);
+    assert_eq!(trigger["type"], "queueTrigger");
+    assert_eq!(trigger["queueName"], "%LEASEHOLD_QUEUE%");
+    assert_eq!(trigger["connection"], "AzureWebJobsStorage");
+}
+
+#[test]
+fn host_json_runs_the_custom_handler_with_consistent_queue_settings() {
+    let host = read("host.json");
+    let handler = &host["customHandler"]["description"];
+    assert_eq!(handler["defaultExecutablePath"], "leasehold");
+    assert_eq!(handler["arguments"][0], "handler");
+    assert_eq!(host["customHandler"]["enableForwardingHttpRequest"], false);
+    let queues = &host["extensions"]["queues"];
+    assert_eq!(
+        queues["messageEncoding"], "base64",
+        "the trigger message wire format is base64"
+    );
+    assert_eq!(
+        queues["maxDequeueCount"], 5,
+        "matches LEASEHOLD_MAX_DEQUEUE_COUNT's default"
+    );
+    assert_eq!(
+        host["functionTimeout"], "00:10:00",
+        "the default run limit (9 min) must stay inside it"
+    );
+}
+
+#[test]
+fn local_settings_example_documents_every_setting() {
+    let example = read("local.settings.example.json");
+    let values = example["Values"].as_object().unwrap();
+    let readme = std::fs::read_to_string(leasehold_test_support::workspace_root().join("README.md")).unwrap();
+    let settings_src = std::fs::read_to_string(
+        leasehold_test_support::workspace_root().join("crates/leasehold/src/settings.rs"),
+    )
+    .unwrap();
+    for line in settings_src.lines() {
+        let field = line.trim();
+        if let Some(name) = field
+            .strip_prefix("leasehold_")
+            .and_then(|f| f.strip_suffix(": Option<String>,"))
+        {
+            let setting = format!("LEASEHOLD_{}", name.to_ascii_uppercase());
+            assert!(
+                values.contains_key(&setting),
+                "{setting} is missing from local.settings.example.json"
+            );
+            assert!(
+                readme.contains(&format!("`{setting}`")),
+                "{setting} is missing from the README's table"
+            );
+        }
+    }
+    assert_eq!(values["FUNCTIONS_WORKER_RUNTIME"], "custom");
+}
