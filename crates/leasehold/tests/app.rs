@@ -1,0 +1,712 @@
+//! The `leasehold` executable end to end against a real Azurite: standalone `serve`, the custom
+//! handler spoken to exactly as the Functions host speaks it, the bad-input table, auth and
+//! loop protection, poison, shutdown, and the ops commands.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use base64::Engine;
+use leasehold_lock::OpCounters;
+use leasehold_runtime::{AzureQueue, TriggerMessage, TriggerQueue, poison_queue_name};
+use leasehold_test_support::{Azurite, eventually, unique_name};
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+const RECORD: &str = "8f9c1d2e-0000-4000-8000-000000000001";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One isolated environment: its own queue, container and run log.
+struct Env {
+    queue: String,
+    container: String,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl Env {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique_name("leasehold-app"));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self {
+            queue: unique_name("triggers"),
+            container: unique_name("locks"),
+            dir,
+            port: free_port(),
+        }
+    }
+
+    fn runs_file(&self) -> PathBuf {
+        self.dir.join("runs.log")
+    }
+
+    /// A logic command that appends "<record> <token> <start-ns>" and then does `then`.
+    fn logic(&self, then: &str) -> String {
+        format!(
+            "echo \"$LEASEHOLD_RECORD_ID $LEASEHOLD_FENCING_TOKEN $(date +%s%N)\" >> {}; {then}",
+            self.runs_file().display()
+        )
+    }
+
+    fn runs(&self) -> Vec<(String, u64, u128)> {
+        std::fs::read_to_string(self.runs_file())
+            .unwrap_or_default()
+            .lines()
+            .map(|l| {
+                let mut p = l.split_whitespace();
+                (
+                    p.next().unwrap().to_string(),
+                    p.next().unwrap().parse().unwrap_or(0),
+                    p.next().unwrap().parse().unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    fn command(&self, args: &[&str], extra: &[(&str, String)]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
+        cmd.args(args)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
+            .env("LEASEHOLD_QUEUE", &self.queue)
+            .env("LEASEHOLD_CONTAINER", &self.container)
+            .env("LEASEHOLD_PORT", self.port.to_string())
+            .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(
+                std::fs::File::create(self.dir.join(format!("{}.log", args[0]))).unwrap(),
+            ))
+            .kill_on_drop(true);
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    async fn spawn(&self, args: &[&str], extra: &[(&str, String)]) -> Child {
+        let child = self.command(args, extra).spawn().unwrap();
+        let url = format!(
+            "http://127.0.0.1:{}/{}",
+            self.port,
+            if args[0] == "serve" { "healthz" } else { "" }
+        );
+        let client = reqwest::Client::new();
+        eventually(Duration::from_secs(30), "leasehold to answer", || {
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                client
+                    .get(&url)
+                    .send()
+                    .await
+                    .ok()
+                    .filter(|r| r.status().is_success())
+                    .map(|_| ())
+            }
+        })
+        .await;
+        child
+    }
+
+    async fn output(&self, args: &[&str]) -> (bool, String) {
+        let out = self.command(args, &[]).output().await.unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+
+    fn queue(&self, name: &str) -> AzureQueue {
+        AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
+    }
+
+    fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default()
+    }
+}
+
+fn terminate(child: &Child) {
+    let pid = child.id().unwrap();
+    std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+}
+
+async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+    let mut req = reqwest::Client::new().post(url).body(body.to_string());
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
+    let env = Env::new();
+    let mut child = env
+        .spawn(&["serve"], &[("LEASEHOLD_LOGIC_COMMAND", env.logic("sleep 2"))])
+        .await;
+    let url = format!("http://127.0.0.1:{}/api/start", env.port);
+
+    let posted = std::time::SystemTime::now();
+    let (status, body) = post(
+        &url,
+        &json!({"scope": "account", "recordId": RECORD}).to_string(),
+        &[("content-type", "application/json")],
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["enqueued"]["recordId"], RECORD);
+    eventually(Duration::from_secs(20), "the first run", || async {
+        (!env.runs().is_empty()).then_some(())
+    })
+    .await;
+    let first = &env.runs()[0];
+    assert_eq!(
+        (first.0.as_str(), first.1),
+        (RECORD, 1),
+        "record id and fencing token 1"
+    );
+    let latency = first.2 - posted.duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    println!(
+        "[app] POST to logic start: {:.0} ms (same process, wake-up)",
+        latency as f64 / 1e6
+    );
+
+    // A burst of 10 during the run: one more run, not ten.
+    let burst_from = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    for _ in 0..10 {
+        let (status, _) = post(
+            &url,
+            &json!({"scope": "account", "recordId": RECORD}).to_string(),
+            &[],
+        )
+        .await;
+        assert_eq!(status, 202);
+    }
+    let burst_to = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    eventually(
+        Duration::from_secs(40),
+        "a run that started after the burst",
+        || async { env.runs().iter().any(|r| r.2 > burst_to).then_some(()) },
+    )
+    .await;
+    // Let anything else that was coming arrive, then count.
+    let queue = env.queue(&env.queue);
+    eventually(Duration::from_secs(30), "the queue to drain", || async {
+        (queue.approximate_len().await.unwrap() == 0).then_some(())
+    })
+    .await;
+    let runs = env.runs();
+    let tokens: Vec<u64> = runs.iter().map(|r| r.1).collect();
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "fencing tokens rise: {tokens:?}"
+    );
+    let after_burst = runs.iter().filter(|r| r.2 > burst_from).count();
+    println!(
+        "[app] burst of 10 triggers during a run: {after_burst} further run(s); total {}",
+        runs.len()
+    );
+    assert!(after_burst <= 2, "a burst of 10 caused {after_burst} runs");
+    terminate(&child);
+    assert!(child.wait().await.unwrap().success(), "clean exit on SIGTERM");
+}
+
+/// (name, URL, headers, body, expected status, text the answer must contain)
+type Case<'a> = (&'a str, String, Vec<(&'a str, &'a str)>, &'a str, u16, &'a str);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_and_nothing_is_enqueued() {
+    let env = Env::new();
+    let app_user = "0b8f6a44-2f0e-4a3b-9a61-6f2f6c0d9e01";
+    let extra = [
+        ("LEASEHOLD_LOGIC_COMMAND", env.logic("true")),
+        ("LEASEHOLD_API_KEY", "k3y".to_string()),
+        ("LEASEHOLD_ALLOWED_ORGANIZATIONS", "contoso".to_string()),
+        ("LEASEHOLD_INTEGRATION_USER_IDS", app_user.to_string()),
+        ("LEASEHOLD_MAX_DEPTH", "2".to_string()),
+    ];
+    let mut child = env.spawn(&["serve"], &extra).await;
+    let url = format!("http://127.0.0.1:{}/api/start?code=k3y", env.port);
+    let no_key = format!("http://127.0.0.1:{}/api/start", env.port);
+    let org = ("x-ms-dynamics-organization", "contoso");
+    let json_ct = ("content-type", "application/json");
+    let dv = |patch: Value| {
+        let mut body = json!({
+            "MessageName": "Update", "PrimaryEntityName": "account", "PrimaryEntityId": RECORD,
+            "OrganizationName": "contoso", "Depth": 1, "InitiatingUserId": "7d3c2b1a-0f9e-4d8c-8b7a-6f5e4d3c2b1a",
+            "InputParameters": [], "OutputParameters": []
+        });
+        for (k, v) in patch.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body.to_string()
+    };
+    let dv_other_org = dv(json!({"OrganizationName": "fabrikam"}));
+    let dv_no_id = dv(json!({"PrimaryEntityId": "00000000-0000-0000-0000-000000000000"}));
+    let dv_own_user = dv(json!({"InitiatingUserId": app_user}));
+    let dv_deep = dv(json!({"Depth": 5}));
+    let long_id = format!(r#"{{"recordId":"{}"}}"#, "a".repeat(200));
+    let big = format!("{{\"recordId\": \"1\", \"pad\": \"{}\"}}", "x".repeat(600 * 1024));
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "no key",
+            no_key.clone(),
+            vec![org],
+            r#"{"recordId":"1"}"#,
+            401,
+            "key",
+        ),
+        (
+            "wrong key header",
+            no_key.clone(),
+            vec![org, ("x-functions-key", "nope")],
+            r#"{"recordId":"1"}"#,
+            401,
+            "key",
+        ),
+        (
+            "malformed JSON",
+            url.clone(),
+            vec![org, json_ct],
+            r#"{"recordId": "#,
+            400,
+            "malformed JSON",
+        ),
+        (
+            "empty body",
+            url.clone(),
+            vec![org, json_ct],
+            "",
+            400,
+            "empty body",
+        ),
+        (
+            "not an object",
+            url.clone(),
+            vec![org, json_ct],
+            r#"["1"]"#,
+            400,
+            "JSON object",
+        ),
+        (
+            "missing recordId",
+            url.clone(),
+            vec![org],
+            r#"{"scope":"account"}"#,
+            400,
+            "recordId is missing",
+        ),
+        (
+            "empty recordId",
+            url.clone(),
+            vec![org],
+            r#"{"recordId":"  "}"#,
+            400,
+            "recordId is empty",
+        ),
+        (
+            "numeric recordId",
+            url.clone(),
+            vec![org],
+            r#"{"recordId":42}"#,
+            400,
+            "must be a string",
+        ),
+        (
+            "unsafe recordId",
+            url.clone(),
+            vec![org],
+            r#"{"recordId":"../etc/passwd"}"#,
+            400,
+            "may only hold",
+        ),
+        (
+            "slash in recordId",
+            url.clone(),
+            vec![org],
+            r#"{"recordId":"a/b"}"#,
+            400,
+            "may only hold",
+        ),
+        (
+            "empty GUID",
+            url.clone(),
+            vec![org],
+            r#"{"recordId":"00000000-0000-0000-0000-000000000000"}"#,
+            400,
+            "empty GUID",
+        ),
+        (
+            "unsafe scope",
+            url.clone(),
+            vec![org],
+            r#"{"scope":"a b","recordId":"1"}"#,
+            400,
+            "scope",
+        ),
+        (
+            "long recordId",
+            url.clone(),
+            vec![org],
+            &long_id,
+            400,
+            "longer than",
+        ),
+        (
+            "form content type",
+            url.clone(),
+            vec![org, ("content-type", "application/x-www-form-urlencoded")],
+            "recordId=1",
+            415,
+            "content type",
+        ),
+        (
+            "oversize body",
+            url.clone(),
+            vec![org],
+            &big,
+            413,
+            "over the limit",
+        ),
+        (
+            "organisation not allowed",
+            url.clone(),
+            vec![("x-ms-dynamics-organization", "fabrikam")],
+            r#"{"recordId":"1"}"#,
+            403,
+            "not allowed",
+        ),
+        (
+            "dataverse: other org",
+            url.clone(),
+            vec![],
+            &dv_other_org,
+            403,
+            "not allowed",
+        ),
+        (
+            "dataverse: no record id",
+            url.clone(),
+            vec![],
+            &dv_no_id,
+            400,
+            "no record id",
+        ),
+        (
+            "dataverse: integration user",
+            url.clone(),
+            vec![],
+            &dv_own_user,
+            200,
+            "integration",
+        ),
+        (
+            "dataverse: too deep",
+            url.clone(),
+            vec![],
+            &dv_deep,
+            200,
+            "Depth 5",
+        ),
+    ];
+    assert!(cases.len() >= 15);
+    for (name, url, headers, body, status, expect) in &cases {
+        let (got, answer) = post(url, body, headers).await;
+        let text = answer.to_string();
+        assert_eq!(got, *status, "{name}: {text}");
+        assert!(text.contains(expect), "{name}: expected {expect:?} in {text}");
+        assert!(!text.contains("k3y"), "{name}: the key leaked: {text}");
+    }
+    // GET is not allowed either.
+    let r = reqwest::Client::new().get(&url).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+
+    // A sentinel: the only thing that may run. Anything enqueued by the cases above would run too.
+    let (status, _) = post(&url, r#"{"recordId":"sentinel"}"#, &[org]).await;
+    assert_eq!(status, 202);
+    eventually(Duration::from_secs(20), "the sentinel's run", || async {
+        (!env.runs().is_empty()).then_some(())
+    })
+    .await;
+    let queue = env.queue(&env.queue);
+    eventually(Duration::from_secs(20), "the queue to drain", || async {
+        (queue.approximate_len().await.unwrap() == 0).then_some(())
+    })
+    .await;
+    let records: Vec<String> = env.runs().into_iter().map(|r| r.0).collect();
+    assert_eq!(records, ["sentinel"], "only the sentinel was enqueued");
+    assert!(!env.log("serve").contains("k3y"), "the key appears in the logs");
+    terminate(&child);
+    child.wait().await.unwrap();
+}
+
+/// The custom handler, spoken to exactly as the Functions host does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_handler_speaks_the_host_protocol() {
+    let env = Env::new();
+    let port = env.port.to_string();
+    // No subcommand: FUNCTIONS_CUSTOMHANDLER_PORT selects handler mode.
+    let mut child = {
+        let mut cmd = env.command(
+            &["handler"],
+            &[
+                (
+                    "LEASEHOLD_LOGIC_COMMAND",
+                    env.logic("test \"$LEASEHOLD_RECORD_ID\" != fails"),
+                ),
+                ("FUNCTIONS_CUSTOMHANDLER_PORT", port),
+            ],
+        );
+        cmd.arg("--log-format").arg("json");
+        let started = std::time::Instant::now();
+        let child = cmd.spawn().unwrap();
+        let base = format!("http://127.0.0.1:{}/", env.port);
+        eventually(Duration::from_secs(30), "GET / to answer", || {
+            let base = base.clone();
+            async move {
+                reqwest::get(&base)
+                    .await
+                    .ok()
+                    .filter(|r| r.status().is_success())
+                    .map(|_| ())
+            }
+        })
+        .await;
+        println!(
+            "[app] handler ready (GET / answered) {:.0?} after start",
+            started.elapsed()
+        );
+        child
+    };
+    let base = format!("http://127.0.0.1:{}", env.port);
+    let client = reqwest::Client::new();
+    let invoke = |function: &str, payload: Value| {
+        let (client, url) = (client.clone(), format!("{base}/{function}"));
+        async move {
+            let r = client
+                .post(url)
+                .header("X-Azure-Functions-InvocationId", uuid::Uuid::new_v4().to_string())
+                .json(&payload)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let http_payload = |body: Option<&str>| {
+        let mut req = json!({
+            "Url": format!("{base}/api/start"), "Method": "POST", "Query": {},
+            "Headers": { "Content-Type": ["application/json"] }, "Params": {}, "Identities": []
+        });
+        if let Some(b) = body {
+            req["Body"] = json!(b);
+        }
+        json!({ "Data": { "req": req }, "Metadata": { "sys": { "MethodName": "Start" } } })
+    };
+
+    // Start: accepted → caller's 202 in Outputs.res, the trigger in the queue output.
+    let (status, r) = invoke(
+        "Start",
+        http_payload(Some(&json!({"scope": "account", "recordId": RECORD}).to_string())),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(r["Outputs"]["res"]["statusCode"], 202);
+    let queued = TriggerMessage::from_json(r["Outputs"]["message"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        (queued.scope.as_str(), queued.record_id.as_str()),
+        ("account", RECORD)
+    );
+    // Start: bad input → host still gets 200, the caller gets 400, nothing to enqueue.
+    for bad in [Some("{nope"), None] {
+        let (status, r) = invoke("Start", http_payload(bad)).await;
+        assert_eq!(status, 200);
+        assert_eq!(r["Outputs"]["res"]["statusCode"], 400, "{r}");
+        assert!(r["Outputs"].get("message").is_none());
+    }
+
+    // Worker: the message as the host passes it, double-encoded, DequeueCount as a string.
+    let worker = |data: Value, dequeue: Value| {
+        json!({
+            "Data": { "trigger": data },
+            "Metadata": { "DequeueCount": dequeue, "Id": "\"9b1f\"", "PopReceipt": "\"AgAA\"",
+                          "InsertionTime": "2026-11-22T03:00:00+00:00", "sys": { "MethodName": "Worker" } }
+        })
+    };
+    let (status, r) = invoke("Worker", worker(json!(queued.to_json()), json!("1"))).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["ReturnValue"]["outcome"], "completed");
+    assert_eq!(env.runs().len(), 1);
+    // Plain object, DequeueCount as a number.
+    let (status, _) = invoke(
+        "Worker",
+        worker(json!({"scope": "account", "recordId": RECORD}), json!(2)),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        env.runs().iter().map(|r| r.1).collect::<Vec<_>>(),
+        [1, 2],
+        "fencing tokens rise"
+    );
+    // Failing logic: non-2xx so the host retries (and poisons after maxDequeueCount).
+    let (status, r) = invoke(
+        "Worker",
+        worker(json!(TriggerMessage::new("account", "fails").to_json()), json!(1)),
+    )
+    .await;
+    assert_eq!(status, 500, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("exited with code 1"), "{r}");
+    // Unreadable message: poisoned with its reason, invocation succeeds (nothing silently dropped).
+    let (status, _) = invoke("Worker", worker(json!("not a trigger"), json!(1))).await;
+    assert_eq!(status, 200);
+    let poison = env.queue(&poison_queue_name(&env.queue));
+    let got = poison.get(1, Duration::from_secs(30)).await.unwrap();
+    let text = String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(&got[0].body)
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(
+        text.contains("not a trigger message") && text.contains("not a trigger"),
+        "{text}"
+    );
+    // Unknown function.
+    assert_eq!(invoke("Nope", json!({})).await.0, 404);
+    // JSON logs, one line per record outcome.
+    terminate(&child);
+    assert!(child.wait().await.unwrap().success());
+    let log = env.log("handler");
+    let outcome_line = log
+        .lines()
+        .find(|l| l.contains("record run completed"))
+        .expect("an outcome line");
+    let parsed: Value = serde_json::from_str(outcome_line).expect("JSON log line");
+    assert_eq!(parsed["record"], RECORD);
+    assert!(
+        parsed.get("fencing_token").is_some() && parsed.get("run_ms").is_some(),
+        "{parsed}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_trigger_is_poisoned_and_shutdown_releases_the_lease() {
+    let env = Env::new();
+    let extra = [
+        (
+            "LEASEHOLD_LOGIC_COMMAND",
+            env.logic("test \"$LEASEHOLD_RECORD_ID\" != doomed && sleep 600"),
+        ),
+        ("LEASEHOLD_MAX_DEQUEUE_COUNT", "2".to_string()),
+        ("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", "1".to_string()),
+    ];
+    let mut child = env.spawn(&["serve"], &extra).await;
+    let (ok, out) = env.output(&["enqueue", "--scope", "account", "doomed"]).await;
+    assert!(ok, "{out}");
+    let poison = env.queue(&poison_queue_name(&env.queue));
+    eventually(
+        Duration::from_secs(60),
+        "the failing trigger in the poison queue",
+        || async { (poison.approximate_len().await.unwrap() == 1).then_some(()) },
+    )
+    .await;
+    let got = poison.get(1, Duration::from_secs(30)).await.unwrap();
+    let text = String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(&got[0].body)
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(
+        text.contains("gave up after 2 deliveries") && text.contains("doomed"),
+        "{text}"
+    );
+
+    // A long run, then SIGTERM: the run is cancelled, its lease released, its trigger handed back.
+    let (ok, _) = env.output(&["enqueue", "--scope", "account", RECORD]).await;
+    assert!(ok);
+    eventually(Duration::from_secs(20), "the long run to start", || async {
+        env.runs().iter().any(|r| r.0 == RECORD).then_some(())
+    })
+    .await;
+    let (_, status) = env
+        .output(&["status", "--json", "--scope", "account", RECORD])
+        .await;
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["record"]["held"], true, "{status}");
+    terminate(&child);
+    assert!(child.wait().await.unwrap().success());
+    let (_, status) = env
+        .output(&["status", "--json", "--scope", "account", RECORD])
+        .await;
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(
+        status["record"]["held"], false,
+        "lease released on shutdown: {status}"
+    );
+    assert_eq!(
+        status["queue"]["approximateMessages"], 1,
+        "the trigger was handed back: {status}"
+    );
+    assert_eq!(status["poison"]["approximateMessages"], 1);
+    assert!(status["record"]["generation"].as_u64().unwrap() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ops_commands_and_clear_configuration_errors() {
+    let env = Env::new();
+    let (ok, out) = env.output(&["status", "--scope", "account", RECORD]).await;
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("free (never used)") && out.contains("retrigger   none"),
+        "{out}"
+    );
+    let (ok, out) = env
+        .output(&["break", "--scope", "account", RECORD, "--reason", "test"])
+        .await;
+    assert!(ok, "{out}");
+    // A bad setting names the variable and exits non-zero.
+    let out = env
+        .command(&["serve"], &[("LEASEHOLD_LEASE_SECONDS", "5".into())])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("LEASEHOLD_LEASE_SECONDS must be from 15 to 60"),
+        "{err}"
+    );
+    // No logic configured: says how to configure it.
+    let out = env.command(&["serve"], &[]).output().await.unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("LEASEHOLD_LOGIC_COMMAND") && err.contains("--demo"),
+        "{err}"
+    );
+}
