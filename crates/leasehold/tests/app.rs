@@ -710,3 +710,102 @@ async fn ops_commands_and_clear_configuration_errors() {
         "{err}"
     );
 }
+
+/// Start answers 503 (and the caller may retry) when the queue cannot be reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_answers_503_when_the_queue_is_unreachable() {
+    let env = Env::new();
+    let closed = free_port();
+    let nowhere = format!(
+        "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={};BlobEndpoint=http://127.0.0.1:{closed}/devstoreaccount1;QueueEndpoint=http://127.0.0.1:{closed}/devstoreaccount1;",
+        leasehold_lock::EMULATOR_KEY
+    );
+    let mut child = env
+        .spawn(
+            &["serve"],
+            &[
+                ("LEASEHOLD_LOGIC_COMMAND", "true".into()),
+                ("AzureWebJobsStorage", nowhere),
+            ],
+        )
+        .await;
+    let url = format!("http://127.0.0.1:{}/api/start", env.port);
+    let (status, body) = post(&url, r#"{"recordId":"1"}"#, &[]).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("cannot be reached"),
+        "{body}"
+    );
+    assert!(!body.to_string().contains(leasehold_lock::EMULATOR_KEY));
+    terminate(&child);
+    child.wait().await.unwrap();
+}
+
+/// Handler mode under a burst: the host delivers several triggers for a record while its run is
+/// in progress; they coalesce into one retrigger on the real queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn handler_mode_coalesces_a_burst() {
+    let env = Env::new();
+    let gate = env.dir.join("gate");
+    let logic = env.logic(&format!("while [ ! -e {} ]; do sleep 0.05; done", gate.display()));
+    let mut child = env
+        .spawn(
+            &["handler"],
+            &[
+                ("LEASEHOLD_LOGIC_COMMAND", logic),
+                ("FUNCTIONS_CUSTOMHANDLER_PORT", env.port.to_string()),
+            ],
+        )
+        .await;
+    let url = format!("http://127.0.0.1:{}/Worker", env.port);
+    let invocation = json!({
+        "Data": { "trigger": TriggerMessage::new("account", RECORD).to_json() },
+        "Metadata": { "DequeueCount": 1 }
+    });
+    let client = reqwest::Client::new();
+    let first = {
+        let (client, url, invocation) = (client.clone(), url.clone(), invocation.clone());
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .json(&invocation)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        })
+    };
+    eventually(Duration::from_secs(20), "the first run to start", || async {
+        (!env.runs().is_empty()).then_some(())
+    })
+    .await;
+    for _ in 0..5 {
+        let r: Value = client
+            .post(&url)
+            .json(&invocation)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(r["ReturnValue"]["outcome"], "coalesced", "{r}");
+    }
+    std::fs::write(&gate, b"").unwrap();
+    let r = first.await.unwrap();
+    assert_eq!(r["ReturnValue"]["outcome"], "completed", "{r}");
+    let queue = env.queue(&env.queue);
+    let waiting = queue.get(32, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(
+        waiting.len(),
+        1,
+        "five triggers during the run left exactly one retrigger"
+    );
+    let retrigger = TriggerMessage::decode(&waiting[0].body).unwrap();
+    assert_eq!(retrigger.kind, leasehold_runtime::TriggerKind::Retrigger);
+    assert_eq!(env.runs().len(), 1);
+    terminate(&child);
+    child.wait().await.unwrap();
+}

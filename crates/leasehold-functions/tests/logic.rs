@@ -1,0 +1,141 @@
+//! The logic runners: a real shell command and a real HTTP endpoint.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use leasehold_functions::logic::{CommandLogic, UrlLogic};
+use leasehold_runtime::{Logic, RunContext};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+fn ctx(record: &str, token: Option<u64>) -> RunContext {
+    RunContext {
+        scope: "account".into(),
+        record_id: record.into(),
+        fencing_token: token,
+        cancel: CancellationToken::new(),
+        attempt: 1,
+    }
+}
+
+#[tokio::test]
+async fn command_gets_the_record_in_its_environment_and_its_exit_code_counts() {
+    let dir = std::env::temp_dir().join(leasehold_test_support::unique_name("logic"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("env.txt");
+    let logic = CommandLogic::new(format!(
+        "echo \"$LEASEHOLD_SCOPE $LEASEHOLD_RECORD_ID $LEASEHOLD_FENCING_TOKEN $LEASEHOLD_ATTEMPT\" > {}",
+        out.display()
+    ));
+    logic.run(ctx("42", Some(7))).await.unwrap();
+    assert_eq!(std::fs::read_to_string(&out).unwrap().trim(), "account 42 7 1");
+
+    let failing = CommandLogic::new("echo 'the CRM refused the update' >&2; exit 3");
+    let err = failing.run(ctx("42", None)).await.unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "the logic command exited with code 3: the CRM refused the update"
+    );
+}
+
+#[tokio::test]
+async fn a_cancelled_command_is_terminated() {
+    let dir = std::env::temp_dir().join(leasehold_test_support::unique_name("logic"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let pid_file = dir.join("pid");
+    let logic = CommandLogic::new(format!("echo $$ > {}; exec sleep 600", pid_file.display()));
+    let run = ctx("42", Some(1));
+    let cancel = run.cancel.clone();
+    let task = tokio::spawn(async move { logic.run(run).await });
+    let pid = leasehold_test_support::eventually(Duration::from_secs(10), "the command to start", || async {
+        std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok())
+    })
+    .await;
+    cancel.cancel();
+    let err = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("terminated"), "{err}");
+    let alive = std::process::Command::new("kill")
+        .arg("-0")
+        .arg(pid.to_string())
+        .status()
+        .unwrap()
+        .success();
+    assert!(!alive, "process {pid} survived cancellation");
+}
+
+#[tokio::test]
+async fn url_logic_posts_the_record_and_the_status_counts() {
+    let seen: Arc<Mutex<Vec<(Value, Option<String>)>>> = Arc::default();
+    let arrived = Arc::new(tokio::sync::Notify::new());
+    let slow_arrived = arrived.clone();
+    let record = seen.clone();
+    let app = Router::new()
+        .route(
+            "/run",
+            post(move |headers: HeaderMap, body: axum::Json<Value>| {
+                let record = record.clone();
+                async move {
+                    let token = headers
+                        .get("x-leasehold-fencing-token")
+                        .map(|v| v.to_str().unwrap().to_string());
+                    let fails = body["recordId"] == "bad";
+                    record.lock().unwrap().push((body.0, token));
+                    if fails {
+                        (StatusCode::CONFLICT, "stale fencing token")
+                    } else {
+                        (StatusCode::OK, "done")
+                    }
+                }
+            }),
+        )
+        .route(
+            "/slow",
+            post(move || {
+                let arrived = slow_arrived.clone();
+                async move {
+                    arrived.notify_one();
+                    tokio::time::sleep(Duration::from_secs(600)).await
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let logic = UrlLogic::new(&format!("http://{addr}/run?key=SECRET"), Duration::from_secs(30)).unwrap();
+    logic.run(ctx("42", Some(9))).await.unwrap();
+    let (body, token) = seen.lock().unwrap()[0].clone();
+    assert_eq!(body["recordId"], "42");
+    assert_eq!(body["fencingToken"], 9);
+    assert_eq!(token.as_deref(), Some("9"));
+    let err = logic.run(ctx("bad", Some(10))).await.unwrap_err().to_string();
+    assert!(
+        err.contains("409") && err.contains("stale fencing token"),
+        "{err}"
+    );
+    assert!(!err.contains("SECRET"), "the query string leaked: {err}");
+
+    let slow = UrlLogic::new(&format!("http://{addr}/slow"), Duration::from_secs(600)).unwrap();
+    let run = ctx("42", Some(11));
+    let cancel = run.cancel.clone();
+    let task = tokio::spawn(async move { slow.run(run).await });
+    arrived.notified().await; // the request is in flight
+    cancel.cancel();
+    let err = tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("abandoned"), "{err}");
+
+    assert!(UrlLogic::new("ftp://x", Duration::from_secs(1)).is_err());
+}
