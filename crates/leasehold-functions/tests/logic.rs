@@ -72,9 +72,12 @@ async fn a_cancelled_command_is_terminated() {
     assert!(!alive, "process {pid} survived cancellation");
 }
 
+/// A request the endpoint saw: its JSON body and its fencing-token header.
+type Seen = (Value, Option<String>);
+
 #[tokio::test]
 async fn url_logic_posts_the_record_and_the_status_counts() {
-    let seen: Arc<Mutex<Vec<(Value, Option<String>)>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
     let arrived = Arc::new(tokio::sync::Notify::new());
     let slow_arrived = arrived.clone();
     let record = seen.clone();
