@@ -94,3 +94,95 @@ fn local_settings_example_documents_every_setting() {
     }
     assert_eq!(values["FUNCTIONS_WORKER_RUNTIME"], "custom");
 }
+
+/// Settings the code reads: `AzureWebJobsStorage` and every `LEASEHOLD_*` field of the settings
+/// struct, plus what function.json names (`%SETTING%` and `connection`).
+fn settings_read() -> Vec<String> {
+    let root = leasehold_test_support::workspace_root();
+    let src = std::fs::read_to_string(root.join("crates/leasehold/src/settings.rs")).unwrap();
+    let mut names: Vec<String> = src
+        .lines()
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("leasehold_")
+                .and_then(|f| f.strip_suffix(": Option<String>,"))
+        })
+        .map(|f| format!("LEASEHOLD_{}", f.to_ascii_uppercase()))
+        .collect();
+    names.push("AzureWebJobsStorage".into());
+    names.push("LEASEHOLD_LOG_FORMAT".into()); // read by clap
+    for function in [START_FUNCTION, WORKER_FUNCTION] {
+        for b in read(&format!("{function}/function.json"))["bindings"]
+            .as_array()
+            .unwrap()
+        {
+            if let Some(q) = b["queueName"]
+                .as_str()
+                .and_then(|q| q.strip_prefix('%'))
+                .and_then(|q| q.strip_suffix('%'))
+            {
+                names.push(q.to_string());
+            }
+            if let Some(c) = b["connection"].as_str() {
+                names.push(c.to_string());
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+#[test]
+fn infrastructure_sets_every_setting_for_every_environment() {
+    let root = leasehold_test_support::workspace_root();
+    let bicep = std::fs::read_to_string(root.join("deploy/main.bicep")).unwrap();
+    let set: Vec<&str> = bicep
+        .lines()
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("{ name: '")
+                .and_then(|r| r.split('\'').next())
+        })
+        .collect();
+    for setting in settings_read() {
+        assert!(
+            set.contains(&setting.as_str()),
+            "deploy/main.bicep does not set the app setting {setting}"
+        );
+    }
+    assert!(
+        set.contains(&"FUNCTIONS_WORKER_RUNTIME") && set.contains(&"APPLICATIONINSIGHTS_CONNECTION_STRING")
+    );
+
+    // Parameters: the ones without a default must be given by every environment's file, and a
+    // file may only give parameters the template declares.
+    let mut declared = Vec::new();
+    let mut required = Vec::new();
+    for line in bicep.lines() {
+        if let Some(rest) = line.strip_prefix("param ") {
+            let name = rest.split_whitespace().next().unwrap().to_string();
+            if !rest.contains('=') {
+                required.push(name.clone());
+            }
+            declared.push(name);
+        }
+    }
+    for env in ["dev", "test", "prod"] {
+        let params = read(&format!("deploy/parameters/{env}.json"));
+        let given = params["parameters"].as_object().unwrap();
+        for r in &required {
+            assert!(
+                given.contains_key(r),
+                "deploy/parameters/{env}.json lacks the required parameter {r}"
+            );
+        }
+        for g in given.keys() {
+            assert!(
+                declared.contains(g),
+                "deploy/parameters/{env}.json sets {g}, which main.bicep does not declare"
+            );
+        }
+        assert_eq!(given["environmentName"]["value"], env);
+    }
+}

@@ -155,7 +155,14 @@ impl Settings {
             2u64,
         )?);
         let logic = match logic {
-            LogicSetting::Unset if raw.leasehold_demo_seconds.is_some() => LogicSetting::Demo(demo),
+            LogicSetting::Unset
+                if raw
+                    .leasehold_demo_seconds
+                    .as_deref()
+                    .is_some_and(|v| !v.trim().is_empty()) =>
+            {
+                LogicSetting::Demo(demo)
+            }
             other => other,
         };
 
@@ -280,6 +287,35 @@ mod tests {
         assert_eq!(s.consumer.visibility, Duration::from_secs(40));
         assert_eq!(s.logic, LogicSetting::Unset);
         assert!(s.lease.fencing);
+    }
+
+    #[test]
+    fn empty_settings_mean_unset() {
+        // Infrastructure sets every setting, unused ones to "": that must not switch anything on.
+        let empty = || Some(String::new());
+        let s = Settings::from_raw(Raw {
+            leasehold_logic_command: empty(),
+            leasehold_logic_url: empty(),
+            leasehold_demo_seconds: empty(),
+            leasehold_api_key: empty(),
+            leasehold_port: empty(),
+            leasehold_bind: empty(),
+            leasehold_max_depth: empty(),
+            leasehold_concurrency: empty(),
+            leasehold_allowed_organizations: empty(),
+            ..raw()
+        })
+        .unwrap();
+        assert_eq!(s.logic, LogicSetting::Unset);
+        assert!(
+            s.policy.api_key.is_none()
+                && s.policy.max_depth.is_none()
+                && s.policy.allowed_organizations.is_empty()
+        );
+        assert_eq!(
+            (s.port, s.bind.as_str(), s.consumer.concurrency),
+            (7071, "127.0.0.1", 8)
+        );
     }
 
     #[test]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# CI check of the deployment package: builds it, checks the zip's layout and execute bit, and
+# starts the packaged binary exactly as the Functions host would (host.json's executable and
+# arguments, FUNCTIONS_CUSTOMHANDLER_PORT) until it answers the readiness probe GET /.
+# Also checks that scripts/deploy.sh --dry-run prints a full deployment.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+zip=$(scripts/package.sh "$root/target/package")
+work=$(mktemp -d)
+trap 'rm -rf "$work"; [ -n "${pid:-}" ] && kill "$pid" 2>/dev/null || true' EXIT
+
+python3 - "$zip" <<'PY'
+import sys, zipfile, stat
+z = zipfile.ZipFile(sys.argv[1])
+names = sorted(z.namelist())
+want = sorted(["host.json", "leasehold", "Start/function.json", "Worker/function.json"])
+assert names == want, f"zip holds {names}, expected {want}"
+mode = z.getinfo("leasehold").external_attr >> 16
+assert mode & stat.S_IXUSR, f"leasehold is not executable in the zip (mode {oct(mode)})"
+print(f"zip layout ok: {names}; leasehold mode {oct(mode & 0o777)}")
+PY
+unzip -q "$zip" -d "$work/app"
+[ -x "$work/app/leasehold" ] || { echo "check-package: the execute bit did not survive unzip" >&2; exit 1; }
+
+exe=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["customHandler"]["description"]; print(d["defaultExecutablePath"]); print(" ".join(d.get("arguments", [])))' "$work/app/host.json")
+path=$(echo "$exe" | sed -n 1p)
+args=$(echo "$exe" | sed -n 2p)
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+start=$(date +%s%N)
+(cd "$work/app" && env -i PATH="$PATH" FUNCTIONS_CUSTOMHANDLER_PORT="$port" FUNCTIONS_WORKER_RUNTIME=custom \
+  AzureWebJobsStorage=UseDevelopmentStorage=true LEASEHOLD_LOGIC_COMMAND=true LEASEHOLD_QUEUE=leasehold-triggers \
+  "./$path" $args >"$work/handler.log" 2>&1) &
+pid=$!
+for _ in $(seq 1 300); do
+  if curl -fsS "http://127.0.0.1:$port/" >/dev/null 2>&1; then
+    ready_ms=$(( ($(date +%s%N) - start) / 1000000 ))
+    echo "packaged handler answered GET / on port $port after ${ready_ms} ms (the host allows 30 s)"
+    break
+  fi
+  kill -0 "$pid" 2>/dev/null || { echo "check-package: the handler exited:" >&2; cat "$work/handler.log" >&2; exit 1; }
+  sleep 0.1
+done
+[ -n "${ready_ms:-}" ] || { echo "check-package: no answer to GET / within 30 s" >&2; cat "$work/handler.log" >&2; exit 1; }
+
+plan=$(scripts/deploy.sh prod --dry-run)
+for expect in "az group create" "az deployment group create" "deploy/parameters/prod.json" "config-zip"; do
+  echo "$plan" | grep -q -- "$expect" || { echo "check-package: deploy.sh --dry-run lacks '$expect'" >&2; exit 1; }
+done
+echo "deploy.sh --dry-run ok"
+echo "check-package: all checks passed"

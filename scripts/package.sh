@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Builds the release binary for the Linux images Azure Functions runs and packs the deployment zip:
+#   host.json, leasehold (executable), Start/function.json, Worker/function.json
+#
+# glibc: a binary linked on this machine (Debian 12, glibc 2.36) needs GLIBC_2.34 and would not
+# start on older images. We link against glibc 2.28 with cargo-zigbuild (zig from PyPI), which
+# runs on every current Functions Linux image (Debian 10 and later). Both tools are pinned and
+# installed here if missing.
+#
+# Usage: scripts/package.sh [OUTPUT_DIR]   (default target/package; prints the zip's path)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${1:-$root/target/package}
+target=x86_64-unknown-linux-gnu
+glibc=2.28
+zig_version=0.17.1
+zigbuild_version=0.24.1
+
+if ! python3 -m ziglang version >/dev/null 2>&1; then
+  echo "installing zig $zig_version (PyPI: ziglang)..." >&2
+  python3 -m pip install --quiet "ziglang==$zig_version" >&2
+fi
+if ! cargo zigbuild --help >/dev/null 2>&1; then
+  echo "installing cargo-zigbuild $zigbuild_version (crates.io)..." >&2
+  cargo install --locked --quiet cargo-zigbuild --version "$zigbuild_version" >&2
+fi
+
+echo "building leasehold (release, $target, glibc $glibc)..." >&2
+cargo zigbuild --release --locked --quiet -p leasehold --target "$target.$glibc" >&2
+bin="$root/target/$target/release/leasehold"
+
+# Refuse a binary that needs a newer glibc than we promise.
+needed=$(objdump -T "$bin" | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -t. -k1,1n -k2,2n -u | tail -n 1)
+if [ "$(printf '%s\n%s\n' "$needed" "$glibc" | sort -t. -k1,1n -k2,2n | tail -n 1)" != "$glibc" ]; then
+  echo "package.sh: the binary needs glibc $needed, more than $glibc" >&2
+  exit 1
+fi
+
+rm -rf "$out"
+mkdir -p "$out"
+python3 - "$out/leasehold.zip" "$bin" <<'PY'
+import sys, zipfile
+zip_path, binary = sys.argv[1], sys.argv[2]
+entries = [("host.json", "host.json", 0o644),
+           ("leasehold", binary, 0o755),
+           ("Start/function.json", "Start/function.json", 0o644),
+           ("Worker/function.json", "Worker/function.json", 0o644)]
+with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:
+    for name, source, mode in entries:
+        info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+        info.external_attr = (0o100000 | mode) << 16  # regular file + permissions, kept by unzip
+        info.create_system = 3  # Unix, so the permissions are honoured
+        info.compress_type = zipfile.ZIP_DEFLATED
+        with open(source, "rb") as f:
+            z.writestr(info, f.read())
+PY
+echo "$out/leasehold.zip (binary needs glibc >= $needed)" >&2
+echo "$out/leasehold.zip"
