@@ -62,7 +62,7 @@ impl AzureBlobStore {
     }
 
     /// Creates the container; an existing one is success.
-    async fn create_container(&self) -> StoreResult<()> {
+    async fn ensure_container(&self) -> StoreResult<()> {
         match self
             .call(Op::ContainerCreate, self.container.create().into_future())
             .await
@@ -81,7 +81,7 @@ impl AzureBlobStore {
     {
         match attempt().await {
             Err(e) if e.code() == Some("ContainerNotFound") => {
-                self.create_container().await?;
+                self.ensure_container().await?;
                 attempt().await
             }
             other => other,
@@ -175,6 +175,10 @@ fn lease_seconds(duration: Duration) -> StoreResult<u8> {
 
 #[async_trait]
 impl LeaseStore for AzureBlobStore {
+    async fn create_container(&self) -> StoreResult<()> {
+        self.ensure_container().await
+    }
+
     async fn create_blob(&self, name: &str) -> StoreResult<()> {
         let blob = self.blob(name);
         let attempt = || {

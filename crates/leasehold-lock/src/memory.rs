@@ -135,13 +135,17 @@ fn lease_state(blob: &Blob) -> LeaseState {
 
 #[async_trait]
 impl LeaseStore for MemoryStore {
+    async fn create_container(&self) -> StoreResult<()> {
+        self.with_state(Op::ContainerCreate, |s, _| {
+            s.container_exists = true;
+            Ok(())
+        })
+    }
+
     async fn create_blob(&self, name: &str) -> StoreResult<()> {
         let needs_container = !self.state.lock().expect("poisoned").container_exists;
         if needs_container {
-            self.with_state(Op::ContainerCreate, |s, _| {
-                s.container_exists = true;
-                Ok(())
-            })?;
+            self.create_container().await?;
         }
         self.with_state(Op::BlobCreate, |s, _| {
             if !s.blobs.contains_key(name) {
@@ -338,10 +342,7 @@ impl LeaseStore for MemoryStore {
     async fn put_flag(&self, name: &str) -> StoreResult<FlagPut> {
         let needs_container = !self.state.lock().expect("poisoned").container_exists;
         if needs_container {
-            self.with_state(Op::ContainerCreate, |s, _| {
-                s.container_exists = true;
-                Ok(())
-            })?;
+            self.create_container().await?;
         }
         self.with_state(Op::FlagPut, |s, _| {
             if s.blobs.contains_key(name) {

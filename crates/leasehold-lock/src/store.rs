@@ -90,6 +90,10 @@ pub enum FlagPut {
 /// callers in this crate do that (with backoff), not the stores.
 #[async_trait]
 pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
+    /// Creates the container if it does not exist (an existing one is success). The other calls
+    /// create it on first use by themselves; this is for start-up checks and tools.
+    async fn create_container(&self) -> StoreResult<()>;
+
     /// Creates an empty blob (and its container) if it does not exist. Losing a creation race
     /// is success.
     async fn create_blob(&self, blob: &str) -> StoreResult<()>;

@@ -495,6 +495,9 @@ mod memory {
 
     #[async_trait]
     impl LeaseStore for Flaky {
+        async fn create_container(&self) -> StoreResult<()> {
+            self.inner.create_container().await
+        }
         async fn create_blob(&self, blob: &str) -> StoreResult<()> {
             self.inner.create_blob(blob).await
         }

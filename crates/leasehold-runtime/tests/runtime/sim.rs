@@ -220,6 +220,9 @@ macro_rules! faulty {
 
 #[async_trait]
 impl LeaseStore for Node {
+    async fn create_container(&self) -> StoreResult<()> {
+        faulty!(self, Op::ContainerCreate, self.world.blob.create_container())
+    }
     async fn create_blob(&self, blob: &str) -> StoreResult<()> {
         faulty!(self, Op::BlobCreate, self.world.blob.create_blob(blob))
     }
