@@ -241,8 +241,7 @@ async fn poison_unreadable(app: &App, raw: &str, dequeue_count: u32, reason: Str
         reason: reason.clone(),
         dequeue_count,
     };
-    let text = serde_json::to_string(&poison).expect("poison message serialises");
-    let encoded = base64_encode(&text);
+    let encoded = poison.encode();
     match RetryOptions::default()
         .run("write poison", || app.poison.put(&encoded, Duration::ZERO))
         .await
@@ -259,9 +258,4 @@ async fn poison_unreadable(app: &App, raw: &str, dequeue_count: u32, reason: Str
             json!({ "error": format!("could not write to the poison queue: {e}") }),
         ),
     }
-}
-
-fn base64_encode(text: &str) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(text)
 }

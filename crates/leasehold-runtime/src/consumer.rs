@@ -83,6 +83,22 @@ pub struct PoisonMessage {
     pub dequeue_count: u32,
 }
 
+impl PoisonMessage {
+    /// The poison queue's wire form: base64 of the JSON, like trigger messages, so tools reading
+    /// either queue decode alike.
+    pub fn encode(&self) -> String {
+        let json = serde_json::to_string(self).expect("a poison message always serialises");
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, json)
+    }
+
+    /// Reads the wire form back (for operators' tools and tests).
+    pub fn decode(body: &str) -> Result<Self, crate::DecodeError> {
+        let bytes = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, body.trim())
+            .map_err(|_| crate::DecodeError::new("poison message is not base64"))?;
+        serde_json::from_slice(&bytes).map_err(|e| crate::DecodeError::new(format!("poison message: {e}")))
+    }
+}
+
 /// Polls a queue and runs its triggers.
 #[derive(Debug, Clone)]
 pub struct Consumer {
@@ -268,9 +284,7 @@ impl Consumer {
             reason,
             dequeue_count: received.dequeue_count,
         };
-        let body = serde_json::to_string(&poison).expect("poison message serialises");
-        let encoded = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, body);
-        match self.poison.put(&encoded, Duration::ZERO).await {
+        match self.poison.put(&poison.encode(), Duration::ZERO).await {
             Ok(()) => {
                 if let Err(e) = self.queue().delete(&received.id, receipt).await {
                     tracing::warn!(error = %e, "deleting the poisoned message failed; it may be poisoned twice");

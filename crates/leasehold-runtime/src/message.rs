@@ -45,6 +45,12 @@ fn is_zero(n: &u32) -> bool {
 #[error("not a trigger message: {0}")]
 pub struct DecodeError(String);
 
+impl DecodeError {
+    pub(crate) fn new(reason: impl Into<String>) -> Self {
+        Self(reason.into())
+    }
+}
+
 impl TriggerMessage {
     pub fn new(scope: impl Into<String>, record_id: impl Into<String>) -> Self {
         Self {

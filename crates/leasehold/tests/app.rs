@@ -7,9 +7,8 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use base64::Engine;
 use leasehold_lock::OpCounters;
-use leasehold_runtime::{AzureQueue, TriggerMessage, TriggerQueue, poison_queue_name};
+use leasehold_runtime::{AzureQueue, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
 use leasehold_test_support::{Azurite, eventually, unique_name};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
@@ -585,16 +584,9 @@ async fn custom_handler_speaks_the_host_protocol() {
     assert_eq!(status, 200);
     let poison = env.queue(&poison_queue_name(&env.queue));
     let got = poison.get(1, Duration::from_secs(30)).await.unwrap();
-    let text = String::from_utf8(
-        base64::engine::general_purpose::STANDARD
-            .decode(&got[0].body)
-            .unwrap(),
-    )
-    .unwrap();
-    assert!(
-        text.contains("not a trigger message") && text.contains("not a trigger"),
-        "{text}"
-    );
+    let poisoned = PoisonMessage::decode(&got[0].body).unwrap();
+    assert!(poisoned.reason.contains("not a trigger message"), "{poisoned:?}");
+    assert!(poisoned.body.contains("not a trigger"), "{poisoned:?}");
     // Unknown function.
     assert_eq!(invoke("Nope", json!({})).await.0, 404);
     // JSON logs, one line per record outcome.
@@ -635,16 +627,12 @@ async fn a_failing_trigger_is_poisoned_and_shutdown_releases_the_lease() {
     )
     .await;
     let got = poison.get(1, Duration::from_secs(30)).await.unwrap();
-    let text = String::from_utf8(
-        base64::engine::general_purpose::STANDARD
-            .decode(&got[0].body)
-            .unwrap(),
-    )
-    .unwrap();
+    let poisoned = PoisonMessage::decode(&got[0].body).unwrap();
     assert!(
-        text.contains("gave up after 2 deliveries") && text.contains("doomed"),
-        "{text}"
+        poisoned.reason.contains("gave up after 2 deliveries"),
+        "{poisoned:?}"
     );
+    assert_eq!(poisoned.trigger.map(|t| t.record_id).as_deref(), Some("doomed"));
 
     // A long run, then SIGTERM: the run is cancelled, its lease released, its trigger handed back.
     let (ok, _) = env.output(&["enqueue", "--scope", "account", RECORD]).await;

@@ -297,10 +297,7 @@ async fn a_trigger_that_keeps_failing_ends_in_the_poison_queue_with_its_reason()
         .poison
         .bodies()
         .iter()
-        .map(|b| {
-            let json = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, b).unwrap();
-            serde_json::from_slice(&json).unwrap()
-        })
+        .map(|b| PoisonMessage::decode(b).unwrap())
         .collect();
     assert!(
         poisoned
