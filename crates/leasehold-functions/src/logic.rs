@@ -1,7 +1,15 @@
 //! The record logic Leasehold runs: a shell command (`LEASEHOLD_LOGIC_COMMAND`), an HTTP POST
 //! (`LEASEHOLD_LOGIC_URL`), or a demo for local runs. Each is stopped when the run is cancelled
 //! (lease lost, time limit, shutdown). Rust users implement `leasehold_runtime::Logic` directly.
+//!
+//! A command runs under a small supervising process ([`supervise`], the `leasehold supervise`
+//! subcommand) that keeps the command's whole process tree in a process group of its own and
+//! stops all of it: when the run is cancelled, when the command exits (processes it left behind),
+//! and when the worker dies, however it dies (the supervisor's stdin is the worker's end of a
+//! pipe, which the kernel closes then).
 
+use std::ffi::OsString;
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -9,31 +17,143 @@ use async_trait::async_trait;
 use leasehold_runtime::{Logic, LogicError, RunContext};
 use tokio::io::AsyncReadExt;
 
-/// How long a cancelled command gets between SIGTERM and SIGKILL.
+/// How long a cancelled command gets between SIGTERM and SIGKILL (the default of
+/// [`CommandLogic::with_grace`]).
 pub const TERMINATE_GRACE: Duration = Duration::from_secs(5);
+/// How long a command gets between SIGTERM and SIGKILL when its worker is gone (the supervisor's
+/// control channel closed): the lease may pass to another worker soon.
+pub const ORPHAN_GRACE: Duration = Duration::from_secs(1);
+/// Beyond the grace, how long the worker waits for a stopped supervisor before it kills it.
+#[cfg(unix)]
+const SUPERVISOR_SLACK: Duration = Duration::from_secs(2);
+/// After the supervisor exits, how long its stderr is still read (a process that left the
+/// command's process group may hold it open).
+#[cfg(unix)]
+const STDERR_DRAIN: Duration = Duration::from_secs(1);
 /// Bytes of a failed command's stderr kept for the failure reason.
+#[cfg(unix)]
 const STDERR_TAIL: usize = 2048;
 
-/// Runs `sh -c <command>` per record with `LEASEHOLD_SCOPE`, `LEASEHOLD_RECORD_ID`,
-/// `LEASEHOLD_FENCING_TOKEN` (empty when fencing is off) and `LEASEHOLD_ATTEMPT` in its
-/// environment. Exit 0 is success. On cancellation it gets SIGTERM, then SIGKILL after 5 s.
+/// The executable that supervises a logic command: `<program> <args…> --grace-ms <N> -- sh -c
+/// <command>` must behave as [`supervise`] (the `leasehold` binary's hidden `supervise`
+/// subcommand does).
 #[derive(Debug, Clone)]
-pub struct CommandLogic {
-    command: String,
+pub struct Supervisor {
+    program: PathBuf,
+    args: Vec<OsString>,
 }
 
-impl CommandLogic {
-    pub fn new(command: impl Into<String>) -> Self {
+impl Supervisor {
+    /// This executable's `supervise` subcommand: for the `leasehold` binary.
+    pub fn current_exe() -> std::io::Result<Self> {
+        Ok(Self::program(std::env::current_exe()?, ["supervise"]))
+    }
+
+    /// Any executable that runs [`supervise`] with these leading arguments (e.g. the `leasehold`
+    /// binary and `["supervise"]`).
+    pub fn program<I, A>(path: impl Into<PathBuf>, args: I) -> Self
+    where
+        I: IntoIterator<Item = A>,
+        A: Into<OsString>,
+    {
         Self {
-            command: command.into(),
+            program: path.into(),
+            args: args.into_iter().map(Into::into).collect(),
         }
     }
 }
 
+/// Runs `sh -c <command>` per record with `LEASEHOLD_SCOPE`, `LEASEHOLD_RECORD_ID`,
+/// `LEASEHOLD_FENCING_TOKEN` (empty when fencing is off) and `LEASEHOLD_ATTEMPT` in its
+/// environment. Exit 0 is success.
+///
+/// The command runs in a process group of its own under a supervising process (see
+/// [`Supervisor`] and [`supervise`]), so every process it starts is stopped with it:
+/// - on cancellation the whole group gets SIGTERM, then SIGKILL after the grace (5 s by default);
+/// - when the command exits, processes it left running (`sleep 600 &`) are killed at once;
+/// - when the run future is dropped or the worker process dies (SIGKILL included), the group
+///   gets SIGTERM, then SIGKILL after [`ORPHAN_GRACE`].
+///
+/// A process that moves itself to another process group or session (`setsid`) escapes this.
+///
+/// A library user embedding `CommandLogic` must provide a supervisor executable: the `leasehold`
+/// binary (`Supervisor::program("/path/to/leasehold", ["supervise"])`), or a binary of their own
+/// whose `main` calls [`supervise`].
+#[cfg(unix)]
+#[derive(Debug, Clone)]
+pub struct CommandLogic {
+    command: String,
+    supervisor: Supervisor,
+    grace: Duration,
+}
+
+#[cfg(unix)]
+impl CommandLogic {
+    pub fn new(command: impl Into<String>, supervisor: Supervisor) -> Self {
+        Self {
+            command: command.into(),
+            supervisor,
+            grace: TERMINATE_GRACE,
+        }
+    }
+
+    /// How long a cancelled command gets between SIGTERM and SIGKILL (default 5 s). Keep it
+    /// well inside the runner's `stop_grace`: the worker waits this long plus 2 s.
+    pub fn with_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// Stops a cancelled run: SIGTERM to the supervisor (which stops the command's group),
+    /// SIGKILL to the supervisor if it has not exited after the grace plus some slack.
+    async fn stop(&self, child: &mut tokio::process::Child) {
+        // `id()` is `Some` until the child has been reaped, so the pid is still ours.
+        if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
+            if tokio::time::timeout(self.grace + SUPERVISOR_SLACK, child.wait())
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            tracing::error!(supervisor = pid, grace = ?self.grace,
+                "the logic supervisor did not exit after SIGTERM; killing it (processes of the logic command may survive)");
+        }
+        let _ = child.kill().await;
+    }
+}
+
+/// The last [`STDERR_TAIL`] bytes (or a little more) of a stream.
+#[cfg(unix)]
+#[derive(Default)]
+struct Tail(Vec<u8>);
+
+impl Tail {
+    fn push(&mut self, chunk: &[u8]) {
+        self.0.extend_from_slice(chunk);
+        if self.0.len() > 2 * STDERR_TAIL {
+            self.0.drain(..self.0.len() - STDERR_TAIL);
+        }
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0[self.0.len().saturating_sub(STDERR_TAIL)..])
+            .trim()
+            .to_string()
+    }
+}
+
+#[cfg(unix)]
 #[async_trait]
 impl Logic for CommandLogic {
     async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
-        let mut child = tokio::process::Command::new("sh")
+        let mut child = tokio::process::Command::new(&self.supervisor.program)
+            .args(&self.supervisor.args)
+            .arg("--grace-ms")
+            .arg(self.grace.as_millis().to_string())
+            .arg("--")
+            .arg("sh")
             .arg("-c")
             .arg(&self.command)
             .env("LEASEHOLD_SCOPE", &ctx.scope)
@@ -43,35 +163,56 @@ impl Logic for CommandLogic {
                 ctx.fencing_token.map(|t| t.to_string()).unwrap_or_default(),
             )
             .env("LEASEHOLD_ATTEMPT", ctx.attempt.to_string())
-            .stdin(Stdio::null())
+            // The control channel: open while this run lasts. Its end here closes when the run
+            // is dropped or the worker dies, and the supervisor then stops the command.
+            .stdin(Stdio::piped())
             .stdout(Stdio::inherit())
             .stderr(Stdio::piped())
-            .kill_on_drop(true)
+            // Out of the worker's process group: a Ctrl-C at a terminal reaches the worker,
+            // which stops its runs in order, not the supervisor.
+            .process_group(0)
+            // SIGKILLing the supervisor would orphan the command; dropping the control channel
+            // stops it instead.
+            .kill_on_drop(false)
             .spawn()
-            .map_err(|e| LogicError(format!("could not start the logic command: {e}")))?;
+            .map_err(|e| {
+                LogicError(format!(
+                    "could not start the logic supervisor {}: {e}",
+                    self.supervisor.program.display()
+                ))
+            })?;
+        let _control = child.stdin.take();
         let mut stderr = child.stderr.take().expect("stderr is piped");
-        let collect = async move {
-            let mut buf = Vec::new();
-            let _ = stderr.read_to_end(&mut buf).await;
-            buf
-        };
-        let collector = tokio::spawn(collect);
-        let status = tokio::select! {
-            biased;
-            status = child.wait() => status,
-            _ = ctx.cancel.cancelled() => {
-                terminate(&mut child).await;
-                return Err(LogicError("the logic command was terminated (run cancelled)".into()));
+        let mut tail = Tail::default();
+        let mut buf = [0u8; 4096];
+        let mut stderr_open = true;
+        let status = loop {
+            tokio::select! {
+                biased;
+                status = child.wait() => break status,
+                _ = ctx.cancel.cancelled() => {
+                    self.stop(&mut child).await;
+                    return Err(LogicError("the logic command was terminated (run cancelled)".into()));
+                }
+                n = stderr.read(&mut buf), if stderr_open => match n {
+                    Ok(n) if n > 0 => tail.push(&buf[..n]),
+                    _ => stderr_open = false,
+                },
             }
         };
-        let stderr = collector.await.unwrap_or_default();
         let status = status.map_err(|e| LogicError(format!("waiting for the logic command: {e}")))?;
         if status.success() {
             return Ok(());
         }
-        let tail = String::from_utf8_lossy(&stderr[stderr.len().saturating_sub(STDERR_TAIL)..])
-            .trim()
-            .to_string();
+        if stderr_open {
+            let _ = tokio::time::timeout(STDERR_DRAIN, async {
+                while let Ok(n @ 1..) = stderr.read(&mut buf).await {
+                    tail.push(&buf[..n]);
+                }
+            })
+            .await;
+        }
+        let tail = tail.text();
         let code = status
             .code()
             .map_or_else(|| "a signal".to_string(), |c| format!("code {c}"));
@@ -83,19 +224,233 @@ impl Logic for CommandLogic {
     }
 }
 
-/// SIGTERM (through `kill`, so no unsafe code), then SIGKILL if it has not exited in time.
-async fn terminate(child: &mut tokio::process::Child) {
-    if let Some(pid) = child.id() {
-        let _ = tokio::process::Command::new("kill")
-            .arg("-TERM")
-            .arg(pid.to_string())
-            .status()
-            .await;
-        if tokio::time::timeout(TERMINATE_GRACE, child.wait()).await.is_ok() {
-            return;
+/// What [`supervise`] runs: `program args…` (the worker passes `sh -c <command>`), and the grace
+/// between SIGTERM and SIGKILL when it is told to stop.
+#[derive(Debug, Clone)]
+pub struct SuperviseArgs {
+    pub grace: Duration,
+    pub program: OsString,
+    pub args: Vec<OsString>,
+}
+
+/// The supervising process of a logic command (`leasehold supervise --grace-ms N -- sh -c CMD`).
+/// Call it from a plain `main`, before any async runtime starts.
+///
+/// It starts `program args…` in a new process group (stdin null, stdout and stderr inherited)
+/// and stops the whole group:
+/// - on SIGTERM, SIGINT, SIGHUP or a line `stop` on stdin: SIGTERM to the group, SIGKILL after
+///   `grace`;
+/// - at end of stdin (the worker closed its end or died): the same with a grace of at most
+///   [`ORPHAN_GRACE`];
+/// - when the program exits: SIGKILL to whatever is left in the group.
+///
+/// It then exits with the program's exit code (128 + the signal number if a signal ended it).
+/// It writes nothing on stdout, and on stderr only when something goes wrong: 127 or 126 if the
+/// program could not be started, 125 for another failure of its own.
+#[cfg(unix)]
+pub fn supervise(args: SuperviseArgs) -> std::process::ExitCode {
+    use std::io::Write;
+    match supervisor::run(args) {
+        Ok(code) => std::process::ExitCode::from(code),
+        Err((code, message)) => {
+            let _ = writeln!(std::io::stderr(), "leasehold supervise: {message}");
+            std::process::ExitCode::from(code)
         }
     }
-    let _ = child.kill().await;
+}
+
+#[cfg(unix)]
+mod supervisor {
+    use std::io::BufRead;
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    use std::process::Stdio;
+    use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+    use std::time::{Duration, Instant};
+
+    use nix::errno::Errno;
+    use nix::sys::signal::{Signal, killpg};
+    use nix::sys::wait::{Id, WaitPidFlag, waitid};
+    use nix::unistd::Pid;
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    use signal_hook::iterator::Signals;
+
+    use super::{ORPHAN_GRACE, SuperviseArgs};
+
+    /// The supervised process group. No signal is sent to it once its leader has been reaped:
+    /// its id could then belong to another process group.
+    struct Group {
+        pgid: Pid,
+        state: Mutex<State>,
+        changed: Condvar,
+    }
+
+    #[derive(Default)]
+    struct State {
+        reaped: bool,
+        kill_at: Option<Instant>,
+    }
+
+    impl Group {
+        fn lock(&self) -> MutexGuard<'_, State> {
+            self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        }
+
+        fn signal(&self, state: &State, signal: Signal) {
+            if !state.reaped {
+                let _ = killpg(self.pgid, signal);
+            }
+        }
+
+        /// SIGTERM now (on the first request), SIGKILL after `grace` (the earliest deadline
+        /// asked for wins).
+        fn stop(&self, grace: Duration) {
+            let mut state = self.lock();
+            if state.reaped {
+                return;
+            }
+            if state.kill_at.is_none() {
+                self.signal(&state, Signal::SIGTERM);
+            }
+            let at = Instant::now() + grace;
+            state.kill_at = Some(state.kill_at.map_or(at, |k| k.min(at)));
+            self.changed.notify_all();
+        }
+
+        /// Sends SIGKILL when the stop deadline passes (a thread of its own).
+        fn kill_when_due(&self) {
+            let mut state = self.lock();
+            loop {
+                if state.reaped {
+                    return;
+                }
+                state = match state.kill_at {
+                    None => self.changed.wait(state).unwrap_or_else(PoisonError::into_inner),
+                    Some(at) => {
+                        let now = Instant::now();
+                        if now >= at {
+                            self.signal(&state, Signal::SIGKILL);
+                            return;
+                        }
+                        self.changed
+                            .wait_timeout(state, at - now)
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .0
+                    }
+                };
+            }
+        }
+
+        /// The leader has exited (and is not reaped yet): kills what is left of the group, and
+        /// from then on sends nothing.
+        fn leader_exited(&self) {
+            let mut state = self.lock();
+            self.signal(&state, Signal::SIGKILL);
+            state.reaped = true;
+            self.changed.notify_all();
+        }
+    }
+
+    pub(super) fn run(args: SuperviseArgs) -> Result<u8, (u8, String)> {
+        // Before the program starts, so no stop request is lost.
+        let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])
+            .map_err(|e| (125, format!("installing signal handlers: {e}")))?;
+        let mut child = std::process::Command::new(&args.program)
+            .args(&args.args)
+            .stdin(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .map_err(|e| {
+                let code = if e.kind() == std::io::ErrorKind::NotFound {
+                    127
+                } else {
+                    126
+                };
+                (
+                    code,
+                    format!("could not start {}: {e}", args.program.to_string_lossy()),
+                )
+            })?;
+        let pid = i32::try_from(child.id()).map_err(|e| (125, e.to_string()))?;
+        // The child is the leader of its new group (set before `spawn` returned).
+        let group = Arc::new(Group {
+            pgid: Pid::from_raw(pid),
+            state: Mutex::default(),
+            changed: Condvar::new(),
+        });
+        let grace = args.grace;
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map(drop)
+                .map_err(|e| format!("starting a thread: {e}"))
+        };
+        let mut failures = Vec::new();
+        let g = group.clone();
+        failures.extend(
+            spawn(
+                "signals",
+                Box::new(move || {
+                    for _ in signals.forever() {
+                        g.stop(grace);
+                    }
+                }),
+            )
+            .err(),
+        );
+        let g = group.clone();
+        failures.extend(
+            spawn(
+                "control",
+                Box::new(move || {
+                    for line in std::io::stdin().lock().split(b'\n') {
+                        match line {
+                            Ok(line) if line.trim_ascii() == b"stop" => g.stop(grace),
+                            Ok(_) => {}
+                            Err(_) => break,
+                        }
+                    }
+                    g.stop(grace.min(ORPHAN_GRACE));
+                }),
+            )
+            .err(),
+        );
+        let g = group.clone();
+        failures.extend(spawn("killer", Box::new(move || g.kill_when_due())).err());
+        if let Some(e) = failures.first() {
+            // Without its threads it could not be stopped: kill the program's group now (its
+            // leader is not reaped yet).
+            group.leader_exited();
+            let _ = child.wait();
+            return Err((125, e.clone()));
+        }
+
+        // Wait for the leader to exit but leave it a zombie: its pid, and so the group id, stay
+        // taken until the stragglers are killed.
+        loop {
+            match waitid(Id::Pid(group.pgid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT) {
+                Err(Errno::EINTR) => continue,
+                Ok(_) => break,
+                Err(e) => {
+                    use std::io::Write;
+                    let _ = writeln!(std::io::stderr(), "leasehold supervise: waitid: {e}");
+                    break;
+                }
+            }
+        }
+        group.leader_exited();
+        let status = child.wait().map_err(|e| {
+            (
+                125,
+                format!("waiting for {}: {e}", args.program.to_string_lossy()),
+            )
+        })?;
+        Ok(match (status.code(), status.signal()) {
+            (Some(code), _) => (code & 0xff) as u8,
+            (None, Some(signal)) => 128u8.saturating_add(u8::try_from(signal).unwrap_or(127)),
+            (None, None) => 125,
+        })
+    }
 }
 
 /// POSTs `{"scope", "recordId", "fencingToken", "attempt"}` to a URL per record (the fencing

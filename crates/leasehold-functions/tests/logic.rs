@@ -1,4 +1,5 @@
-//! The logic runners: a real shell command and a real HTTP endpoint.
+//! The URL logic runner against a real HTTP endpoint. The command runner needs its supervisor
+//! (the `leasehold` binary): its tests are in `crates/leasehold/tests/logic_tree.rs`.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -6,7 +7,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use leasehold_functions::logic::{CommandLogic, UrlLogic};
+use leasehold_functions::logic::UrlLogic;
 use leasehold_runtime::{Logic, RunContext};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -19,57 +20,6 @@ fn ctx(record: &str, token: Option<u64>) -> RunContext {
         cancel: CancellationToken::new(),
         attempt: 1,
     }
-}
-
-#[tokio::test]
-async fn command_gets_the_record_in_its_environment_and_its_exit_code_counts() {
-    let dir = std::env::temp_dir().join(leasehold_test_support::unique_name("logic"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join("env.txt");
-    let logic = CommandLogic::new(format!(
-        "echo \"$LEASEHOLD_SCOPE $LEASEHOLD_RECORD_ID $LEASEHOLD_FENCING_TOKEN $LEASEHOLD_ATTEMPT\" > {}",
-        out.display()
-    ));
-    logic.run(ctx("42", Some(7))).await.unwrap();
-    assert_eq!(std::fs::read_to_string(&out).unwrap().trim(), "account 42 7 1");
-
-    let failing = CommandLogic::new("echo 'the CRM refused the update' >&2; exit 3");
-    let err = failing.run(ctx("42", None)).await.unwrap_err().to_string();
-    assert_eq!(
-        err,
-        "the logic command exited with code 3: the CRM refused the update"
-    );
-}
-
-#[tokio::test]
-async fn a_cancelled_command_is_terminated() {
-    let dir = std::env::temp_dir().join(leasehold_test_support::unique_name("logic"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let pid_file = dir.join("pid");
-    let logic = CommandLogic::new(format!("echo $$ > {}; exec sleep 600", pid_file.display()));
-    let run = ctx("42", Some(1));
-    let cancel = run.cancel.clone();
-    let task = tokio::spawn(async move { logic.run(run).await });
-    let pid = leasehold_test_support::eventually(Duration::from_secs(10), "the command to start", || async {
-        std::fs::read_to_string(&pid_file)
-            .ok()
-            .and_then(|p| p.trim().parse::<u32>().ok())
-    })
-    .await;
-    cancel.cancel();
-    let err = tokio::time::timeout(Duration::from_secs(10), task)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap_err();
-    assert!(err.to_string().contains("terminated"), "{err}");
-    let alive = std::process::Command::new("kill")
-        .arg("-0")
-        .arg(pid.to_string())
-        .status()
-        .unwrap()
-        .success();
-    assert!(!alive, "process {pid} survived cancellation");
 }
 
 /// A request the endpoint saw: its JSON body and its fencing-token header.

@@ -3,13 +3,14 @@
 
 mod settings;
 
+use std::ffi::OsString;
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use leasehold_functions::http::{App, handler_router, standalone_router};
-use leasehold_functions::logic::{CommandLogic, DemoLogic, UrlLogic};
+use leasehold_functions::logic::{DemoLogic, UrlLogic};
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseLock, OpCounters, RetryOptions};
 use leasehold_runtime::{
@@ -89,6 +90,18 @@ enum Command {
         #[arg(long)]
         reason: String,
     },
+    /// Internal: runs a logic command in a process group of its own and stops the whole group
+    /// on SIGTERM/SIGINT/SIGHUP, on a `stop` line or end of stdin, and when the command exits.
+    /// The worker starts it for every LEASEHOLD_LOGIC_COMMAND run.
+    #[command(hide = true)]
+    Supervise {
+        /// Milliseconds between SIGTERM and SIGKILL when told to stop.
+        #[arg(long)]
+        grace_ms: u64,
+        /// The program and its arguments (after `--`).
+        #[arg(last = true, required = true, num_args = 1..)]
+        command: Vec<OsString>,
+    },
 }
 
 fn init_tracing(format: LogFormat) {
@@ -106,17 +119,43 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    // The supervisor of a logic command runs without the async runtime and without logging.
+    if let Some(Command::Supervise { grace_ms, command }) = cli.command {
+        return supervise(grace_ms, command);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("leasehold: starting the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     init_tracing(cli.log_format);
-    match run(cli).await {
+    match runtime.block_on(run(cli)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("leasehold: {e:#}");
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+#[cfg(unix)]
+fn supervise(grace_ms: u64, mut command: Vec<OsString>) -> std::process::ExitCode {
+    let program = command.remove(0);
+    leasehold_functions::logic::supervise(leasehold_functions::logic::SuperviseArgs {
+        grace: Duration::from_millis(grace_ms),
+        program,
+        args: command,
+    })
+}
+
+#[cfg(not(unix))]
+fn supervise(_grace_ms: u64, _command: Vec<OsString>) -> std::process::ExitCode {
+    eprintln!("leasehold supervise: needs a Unix system");
+    std::process::ExitCode::from(125)
 }
 
 async fn run(cli: Cli) -> Result<()> {
@@ -148,6 +187,7 @@ async fn run(cli: Cli) -> Result<()> {
             record_id,
             reason,
         } => break_lease(settings, &scope, &record_id, &reason).await,
+        Command::Supervise { .. } => bail!("`supervise` runs before the async runtime starts"),
     }
 }
 
@@ -183,7 +223,7 @@ fn wire(settings: &Settings) -> Result<Wiring> {
 
 fn logic(settings: &Settings, demo: bool) -> Result<Arc<dyn Logic>> {
     Ok(match &settings.logic {
-        LogicSetting::Command(c) => Arc::new(CommandLogic::new(c.clone())),
+        LogicSetting::Command(c) => command_logic(c)?,
         LogicSetting::Url(u) => Arc::new(
             UrlLogic::new(u, settings.runner.run_timeout)
                 .map_err(|e| anyhow::anyhow!("LEASEHOLD_LOGIC_URL: {e}"))?,
@@ -197,6 +237,20 @@ fn logic(settings: &Settings, demo: bool) -> Result<Arc<dyn Logic>> {
              or pass --demo to `serve`"
         ),
     })
+}
+
+/// A shell command, supervised by this executable's `supervise` subcommand.
+#[cfg(unix)]
+fn command_logic(command: &str) -> Result<Arc<dyn Logic>> {
+    use leasehold_functions::logic::{CommandLogic, Supervisor};
+    let supervisor = Supervisor::current_exe()
+        .context("LEASEHOLD_LOGIC_COMMAND: locating the leasehold executable (its supervisor)")?;
+    Ok(Arc::new(CommandLogic::new(command, supervisor)))
+}
+
+#[cfg(not(unix))]
+fn command_logic(_command: &str) -> Result<Arc<dyn Logic>> {
+    bail!("LEASEHOLD_LOGIC_COMMAND needs a Unix system; use LEASEHOLD_LOGIC_URL")
 }
 
 /// Fires on SIGINT or SIGTERM.

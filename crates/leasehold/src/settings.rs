@@ -181,7 +181,7 @@ impl Settings {
         let run_timeout = number(
             "LEASEHOLD_RUN_TIMEOUT_SECONDS",
             &raw.leasehold_run_timeout_seconds,
-            600u64,
+            RunnerOptions::default().run_timeout.as_secs(),
         )?;
         if run_timeout == 0 {
             bail!("LEASEHOLD_RUN_TIMEOUT_SECONDS must be at least 1");
@@ -287,6 +287,11 @@ mod tests {
         assert_eq!(s.consumer.visibility, Duration::from_secs(40));
         assert_eq!(s.logic, LogicSetting::Unset);
         assert!(s.lease.fencing);
+        assert_eq!(
+            s.runner.run_timeout,
+            RunnerOptions::default().run_timeout,
+            "one source of defaults"
+        );
     }
 
     #[test]
