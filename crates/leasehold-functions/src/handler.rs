@@ -2,7 +2,7 @@
 //!
 //! The host `POST`s `/<FunctionName>` with `{"Data": {<binding>: value}, "Metadata": {...}}` and
 //! expects `{"Outputs": {<binding>: value}, "Logs": [...], "ReturnValue": ...}`. Binding names
-//! here must match the `function.json` files under `functions/`:
+//! here must match the `function.json` files in `Start/` and `Worker/`:
 //!
 //! | function | trigger | outputs |
 //! | --- | --- | --- |
@@ -17,7 +17,7 @@ use serde_json::{Map, Value, json};
 
 use leasehold_runtime::TriggerMessage;
 
-/// Function names, as folder names under `functions/` (the host calls `POST /<name>`).
+/// Function names, as the folder names `Start/` and `Worker/` (the host calls `POST /<name>`).
 pub const START_FUNCTION: &str = "Start";
 pub const WORKER_FUNCTION: &str = "Worker";
 /// Binding names used in the `function.json` files.
@@ -25,6 +25,9 @@ pub const HTTP_IN: &str = "req";
 pub const HTTP_OUT: &str = "res";
 pub const QUEUE_OUT: &str = "message";
 pub const QUEUE_IN: &str = "trigger";
+
+/// The dequeue count assumed when the host's `DequeueCount` is missing or unreadable.
+pub const REDELIVERY_DEQUEUE_COUNT: u64 = 2;
 
 /// The HTTP request inside a Start invocation.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -124,11 +127,14 @@ pub fn parse_queue_invocation(payload: &Value) -> Result<QueueInvocation, String
     };
     let message = read_trigger(data);
     let metadata = payload.get("Metadata");
+    // Missing or unreadable: assume a redelivery, the safe reading (a first delivery may be
+    // trusted in ways a redelivery may not).
     let dequeue_count = match metadata.and_then(|m| m.get("DequeueCount")) {
-        Some(Value::Number(n)) => n.as_u64().unwrap_or(1),
-        Some(Value::String(s)) => s.trim().trim_matches('"').parse().unwrap_or(1),
-        _ => 1,
-    };
+        Some(Value::Number(n)) => n.as_u64(),
+        Some(Value::String(s)) => s.trim().trim_matches('"').parse().ok(),
+        _ => None,
+    }
+    .unwrap_or(REDELIVERY_DEQUEUE_COUNT);
     let id = metadata
         .and_then(|m| m.get("Id"))
         .and_then(Value::as_str)
@@ -217,6 +223,18 @@ mod tests {
             assert!(inv.message.is_err(), "{data}");
         }
         assert!(parse_queue_invocation(&json!({"Data": {}})).is_err());
+    }
+
+    #[test]
+    fn a_missing_or_unreadable_dequeue_count_reads_as_a_redelivery() {
+        let m = TriggerMessage::new("account", "42");
+        for dc in [json!(null), json!("many"), json!(-1), json!({})] {
+            let inv =
+                parse_queue_invocation(&worker_payload(Value::String(m.to_json()), dc.clone())).unwrap();
+            assert_eq!(inv.dequeue_count, 2, "{dc}");
+        }
+        let bare = json!({"Data": {"trigger": m.to_json()}});
+        assert_eq!(parse_queue_invocation(&bare).unwrap().dequeue_count, 2);
     }
 
     #[test]

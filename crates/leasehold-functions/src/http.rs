@@ -194,7 +194,12 @@ async fn invoke_worker(app: &App, payload: &Value) -> Response {
         message: message.clone(),
         dequeue_count: invocation.dequeue_count,
     };
-    let outcome = app.runner.handle(&delivery, &app.shutdown).await;
+    // The host keeps its message hidden for 10 minutes whatever happens to us: the watchdog
+    // carries this delivery if our host dies, and carries a failed run's retry.
+    let outcome = app
+        .runner
+        .handle_watched(&delivery, &*app.poison, &app.shutdown)
+        .await;
     let log = format!(
         "worker: {} {}/{}: {}",
         outcome.name(),
@@ -227,6 +232,8 @@ fn describe(outcome: &Outcome) -> String {
         }
         Outcome::Coalesced => "a run is in progress; it will run once more".into(),
         Outcome::Rechecking { after } => format!("lease held after a redelivery; rechecking in {after:?}"),
+        Outcome::Retrying { reason, after } => format!("{reason}; retrying in {after:?}"),
+        Outcome::Poisoned { reason } => format!("moved to the poison queue: {reason}"),
         Outcome::Rejected { reason } | Outcome::Failed { reason, .. } => reason.clone(),
     }
 }
@@ -246,7 +253,7 @@ async fn poison_unreadable(app: &App, raw: &str, dequeue_count: u32, reason: Str
         .run("write poison", || app.poison.put(&encoded, Duration::ZERO))
         .await
     {
-        Ok(()) => {
+        Ok(_) => {
             tracing::error!(%reason, poison_queue = app.poison.name(), "worker: message moved to the poison queue");
             json_response(
                 200,

@@ -126,9 +126,8 @@ fn map_error(op: Op, e: &azure_core::Error) -> StoreError {
 
 fn classify(status: u16, code: Option<&str>) -> StoreErrorKind {
     match (status, code.unwrap_or("")) {
-        (409, "LeaseAlreadyPresent" | "LeaseIsBreakingAndCannotBeAcquired") => {
-            StoreErrorKind::LeaseAlreadyPresent
-        }
+        (409, "LeaseAlreadyPresent") => StoreErrorKind::LeaseAlreadyPresent,
+        (409, "LeaseIsBreakingAndCannotBeAcquired") => StoreErrorKind::LeaseBreaking,
         (409 | 412, c) if c.starts_with("Lease") => StoreErrorKind::LeaseLost,
         (409, "ContainerBeingDeleted" | "BlobBeingRehydrated" | "QueueBeingDeleted") => {
             StoreErrorKind::Transient
@@ -235,11 +234,11 @@ impl LeaseStore for AzureBlobStore {
             .map(|_| ())
     }
 
-    async fn break_lease(&self, name: &str) -> StoreResult<()> {
+    async fn break_lease(&self, name: &str, period: Duration) -> StoreResult<()> {
         let fut = self
             .blob(name)
             .break_lease()
-            .lease_break_period(Duration::ZERO)
+            .lease_break_period(period)
             .into_future();
         match self.call(Op::LeaseBreak, fut).await {
             Ok(_) => Ok(()),

@@ -11,6 +11,11 @@ use crate::counters::Op;
 pub enum StoreErrorKind {
     /// 409 `LeaseAlreadyPresent`: another holder has the lease.
     LeaseAlreadyPresent,
+    /// 409 `LeaseIsBreakingAndCannotBeAcquired`: the caller's own lease id is being broken —
+    /// possibly from an acquire that took effect after the caller gave up on it. It is neither
+    /// "held by another" (nobody will read a marker for it) nor free. (Someone else's breaking
+    /// lease answers `LeaseAlreadyPresent`.)
+    LeaseBreaking,
     /// 409/412 lease id missing, mismatched or not present: the lease we name is not (or no longer) ours.
     LeaseLost,
     /// 404: the blob or its container does not exist.
@@ -33,6 +38,8 @@ pub struct StoreError {
     status: Option<u16>,
     code: Option<String>,
     message: String,
+    /// No answer came: the request may still take effect later.
+    timed_out: bool,
 }
 
 impl StoreError {
@@ -44,6 +51,7 @@ impl StoreError {
             status: None,
             code: None,
             message: redact(&message.into()),
+            timed_out: false,
         }
     }
 
@@ -75,13 +83,21 @@ impl StoreError {
         self.kind == StoreErrorKind::Transient
     }
 
-    /// A transient error standing for a call that timed out or whose answer was lost.
+    /// A transient error standing for a call that got no answer in time: it may have taken
+    /// effect, or may still take effect after the caller gave up on it.
     pub fn timeout(op: Op, after: Duration) -> Self {
-        Self::new(
+        let mut e = Self::new(
             StoreErrorKind::Transient,
             op,
             format!("no answer within {after:?}"),
-        )
+        );
+        e.timed_out = true;
+        e
+    }
+
+    /// Whether the call got no answer at all (see [`StoreError::timeout`]).
+    pub fn is_timeout(&self) -> bool {
+        self.timed_out
     }
 }
 
@@ -144,7 +160,13 @@ pub fn redact(text: &str) -> String {
     let mut rest = text;
     'outer: while !rest.is_empty() {
         for name in SECRET_NAMES {
-            if rest.len() >= name.len() && rest[..name.len()].eq_ignore_ascii_case(name) {
+            // Compared as bytes: `rest` may start with a character of several bytes (any
+            // language's OS error text), where slicing the string by `name.len()` would panic.
+            if rest
+                .as_bytes()
+                .get(..name.len())
+                .is_some_and(|b| b.eq_ignore_ascii_case(name.as_bytes()))
+            {
                 out.push_str(&rest[..name.len()]);
                 out.push_str("REDACTED");
                 let end = rest[name.len()..]
@@ -178,6 +200,14 @@ mod tests {
             "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=REDACTED;EndpointSuffix=x"
         );
         assert_eq!(redact("plain text, nothing secret"), "plain text, nothing secret");
+        // Text in other languages: multi-byte characters where a secret name could start.
+        let french = "Connexion refusée: échec à l'hôte; AccountKey=c2VjcmV0 — réessayez";
+        assert_eq!(
+            redact(french),
+            "Connexion refusée: échec à l'hôte; AccountKey=REDACTED — réessayez"
+        );
+        assert_eq!(redact("é"), "é");
+        assert_eq!(redact("ssssé"), "ssssé");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -35,8 +36,10 @@ pub struct LeaseOptions {
     /// How often the guard renews. Default 10 s (a third of the duration).
     pub renew_every: Duration,
     /// The guard declares the lease lost this long before storage could let it expire
-    /// (measured from when the last successful renewal was *sent*), to absorb clock-rate
-    /// differences and the renewal's own flight time. Default 3 s.
+    /// (measured from when the last successful renewal was *sent*). The margin must cover
+    /// stopping the work done under the lock (a runner's stop grace) plus clock-rate
+    /// differences between this machine and storage: work must be dead before storage can
+    /// grant the lease to anyone else. Default 10 s (a third of the duration).
     pub safety_margin: Duration,
     /// Write a fencing generation on every grant (2 extra round trips). Default on.
     pub fencing: bool,
@@ -51,7 +54,7 @@ impl Default for LeaseOptions {
         Self {
             duration: Duration::from_secs(30),
             renew_every: Duration::from_secs(10),
-            safety_margin: Duration::from_secs(3),
+            safety_margin: Duration::from_secs(10),
             fencing: true,
             retry: RetryOptions::default(),
             holder: default_holder(),
@@ -60,6 +63,17 @@ impl Default for LeaseOptions {
 }
 
 impl LeaseOptions {
+    /// Options for a lease of `duration`, renewed every third of it and declared lost a third
+    /// of it before storage could let it expire (the defaults, scaled).
+    pub fn with_duration(duration: Duration) -> Self {
+        Self {
+            duration,
+            renew_every: duration / 3,
+            safety_margin: duration / 3,
+            ..Self::default()
+        }
+    }
+
     /// Checks the options against Azure's limits and each other.
     pub fn validate(&self) -> Result<()> {
         let secs = self.duration.as_secs();
@@ -143,6 +157,11 @@ impl LeaseLock {
 
     /// Tries once to take `key`: `Ok(None)` if someone else holds it. Creates the lock blob (and
     /// container) on first use. Round trips when free: 1 (3 with fencing); when held: 1.
+    ///
+    /// A break of a lease with the caller's own id (an earlier acquire with that id that took
+    /// effect after the caller gave up on it) answers with an error of kind
+    /// [`StoreErrorKind::LeaseBreaking`]: neither held by someone else nor free; try again once
+    /// the break is over.
     pub async fn try_acquire(&self, key: &LockKey) -> Result<Option<LeaseGuard>> {
         self.try_acquire_as(key, LeaseId::random()).await
     }
@@ -156,30 +175,26 @@ impl LeaseLock {
         if !self.acquire_creating(&blob, lease).await? {
             return Ok(None);
         }
-        let fencing = if self.options.fencing {
-            match self.bump_generation(&blob, lease).await {
-                Ok(token) => Some(token),
-                // Our lease ran out between acquire and the metadata write and someone else has
-                // the key now: the honest answer is "held".
-                Err(Error::Storage(e)) if e.kind() == StoreErrorKind::LeaseLost => return Ok(None),
+        // The lease is ours from here: renew it from this moment, so a slow fencing write cannot
+        // outlive it unnoticed.
+        let mut guard = LeaseGuard::start(self, key.clone(), blob, lease, None, sent, None);
+        if self.options.fencing {
+            match self.bump_generation(&guard.blob, lease).await {
+                Ok(token) => guard.fencing = Some(token),
                 Err(e) => {
-                    let _ = self.store.release_lease(&blob, lease, None).await;
-                    return Err(e);
+                    // Whether the lease ran out meanwhile (412) or storage failed, the grant did
+                    // not complete: an error, never "held by someone else" — a caller told
+                    // "held" would rely on a holder that does not exist.
+                    let _ = guard.release().await;
+                    return Err(match e {
+                        Error::Storage(s) if s.kind() == StoreErrorKind::LeaseLost => lease_lost(key),
+                        other => other,
+                    });
                 }
             }
-        } else {
-            None
-        };
-        tracing::debug!(%key, %lease, ?fencing, "lease acquired");
-        Ok(Some(LeaseGuard::start(
-            self,
-            key.clone(),
-            blob,
-            lease,
-            fencing,
-            sent,
-            None,
-        )))
+        }
+        tracing::debug!(%key, %lease, fencing = ?guard.fencing, "lease acquired");
+        Ok(Some(guard))
     }
 
     /// Waits up to `timeout` for `key`, trying again after jittered, growing pauses (50 ms to
@@ -188,8 +203,11 @@ impl LeaseLock {
         let deadline = Instant::now() + timeout;
         let mut pauses = wait_backoff(&self.options.retry);
         loop {
-            if let Some(guard) = self.try_acquire(key).await? {
-                return Ok(guard);
+            match self.try_acquire(key).await {
+                Ok(Some(guard)) => return Ok(guard),
+                Ok(None) => {}
+                Err(Error::Storage(e)) if e.kind() == StoreErrorKind::LeaseBreaking => {}
+                Err(e) => return Err(e),
             }
             let now = Instant::now();
             if now >= deadline {
@@ -249,12 +267,24 @@ impl LeaseLock {
         crate::shared::join(self, key, share_key).await
     }
 
-    /// Ends whatever lease is on `key` at once, for operators; the holder's guard will see its
-    /// next renewal fail and fire its lost signal. The reason is logged.
+    /// Ends whatever lease is on `key`, for operators, safely: nobody can renew it from now on,
+    /// so its holder's guard fires `lost` at its next renewal and the work stops, and nobody can
+    /// acquire it until the time it had left has passed (at most the lease duration) — so the
+    /// broken holder's work is gone before anyone else starts. The reason is logged.
     pub async fn break_lock(&self, key: &LockKey, reason: &str) -> Result<()> {
+        self.break_lock_after(key, reason, self.options.duration).await
+    }
+
+    /// [`break_lock`](Self::break_lock) with the key free again after `period` at most
+    /// (zero: at once). Only for a holder known to be dead: a live one may still be working
+    /// when the next holder starts.
+    pub async fn break_lock_after(&self, key: &LockKey, reason: &str, period: Duration) -> Result<()> {
         let blob = lock_blob_name(key);
-        tracing::warn!(%key, reason, "breaking lease");
-        match self.retry("break lease", || self.store.break_lease(&blob)).await {
+        tracing::warn!(%key, reason, ?period, "breaking lease");
+        match self
+            .retry("break lease", || self.store.break_lease(&blob, period))
+            .await
+        {
             Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(()),
             other => other.map_err(Error::from),
         }
@@ -384,6 +414,7 @@ pub struct LeaseGuard {
     fencing: Option<u64>,
     lost: CancellationToken,
     stop: CancellationToken,
+    renewed: watch::Receiver<Instant>,
     renewer: Option<JoinHandle<()>>,
     lock: LeaseLock,
     member: Option<String>,
@@ -402,6 +433,7 @@ impl LeaseGuard {
     ) -> Self {
         let lost = CancellationToken::new();
         let stop = CancellationToken::new();
+        let (renewed_tx, renewed) = watch::channel(granted_at);
         let renewer = tokio::spawn(renew_loop(
             lock.store.clone(),
             blob.clone(),
@@ -410,6 +442,7 @@ impl LeaseGuard {
             granted_at,
             lost.clone(),
             stop.clone(),
+            renewed_tx,
         ));
         Self {
             key,
@@ -418,6 +451,7 @@ impl LeaseGuard {
             fencing,
             lost,
             stop,
+            renewed,
             renewer: Some(renewer),
             lock: lock.clone(),
             member,
@@ -448,6 +482,13 @@ impl LeaseGuard {
 
     pub fn is_lost(&self) -> bool {
         self.lost.is_cancelled()
+    }
+
+    /// Changes each time a renewal succeeds, to the instant that renewal was sent (storage
+    /// extended the lease to at least that instant plus the duration). For work that must keep
+    /// something else in step with the lease, such as a watchdog message's visibility.
+    pub fn renewals(&self) -> watch::Receiver<Instant> {
+        self.renewed.clone()
     }
 
     /// Stops renewing and releases the lease. A lease that was already lost is not an error.
@@ -536,6 +577,7 @@ impl Drop for LeaseGuard {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Renews every `renew_every`; declares the lease lost on a definitive refusal or when the local
 /// deadline (last renewal sent + duration − safety margin) passes without a success.
 async fn renew_loop(
@@ -546,6 +588,7 @@ async fn renew_loop(
     granted_at: Instant,
     lost: CancellationToken,
     stop: CancellationToken,
+    renewed: watch::Sender<Instant>,
 ) {
     let valid_for = options.duration - options.safety_margin;
     let mut deadline = granted_at + valid_for;
@@ -570,6 +613,7 @@ async fn renew_loop(
                 failures = 0;
                 deadline = sent + valid_for;
                 next = sent + options.renew_every;
+                renewed.send_replace(sent);
             }
             Err(e) if e.is_transient() => {
                 failures += 1;

@@ -21,6 +21,12 @@ enum Lease {
         expires: Instant,
         duration: Duration,
     },
+    /// Broken with a break period: nobody can acquire or renew until `until`; the holder may
+    /// still release.
+    Breaking {
+        id: LeaseId,
+        until: Instant,
+    },
     Broken,
 }
 
@@ -91,6 +97,11 @@ impl MemoryStore {
                     blob.expired = Some((id, duration));
                 }
             }
+            if let Lease::Breaking { until, .. } = blob.lease {
+                if until <= now {
+                    blob.lease = Lease::Broken;
+                }
+            }
         }
         f(&mut state, now)
     }
@@ -127,6 +138,7 @@ impl State {
 fn lease_state(blob: &Blob) -> LeaseState {
     match blob.lease {
         Lease::Active { .. } => LeaseState::Leased,
+        Lease::Breaking { .. } => LeaseState::Breaking,
         Lease::Broken => LeaseState::Broken,
         Lease::None if blob.expired.is_some() => LeaseState::Expired,
         Lease::None => LeaseState::Available,
@@ -165,6 +177,19 @@ impl LeaseStore for MemoryStore {
             let blob = s.blobs.get_mut(name).expect("checked above");
             match blob.lease {
                 Lease::Active { id, .. } if id != lease => Err(err(
+                    StoreErrorKind::LeaseAlreadyPresent,
+                    op,
+                    409,
+                    "LeaseAlreadyPresent",
+                )),
+                // As Azure (and Azurite): the breaking lease's own id is told apart.
+                Lease::Breaking { id, .. } if id == lease => Err(err(
+                    StoreErrorKind::LeaseBreaking,
+                    op,
+                    409,
+                    "LeaseIsBreakingAndCannotBeAcquired",
+                )),
+                Lease::Breaking { .. } => Err(err(
                     StoreErrorKind::LeaseAlreadyPresent,
                     op,
                     409,
@@ -237,7 +262,7 @@ impl LeaseStore for MemoryStore {
                 }
             }
             match blob.lease {
-                Lease::Active { id, .. } if id == lease => {
+                Lease::Active { id, .. } | Lease::Breaking { id, .. } if id == lease => {
                     blob.lease = Lease::None;
                     Ok(())
                 }
@@ -261,14 +286,22 @@ impl LeaseStore for MemoryStore {
         })
     }
 
-    async fn break_lease(&self, name: &str) -> StoreResult<()> {
+    async fn break_lease(&self, name: &str, period: Duration) -> StoreResult<()> {
         let op = Op::LeaseBreak;
-        self.with_state(op, |s, _| {
+        self.with_state(op, |s, now| {
             let Some(blob) = s.blobs.get_mut(name) else {
                 return Err(not_found(s, op));
             };
-            if matches!(blob.lease, Lease::Active { .. }) {
-                blob.lease = Lease::Broken;
+            match blob.lease {
+                // Azure ends the lease after the shorter of the period and the time it has left.
+                Lease::Active { id, expires, .. } if !period.is_zero() => {
+                    blob.lease = Lease::Breaking {
+                        id,
+                        until: (now + period).min(expires),
+                    };
+                }
+                Lease::Active { .. } | Lease::Breaking { .. } => blob.lease = Lease::Broken,
+                _ => {}
             }
             blob.expired = None;
             Ok(())

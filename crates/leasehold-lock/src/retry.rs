@@ -17,6 +17,12 @@ pub struct RetryOptions {
     pub max_delay: Duration,
     /// Seed for the jitter, so a simulation replays the same delays; `None` seeds from entropy.
     pub jitter_seed: Option<u64>,
+    /// How long a request that got no answer (a time-out) may still take effect after the
+    /// caller gave up on it. The retry after a time-out waits at least this long, so the first
+    /// request has landed (or never will) before the retry answers: otherwise a late DELETE
+    /// could remove a marker set after the retry, or a late acquire leave a lease nobody
+    /// holds. Default 5 s.
+    pub late_window: Duration,
 }
 
 impl Default for RetryOptions {
@@ -28,6 +34,7 @@ impl Default for RetryOptions {
             min_delay: Duration::from_millis(200),
             max_delay: Duration::from_secs(2),
             jitter_seed: None,
+            late_window: Duration::from_secs(5),
         }
     }
 }
@@ -63,6 +70,10 @@ impl RetryOptions {
             .retry(self.backoff())
             .sleep(tokio::time::sleep)
             .when(|e| e.is_transient())
+            .adjust(|e, delay| match delay {
+                Some(d) if e.is_timeout() => Some(d.max(self.late_window)),
+                other => other,
+            })
             .notify(
                 |e, delay| tracing::warn!(error = %e, ?delay, "{what}: transient storage failure, retrying"),
             )

@@ -110,8 +110,10 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     /// is given and the blob's ETag differs.
     async fn release_lease(&self, blob: &str, lease: LeaseId, if_match: Option<&ETag>) -> StoreResult<()>;
 
-    /// Breaks whatever lease is on the blob, at once (break period 0). No lease is success.
-    async fn break_lease(&self, blob: &str) -> StoreResult<()>;
+    /// Breaks whatever lease is on the blob: nobody can renew it from now on, and nobody can
+    /// acquire it for the shorter of `period` and the time it has left (zero: free at once).
+    /// No lease is success.
+    async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()>;
 
     /// Lease state, metadata and ETag of a blob.
     async fn properties(&self, blob: &str) -> StoreResult<BlobProperties>;

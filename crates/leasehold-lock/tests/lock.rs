@@ -92,7 +92,9 @@ mod scenarios {
         );
     }
 
-    /// An operator's break, from another client, fires the holder's lost signal.
+    /// An operator's break, from another client, fires the holder's lost signal; nobody else
+    /// can take the key until the broken holder has released it (its work stopped) or the time
+    /// its lease had left has passed. `break_lock_after(.., ZERO)` frees it at once.
     pub async fn break_fires_lost(store: Arc<dyn LeaseStore>) {
         let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
         let operator = LeaseLock::new(store, fast_options()).unwrap();
@@ -102,17 +104,39 @@ mod scenarios {
         tokio::time::timeout(Duration::from_secs(10), lost.cancelled())
             .await
             .expect("lost signal within one renewal period after a break");
-        // Someone else may take it now, and the old guard's release is harmless.
+        assert!(
+            operator.try_acquire(&key("broken")).await.unwrap().is_none(),
+            "held while breaking"
+        );
+        // Its own lease id, presented again, is told apart: breaking, neither held nor free.
+        match lock.try_acquire_as(&key("broken"), guard.lease_id()).await {
+            Err(leasehold_lock::Error::Storage(e)) => {
+                assert_eq!(e.kind(), leasehold_lock::StoreErrorKind::LeaseBreaking, "{e}")
+            }
+            other => panic!("one's own breaking lease is neither held nor free: {other:?}"),
+        }
+        // The broken holder stops and releases: free at once.
+        guard.release().await.unwrap();
         let next = operator
             .try_acquire(&key("broken"))
             .await
             .unwrap()
-            .expect("free after break");
-        guard.release().await.unwrap();
+            .expect("free once the broken holder released");
         assert!(
             lock.try_acquire(&key("broken")).await.unwrap().is_none(),
-            "old release freed the new holder"
+            "held by the next holder"
         );
+        // A break with no period, for a holder known dead, frees the key at once.
+        operator
+            .break_lock_after(&key("broken"), "holder is dead", Duration::ZERO)
+            .await
+            .unwrap();
+        let after = lock
+            .try_acquire(&key("broken"))
+            .await
+            .unwrap()
+            .expect("free at once after a break without period");
+        after.release().await.unwrap();
         next.release().await.unwrap();
     }
 
@@ -527,8 +551,8 @@ mod memory {
         ) -> StoreResult<()> {
             self.inner.release_lease(blob, lease, if_match).await
         }
-        async fn break_lease(&self, blob: &str) -> StoreResult<()> {
-            self.inner.break_lease(blob).await
+        async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()> {
+            self.inner.break_lease(blob, period).await
         }
         async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
             self.inner.properties(blob).await

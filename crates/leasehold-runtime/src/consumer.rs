@@ -5,8 +5,8 @@
 //!
 //! Visibility is the consumer's half of the dead-holder mechanism: a message stays hidden only
 //! while its worker lives and renews it, so a dead worker's message comes back within one
-//! visibility period. A run whose message could not be kept hidden is cancelled, because a copy
-//! of it may now be running elsewhere.
+//! visibility period. A run whose message could not be kept hidden goes on: the lease keeps it
+//! exclusive, and the message's next delivery finds the lease held and looks again later.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -195,8 +195,13 @@ impl Consumer {
         let message = match TriggerMessage::decode(&received.body) {
             Ok(m) => m,
             Err(e) => {
-                self.poison(&received, None, format!("unreadable message: {e}"))
-                    .await;
+                self.poison(
+                    &received,
+                    &received.pop_receipt,
+                    None,
+                    format!("unreadable message: {e}"),
+                )
+                .await;
                 return;
             }
         };
@@ -210,24 +215,22 @@ impl Consumer {
                 delivery.attempts() - 1,
                 self.options.max_dequeue_count
             );
-            self.poison(&received, Some(delivery.message.clone()), reason)
+            self.poison(&received, &received.pop_receipt, Some(delivery.message), reason)
                 .await;
             return;
         }
 
-        // Visibility is renewed by a task of its own, so a slow renewal never stalls the run.
+        // Visibility is renewed by a task of its own, so a slow renewal never stalls the run;
+        // it stops when this delivery ends, however it ends.
         let receipt = Arc::new(std::sync::Mutex::new(received.pop_receipt.clone()));
-        let run_cancel = cancel.child_token();
-        let renewer = tokio::spawn(keep_hidden(
+        let renewer = AbortOnDrop(tokio::spawn(keep_hidden(
             self.queue().clone(),
             received.clone(),
             receipt.clone(),
             self.options.clone(),
-            run_cancel.clone(),
-        ));
-        let outcome = self.runner.handle(&delivery, &run_cancel).await;
-        renewer.abort();
-        let _ = renewer.await;
+        )));
+        let outcome = self.runner.handle(&delivery, &cancel).await;
+        drop(renewer);
         let receipt = receipt.lock().expect("receipt mutex").clone();
 
         match outcome {
@@ -238,7 +241,7 @@ impl Consumer {
                 }
             }
             Outcome::Rejected { reason } => {
-                self.poison_with_receipt(&received, &receipt, Some(delivery.message), reason)
+                self.poison(&received, &receipt, Some(delivery.message), reason)
                     .await
             }
             Outcome::Failed { .. } => {
@@ -261,50 +264,51 @@ impl Consumer {
         }
     }
 
-    async fn poison(&self, received: &Received, trigger: Option<TriggerMessage>, reason: String) {
-        self.poison_with_receipt(received, &received.pop_receipt.clone(), trigger, reason)
-            .await;
-    }
-
-    async fn poison_with_receipt(
+    /// Gives the trigger up (poison entry with its reason, and a sweep) and deletes its message.
+    async fn poison(
         &self,
         received: &Received,
         receipt: &str,
         trigger: Option<TriggerMessage>,
         reason: String,
     ) {
-        tracing::error!(
-            scope = trigger.as_ref().map(|t| t.scope.as_str()), record = trigger.as_ref().map(|t| t.record_id.as_str()),
-            dequeue_count = received.dequeue_count, %reason, poison_queue = self.poison.name(),
-            "trigger moved to the poison queue"
-        );
-        let poison = PoisonMessage {
+        let entry = PoisonMessage {
             body: received.body.clone(),
             trigger,
             reason,
             dequeue_count: received.dequeue_count,
         };
-        match self.poison.put(&poison.encode(), Duration::ZERO).await {
+        match self.runner.give_up(&*self.poison, &entry).await {
             Ok(()) => {
                 if let Err(e) = self.queue().delete(&received.id, receipt).await {
                     tracing::warn!(error = %e, "deleting the poisoned message failed; it may be poisoned twice");
                 }
             }
             Err(e) => {
-                tracing::error!(error = %e, "could not write to the poison queue; the message stays for a retry")
+                tracing::error!(error = %e, "could not give the trigger up (sweep or poison queue); the message stays for a retry")
             }
         }
     }
 }
 
-/// Renews a message's visibility every `visibility_renew_every` while its run lasts; cancels the
-/// run when the message can no longer be kept hidden (a copy may then run elsewhere).
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews a message's visibility every `visibility_renew_every` while its run lasts. When the
+/// message cannot be kept hidden (its receipt went stale, say because an update's answer was
+/// lost), the run goes on: its lease keeps it exclusive, and the message's next delivery finds
+/// the lease held and looks again once it must have expired.
 async fn keep_hidden(
     queue: Arc<dyn TriggerQueue>,
     received: Received,
     receipt: Arc<std::sync::Mutex<String>>,
     options: ConsumerOptions,
-    run_cancel: CancellationToken,
 ) {
     let mut hidden_until = Instant::now() + options.visibility;
     let mut next = Instant::now() + options.visibility_renew_every;
@@ -327,8 +331,7 @@ async fn keep_hidden(
             }
             Err(e) => {
                 tracing::warn!(error = %e, message = %received.id,
-                    "message visibility lost: cancelling the run (the trigger may be redelivered)");
-                run_cancel.cancel();
+                    "message visibility can no longer be renewed: it will be delivered again, and that delivery looks again once this run's lease has expired");
                 return;
             }
         }

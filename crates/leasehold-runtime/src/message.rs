@@ -17,6 +17,26 @@ pub enum TriggerKind {
     /// From a redelivered trigger that found the lease held: look again once a dead holder's
     /// lease must have expired.
     Recheck,
+    /// Functions mode: put (hidden) before a delivery touches the lease and deleted when it
+    /// ends; it surfaces only if the delivery's host died (or fell silent) on the way, and then
+    /// stands in for it. A failed delivery turns it into its retry.
+    Watchdog,
+    /// Put when a trigger is given up (poisoned): once the lease is free, run if the retrigger
+    /// marker is set, so triggers that coalesced onto a holder of the poisoned trigger are still
+    /// honoured.
+    Sweep,
+}
+
+impl TriggerKind {
+    /// Whether a message of this kind carries a dead holder's duty. Such a message never takes
+    /// a held lease on trust (the holder may be the dead one it stands in for): it looks again
+    /// once that lease must have expired.
+    pub fn is_carrier(self) -> bool {
+        matches!(
+            self,
+            TriggerKind::Recheck | TriggerKind::Watchdog | TriggerKind::Sweep
+        )
+    }
 }
 
 /// A trigger for one record.
@@ -27,8 +47,9 @@ pub struct TriggerMessage {
     pub record_id: String,
     #[serde(default)]
     pub kind: TriggerKind,
-    /// Deliveries spent on this trigger by earlier messages it was carried over from (a recheck
-    /// carries its origin's count), so a trigger cannot dodge the poison limit by being copied.
+    /// Failed deliveries of this trigger in earlier messages it was carried over from (a recheck
+    /// or a watchdog carries its origin's count), so a trigger cannot dodge the poison limit by
+    /// being copied. A delivery that only looked (and found a run in progress) does not count.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub prior_attempts: u32,
     /// Correlation id from the source (Dataverse `CorrelationId`, or one Start made up).

@@ -24,13 +24,21 @@ pub struct Received {
     pub body: String,
 }
 
+/// A message just put on the queue: what [`TriggerQueue::set_visibility`] and
+/// [`TriggerQueue::delete`] need to change or remove it before anyone has taken it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enqueued {
+    pub id: String,
+    pub pop_receipt: String,
+}
+
 /// Queue operations, one round trip each (creating the queue on first use aside).
 #[async_trait]
 pub trait TriggerQueue: Send + Sync + fmt::Debug + 'static {
     fn name(&self) -> &str;
 
     /// Adds a message that becomes visible after `delay`. Creates the queue on first use.
-    async fn put(&self, body: &str, delay: Duration) -> StoreResult<()>;
+    async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued>;
 
     /// Takes up to `max` (1–32) visible messages, hiding them for `visibility`.
     async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>>;
@@ -38,7 +46,8 @@ pub trait TriggerQueue: Send + Sync + fmt::Debug + 'static {
     /// Deletes a taken message; `NotFound` if the receipt is stale (someone else took it since).
     async fn delete(&self, id: &str, pop_receipt: &str) -> StoreResult<()>;
 
-    /// Hides a taken message for `visibility` from now; returns the new pop receipt.
+    /// Hides a taken (or just put) message for `visibility` from now and replaces its body;
+    /// returns the new pop receipt.
     async fn set_visibility(
         &self,
         id: &str,
@@ -124,18 +133,19 @@ impl TriggerQueue for MemoryQueue {
         &self.name
     }
 
-    async fn put(&self, body: &str, delay: Duration) -> StoreResult<()> {
+    async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
         self.with(Op::QueuePut, |s, now| {
             s.next_id += 1;
             let id = format!("m{}", s.next_id);
+            let pop_receipt = format!("p{}", s.next_id);
             s.messages.push_back(MemoryMessage {
-                id,
+                id: id.clone(),
                 body: body.into(),
                 visible_at: now + delay,
                 dequeue_count: 0,
-                pop_receipt: String::new(),
+                pop_receipt: pop_receipt.clone(),
             });
-            Ok(())
+            Ok(Enqueued { id, pop_receipt })
         })
     }
 
@@ -184,7 +194,7 @@ impl TriggerQueue for MemoryQueue {
         &self,
         id: &str,
         pop_receipt: &str,
-        _body: &str,
+        body: &str,
         visibility: Duration,
     ) -> StoreResult<String> {
         self.with(Op::QueueUpdate, |s, now| {
@@ -198,6 +208,7 @@ impl TriggerQueue for MemoryQueue {
                 Some(m) => {
                     m.visible_at = now + visibility;
                     m.pop_receipt = fresh.clone();
+                    m.body = body.to_string();
                     Ok(fresh)
                 }
                 None => Err(receipt_mismatch(Op::QueueUpdate)),
@@ -262,7 +273,7 @@ impl TriggerQueue for AzureQueue {
         self.client.queue_name()
     }
 
-    async fn put(&self, body: &str, delay: Duration) -> StoreResult<()> {
+    async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
         let attempt = || {
             let mut builder = self.client.put_message(body.to_string());
             if !delay.is_zero() {
@@ -270,13 +281,17 @@ impl TriggerQueue for AzureQueue {
             }
             self.call(Op::QueuePut, builder.into_future())
         };
-        match attempt().await {
+        let response = match attempt().await {
             Err(e) if e.code() == Some("QueueNotFound") => {
                 self.create().await?;
-                attempt().await.map(|_| ())
+                attempt().await?
             }
-            other => other.map(|_| ()),
-        }
+            other => other?,
+        };
+        Ok(Enqueued {
+            id: response.queue_message.message_id,
+            pop_receipt: response.queue_message.pop_receipt,
+        })
     }
 
     async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {

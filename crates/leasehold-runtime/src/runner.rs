@@ -8,27 +8,54 @@
 //! * Holder path: acquire → run logic while the guard renews → release → *then* delete the marker
 //!   (202 = it was set) → if it was set, enqueue one retrigger → acknowledge.
 //! * Contended path: create the marker with `If-None-Match: *`. If we created it, try the lease
-//!   once more: if that succeeds we are the holder (we delete our own marker before running,
-//!   since our run covers it); if it fails, the holder will find the marker after its release.
-//!   If the marker already existed, whoever created it is already bound to that same second look.
+//!   once more (with the same lease id): if that succeeds we are the holder (we delete our own
+//!   marker before running, since our run covers it); if it fails, the holder will find the
+//!   marker after its release. If the marker already existed, whoever created it is already
+//!   bound to that same second look.
 //!
-//! **Dead holders.** A holder's trigger message is acknowledged only after its post-release
-//! marker check, so if the holder dies its message is delivered again. A redelivered message
-//! (dequeue count > 1) that finds the lease held does not trust the holder — it may be its own
-//! dead earlier delivery, whose lease outlives it by up to a lease duration — so instead of
-//! leaving a marker nobody may read, it enqueues a recheck that becomes visible only after a
-//! lease duration (plus margin) has passed, when a dead holder's lease must have expired.
+//! **Dead holders.** Leaving a marker is safe only if the holder will read it, or if something
+//! else will run the record once the holder's lease has expired. So every holder has a
+//! *carrier*: a queue message that comes back if the holder dies, only after its lease must have
+//! expired, and then runs the record.
+//!
+//! * Standalone ([`RecordRunner::handle`]): the holder's own trigger message, kept hidden by
+//!   the consumer while the process lives (lease duration + renewal interval at a time).
+//! * Functions mode ([`RecordRunner::handle_watched`]): the host keeps a message hidden for 10
+//!   minutes whatever happens, so each delivery first puts a hidden *watchdog* message, pushes it
+//!   a lease duration + renewal interval + 5 s ahead after each lease renewal, and deletes it when
+//!   it ends. If the whole host dies, the watchdog surfaces at most that long (45 s by default)
+//!   after the death, once the lease has expired, and stands in for the delivery. A failed run turns the watchdog into its retry (and the host's message is
+//!   acknowledged), so the retry never waits for the host.
+//!
+//! A carrier ([`TriggerKind::is_carrier`]: recheck, watchdog, sweep), and in standalone mode a
+//! redelivered trigger (it may be looking at its own dead holder's lease), never takes a held
+//! lease on trust: it looks again once that lease must have expired (a delayed recheck, or the
+//! watchdog left in place). Everything else that finds the lease held sets the marker and is
+//! acknowledged: the holder reads it, or the holder's carrier runs the record.
+//!
+//! **Giving up.** A trigger given up after too many failed deliveries goes to the poison queue
+//! with its reason, *after* a sweep message is queued: the poisoned trigger's earlier holder may
+//! have died with triggers coalesced onto it, and the sweep runs the record if the marker is set.
+//!
+//! **Stopping.** A run is cancelled when its lease is lost, its time limit passes or `cancel`
+//! fires; it has [`RunnerOptions::stop_grace`] to stop. Logic that does not stop by then is
+//! abandoned *and its lease is left to lapse* instead of released, so nobody else can start
+//! while it may still be running; its message is retried once the lease has expired. A logic
+//! that panics fails its run like an error.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold_lock::{FlagPut, LeaseLock, LockKey, StoreResult};
+use leasehold_lock::{FlagPut, LeaseGuard, LeaseId, LeaseLock, LockKey, StoreErrorKind, StoreResult};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::consumer::PoisonMessage;
 use crate::message::{TriggerKind, TriggerMessage};
 use crate::queue::TriggerQueue;
+use crate::watchdog::Watchdog;
 
 /// Prefix of retrigger marker blobs.
 pub const MARKER_PREFIX: &str = "retrigger/";
@@ -67,7 +94,8 @@ pub enum ProtocolVariant {
     Correct,
     /// Check the marker *before* releasing the lease (the seed design's class of bug).
     CheckMarkerBeforeRelease,
-    /// Acknowledge a redelivered trigger that finds the lease held (trusting a possibly dead holder).
+    /// Let a redelivery or a carrier that finds the lease held set the marker and be
+    /// acknowledged (trusting a possibly dead holder).
     TrustHolderOnRedelivery,
 }
 
@@ -78,11 +106,19 @@ pub struct RunnerOptions {
     /// Default 9 minutes: inside the Functions Consumption plan's 10-minute limit, with a
     /// minute left to release the lease and enqueue a retrigger.
     pub run_timeout: Duration,
-    /// How long a cancelled run may take to stop before it is abandoned. Default 10 s.
+    /// How long a cancelled run may take to stop before it is abandoned (and its lease left to
+    /// lapse). Default 5 s. Keep it at least 2 s below the lease's safety margin, so logic told
+    /// of a lost lease is gone before storage can grant the lease to anyone else.
     pub stop_grace: Duration,
     /// Delay of a recheck; must exceed the lease duration. Default: set from the lease options
     /// (duration + 5 s) by [`RecordRunner::new`].
     pub recheck_delay: Option<Duration>,
+    /// Deliveries of a trigger before it is given up (poison queue), when the runner decides
+    /// that itself ([`RecordRunner::handle_watched`]). Default 5, as the Functions host.
+    pub max_attempts: u32,
+    /// Delay before a failed trigger is tried again ([`RecordRunner::handle_watched`]).
+    /// Default 5 s.
+    pub retry_delay: Duration,
     #[doc(hidden)]
     pub variant: ProtocolVariant,
 }
@@ -91,12 +127,19 @@ impl Default for RunnerOptions {
     fn default() -> Self {
         Self {
             run_timeout: Duration::from_secs(540),
-            stop_grace: Duration::from_secs(10),
+            stop_grace: Duration::from_secs(5),
             recheck_delay: None,
+            max_attempts: 5,
+            retry_delay: Duration::from_secs(5),
             variant: ProtocolVariant::Correct,
         }
     }
 }
+
+/// How much longer than lease duration + renewal interval a watchdog stays hidden after each push:
+/// it must surface only after a dead holder's lease has expired (a renewal may land after the
+/// push before it; clock rates and the push's own flight time included).
+pub const WATCHDOG_MARGIN: Duration = Duration::from_secs(5);
 
 /// One delivery of a trigger message.
 #[derive(Debug, Clone)]
@@ -109,7 +152,24 @@ pub struct Delivery {
 impl Delivery {
     /// Deliveries of this trigger so far, including those of messages it was carried over from.
     pub fn attempts(&self) -> u32 {
-        self.message.prior_attempts + self.dequeue_count
+        self.message
+            .prior_attempts
+            .saturating_add(self.dequeue_count.max(1))
+    }
+
+    /// The kind of the message that looks again for this delivery when it may not trust a held
+    /// lease: a carrier keeps its kind, a redelivered trigger becomes a recheck.
+    fn continuation_kind(&self) -> TriggerKind {
+        match self.message.kind {
+            kind if kind.is_carrier() => kind,
+            _ => TriggerKind::Recheck,
+        }
+    }
+
+    /// A sweep's first delivery runs only if the marker is set (it consumes the marker before
+    /// running); a later one may follow a delivery that consumed the marker and failed, so it runs.
+    fn runs_only_if_marked(&self) -> bool {
+        self.message.kind == TriggerKind::Sweep && self.dequeue_count <= 1
     }
 }
 
@@ -125,8 +185,14 @@ pub enum Outcome {
     /// A run was in progress; the marker is set and that run's holder will run once more.
     /// Acknowledge.
     Coalesced,
-    /// A redelivery found the lease held; a recheck is enqueued. Acknowledge.
+    /// The lease was held and this delivery may not trust the holder: it looks again after
+    /// `after` (a recheck is enqueued, or the watchdog left in place). Acknowledge.
     Rechecking { after: Duration },
+    /// The run failed and its retry is already queued (the watchdog became it). Acknowledge.
+    Retrying { reason: String, after: Duration },
+    /// Given up after too many failed deliveries: the trigger is in the poison queue with its
+    /// reason and a sweep is queued. Acknowledge.
+    Poisoned { reason: String },
     /// The message can never succeed (its scope or record cannot be a key). Poison it now.
     Rejected { reason: String },
     /// The run failed, timed out, lost its lease, was cancelled, or storage failed. Do not
@@ -139,7 +205,11 @@ impl Outcome {
     pub fn acknowledge(&self) -> bool {
         matches!(
             self,
-            Outcome::Completed { .. } | Outcome::Coalesced | Outcome::Rechecking { .. }
+            Outcome::Completed { .. }
+                | Outcome::Coalesced
+                | Outcome::Rechecking { .. }
+                | Outcome::Retrying { .. }
+                | Outcome::Poisoned { .. }
         )
     }
 
@@ -149,6 +219,8 @@ impl Outcome {
             Outcome::Completed { .. } => "completed",
             Outcome::Coalesced => "coalesced",
             Outcome::Rechecking { .. } => "rechecking",
+            Outcome::Retrying { .. } => "retrying",
+            Outcome::Poisoned { .. } => "poisoned",
             Outcome::Rejected { .. } => "rejected",
             Outcome::Failed { .. } => "failed",
         }
@@ -194,6 +266,10 @@ impl RecordRunner {
         let recheck_delay = options
             .recheck_delay
             .unwrap_or(lock.options().duration + Duration::from_secs(5));
+        if options.stop_grace + Duration::from_secs(2) > lock.options().safety_margin {
+            tracing::warn!(stop_grace = ?options.stop_grace, safety_margin = ?lock.options().safety_margin,
+                "the runner's stop grace is not 2 s shorter than the lease's safety margin: logic told of a lost lease may still run when storage hands the lease on");
+        }
         Self {
             lock,
             queue,
@@ -211,53 +287,241 @@ impl RecordRunner {
         &self.queue
     }
 
-    /// Handles one delivery. `cancel` stops a run from outside (shutdown, or the message's
-    /// visibility could not be kept); the trigger is then not acknowledged.
+    pub fn options(&self) -> &RunnerOptions {
+        &self.options
+    }
+
+    /// Handles one delivery whose message the caller keeps hidden only while this process lives
+    /// (the standalone [`crate::Consumer`]): the message itself is the carrier. `cancel` stops a
+    /// run from outside (shutdown); the trigger is then not acknowledged.
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
-        let msg = &delivery.message;
-        let key = match record_key(&msg.scope, &msg.record_id) {
-            Ok(key) => key,
-            Err(reason) => return Outcome::Rejected { reason },
+        let outcome = match self.key_of(delivery) {
+            Ok(key) => self.handle_key(&key, delivery, cancel, None).await,
+            Err(rejected) => rejected,
         };
-        let started = Instant::now();
-        let outcome = self.handle_key(&key, delivery, cancel).await;
-        let took = started.elapsed();
-        match &outcome {
+        self.log(delivery, &outcome);
+        outcome
+    }
+
+    /// Handles one delivery whose message someone else keeps hidden, for longer than a lease,
+    /// whatever happens to this process (the Functions host: 10 minutes). A hidden watchdog
+    /// message is put first and carries the delivery's duty if its host dies; a failed run turns
+    /// it into the retry, and a trigger that failed `max_attempts` times is given up (poison
+    /// queue, with a sweep). Every outcome but `Failed` and `Rejected` means: acknowledge.
+    /// Costs 2 round trips per delivery (put and delete of the watchdog) plus one per lease
+    /// renewal while a run lasts.
+    pub async fn handle_watched(
+        &self,
+        delivery: &Delivery,
+        poison: &dyn TriggerQueue,
+        cancel: &CancellationToken,
+    ) -> Outcome {
+        let outcome = self.handle_watched_inner(delivery, poison, cancel).await;
+        self.log(delivery, &outcome);
+        outcome
+    }
+
+    async fn handle_watched_inner(
+        &self,
+        delivery: &Delivery,
+        poison: &dyn TriggerQueue,
+        cancel: &CancellationToken,
+    ) -> Outcome {
+        let msg = &delivery.message;
+        let key = match self.key_of(delivery) {
+            Ok(key) => key,
+            Err(rejected) => return rejected,
+        };
+        let attempts = delivery.attempts();
+        if attempts > self.options.max_attempts {
+            // Only a message the host redelivered after a crash can get here.
+            let reason = format!(
+                "gave up after {} deliveries (max {})",
+                attempts - 1,
+                self.options.max_attempts
+            );
+            return self.poison_delivery(poison, delivery, reason).await;
+        }
+        let standin = msg.follow_up(TriggerKind::Watchdog, attempts);
+        let watchdog = match Watchdog::arm(
+            self.queue.clone(),
+            &self.options_retry(),
+            &standin,
+            self.watchdog_visibility(),
+        )
+        .await
+        {
+            Ok(w) => Arc::new(w),
+            // Nothing happened yet: the host retries its message.
+            Err(e) => return storage_failed("put watchdog", e),
+        };
+        let outcome = self.handle_key(&key, delivery, cancel, Some(&watchdog)).await;
+        match outcome {
+            Outcome::Rechecking { after } => {
+                // Leave the watchdog in place as the look again; this delivery did not fail.
+                let again = msg.follow_up(delivery.continuation_kind(), attempts - 1);
+                if let Err(e) = watchdog.rearm(&again, after).await {
+                    tracing::warn!(error = %e, "could not reschedule the watchdog; it surfaces when its visibility lapses");
+                }
+                Outcome::Rechecking { after }
+            }
+            Outcome::Failed { reason, .. } if attempts >= self.options.max_attempts => {
+                let reason = format!(
+                    "gave up after {attempts} deliveries (max {}): {reason}",
+                    self.options.max_attempts
+                );
+                let outcome = self.poison_delivery(poison, delivery, reason).await;
+                if outcome.acknowledge() {
+                    watchdog.disarm().await;
+                }
+                outcome
+            }
+            Outcome::Failed { reason, retriggered } => {
+                let retry = msg.follow_up(TriggerKind::Watchdog, attempts);
+                let after = self.options.retry_delay;
+                match watchdog.rearm(&retry, after).await {
+                    Ok(()) => Outcome::Retrying { reason, after },
+                    // Taken by someone already (it surfaced during the run): it carries the retry.
+                    Err(e) if e.kind() == StoreErrorKind::NotFound => Outcome::Retrying { reason, after },
+                    // The host retries its message (and the watchdog may surface too).
+                    Err(_) => Outcome::Failed { reason, retriggered },
+                }
+            }
+            other => {
+                watchdog.disarm().await;
+                other
+            }
+        }
+    }
+
+    /// Gives a trigger up: queues a sweep (so triggers that coalesced onto a holder of it are
+    /// still honoured), then writes the poison entry. The caller deletes the message only if
+    /// this succeeds.
+    pub async fn give_up(&self, poison: &dyn TriggerQueue, entry: &PoisonMessage) -> StoreResult<()> {
+        if let Some(trigger) = &entry.trigger {
+            if record_key(&trigger.scope, &trigger.record_id).is_ok() {
+                let sweep = trigger.follow_up(TriggerKind::Sweep, 0);
+                self.enqueue(&sweep, Duration::ZERO).await?;
+            }
+        }
+        let body = entry.encode();
+        self.options_retry()
+            .run("write poison", || poison.put(&body, Duration::ZERO))
+            .await?;
+        tracing::error!(
+            scope = entry.trigger.as_ref().map(|t| t.scope.as_str()),
+            record = entry.trigger.as_ref().map(|t| t.record_id.as_str()),
+            dequeue_count = entry.dequeue_count, reason = %entry.reason, poison_queue = poison.name(),
+            "trigger moved to the poison queue"
+        );
+        Ok(())
+    }
+
+    async fn poison_delivery(
+        &self,
+        poison: &dyn TriggerQueue,
+        delivery: &Delivery,
+        reason: String,
+    ) -> Outcome {
+        let entry = PoisonMessage {
+            body: delivery.message.encode(),
+            trigger: Some(delivery.message.clone()),
+            reason: reason.clone(),
+            dequeue_count: delivery.dequeue_count,
+        };
+        match self.give_up(poison, &entry).await {
+            Ok(()) => Outcome::Poisoned { reason },
+            Err(e) => storage_failed("give the trigger up", e),
+        }
+    }
+
+    fn options_retry(&self) -> leasehold_lock::RetryOptions {
+        self.lock.options().retry.clone()
+    }
+
+    /// A watchdog pushed at one renewal must still be hidden when the lease renewed at the
+    /// next one expires: lease duration + renewal interval + margin (45 s by default).
+    fn watchdog_visibility(&self) -> Duration {
+        let lease = self.lock.options();
+        lease.duration + lease.renew_every + WATCHDOG_MARGIN
+    }
+
+    fn key_of(&self, delivery: &Delivery) -> Result<LockKey, Outcome> {
+        record_key(&delivery.message.scope, &delivery.message.record_id)
+            .map_err(|reason| Outcome::Rejected { reason })
+    }
+
+    fn log(&self, delivery: &Delivery, outcome: &Outcome) {
+        let msg = &delivery.message;
+        let attempt = delivery.attempts();
+        match outcome {
             Outcome::Completed {
                 fencing_token,
                 retriggered,
                 run_time,
             } => tracing::info!(
-                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt = delivery.dequeue_count,
+                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
                 fencing_token = ?fencing_token, outcome = "completed", retriggered, run_ms = run_time.as_millis() as u64,
-                total_ms = took.as_millis() as u64, "record run completed"
+                "record run completed"
             ),
             Outcome::Failed { reason, retriggered } => tracing::warn!(
-                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt = delivery.dequeue_count,
-                outcome = "failed", retriggered, total_ms = took.as_millis() as u64, %reason, "record run failed; trigger will be retried"
+                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
+                outcome = "failed", retriggered, %reason, "record run failed; trigger will be retried"
+            ),
+            Outcome::Retrying { reason, after } => tracing::warn!(
+                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
+                outcome = "retrying", retry_in = ?after, %reason, "record run failed; retry queued"
             ),
             other => tracing::info!(
-                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt = delivery.dequeue_count,
-                outcome = other.name(), total_ms = took.as_millis() as u64, "trigger handled without a run"
+                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
+                outcome = other.name(), "trigger handled without a run"
             ),
         }
-        outcome
     }
 
-    async fn handle_key(&self, key: &LockKey, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
-        match self.lock.try_acquire(key).await {
-            Ok(Some(guard)) => return self.hold(key, delivery, guard, false, cancel).await,
+    /// Whether this delivery may set the marker and leave when it finds the lease held.
+    fn trusts_holder(&self, delivery: &Delivery, watched: bool) -> bool {
+        if self.options.variant == ProtocolVariant::TrustHolderOnRedelivery {
+            return true;
+        }
+        // Under a watchdog every holder has a carrier of its own, so only carriers must look
+        // again; without one a redelivered trigger may be looking at its own dead holder.
+        !delivery.message.kind.is_carrier() && (watched || delivery.dequeue_count == 1)
+    }
+
+    async fn handle_key(
+        &self,
+        key: &LockKey,
+        delivery: &Delivery,
+        cancel: &CancellationToken,
+        watchdog: Option<&Arc<Watchdog>>,
+    ) -> Outcome {
+        // One lease id for every attempt of this delivery: an acquire that took effect after we
+        // gave up on it is then our own lease, which our next attempt renews, not a stranger's.
+        let lease = LeaseId::random();
+        let conditional = delivery.runs_only_if_marked();
+        match self.lock.try_acquire_as(key, lease).await {
+            Ok(Some(guard)) => {
+                return self
+                    .hold(key, delivery, guard, conditional, cancel, watchdog)
+                    .await;
+            }
             Ok(None) => {}
             Err(e) => return storage_failed("acquire", e),
         }
 
-        // Contended. A redelivery may be looking at its own dead holder's lease: look again
-        // once that lease must have expired instead of trusting it.
-        if delivery.dequeue_count > 1 && self.options.variant != ProtocolVariant::TrustHolderOnRedelivery {
-            let recheck = delivery
+        if !self.trusts_holder(delivery, watchdog.is_some()) {
+            // The holder may be the dead one this delivery stands in for: look again once its
+            // lease must have expired, instead of leaving a marker nobody may read.
+            if watchdog.is_some() {
+                return Outcome::Rechecking {
+                    after: self.recheck_delay,
+                };
+            }
+            let again = delivery
                 .message
-                .follow_up(TriggerKind::Recheck, delivery.attempts());
-            return match self.enqueue(&recheck, self.recheck_delay).await {
+                .follow_up(delivery.continuation_kind(), delivery.attempts() - 1);
+            return match self.enqueue(&again, self.recheck_delay).await {
                 Ok(()) => Outcome::Rechecking {
                     after: self.recheck_delay,
                 },
@@ -268,10 +532,10 @@ impl RecordRunner {
         let marker = marker_blob_name(key);
         match self.put_marker(&marker).await {
             Ok(FlagPut::AlreadySet) => Outcome::Coalesced,
-            Ok(FlagPut::Created) => match self.lock.try_acquire(key).await {
+            Ok(FlagPut::Created) => match self.lock.try_acquire_as(key, lease).await {
                 // The holder released between our two attempts and may already have looked at
                 // the marker: we hold now, and our run covers the marker we set.
-                Ok(Some(guard)) => self.hold(key, delivery, guard, true, cancel).await,
+                Ok(Some(guard)) => self.hold(key, delivery, guard, true, cancel, watchdog).await,
                 Ok(None) => Outcome::Coalesced,
                 Err(e) => storage_failed("acquire", e),
             },
@@ -279,17 +543,21 @@ impl RecordRunner {
         }
     }
 
-    /// The holder path, from a granted lease to the acknowledgement decision.
+    /// The holder path, from a granted lease to the acknowledgement decision. With
+    /// `only_if_marked`, the marker is consumed first and the run happens only if it was set.
     async fn hold(
         &self,
         key: &LockKey,
         delivery: &Delivery,
-        guard: leasehold_lock::LeaseGuard,
-        clear_own_marker: bool,
+        guard: LeaseGuard,
+        only_if_marked: bool,
         cancel: &CancellationToken,
+        watchdog: Option<&Arc<Watchdog>>,
     ) -> Outcome {
+        // Keep the watchdog a lease ahead of the lease while we hold it.
+        let _follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
         let marker = marker_blob_name(key);
-        if clear_own_marker {
+        if only_if_marked {
             let (cleared, retried) = self
                 .marker_op("clear own marker", |store| store.delete_flag(&marker))
                 .await;
@@ -322,11 +590,21 @@ impl RecordRunner {
             record_id: delivery.message.record_id.clone(),
             fencing_token: token,
             cancel: run_cancel.clone(),
-            attempt: delivery.dequeue_count,
+            attempt: delivery.attempts(),
         };
         let started = Instant::now();
-        let result = self.run_logic(ctx, &guard, &run_cancel, cancel).await;
+        let end = self.run_logic(ctx, &guard, &run_cancel, cancel).await;
         let run_time = started.elapsed();
+        if end.abandoned {
+            // The logic may still be running: releasing would let another holder start beside
+            // it. Let the lease lapse instead; the message comes back after it has.
+            guard.abandon();
+            return Outcome::Failed {
+                reason: end.result.err().unwrap_or_default(),
+                retriggered: false,
+            };
+        }
+        let result = end.result;
 
         if self.options.variant == ProtocolVariant::CheckMarkerBeforeRelease {
             // WRONG on purpose: a trigger that sets the marker after this check and before the
@@ -367,34 +645,49 @@ impl RecordRunner {
         }
     }
 
-    /// Runs the logic until it ends, the lease is lost, the time limit passes or `outer` fires.
+    /// Runs the logic (in a task of its own, so a panic is contained) until it ends, the lease is
+    /// lost, the time limit passes or `outer` fires; then gives it `stop_grace` to stop.
     async fn run_logic(
         &self,
         ctx: RunContext,
-        guard: &leasehold_lock::LeaseGuard,
+        guard: &LeaseGuard,
         run_cancel: &CancellationToken,
         outer: &CancellationToken,
-    ) -> Result<(), String> {
+    ) -> RunEnd {
         let lost = guard.lost();
+        if lost.is_cancelled() {
+            return RunEnd::stopped("lease lost before the run started".into());
+        }
         let logic = self.logic.clone();
-        let mut run = std::pin::pin!(async move { logic.run(ctx).await });
+        let mut task = AbortOnDrop(tokio::spawn(async move { logic.run(ctx).await }));
+        // Biased: a lost lease or a cancellation wins over a result that is ready at the same
+        // moment, so a result produced after the lease was lost is never acknowledged.
         let stop_reason = tokio::select! {
-           biased;
-            result = &mut run => return result.map_err(|e| format!("logic failed: {e}")),
+            biased;
             _ = lost.cancelled() => "lease lost during the run".to_string(),
-            _ = outer.cancelled() => "run cancelled (shutdown or message visibility lost)".to_string(),
+            _ = outer.cancelled() => "run cancelled (shutdown)".to_string(),
+            joined = &mut task.0 => return RunEnd { result: logic_result(joined), abandoned: false },
             _ = tokio::time::sleep(self.options.run_timeout) => {
                 format!("run exceeded its time limit of {:?}", self.options.run_timeout)
             }
         };
         run_cancel.cancel();
-        if tokio::time::timeout(self.options.stop_grace, &mut run)
+        if tokio::time::timeout(self.options.stop_grace, &mut task.0)
             .await
-            .is_err()
+            .is_ok()
         {
-            tracing::warn!(grace = ?self.options.stop_grace, "logic did not stop within its grace period; abandoned");
+            return RunEnd::stopped(stop_reason);
         }
-        Err(stop_reason)
+        task.0.abort();
+        tracing::error!(grace = ?self.options.stop_grace,
+            "logic did not stop within its grace period; abandoned, its lease left to lapse");
+        RunEnd {
+            result: Err(format!(
+                "{stop_reason}; the logic did not stop within {:?} and was abandoned",
+                self.options.stop_grace
+            )),
+            abandoned: true,
+        }
     }
 
     /// Deletes the marker; if it was set, enqueues one retrigger. A delete whose answer was lost
@@ -451,6 +744,49 @@ impl RecordRunner {
             .retry
             .run("enqueue", || self.queue.put(&body, delay))
             .await
+            .map(drop)
+    }
+}
+
+/// How a run ended.
+struct RunEnd {
+    result: Result<(), String>,
+    /// The logic did not stop within its grace: it may still be running.
+    abandoned: bool,
+}
+
+impl RunEnd {
+    fn stopped(reason: String) -> Self {
+        Self {
+            result: Err(reason),
+            abandoned: false,
+        }
+    }
+}
+
+/// Aborts the logic's task if the run is dropped (its handler went away).
+struct AbortOnDrop(JoinHandle<Result<(), LogicError>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn logic_result(joined: Result<Result<(), LogicError>, tokio::task::JoinError>) -> Result<(), String> {
+    match joined {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("logic failed: {e}")),
+        Err(e) if e.is_panic() => {
+            let payload = e.into_panic();
+            let text = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-text payload".into());
+            Err(format!("logic panicked: {text}"))
+        }
+        Err(_) => Err("logic task was cancelled".into()),
     }
 }
 

@@ -571,14 +571,30 @@ async fn custom_handler_speaks_the_host_protocol() {
         [1, 2],
         "fencing tokens rise"
     );
-    // Failing logic: non-2xx so the host retries (and poisons after maxDequeueCount).
+    // Failing logic: the delivery's watchdog becomes its retry (visible after the retry delay),
+    // so the invocation succeeds and the host deletes its own message; the reason is logged.
     let (status, r) = invoke(
         "Worker",
         worker(json!(TriggerMessage::new("account", "fails").to_json()), json!(1)),
     )
     .await;
-    assert_eq!(status, 500, "{r}");
-    assert!(r["error"].as_str().unwrap().contains("exited with code 1"), "{r}");
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["ReturnValue"]["outcome"], "retrying", "{r}");
+    assert!(
+        r["Logs"][0].as_str().unwrap().contains("exited with code 1"),
+        "{r}"
+    );
+    let triggers = env.queue(&env.queue);
+    let retry = eventually(Duration::from_secs(15), "the retry to become visible", || async {
+        let got = triggers.get(1, Duration::from_secs(60)).await.unwrap();
+        got.into_iter().next()
+    })
+    .await;
+    let retry = TriggerMessage::decode(&retry.body).unwrap();
+    assert_eq!(
+        (retry.kind, retry.record_id.as_str(), retry.prior_attempts),
+        (leasehold_runtime::TriggerKind::Watchdog, "fails", 1)
+    );
     // Unreadable message: poisoned with its reason, invocation succeeds (nothing silently dropped).
     let (status, _) = invoke("Worker", worker(json!("not a trigger"), json!(1))).await;
     assert_eq!(status, 200);

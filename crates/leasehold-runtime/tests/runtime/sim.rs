@@ -1,16 +1,33 @@
-//! Deterministic, seeded simulation of the coalescing protocol: in-memory lease store and queue
-//! behind per-node fault injectors (delays, transient errors before and after the operation took
-//! effect), several workers, random trigger arrivals and logic durations, crashes at random
-//! instants (a crashed node's storage calls never return, so it releases nothing), lease expiry,
-//! redelivery, and both queue modes: the real standalone `Consumer`, and an emulation of the
-//! Functions host (10-minute visibility, failed invocations back after `visibilityTimeout`).
+//! Deterministic, seeded simulation of the coalescing protocol.
 //!
-//! Checked on every schedule: (1) no two runs of a record overlap, fencing tokens strictly rise
-//! in run order; (2) every accepted trigger is followed by a completed run that started after
-//! it; (3) fault-free schedules: triggers that arrived before a run started cause at most one run
-//! after it; (4) a record whose holder crashed runs again within the recovery bound.
+//! The real runner, consumer, lock and watchdog code runs on paused tokio time against the
+//! in-memory lease store and queue, each machine seeing storage through a fault injector. A seed
+//! decides the workload and every fault; `LEASEHOLD_SIM_SEED=N` replays one.
+//!
+//! Fault model (see `FaultCounts` for how often each happens):
+//! - storage answers slowly, fails transiently before or after taking effect;
+//! - a machine loses storage for 15–60 s (a partition, longer than a lease): every call gets no
+//!   answer within the client time-out (10 s), and half of them still take effect up to 4 s after
+//!   the client gave up (late landings: acquires, marker deletes, renewals, queue gets...);
+//! - a worker process dies at any instant (its logic dies with it, within the supervisor's 1 s);
+//!   in Functions mode either the custom handler alone dies, or the whole host instance, whose
+//!   in-flight messages stay hidden for 10 minutes;
+//! - a worker is shut down gracefully (in-flight runs finish or are handed back) and restarts;
+//! - the Functions host lets a message's visibility lapse while its invocation still runs, so the
+//!   message is delivered again to another host while its first holder is alive;
+//! - an operator breaks a lease under a live run;
+//! - storage's clock runs up to 8 % fast against the workers' (leases expire early);
+//! - logic fails, panics, runs past its time limit, or is slow to stop (beyond its grace);
+//! - a record's logic keeps failing for a while, so triggers reach the poison limit (5).
+//!
+//! Invariants checked on every seed: (1) no two runs of a record overlap and fencing tokens rise
+//! in run order; (2) every accepted trigger is followed by a completed run that started after it,
+//! unless it was given up visibly (in the poison queue); (3) in fault-free seeds, triggers that
+//! arrived before a run started cause at most one run after it; (4) a record whose holder died
+//! runs again within the recovery bound; (5) a run never outlives its time limit plus its stop
+//! grace, and a run whose lease was broken is stopped and not acknowledged.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,22 +35,40 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, FlagPut, LeaseId, LeaseLock, LeaseOptions, LeaseStore, Metadata, Op, OpCounters,
-    RetryOptions, StoreError, StoreErrorKind, StoreResult,
+    BlobProperties, ETag, FlagPut, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
+    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
 };
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Logic, LogicError, MemoryQueue, ProtocolVariant, Received,
-    RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue,
+    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MemoryQueue, Outcome, PoisonMessage,
+    ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
+    TriggerQueue,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     Standalone,
     FunctionsHost,
+}
+
+/// A fault at an instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Fault {
+    /// The worker process dies (standalone: the daemon; Functions: the custom handler only).
+    Crash { machine: usize, restart_after: Duration },
+    /// Functions: the whole host instance dies, handler included; its messages stay hidden.
+    HostDeath { machine: usize, restart_after: Duration },
+    /// The worker is stopped gracefully (SIGTERM) and started again.
+    Shutdown { machine: usize, restart_after: Duration },
+    /// The machine cannot reach storage for a while.
+    Partition { machine: usize, length: Duration },
+    /// An operator breaks a record's lease.
+    Break { record: usize },
 }
 
 /// Everything one seed decides.
@@ -42,10 +77,14 @@ pub struct Plan {
     pub seed: u64,
     pub mode: Mode,
     pub faulty: bool,
-    pub workers: usize,
+    pub machines: usize,
     pub triggers: Vec<(Duration, usize)>,
-    pub crashes: Vec<(Duration, usize, Duration)>,
+    pub faults: Vec<(Duration, Fault)>,
     pub fencing: bool,
+    /// Storage's clock runs fast by this fraction.
+    pub skew: f64,
+    /// A record whose logic fails throughout a window.
+    pub bad_record: Option<(usize, Duration, Duration)>,
 }
 
 impl Plan {
@@ -58,43 +97,76 @@ impl Plan {
         };
         let faulty = seed % 10 < 7;
         let records = rng.random_range(1..=3);
-        let workers = rng.random_range(2..=3);
+        let machines = rng.random_range(2..=3);
         let n = rng.random_range(3..=14);
         let mut triggers: Vec<_> = (0..n)
             .map(|_| {
-                // Bursts: a third of triggers land within a second of another.
                 (
                     Duration::from_millis(rng.random_range(0..90_000)),
                     rng.random_range(0..records),
                 )
             })
             .collect();
+        // Bursts: a third of triggers land within a second of another.
         for i in 0..n / 3 {
             let (t, r) = triggers[i];
             triggers.push((t + Duration::from_millis(rng.random_range(0..1_000)), r));
         }
         triggers.sort();
-        let crashes = if faulty {
-            (0..rng.random_range(0..=2))
-                .map(|_| {
-                    (
-                        Duration::from_millis(rng.random_range(0..100_000)),
-                        rng.random_range(0..workers),
-                        Duration::from_millis(rng.random_range(0..15_000)),
-                    )
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let mut faults = Vec::new();
+        let mut skew = 0.0;
+        let mut bad_record = None;
+        if faulty {
+            let at = |rng: &mut SmallRng| Duration::from_millis(rng.random_range(0..100_000));
+            let pause = |rng: &mut SmallRng| Duration::from_millis(rng.random_range(0..15_000));
+            for _ in 0..rng.random_range(0..=2) {
+                let machine = rng.random_range(0..machines);
+                let restart_after = pause(&mut rng);
+                let fault = match (mode, rng.random_range(0..4)) {
+                    (Mode::FunctionsHost, 0 | 1) => Fault::HostDeath {
+                        machine,
+                        restart_after,
+                    },
+                    (_, 3) => Fault::Shutdown {
+                        machine,
+                        restart_after,
+                    },
+                    _ => Fault::Crash {
+                        machine,
+                        restart_after,
+                    },
+                };
+                faults.push((at(&mut rng), fault));
+            }
+            if rng.random_bool(0.3) {
+                let machine = rng.random_range(0..machines);
+                let length = Duration::from_millis(rng.random_range(15_000..60_000));
+                faults.push((at(&mut rng), Fault::Partition { machine, length }));
+            }
+            if rng.random_bool(0.15) {
+                let record = rng.random_range(0..records);
+                faults.push((at(&mut rng), Fault::Break { record }));
+            }
+            if rng.random_bool(0.5) {
+                skew = rng.random_range(0.0..0.08);
+            }
+            if rng.random_bool(0.15) {
+                let from = at(&mut rng);
+                let length = Duration::from_millis(rng.random_range(20_000..90_000));
+                bad_record = Some((rng.random_range(0..records), from, from + length));
+            }
+        }
+        faults.sort();
         Self {
             seed,
             mode,
             faulty,
-            workers,
+            machines,
             triggers,
-            crashes,
+            faults,
             fencing: seed % 3 != 0,
+            skew,
+            bad_record,
         }
     }
 }
@@ -103,13 +175,130 @@ impl Plan {
 const FAULT_PHASE: Duration = Duration::from_secs(130);
 const DRAIN_LIMIT: Duration = Duration::from_secs(1800);
 const LEASE: Duration = Duration::from_secs(30);
+const RENEW_EVERY: Duration = Duration::from_secs(10);
 /// Standalone visibility: lease duration + renewal interval (the consumer's default rule).
 const VISIBILITY: Duration = Duration::from_secs(40);
+/// The Functions host: message visibility, `visibilityTimeout` after a failed invocation,
+/// `maxDequeueCount`, polling interval.
+const HOST_VISIBILITY: Duration = Duration::from_secs(600);
 const HOST_RETRY_VISIBILITY: Duration = Duration::from_secs(5);
+const HOST_MAX_DEQUEUE: u32 = 5;
+const HOST_POLL: Duration = Duration::from_secs(2);
+const MAX_ATTEMPTS: u32 = 5;
+const RUN_TIMEOUT: Duration = Duration::from_secs(120);
+const STOP_GRACE: Duration = Duration::from_secs(5);
+/// A request that got no answer within this is a time-out for the client.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long after the client gave up a request may still take effect (inside the retry's
+/// `late_window` of 5 s).
+const LATE_MAX_MS: u64 = 4_000;
+/// The logic supervisor stops the logic's process tree this long after its worker died.
+const SUPERVISOR_KILL: Duration = Duration::from_secs(1);
+
+/// How often each fault class happened in one seed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FaultCounts {
+    pub process_crashes: u64,
+    pub host_deaths: u64,
+    pub shutdowns: u64,
+    pub partitions: u64,
+    pub timeouts: u64,
+    pub late_landings: u64,
+    pub transient_errors: u64,
+    pub visibility_lapses: u64,
+    pub lease_breaks: u64,
+    pub skewed_clock: u64,
+    pub logic_failures: u64,
+    pub logic_panics: u64,
+    pub slow_stops: u64,
+    pub time_limits: u64,
+    pub poisoned: u64,
+    pub storage_failed_outcomes: u64,
+    pub lease_lost_outcomes: u64,
+    pub rechecks: u64,
+    pub watchdog_retries: u64,
+}
+
+impl FaultCounts {
+    /// Name and value of each count, for the report.
+    pub fn rows(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            (
+                "worker process crashes (logic killed with it)",
+                self.process_crashes,
+            ),
+            (
+                "whole Functions host deaths (messages hidden 10 min)",
+                self.host_deaths,
+            ),
+            ("graceful shutdowns with hand-back", self.shutdowns),
+            (
+                "storage partitions of 15-60 s (longer than a lease)",
+                self.partitions,
+            ),
+            ("requests with no answer (client time-out)", self.timeouts),
+            (
+                "requests that took effect after the client gave up",
+                self.late_landings,
+            ),
+            (
+                "transient storage errors (before or after effect)",
+                self.transient_errors,
+            ),
+            (
+                "host visibility lapses (redelivery to a live holder)",
+                self.visibility_lapses,
+            ),
+            ("operator lease breaks", self.lease_breaks),
+            ("storage clock fast (up to 8 %)", self.skewed_clock),
+            ("logic failures", self.logic_failures),
+            ("logic panics", self.logic_panics),
+            ("logic slow to stop (0-9 s, grace 5 s)", self.slow_stops),
+            ("runs past their time limit", self.time_limits),
+            ("triggers given up (poison limit 5)", self.poisoned),
+            (
+                "deliveries failed on storage after all retries",
+                self.storage_failed_outcomes,
+            ),
+            ("deliveries whose run lost its lease", self.lease_lost_outcomes),
+            ("rechecks (a held lease not trusted)", self.rechecks),
+            ("failed runs retried through the watchdog", self.watchdog_retries),
+        ]
+    }
+
+    pub fn add(&mut self, other: &FaultCounts) {
+        let mut mine = self.rows();
+        for (row, theirs) in mine.iter_mut().zip(other.rows()) {
+            row.1 += theirs.1;
+        }
+        let v: Vec<u64> = mine.into_iter().map(|(_, v)| v).collect();
+        *self = FaultCounts {
+            process_crashes: v[0],
+            host_deaths: v[1],
+            shutdowns: v[2],
+            partitions: v[3],
+            timeouts: v[4],
+            late_landings: v[5],
+            transient_errors: v[6],
+            visibility_lapses: v[7],
+            lease_breaks: v[8],
+            skewed_clock: v[9],
+            logic_failures: v[10],
+            logic_panics: v[11],
+            slow_stops: v[12],
+            time_limits: v[13],
+            poisoned: v[14],
+            storage_failed_outcomes: v[15],
+            lease_lost_outcomes: v[16],
+            rechecks: v[17],
+            watchdog_retries: v[18],
+        };
+    }
+}
 
 #[derive(Debug, Clone)]
 struct RunRecord {
-    node: usize,
+    machine: usize,
     record: String,
     token: Option<u64>,
     start: Instant,
@@ -120,18 +309,24 @@ struct RunRecord {
 #[derive(Debug, Default)]
 struct Journal {
     runs: Vec<RunRecord>,
-    active: HashMap<String, usize>,
-    last_token: HashMap<String, u64>,
-    accepted: Vec<(String, Instant)>,
-    /// When each external trigger's delivery began being handled (first time).
+    /// Accepted triggers: correlation id, record, time.
+    accepted: Vec<(String, String, Instant)>,
+    /// When each external trigger was first received by a worker (for the coalescing check).
     arrivals: Vec<(String, Instant)>,
-    /// When a node died, the records it was running, and how long until it was back.
-    crashes: Vec<(Instant, Vec<String>, Duration)>,
-    /// Gets that took effect but whose answer was lost: their messages stay hidden for a whole
-    /// visibility period (10 minutes under the Functions host), which no protocol can shorten.
+    /// Worker deaths: when, machine, the records it was running, restart pause.
+    deaths: Vec<(Instant, usize, Vec<String>, Duration)>,
+    partitions: Vec<(Instant, Instant, usize)>,
+    /// Requests that got no answer in time (each delays its caller by the time-out and the
+    /// retry's late window).
+    timeouts: Vec<Instant>,
+    breaks: Vec<(Instant, String)>,
+    /// Gets that took effect but whose answer never came: their messages stay hidden for a
+    /// whole visibility period (10 minutes under the Functions host), which no protocol shortens.
     lost_gets: Vec<Instant>,
-    violations: Vec<String>,
-    poisoned: Vec<String>,
+    /// Poison entries: correlation id, record, time.
+    poisoned: Vec<(Option<String>, String, Instant)>,
+    violations: Vec<Violation>,
+    counts: FaultCounts,
 }
 
 /// Shared state of one simulated world.
@@ -143,6 +338,12 @@ pub struct World {
     journal: Mutex<Journal>,
     epoch: Instant,
     logic_rng: Mutex<SmallRng>,
+    skew: f64,
+    /// Per machine: storage unreachable until this instant.
+    partitioned_until: Mutex<HashMap<usize, Instant>>,
+    bad_record: Option<(String, Instant, Instant)>,
+    /// Per machine: the worker was stopped (its logic dies within the supervisor's second).
+    dead_at: Mutex<HashMap<usize, Instant>>,
 }
 
 impl World {
@@ -154,19 +355,29 @@ impl World {
         Duration::from_millis(self.rng.lock().unwrap().random_range(0..250))
     }
 
-    fn violation(&self, text: String) {
-        self.journal.lock().unwrap().violations.push(text);
-    }
-
     fn at(&self, t: Instant) -> f64 {
         (t - self.epoch).as_secs_f64()
     }
+
+    fn count(&self, f: impl FnOnce(&mut FaultCounts)) {
+        f(&mut self.journal.lock().unwrap().counts);
+    }
+
+    fn partitioned(&self, machine: usize) -> bool {
+        self.partitioned_until
+            .lock()
+            .unwrap()
+            .get(&machine)
+            .is_some_and(|until| Instant::now() < *until)
+    }
 }
 
-/// One node's view of storage: delays, transient failures, and silence after a crash.
+/// One process's view of storage: delays, transient failures, time-outs with late landings, and
+/// silence once the process is dead.
 #[derive(Clone)]
 struct Node {
     world: Arc<World>,
+    machine: usize,
     alive: Arc<AtomicBool>,
     counters: OpCounters,
 }
@@ -178,76 +389,139 @@ impl std::fmt::Debug for Node {
 }
 
 impl Node {
-    async fn before(&self, op: Op) -> StoreResult<()> {
+    async fn pend_if_dead(&self) {
         if !self.alive.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
+    }
+
+    /// One request: `effect` is what storage does when the request lands.
+    async fn call<T: Send + 'static>(&self, op: Op, effect: BoxFuture<StoreResult<T>>) -> StoreResult<T> {
+        self.call_with(op, effect, true).await
+    }
+
+    /// `late`: whether a request that got no answer may still land afterwards.
+    async fn call_with<T: Send + 'static>(
+        &self,
+        op: Op,
+        effect: BoxFuture<StoreResult<T>>,
+        late: bool,
+    ) -> StoreResult<T> {
+        self.pend_if_dead().await;
         self.counters.record(op);
-        tokio::time::sleep(self.world.delay()).await;
-        if !self.alive.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
+        let world = &self.world;
+        if world.partitioned(self.machine) || world.chance(0.002) {
+            // No answer within the client's time-out; the request may still land afterwards.
+            {
+                let mut j = world.journal.lock().unwrap();
+                j.counts.timeouts += 1;
+                j.timeouts.push(Instant::now());
+            }
+            if late && world.rng.lock().unwrap().random_bool(0.5) {
+                let late = CLIENT_TIMEOUT
+                    + Duration::from_millis(world.rng.lock().unwrap().random_range(0..LATE_MAX_MS));
+                world.count(|c| c.late_landings += 1);
+                tokio::spawn(async move {
+                    tokio::time::sleep(late).await;
+                    let _ = effect.await;
+                });
+            }
+            tokio::time::sleep(CLIENT_TIMEOUT).await;
+            self.pend_if_dead().await;
+            return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
         }
-        if self.world.chance(0.02) {
+        tokio::time::sleep(world.delay()).await;
+        self.pend_if_dead().await;
+        if world.chance(0.02) {
+            world.count(|c| c.transient_errors += 1);
             return Err(
                 StoreError::new(StoreErrorKind::Transient, op, "injected before").with_status(503, None)
             );
         }
-        Ok(())
-    }
-
-    /// The call took effect, but its answer may be lost.
-    async fn after<T>(&self, op: Op, result: StoreResult<T>) -> StoreResult<T> {
-        tokio::time::sleep(self.world.delay()).await;
-        if !self.alive.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
-        }
-        if self.world.chance(0.01) {
-            return Err(
-                StoreError::new(StoreErrorKind::Transient, op, "injected after").with_status(500, None)
+        let result = effect.await;
+        if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
+            println!(
+                "t={:.3}s machine {} {op}: {:?}",
+                world.at(Instant::now()),
+                self.machine,
+                result.as_ref().err().map(|e| e.to_string())
             );
+        }
+        tokio::time::sleep(world.delay()).await;
+        self.pend_if_dead().await;
+        if world.chance(0.01) {
+            // Took effect; the answer was lost.
+            world.count(|c| c.transient_errors += 1);
+            return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
         }
         result
     }
-}
 
-macro_rules! faulty {
-    ($self:ident, $op:expr, $call:expr) => {{
-        $self.before($op).await?;
-        let r = $call.await;
-        $self.after($op, r).await
-    }};
+    fn blob(&self) -> Arc<MemoryStore> {
+        self.world.blob.clone()
+    }
+
+    fn queue(&self) -> Arc<MemoryQueue> {
+        self.world.queue.clone()
+    }
 }
 
 #[async_trait]
 impl LeaseStore for Node {
     async fn create_container(&self) -> StoreResult<()> {
-        faulty!(self, Op::ContainerCreate, self.world.blob.create_container())
+        let b = self.blob();
+        self.call(
+            Op::ContainerCreate,
+            Box::pin(async move { b.create_container().await }),
+        )
+        .await
     }
     async fn create_blob(&self, blob: &str) -> StoreResult<()> {
-        faulty!(self, Op::BlobCreate, self.world.blob.create_blob(blob))
+        let (b, n) = (self.blob(), blob.to_string());
+        self.call(Op::BlobCreate, Box::pin(async move { b.create_blob(&n).await }))
+            .await
     }
     async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
-        faulty!(
-            self,
+        let (b, n) = (self.blob(), blob.to_string());
+        // Storage's clock runs fast: its lease ends early by the workers' clocks.
+        let duration = duration.div_f64(1.0 + self.world.skew);
+        self.call(
             Op::LeaseAcquire,
-            self.world.blob.acquire_lease(blob, lease, duration)
+            Box::pin(async move { b.acquire_lease(&n, lease, duration).await }),
         )
+        .await
     }
     async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()> {
-        faulty!(self, Op::LeaseRenew, self.world.blob.renew_lease(blob, lease))
+        let (b, n) = (self.blob(), blob.to_string());
+        self.call(
+            Op::LeaseRenew,
+            Box::pin(async move { b.renew_lease(&n, lease).await }),
+        )
+        .await
     }
     async fn release_lease(&self, blob: &str, lease: LeaseId, if_match: Option<&ETag>) -> StoreResult<()> {
-        faulty!(
-            self,
+        let (b, n, m) = (self.blob(), blob.to_string(), if_match.cloned());
+        self.call(
             Op::LeaseRelease,
-            self.world.blob.release_lease(blob, lease, if_match)
+            Box::pin(async move { b.release_lease(&n, lease, m.as_ref()).await }),
         )
+        .await
     }
-    async fn break_lease(&self, blob: &str) -> StoreResult<()> {
-        faulty!(self, Op::LeaseBreak, self.world.blob.break_lease(blob))
+    async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()> {
+        let (b, n) = (self.blob(), blob.to_string());
+        self.call(
+            Op::LeaseBreak,
+            Box::pin(async move { b.break_lease(&n, period).await }),
+        )
+        .await
     }
     async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
-        faulty!(self, Op::BlobProperties, self.world.blob.properties(blob))
+        let (b, n) = (self.blob(), blob.to_string());
+        self.call(
+            Op::BlobProperties,
+            Box::pin(async move { b.properties(&n).await }),
+        )
+        .await
     }
     async fn set_metadata(
         &self,
@@ -256,20 +530,30 @@ impl LeaseStore for Node {
         if_match: Option<&ETag>,
         metadata: &Metadata,
     ) -> StoreResult<ETag> {
-        faulty!(
-            self,
+        let (b, n, m, md) = (self.blob(), blob.to_string(), if_match.cloned(), metadata.clone());
+        self.call(
             Op::BlobSetMetadata,
-            self.world.blob.set_metadata(blob, lease, if_match, metadata)
+            Box::pin(async move { b.set_metadata(&n, lease, m.as_ref(), &md).await }),
         )
+        .await
     }
     async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut> {
-        faulty!(self, Op::FlagPut, self.world.blob.put_flag(blob))
+        let (b, n) = (self.blob(), blob.to_string());
+        self.call(Op::FlagPut, Box::pin(async move { b.put_flag(&n).await }))
+            .await
     }
     async fn delete_flag(&self, blob: &str) -> StoreResult<bool> {
-        faulty!(self, Op::FlagDelete, self.world.blob.delete_flag(blob))
+        let (b, n) = (self.blob(), blob.to_string());
+        self.call(Op::FlagDelete, Box::pin(async move { b.delete_flag(&n).await }))
+            .await
     }
     async fn flag_exists(&self, blob: &str) -> StoreResult<bool> {
-        faulty!(self, Op::BlobProperties, self.world.blob.flag_exists(blob))
+        let (b, n) = (self.blob(), blob.to_string());
+        self.call(
+            Op::BlobProperties,
+            Box::pin(async move { b.flag_exists(&n).await }),
+        )
+        .await
     }
     fn counters(&self) -> &OpCounters {
         &self.counters
@@ -281,34 +565,44 @@ impl TriggerQueue for Node {
     fn name(&self) -> &str {
         "sim"
     }
-    async fn put(&self, body: &str, delay: Duration) -> StoreResult<()> {
-        faulty!(self, Op::QueuePut, self.world.queue.put(body, delay))
+    async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
+        let (q, b) = (self.queue(), body.to_string());
+        self.call(Op::QueuePut, Box::pin(async move { q.put(&b, delay).await }))
+            .await
     }
     async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
-        self.before(Op::QueueGet).await?;
-        let taken = self.world.queue.get(max, visibility).await;
-        let answered = self.after(Op::QueueGet, Ok(())).await;
-        let taken = taken?;
-        let now = Instant::now();
-        let mut j = self.world.journal.lock().unwrap();
-        if let Err(e) = answered {
-            if !taken.is_empty() {
-                j.lost_gets.push(now);
-            }
-            return Err(e);
-        }
-        // A trigger arrives when a worker first receives it.
-        for m in &taken {
-            if let Ok(t) = TriggerMessage::decode(&m.body) {
-                if t.kind == TriggerKind::Trigger && m.dequeue_count == 1 {
-                    j.arrivals.push((t.record_id, now));
+        let world = self.world.clone();
+        let q = self.queue();
+        let took = Arc::new(AtomicBool::new(false));
+        let took2 = took.clone();
+        let effect = Box::pin(async move {
+            let taken = q.get(max, visibility).await?;
+            took2.store(!taken.is_empty(), Ordering::SeqCst);
+            // A trigger arrives when a worker first receives it.
+            let now = Instant::now();
+            let mut j = world.journal.lock().unwrap();
+            for m in &taken {
+                if let Ok(t) = TriggerMessage::decode(&m.body) {
+                    if t.kind == TriggerKind::Trigger && m.dequeue_count == 1 {
+                        j.arrivals.push((t.record_id, now));
+                    }
                 }
             }
+            Ok(taken)
+        });
+        // A get that took messages but whose answer was lost hides them for a whole visibility
+        // period without an owner (no late landings for gets: the same, only later).
+        let answered = self.call_with(Op::QueueGet, effect, false).await;
+        if answered.is_err() && took.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            self.world.journal.lock().unwrap().lost_gets.push(now);
         }
-        Ok(taken)
+        answered
     }
     async fn delete(&self, id: &str, pop_receipt: &str) -> StoreResult<()> {
-        faulty!(self, Op::QueueDelete, self.world.queue.delete(id, pop_receipt))
+        let (q, i, r) = (self.queue(), id.to_string(), pop_receipt.to_string());
+        self.call(Op::QueueDelete, Box::pin(async move { q.delete(&i, &r).await }))
+            .await
     }
     async fn set_visibility(
         &self,
@@ -317,11 +611,17 @@ impl TriggerQueue for Node {
         body: &str,
         visibility: Duration,
     ) -> StoreResult<String> {
-        faulty!(
-            self,
+        let (q, i, r, b) = (
+            self.queue(),
+            id.to_string(),
+            receipt.to_string(),
+            body.to_string(),
+        );
+        self.call(
             Op::QueueUpdate,
-            self.world.queue.set_visibility(id, receipt, body, visibility)
+            Box::pin(async move { q.set_visibility(&i, &r, &b, visibility).await }),
         )
+        .await
     }
     async fn approximate_len(&self) -> StoreResult<u64> {
         self.world.queue.approximate_len().await
@@ -340,14 +640,27 @@ impl std::fmt::Debug for PoisonSink {
     }
 }
 
+impl PoisonSink {
+    fn record(world: &World, trigger: Option<TriggerMessage>) {
+        let mut j = world.journal.lock().unwrap();
+        j.counts.poisoned += 1;
+        let (corr, record) = trigger.map_or((None, String::new()), |t| (t.correlation_id, t.record_id));
+        j.poisoned.push((corr, record, Instant::now()));
+    }
+}
+
 #[async_trait]
 impl TriggerQueue for PoisonSink {
     fn name(&self) -> &str {
         "sim-poison"
     }
-    async fn put(&self, body: &str, _delay: Duration) -> StoreResult<()> {
-        self.0.journal.lock().unwrap().poisoned.push(body.to_string());
-        Ok(())
+    async fn put(&self, body: &str, _delay: Duration) -> StoreResult<Enqueued> {
+        let entry = PoisonMessage::decode(body).expect("poison entries decode");
+        PoisonSink::record(&self.0, entry.trigger);
+        Ok(Enqueued {
+            id: String::new(),
+            pop_receipt: String::new(),
+        })
     }
     async fn get(&self, _max: u32, _v: Duration) -> StoreResult<Vec<Received>> {
         Ok(Vec::new())
@@ -366,10 +679,18 @@ impl TriggerQueue for PoisonSink {
     }
 }
 
-/// Logic that records each run, honours cancellation, sometimes fails, and freezes (its run
-/// ending at that instant) when its node is killed.
-struct SimLogic(Arc<World>, CancellationToken, usize);
+/// The panic message of injected logic panics (kept out of the test output).
+const INJECTED_PANIC: &str = "sim: injected logic panic";
 
+/// Logic that records each run, honours cancellation (sometimes slowly), sometimes fails or
+/// panics, sometimes overruns its time limit, and dies with its worker.
+struct SimLogic {
+    world: Arc<World>,
+    killed: CancellationToken,
+    machine: usize,
+}
+
+/// Ends a run record when the run ends, however it ends (returns, is dropped, panics).
 struct ActiveRun {
     world: Arc<World>,
     index: usize,
@@ -378,58 +699,42 @@ struct ActiveRun {
 
 impl Drop for ActiveRun {
     fn drop(&mut self) {
-        // The run ends here whether it finished or was cancelled (a killed node's runs were
-        // ended at the kill).
         let mut j = self.world.journal.lock().unwrap();
-        if j.runs[self.index].end.is_some() {
-            return;
+        let run = &mut j.runs[self.index];
+        if run.end.is_none() {
+            run.end = Some(Instant::now());
+            run.completed = self.done;
         }
-        let record = j.runs[self.index].record.clone();
-        j.runs[self.index].end = Some(Instant::now());
-        j.runs[self.index].completed = self.done;
-        *j.active.get_mut(&record).unwrap() -= 1;
     }
 }
 
 #[async_trait]
 impl Logic for SimLogic {
     async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
-        let world = &self.0;
-        let (duration, fails) = {
+        let world = &self.world;
+        let faults = world.faults.load(Ordering::SeqCst);
+        let (duration, fails, panics, slow_stop) = {
             let mut rng = world.logic_rng.lock().unwrap();
-            let long = rng.random_bool(0.2);
-            let d = if long {
-                rng.random_range(20_000..70_000)
-            } else {
-                rng.random_range(100..5_000)
+            let d = match rng.random_range(0..100) {
+                0..2 if faults => rng.random_range(125_000..160_000),
+                2..20 => rng.random_range(20_000..70_000),
+                _ => rng.random_range(100..5_000),
             };
-            (
-                Duration::from_millis(d),
-                world.faults.load(Ordering::SeqCst) && rng.random_bool(0.05),
-            )
+            let fails = faults && rng.random_bool(0.05);
+            let panics = faults && rng.random_bool(0.01);
+            let slow = faults && rng.random_bool(0.1);
+            let slow_stop = slow.then(|| Duration::from_millis(rng.random_range(0..9_000)));
+            (Duration::from_millis(d), fails, panics, slow_stop)
         };
+        let now = Instant::now();
+        let bad = world
+            .bad_record
+            .as_ref()
+            .is_some_and(|(r, from, to)| *r == ctx.record_id && now >= *from && now < *to);
         let index = {
             let mut j = world.journal.lock().unwrap();
-            let now = Instant::now();
-            let active = j.active.entry(ctx.record_id.clone()).or_default();
-            *active += 1;
-            if *active > 1 {
-                let text = format!(
-                    "overlap: two runs of {} at t={:.3}s",
-                    ctx.record_id,
-                    world.at(now)
-                );
-                j.violations.push(text);
-            }
-            if let Some(token) = ctx.fencing_token {
-                let last = j.last_token.insert(ctx.record_id.clone(), token).unwrap_or(0);
-                if token <= last {
-                    let text = format!("fencing: token {token} after {last} for {}", ctx.record_id);
-                    j.violations.push(text);
-                }
-            }
             j.runs.push(RunRecord {
-                node: self.2,
+                machine: self.machine,
                 record: ctx.record_id.clone(),
                 token: ctx.fencing_token,
                 start: now,
@@ -443,15 +748,36 @@ impl Logic for SimLogic {
             index,
             done: false,
         };
+        if duration > RUN_TIMEOUT {
+            world.count(|c| c.time_limits += 1);
+        }
         tokio::select! {
             biased;
-            _ = self.1.cancelled() => {
-                drop(run);
+            _ = self.killed.cancelled() => {
+                // The worker died: its supervisor kills the logic within a second.
+                let dead_at = world.dead_at.lock().unwrap().get(&self.machine).copied().unwrap_or_else(Instant::now);
+                {
+                    let mut j = world.journal.lock().unwrap();
+                    if j.runs[index].end.is_none() {
+                        j.runs[index].end = Some(dead_at + SUPERVISOR_KILL);
+                    }
+                }
                 std::future::pending().await
             }
-            _ = ctx.cancel.cancelled() => Err(LogicError("cancelled".into())),
+            _ = ctx.cancel.cancelled() => {
+                if let Some(stop) = slow_stop {
+                    world.count(|c| c.slow_stops += 1);
+                    tokio::time::sleep(stop).await;
+                }
+                Err(LogicError("cancelled".into()))
+            }
             _ = tokio::time::sleep(duration) => {
-                if fails {
+                if panics {
+                    world.count(|c| c.logic_panics += 1);
+                    panic!("{INJECTED_PANIC}");
+                }
+                if fails || bad {
+                    world.count(|c| c.logic_failures += 1);
                     Err(LogicError("injected logic failure".into()))
                 } else {
                     run.done = true;
@@ -467,27 +793,102 @@ impl Logic for SimLogic {
 pub struct Report {
     pub runs: usize,
     pub accepted: usize,
-    pub crashes: usize,
-    pub violations: Vec<String>,
+    pub violations: Vec<Violation>,
+    pub counts: FaultCounts,
     pub fingerprint: u64,
+}
+
+/// A broken invariant, by kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Violation {
+    Overlap(String),
+    Fencing(String),
+    Lost(String),
+    Coalescing(String),
+    Recovery(String),
+    RunTime(String),
+    NotDrained(String),
+}
+
+impl Violation {
+    /// Safety and the recovery bound: must hold on every seed.
+    pub fn is_safety(&self) -> bool {
+        !matches!(self, Violation::Coalescing(_))
+    }
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (kind, text) = match self {
+            Violation::Overlap(t) => ("overlap", t),
+            Violation::Fencing(t) => ("fencing", t),
+            Violation::Lost(t) => ("lost", t),
+            Violation::Coalescing(t) => ("coalescing", t),
+            Violation::Recovery(t) => ("recovery", t),
+            Violation::RunTime(t) => ("run time", t),
+            Violation::NotDrained(t) => ("not drained", t),
+        };
+        write!(f, "{kind}: {text}")
+    }
 }
 
 fn lease_options(plan: &Plan, node: u64) -> LeaseOptions {
     LeaseOptions {
-        duration: LEASE,
-        renew_every: Duration::from_secs(10),
-        safety_margin: Duration::from_secs(3),
         fencing: plan.fencing,
         retry: RetryOptions {
             jitter_seed: Some(plan.seed ^ node),
             ..RetryOptions::default()
         },
         holder: format!("node{node}"),
+        ..LeaseOptions::with_duration(LEASE)
+    }
+}
+
+/// Keeps injected logic panics out of the test output; other panics print as usual.
+fn quiet_injected_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let injected = info
+                .payload()
+                .downcast_ref::<String>()
+                .is_some_and(|s| s == INJECTED_PANIC);
+            if !injected {
+                default(info);
+            }
+        }));
+    });
+}
+
+thread_local! {
+    static EPOCH: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// Log timestamps in simulated seconds since the seed's start.
+struct SimTime;
+
+impl tracing_subscriber::fmt::time::FormatTime for SimTime {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        match EPOCH.with(|e| e.get()) {
+            Some(epoch) => write!(w, "t={:.3}s", (Instant::now() - epoch).as_secs_f64()),
+            None => write!(w, "t=?"),
+        }
     }
 }
 
 /// Runs one seed to completion and checks the invariants.
 pub fn run_seed(seed: u64, variant: ProtocolVariant) -> Report {
+    quiet_injected_panics();
+    if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
+        // The protocol's own log lines, on simulated time since the start.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "debug".into()))
+            .with_timer(SimTime)
+            .with_ansi(false)
+            .with_test_writer()
+            .try_init();
+    }
     let plan = Plan::from_seed(seed);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -497,83 +898,186 @@ pub fn run_seed(seed: u64, variant: ProtocolVariant) -> Report {
     rt.block_on(simulate(plan, variant))
 }
 
+/// What happens next on the timeline.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Fault(Fault),
+    Restart { machine: usize, host_too: bool },
+}
+
+/// A worker process: its liveness, the task that runs it, and its stop signals.
+struct Worker {
+    alive: Arc<AtomicBool>,
+    /// Standalone: the consumer's task.
+    task: Option<tokio::task::JoinHandle<()>>,
+    killed: CancellationToken,
+    shutdown: CancellationToken,
+}
+
+/// A custom handler process as the host sees it.
+#[derive(Clone)]
+struct Handler {
+    runner: RecordRunner,
+    poison: Arc<dyn TriggerQueue>,
+    killed: CancellationToken,
+    shutdown: CancellationToken,
+}
+
+type Slot = Arc<Mutex<Option<Handler>>>;
+
+/// A Functions host instance.
+struct Host {
+    alive: Arc<AtomicBool>,
+    killed: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+struct Sim {
+    plan: Plan,
+    world: Arc<World>,
+    counters: OpCounters,
+    variant: ProtocolVariant,
+    slots: Vec<Slot>,
+}
+
+impl Sim {
+    fn start_worker(&self, machine: usize, generation: u64) -> Worker {
+        let alive = Arc::new(AtomicBool::new(true));
+        let killed = CancellationToken::new();
+        let shutdown = CancellationToken::new();
+        self.world.dead_at.lock().unwrap().remove(&machine);
+        let node = Node {
+            world: self.world.clone(),
+            machine,
+            alive: alive.clone(),
+            counters: self.counters.clone(),
+        };
+        let store: Arc<dyn LeaseStore> = Arc::new(node.clone());
+        let lock = LeaseLock::new(
+            store,
+            lease_options(&self.plan, (machine as u64) << 8 | generation),
+        )
+        .unwrap();
+        let queue: Arc<dyn TriggerQueue> = Arc::new(node);
+        let runner_options = RunnerOptions {
+            run_timeout: RUN_TIMEOUT,
+            stop_grace: STOP_GRACE,
+            max_attempts: MAX_ATTEMPTS,
+            retry_delay: HOST_RETRY_VISIBILITY,
+            variant: self.variant,
+            ..RunnerOptions::default()
+        };
+        let logic = Arc::new(SimLogic {
+            world: self.world.clone(),
+            killed: killed.clone(),
+            machine,
+        });
+        let runner = RecordRunner::new(lock, queue, logic, runner_options);
+        let poison: Arc<dyn TriggerQueue> = Arc::new(PoisonSink(self.world.clone(), self.counters.clone()));
+        let task = match self.plan.mode {
+            Mode::Standalone => {
+                let options = ConsumerOptions {
+                    visibility: VISIBILITY,
+                    max_dequeue_count: MAX_ATTEMPTS,
+                    poll_max: Duration::from_secs(2),
+                    shutdown_grace: Duration::from_secs(10),
+                    ..ConsumerOptions::default()
+                };
+                let consumer = Consumer::new(runner, poison, options);
+                let s = shutdown.clone();
+                Some(tokio::spawn(async move { consumer.run(s).await }))
+            }
+            Mode::FunctionsHost => {
+                *self.slots[machine].lock().unwrap() = Some(Handler {
+                    runner,
+                    poison,
+                    killed: killed.clone(),
+                    shutdown: shutdown.clone(),
+                });
+                None
+            }
+        };
+        Worker {
+            alive,
+            task,
+            killed,
+            shutdown,
+        }
+    }
+
+    fn start_host(&self, machine: usize) -> Host {
+        let alive = Arc::new(AtomicBool::new(true));
+        let killed = CancellationToken::new();
+        let node = Arc::new(Node {
+            world: self.world.clone(),
+            machine,
+            alive: alive.clone(),
+            counters: self.counters.clone(),
+        });
+        let task = tokio::spawn(host(
+            self.world.clone(),
+            node,
+            self.slots[machine].clone(),
+            killed.clone(),
+        ));
+        Host { alive, killed, task }
+    }
+
+    /// The worker on `machine` dies now: its storage calls never return, its logic is killed
+    /// by its supervisor within a second.
+    fn kill_worker(&self, machine: usize, worker: &Worker) {
+        let now = Instant::now();
+        self.world.dead_at.lock().unwrap().insert(machine, now);
+        worker.alive.store(false, Ordering::SeqCst);
+        worker.killed.cancel();
+        if let Some(task) = &worker.task {
+            task.abort();
+        }
+        *self.slots[machine].lock().unwrap() = None;
+    }
+
+    fn running_on(&self, machine: usize) -> Vec<String> {
+        let j = self.world.journal.lock().unwrap();
+        j.runs
+            .iter()
+            .filter(|r| r.machine == machine && r.end.is_none_or(|e| e > Instant::now()))
+            .map(|r| r.record.clone())
+            .collect()
+    }
+}
+
 async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
+    let epoch = Instant::now();
+    EPOCH.with(|e| e.set(Some(epoch)));
     let world = Arc::new(World {
         rng: Mutex::new(SmallRng::seed_from_u64(plan.seed)),
         faults: AtomicBool::new(plan.faulty),
         blob: Arc::new(MemoryStore::new()),
         queue: Arc::new(MemoryQueue::new("sim", OpCounters::new())),
         journal: Mutex::default(),
-        epoch: Instant::now(),
+        epoch,
         logic_rng: Mutex::new(SmallRng::seed_from_u64(plan.seed.rotate_left(17))),
+        skew: plan.skew,
+        partitioned_until: Mutex::default(),
+        bad_record: plan
+            .bad_record
+            .map(|(r, from, to)| (format!("r{r}"), epoch + from, epoch + to)),
+        dead_at: Mutex::default(),
     });
-    let counters = OpCounters::new();
-    // A node is a worker process. In standalone mode it is the consumer; in host mode it is the
-    // custom handler, and the (emulated) Functions host in front of it survives its crashes.
-    let slots: Vec<Slot> = (0..plan.workers).map(|_| Arc::new(Mutex::new(None))).collect();
-    let mut nodes: Vec<(
-        Arc<AtomicBool>,
-        Option<tokio::task::JoinHandle<()>>,
-        CancellationToken,
-    )> = Vec::new();
-    let start_node = |index: usize, generation: u64| {
-        let alive = Arc::new(AtomicBool::new(true));
-        let killed = CancellationToken::new();
-        let node = Node {
-            world: world.clone(),
-            alive: alive.clone(),
-            counters: counters.clone(),
-        };
-        let store: Arc<dyn LeaseStore> = Arc::new(node.clone());
-        let lock = LeaseLock::new(store, lease_options(&plan, (index as u64) << 8 | generation)).unwrap();
-        let queue: Arc<dyn TriggerQueue> = Arc::new(node.clone());
-        let runner_options = RunnerOptions {
-            run_timeout: Duration::from_secs(120),
-            variant,
-            ..RunnerOptions::default()
-        };
-        let logic = Arc::new(SimLogic(world.clone(), killed.clone(), index));
-        let runner = RecordRunner::new(lock, queue.clone(), logic, runner_options);
-        let poison: Arc<dyn TriggerQueue> = Arc::new(PoisonSink(world.clone(), counters.clone()));
-        let handle = match plan.mode {
-            Mode::Standalone => {
-                let options = ConsumerOptions {
-                    visibility: VISIBILITY,
-                    max_dequeue_count: 50,
-                    poll_max: Duration::from_secs(2),
-                    ..ConsumerOptions::default()
-                };
-                let consumer = Consumer::new(runner, poison, options);
-                let s = killed.clone();
-                Some(tokio::spawn(async move { consumer.run(s).await }))
-            }
-            Mode::FunctionsHost => {
-                *slots[index].lock().unwrap() = Some(Handler {
-                    runner,
-                    killed: killed.clone(),
-                });
-                None
-            }
-        };
-        (alive, handle, killed)
-    };
-    for i in 0..plan.workers {
-        nodes.push(start_node(i, 0));
+    if plan.skew > 0.0 {
+        world.count(|c| c.skewed_clock += 1);
     }
-    let mut hosts = Vec::new();
+    let sim = Sim {
+        world: world.clone(),
+        counters: OpCounters::new(),
+        variant,
+        slots: (0..plan.machines).map(|_| Arc::new(Mutex::new(None))).collect(),
+        plan: plan.clone(),
+    };
+    let mut workers: Vec<Worker> = (0..plan.machines).map(|m| sim.start_worker(m, 0)).collect();
+    let mut hosts: Vec<Option<Host>> = Vec::new();
     if plan.mode == Mode::FunctionsHost {
-        for slot in &slots {
-            let host_node = Node {
-                world: world.clone(),
-                alive: Arc::new(AtomicBool::new(true)),
-                counters: counters.clone(),
-            };
-            hosts.push(tokio::spawn(host(
-                world.clone(),
-                Arc::new(host_node),
-                slot.clone(),
-            )));
-        }
+        hosts = (0..plan.machines).map(|m| Some(sim.start_host(m))).collect();
     }
 
     // Start: accept triggers at their times (a put that succeeded is an accepted trigger).
@@ -581,148 +1085,256 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         let world = world.clone();
         let triggers = plan.triggers.clone();
         tokio::spawn(async move {
-            for (at, record) in triggers {
+            for (i, (at, record)) in triggers.into_iter().enumerate() {
                 tokio::time::sleep_until(world.epoch + at).await;
-                let msg = TriggerMessage::new("sim", format!("r{record}"));
+                let mut msg = TriggerMessage::new("sim", format!("r{record}"));
+                msg.correlation_id = Some(format!("t{i}"));
                 world.queue.put(&msg.encode(), Duration::ZERO).await.unwrap();
-                world
-                    .journal
-                    .lock()
-                    .unwrap()
-                    .accepted
-                    .push((msg.record_id.clone(), Instant::now()));
+                world.journal.lock().unwrap().accepted.push((
+                    format!("t{i}"),
+                    msg.record_id.clone(),
+                    Instant::now(),
+                ));
             }
         })
     };
 
-    // Crashes: kill a node at an instant (its calls never return, its tasks are dropped), then
-    // start a fresh one in its place after a pause.
-    let mut crashes = plan.crashes.clone();
-    crashes.sort();
-    for (generation, (at, index, restart_after)) in (1..).zip(crashes) {
-        tokio::time::sleep_until(world.epoch + at).await;
-        let (alive, handle, killed) = &nodes[index];
-        alive.store(false, Ordering::SeqCst);
-        killed.cancel();
-        if let Some(handle) = handle {
-            handle.abort();
+    // Faults at their instants; a stopped worker (or host) starts again after its pause.
+    let mut timeline: Vec<(Instant, Step)> = plan
+        .faults
+        .iter()
+        .map(|(at, f)| (epoch + *at, Step::Fault(*f)))
+        .collect();
+    let mut generation = 1u64;
+    while !timeline.is_empty() {
+        timeline.sort_by_key(|(t, _)| *t);
+        let (when, step) = timeline.remove(0);
+        tokio::time::sleep_until(when).await;
+        let now = Instant::now();
+        match step {
+            Step::Restart { machine, host_too } => {
+                generation += 1;
+                workers[machine] = sim.start_worker(machine, generation);
+                if host_too {
+                    hosts[machine] = Some(sim.start_host(machine));
+                }
+            }
+            Step::Fault(
+                Fault::Crash {
+                    machine,
+                    restart_after,
+                }
+                | Fault::HostDeath {
+                    machine,
+                    restart_after,
+                },
+            ) if workers[machine].alive.load(Ordering::SeqCst) => {
+                let host_death = matches!(step, Step::Fault(Fault::HostDeath { .. }));
+                let holding = sim.running_on(machine);
+                sim.kill_worker(machine, &workers[machine]);
+                if host_death {
+                    if let Some(host) = hosts[machine].take() {
+                        host.alive.store(false, Ordering::SeqCst);
+                        host.killed.cancel();
+                        host.task.abort();
+                    }
+                    world.count(|c| c.host_deaths += 1);
+                } else {
+                    world.count(|c| c.process_crashes += 1);
+                }
+                world
+                    .journal
+                    .lock()
+                    .unwrap()
+                    .deaths
+                    .push((now, machine, holding, restart_after));
+                timeline.push((
+                    now + restart_after,
+                    Step::Restart {
+                        machine,
+                        host_too: host_death,
+                    },
+                ));
+            }
+            Step::Fault(Fault::Shutdown {
+                machine,
+                restart_after,
+            }) if workers[machine].alive.load(Ordering::SeqCst) => {
+                world.count(|c| c.shutdowns += 1);
+                let w = &mut workers[machine];
+                w.shutdown.cancel();
+                // Functions: the host stops invoking a handler that is stopping.
+                *sim.slots[machine].lock().unwrap() = None;
+                // The process exits once its runs are handed back (the consumer returns; a
+                // handler after the host's wait), then is gone like any dead process. A new one
+                // starts after the pause, whether or not the old one has gone yet.
+                let task = w.task.take();
+                let (alive, killed) = (w.alive.clone(), w.killed.clone());
+                tokio::spawn(async move {
+                    match task {
+                        Some(task) => {
+                            let _ = task.await;
+                        }
+                        None => tokio::time::sleep(Duration::from_secs(20)).await,
+                    }
+                    alive.store(false, Ordering::SeqCst);
+                    killed.cancel();
+                });
+                timeline.push((
+                    now + restart_after,
+                    Step::Restart {
+                        machine,
+                        host_too: false,
+                    },
+                ));
+            }
+            Step::Fault(Fault::Partition { machine, length }) => {
+                world.count(|c| c.partitions += 1);
+                world
+                    .partitioned_until
+                    .lock()
+                    .unwrap()
+                    .insert(machine, now + length);
+                world
+                    .journal
+                    .lock()
+                    .unwrap()
+                    .partitions
+                    .push((now, now + length, machine));
+            }
+            Step::Fault(Fault::Break { record }) => {
+                let key = LockKey::new(format!("sim/r{record}")).unwrap();
+                // As `leasehold break` does: safe, free only once the time the lease had left passed.
+                let _ = world
+                    .blob
+                    .break_lease(&leasehold_lock::lock_blob_name(&key), LEASE)
+                    .await;
+                world.count(|c| c.lease_breaks += 1);
+                world
+                    .journal
+                    .lock()
+                    .unwrap()
+                    .breaks
+                    .push((now, format!("r{record}")));
+            }
+            // A fault on a worker that is not running.
+            Step::Fault(_) => {}
         }
-        *slots[index].lock().unwrap() = None;
-        // A dead process runs nothing: its open runs end at this instant.
-        let holding: Vec<String> = {
-            let mut j = world.journal.lock().unwrap();
-            let now = Instant::now();
-            let mut ended = Vec::new();
-            for r in j.runs.iter_mut().filter(|r| r.node == index && r.end.is_none()) {
-                r.end = Some(now);
-                ended.push(r.record.clone());
-            }
-            for record in &ended {
-                *j.active.get_mut(record).unwrap() -= 1;
-            }
-            ended
-        };
-        world
-            .journal
-            .lock()
-            .unwrap()
-            .crashes
-            .push((Instant::now(), holding, restart_after));
-        tokio::time::sleep(restart_after).await;
-        nodes[index] = start_node(index, generation);
     }
 
-    tokio::time::sleep_until(world.epoch + FAULT_PHASE).await;
+    tokio::time::sleep_until(epoch + FAULT_PHASE).await;
     world.faults.store(false, Ordering::SeqCst);
     injector.await.unwrap();
 
     // Drain: wait until no message is left and no run is active.
-    let deadline = world.epoch + FAULT_PHASE + DRAIN_LIMIT;
+    let deadline = epoch + FAULT_PHASE + DRAIN_LIMIT;
     loop {
-        let idle =
-            world.queue.bodies().is_empty() && world.journal.lock().unwrap().active.values().all(|n| *n == 0);
+        let idle = world.queue.bodies().is_empty()
+            && world
+                .journal
+                .lock()
+                .unwrap()
+                .runs
+                .iter()
+                .all(|r| r.end.is_some_and(|e| e <= Instant::now()));
         if idle {
             break;
         }
         if Instant::now() >= deadline {
-            world.violation(format!(
-                "did not drain within {DRAIN_LIMIT:?}: {} messages left",
-                world.queue.bodies().len()
-            ));
+            let left = world.queue.bodies().len();
+            world
+                .journal
+                .lock()
+                .unwrap()
+                .violations
+                .push(Violation::NotDrained(format!(
+                    "{left} messages left after {DRAIN_LIMIT:?}"
+                )));
             break;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    for (alive, handle, killed) in &nodes {
-        alive.store(false, Ordering::SeqCst);
-        killed.cancel();
-        if let Some(handle) = handle {
-            handle.abort();
-        }
+    for (machine, w) in workers.iter().enumerate() {
+        sim.kill_worker(machine, w);
     }
-    for host in hosts {
-        host.abort();
+    for host in hosts.into_iter().flatten() {
+        host.alive.store(false, Ordering::SeqCst);
+        host.task.abort();
     }
     check(&plan, &world)
 }
 
-/// A custom handler process as the host sees it.
-struct Handler {
-    runner: RecordRunner,
-    killed: CancellationToken,
-}
-
-type Slot = Arc<Mutex<Option<Handler>>>;
-
-/// The Functions host, emulated: takes messages hidden for 10 minutes, invokes the handler,
-/// deletes on success, makes the message visible again after `visibilityTimeout` when the
-/// invocation fails (including when the handler process dies or is not running), poisons after
-/// `maxDequeueCount`.
-async fn host(world: Arc<World>, queue: Arc<Node>, slot: Slot) {
+/// The Functions host, emulated: takes messages hidden for 10 minutes (sometimes letting that
+/// lapse early), invokes the handler, deletes on success, makes the message visible again after
+/// `visibilityTimeout` when the invocation fails (including when the handler is dead or stopping),
+/// and poisons after `maxDequeueCount` without asking the handler.
+async fn host(world: Arc<World>, queue: Arc<Node>, slot: Slot, killed: CancellationToken) {
     loop {
-        let batch = queue.get(16, Duration::from_secs(600)).await.unwrap_or_default();
+        let batch = queue.get(16, HOST_VISIBILITY).await.unwrap_or_default();
         if batch.is_empty() {
-            tokio::time::sleep(Duration::from_secs(2)).await;
+            tokio::time::sleep(HOST_POLL).await;
             continue;
         }
         for m in batch {
-            let handler = slot
-                .lock()
-                .unwrap()
-                .as_ref()
-                .map(|h| (h.runner.clone(), h.killed.clone()));
-            let (queue, world) = (queue.clone(), world.clone());
+            let handler = slot.lock().unwrap().clone();
+            let (queue, world, killed) = (queue.clone(), world.clone(), killed.clone());
             tokio::spawn(async move {
                 let Ok(message) = TriggerMessage::decode(&m.body) else {
                     return;
                 };
+                if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
+                    println!(
+                        "host: took {} dc={} {:?} {} at {:.3}s",
+                        m.id,
+                        m.dequeue_count,
+                        message.kind,
+                        message.record_id,
+                        world.at(Instant::now())
+                    );
+                }
+                if m.dequeue_count > HOST_MAX_DEQUEUE {
+                    PoisonSink::record(&world, Some(message));
+                    let _ = queue.delete(&m.id, &m.pop_receipt).await;
+                    return;
+                }
+                let mut receipt = m.pop_receipt.clone();
+                // The host's visibility renewal lapses: the message is delivered again while
+                // this invocation still runs.
+                if world.chance(0.03) {
+                    let early = Duration::from_millis(world.rng.lock().unwrap().random_range(5_000..60_000));
+                    if let Ok(r) = queue.set_visibility(&m.id, &receipt, &m.body, early).await {
+                        receipt = r;
+                        world.count(|c| c.visibility_lapses += 1);
+                    }
+                }
                 let delivery = Delivery {
                     message,
                     dequeue_count: m.dequeue_count,
                 };
-                if delivery.attempts() > 50 {
-                    world.journal.lock().unwrap().poisoned.push(m.body.clone());
-                    let _ = queue.delete(&m.id, &m.pop_receipt).await;
+                let outcome = match handler {
+                    Some(h) => tokio::select! {
+                        biased;
+                        _ = killed.cancelled() => return,
+                        _ = h.killed.cancelled() => None,
+                        outcome = h.runner.handle_watched(&delivery, &*h.poison, &h.shutdown) => Some(outcome),
+                    },
+                    None => None,
+                };
+                if killed.is_cancelled() {
                     return;
                 }
-                let acknowledged = match handler {
-                    Some((runner, killed)) => {
-                        let never = CancellationToken::new();
-                        tokio::select! {
-                            biased;
-                            _ = killed.cancelled() => false,
-                            outcome = runner.handle(&delivery, &never) => outcome.acknowledge(),
-                        }
-                    }
-                    None => false,
-                };
+                if let Some(o) = &outcome {
+                    count_outcome(&world, o);
+                }
+                let acknowledged = outcome.as_ref().is_some_and(Outcome::acknowledge);
                 if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
                     println!(
-                        "host: {} dc={} {:?} {} acked={acknowledged} at {:.3}s",
+                        "host: {} dc={} {:?} {} -> {:?} at {:.3}s",
                         m.id,
                         m.dequeue_count,
                         delivery.message.kind,
                         delivery.message.record_id,
+                        outcome.as_ref().map(Outcome::name),
                         world.at(Instant::now())
                     );
                 }
@@ -732,12 +1344,9 @@ async fn host(world: Arc<World>, queue: Arc<Node>, slot: Slot) {
                     ..RetryOptions::default()
                 };
                 if acknowledged {
-                    let _ = retry
-                        .run("host delete", || queue.delete(&m.id, &m.pop_receipt))
-                        .await;
+                    let _ = retry.run("host delete", || queue.delete(&m.id, &receipt)).await;
                 } else {
-                    let visible =
-                        || queue.set_visibility(&m.id, &m.pop_receipt, &m.body, HOST_RETRY_VISIBILITY);
+                    let visible = || queue.set_visibility(&m.id, &receipt, &m.body, HOST_RETRY_VISIBILITY);
                     let _ = retry.run("host retry", visible).await;
                 }
             });
@@ -745,109 +1354,209 @@ async fn host(world: Arc<World>, queue: Arc<Node>, slot: Slot) {
     }
 }
 
+fn count_outcome(world: &World, outcome: &Outcome) {
+    world.count(|c| match outcome {
+        Outcome::Failed { reason, .. } | Outcome::Retrying { reason, .. } => {
+            if reason.starts_with("storage") {
+                c.storage_failed_outcomes += 1;
+            }
+            if reason.contains("lease lost") {
+                c.lease_lost_outcomes += 1;
+            }
+            if matches!(outcome, Outcome::Retrying { .. }) {
+                c.watchdog_retries += 1;
+            }
+        }
+        Outcome::Rechecking { .. } => c.rechecks += 1,
+        _ => {}
+    });
+}
+
 fn check(plan: &Plan, world: &World) -> Report {
     let j = world.journal.lock().unwrap();
     let mut violations = j.violations.clone();
-    if !j.poisoned.is_empty() {
-        violations.push(format!("{} triggers poisoned", j.poisoned.len()));
+    let at = |t: Instant| world.at(t);
+    let mut by_record: HashMap<&str, Vec<&RunRecord>> = HashMap::new();
+    for r in &j.runs {
+        by_record.entry(&r.record).or_default().push(r);
     }
-    // (2) Nothing lost.
-    for (record, t) in &j.accepted {
-        let served = j
-            .runs
-            .iter()
-            .any(|r| &r.record == record && r.start > *t && r.completed);
-        if !served {
-            violations.push(format!(
-                "lost: trigger for {record} accepted at t={:.3}s never served",
-                world.at(*t)
-            ));
+    for runs in by_record.values_mut() {
+        runs.sort_by_key(|r| r.start);
+    }
+
+    // (1) Exclusive: runs of a record never overlap (a dead worker's logic counts until its
+    // supervisor killed it); fencing tokens rise in run order.
+    for (record, runs) in &by_record {
+        for w in runs.windows(2) {
+            let end = w[0].end.unwrap_or(Instant::now());
+            if end > w[1].start {
+                violations.push(Violation::Overlap(format!(
+                    "{record}: run from t={:.3}s (machine {}) still running at t={:.3}s when another started (machine {})",
+                    at(w[0].start),
+                    w[0].machine,
+                    at(w[1].start),
+                    w[1].machine
+                )));
+            }
+            if let (Some(a), Some(b)) = (w[0].token, w[1].token) {
+                if b <= a {
+                    violations.push(Violation::Fencing(format!(
+                        "{record}: token {b} at t={:.3}s after token {a}",
+                        at(w[1].start)
+                    )));
+                }
+            }
         }
     }
+
+    // (2) Nothing lost: each accepted trigger is served by a completed run that started after
+    // it, or was given up visibly. A trigger whose representative (a retrigger) was given up
+    // while the record's logic kept failing counts as given up visibly too.
+    let poisoned_ids: HashSet<&str> = j.poisoned.iter().filter_map(|(c, _, _)| c.as_deref()).collect();
+    let bad = world.bad_record.as_ref();
+    for (corr, record, t) in &j.accepted {
+        let served = by_record
+            .get(record.as_str())
+            .is_some_and(|runs| runs.iter().any(|r| r.start > *t && r.completed));
+        let given_up = poisoned_ids.contains(corr.as_str())
+            || bad.is_some_and(|(r, _, to)| {
+                r == record && *to > *t && j.poisoned.iter().any(|(_, pr, pt)| pr == record && *pt > *t)
+            });
+        if !served && !given_up {
+            violations.push(Violation::Lost(format!(
+                "trigger {corr} for {record} accepted at t={:.3}s never served",
+                at(*t)
+            )));
+        }
+    }
+
     // (3) Coalescing, fault-free only: for runs R1 < R2 < R3 of a record, some trigger must have
-    // arrived (been first received by a worker) after R1 started and before R3 started:
-    // triggers that arrived before or during a run cause at most one more run.
+    // arrived (been first received by a worker) after R1 started and before R3 started.
     if !plan.faulty {
-        let mut by_record: HashMap<&str, Vec<&RunRecord>> = HashMap::new();
-        for r in &j.runs {
-            by_record.entry(&r.record).or_default().push(r);
-        }
-        for (record, runs) in by_record {
+        for (record, runs) in &by_record {
             for w in runs.windows(3) {
                 let fresh = j
                     .arrivals
                     .iter()
                     .any(|(rec, t)| rec == record && *t > w[0].start && *t < w[2].start);
                 if !fresh {
-                    violations.push(format!(
-                        "coalescing: {record} ran at t={:.3}s and twice more (t={:.3}s, t={:.3}s) with no new trigger",
-                        world.at(w[0].start),
-                        world.at(w[1].start),
-                        world.at(w[2].start)
-                    ));
+                    violations.push(Violation::Coalescing(format!(
+                        "{record} ran at t={:.3}s and twice more (t={:.3}s, t={:.3}s) with no new trigger",
+                        at(w[0].start),
+                        at(w[1].start),
+                        at(w[2].start)
+                    )));
                 }
             }
         }
     }
-    // (4) Bounded recovery: a record whose run died with its node runs again within lease
-    // duration + visibility period + recheck delay (+ polling and slack).
-    // Standalone: the message reappears only after the dead holder's lease expired (visibility
-    // >= lease + renewal interval), so it runs at once: visibility + polling + slack.
-    // Functions host: the message is back after visibilityTimeout (5 s) while the lease may still
-    // be live, so a recheck follows: lease + 5 s + visibilityTimeout + polling + slack.
-    let slack = Duration::from_secs(2) + Duration::from_secs(10);
+
+    // (4) Bounded recovery: a record whose run died with its worker runs again within the bound.
+    // Standalone: the message reappears after its visibility (lease + renewal interval), when the
+    // lease has expired. Functions: the dead holder's watchdog surfaces lease + renewal interval
+    // + 5 s after its last push and is taken at the host's next poll; a handler that died alone also leaves its
+    // host failing invocations until it is back (the restart pause adds).
+    let slack = Duration::from_secs(5);
     let bound = match plan.mode {
         Mode::Standalone => VISIBILITY + slack,
-        Mode::FunctionsHost => LEASE + Duration::from_secs(5) + HOST_RETRY_VISIBILITY + slack,
+        Mode::FunctionsHost => LEASE + RENEW_EVERY + leasehold_runtime::WATCHDOG_MARGIN + HOST_POLL + slack,
     };
-    let bound_after = |restart: Duration| match plan.mode {
-        // Under the Functions host, the host whose handler died keeps taking messages and fails
-        // them until its handler is back: the restart time adds to the bound.
-        Mode::FunctionsHost => bound + restart,
-        Mode::Standalone => bound,
-    };
-    for (at, records, restart) in &j.crashes {
-        // The bound holds once faults stop: another crash inside the window (which may leave a
-        // dead node holding the lease again) moves the deadline to that crash's own bound.
-        let mut deadline = *at + bound_after(*restart);
-        for (later, _, later_restart) in &j.crashes {
-            if *later > *at && *later <= deadline {
-                deadline = deadline.max(*later + bound_after(*later_restart));
+    let other_faults: Vec<(Instant, Instant)> = j
+        .partitions
+        .iter()
+        .map(|(from, to, _)| (*from, *to))
+        .chain(j.lost_gets.iter().map(|t| (*t, *t)))
+        .chain(j.timeouts.iter().map(|t| (*t, *t + CLIENT_TIMEOUT)))
+        .chain(j.breaks.iter().map(|(t, _)| (*t, *t)))
+        .collect();
+    for (when, _machine, records, restart) in &j.deaths {
+        let mut deadline = *when + bound + *restart;
+        for (later, _, _, later_restart) in &j.deaths {
+            if *later > *when && *later <= deadline {
+                deadline = deadline.max(*later + bound + *later_restart);
             }
         }
+        // The bound holds once faults stop: one that overlaps the window excuses it.
+        if other_faults
+            .iter()
+            .any(|(from, to)| *to >= *when && *from <= deadline)
+        {
+            continue;
+        }
         for record in records {
-            let recovered = j
-                .runs
-                .iter()
-                .any(|r| &r.record == record && r.start > *at && r.start <= deadline);
-            let later_restart = j.runs.iter().any(|r| &r.record == record && r.start > *at);
-            let queue_withheld = j.lost_gets.iter().any(|t| *t >= *at && *t <= deadline);
-            if later_restart && !recovered && !queue_withheld {
-                violations.push(format!(
-                    "recovery: {record} crashed at t={:.3}s and did not run again by t={:.3}s",
-                    world.at(*at),
-                    world.at(deadline)
-                ));
+            let runs = by_record.get(record.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+            let recovered = runs.iter().any(|r| r.start > *when && r.start <= deadline);
+            let ran_later = runs.iter().any(|r| r.start > *when);
+            if ran_later && !recovered {
+                violations.push(Violation::Recovery(format!(
+                    "{record}: holder died at t={:.3}s, no run again by t={:.3}s",
+                    at(*when),
+                    at(deadline)
+                )));
             }
         }
     }
+
+    // (5) Bounded run time: no run outlives its time limit plus its stop grace; a run under a
+    // broken lease is stopped within a renewal interval plus its grace and is not acknowledged.
+    for r in &j.runs {
+        let Some(end) = r.end else { continue };
+        if end - r.start > RUN_TIMEOUT + STOP_GRACE + Duration::from_secs(1) {
+            violations.push(Violation::RunTime(format!(
+                "{}: run from t={:.3}s lasted {:.3}s",
+                r.record,
+                at(r.start),
+                (end - r.start).as_secs_f64()
+            )));
+        }
+    }
+    for (t, record) in &j.breaks {
+        let partitioned = j
+            .partitions
+            .iter()
+            .any(|(from, to, _)| *to >= *t && *from <= *t + RENEW_EVERY);
+        if partitioned {
+            continue;
+        }
+        for r in j.runs.iter().filter(|r| &r.record == record && r.start < *t) {
+            let Some(end) = r.end else { continue };
+            if end <= *t {
+                continue;
+            }
+            let stopped_by = *t + RENEW_EVERY + STOP_GRACE + Duration::from_secs(2);
+            if end > stopped_by || (r.completed && end > *t + RENEW_EVERY + Duration::from_secs(1)) {
+                violations.push(Violation::RunTime(format!(
+                    "{record}: lease broken at t={:.3}s, run from t={:.3}s ended at t={:.3}s (completed: {})",
+                    at(*t),
+                    at(r.start),
+                    at(end),
+                    r.completed
+                )));
+            }
+        }
+    }
+
     if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
         println!("{plan:?}");
         for r in &j.runs {
             println!(
-                "run {} token {:?} {:.3}s..{:?} completed={}",
+                "run {} machine {} token {:?} {:.3}s..{:?} completed={}",
                 r.record,
+                r.machine,
                 r.token,
-                world.at(r.start),
-                r.end.map(|e| world.at(e)),
+                at(r.start),
+                r.end.map(at),
                 r.completed
             );
         }
-        for (t, recs, _) in &j.crashes {
-            println!("crash at {:.3}s holding {recs:?}", world.at(*t));
+        for (t, m, recs, _) in &j.deaths {
+            println!("death of machine {m} at {:.3}s holding {recs:?}", at(*t));
         }
-        for (rec, t) in &j.accepted {
-            println!("accepted {rec} at {:.3}s", world.at(*t));
+        for (c, rec, t) in &j.accepted {
+            println!("accepted {c} {rec} at {:.3}s", at(*t));
+        }
+        for (c, rec, t) in &j.poisoned {
+            println!("poisoned {c:?} {rec} at {:.3}s", at(*t));
         }
     }
     let mut fingerprint = 0xcbf29ce484222325u64;
@@ -863,8 +1572,8 @@ fn check(plan: &Plan, world: &World) -> Report {
     Report {
         runs: j.runs.len(),
         accepted: j.accepted.len(),
-        crashes: j.crashes.len(),
         violations,
+        counts: j.counts.clone(),
         fingerprint,
     }
 }

@@ -1,0 +1,132 @@
+//! The watchdog message of a delivery in Functions mode (see the runner's module docs): put
+//! hidden before the delivery touches the lease, pushed a lease ahead after each renewal, and
+//! deleted when the delivery ends — or rewritten into the delivery's retry or recheck.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use leasehold_lock::{RetryOptions, StoreErrorKind, StoreResult};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::message::TriggerMessage;
+use crate::queue::TriggerQueue;
+
+/// A hidden message standing in for a delivery until the delivery ends.
+#[derive(Debug)]
+pub(crate) struct Watchdog {
+    queue: Arc<dyn TriggerQueue>,
+    retry: RetryOptions,
+    id: String,
+    /// The body the message has now (an update must send one).
+    body: Mutex<String>,
+    /// The latest pop receipt; each update returns a new one.
+    receipt: Mutex<String>,
+}
+
+impl Watchdog {
+    /// Puts `message`, visible only after `visibility`.
+    pub(crate) async fn arm(
+        queue: Arc<dyn TriggerQueue>,
+        retry: &RetryOptions,
+        message: &TriggerMessage,
+        visibility: Duration,
+    ) -> StoreResult<Self> {
+        let body = message.encode();
+        let put = retry.run("put watchdog", || queue.put(&body, visibility)).await?;
+        Ok(Self {
+            queue,
+            retry: retry.clone(),
+            id: put.id,
+            body: Mutex::new(body),
+            receipt: Mutex::new(put.pop_receipt),
+        })
+    }
+
+    fn receipt(&self) -> String {
+        self.receipt.lock().expect("watchdog mutex").clone()
+    }
+
+    /// One update: new body and visibility from now. `NotFound` means someone took the message
+    /// (it surfaced): it is theirs now, and they carry its duty.
+    async fn update(&self, body: &str, visibility: Duration) -> StoreResult<()> {
+        let receipt = self.receipt();
+        let fresh = self
+            .queue
+            .set_visibility(&self.id, &receipt, body, visibility)
+            .await?;
+        *self.receipt.lock().expect("watchdog mutex") = fresh;
+        *self.body.lock().expect("watchdog mutex") = body.to_string();
+        Ok(())
+    }
+
+    /// Turns the watchdog into `message`, visible after `after` (a retry or a recheck).
+    pub(crate) async fn rearm(&self, message: &TriggerMessage, after: Duration) -> StoreResult<()> {
+        let body = message.encode();
+        // A retried update whose first answer was lost finds a stale receipt (NotFound): the
+        // message then keeps its previous body and visibility, and still surfaces.
+        self.retry
+            .run("reschedule watchdog", || {
+                self.update(&body, after.max(Duration::from_secs(1)))
+            })
+            .await
+    }
+
+    /// Deletes the watchdog: the delivery ended and needs no stand-in. A failure is logged: the
+    /// watchdog then surfaces and makes one redundant run.
+    pub(crate) async fn disarm(&self) {
+        let result = self
+            .retry
+            .run("delete watchdog", || {
+                let receipt = self.receipt();
+                async move { self.queue.delete(&self.id, &receipt).await }
+            })
+            .await;
+        match result {
+            Ok(()) => {}
+            Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                tracing::debug!("the watchdog was taken before the delivery ended; its taker carries it")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not delete the watchdog; it will make one redundant run")
+            }
+        }
+    }
+
+    /// Pushes the watchdog to `visibility` from now after each lease renewal, until dropped.
+    pub(crate) fn follow(
+        self: &Arc<Self>,
+        mut renewals: watch::Receiver<Instant>,
+        visibility: Duration,
+    ) -> Follower {
+        let this = self.clone();
+        Follower(tokio::spawn(async move {
+            while renewals.changed().await.is_ok() {
+                let body = this.body.lock().expect("watchdog mutex").clone();
+                match this.update(&body, visibility).await {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                        tracing::warn!(
+                            "the watchdog surfaced while the run still holds its lease; its taker looks again later"
+                        );
+                        return;
+                    }
+                    // The next renewal tries again; meanwhile the watchdog may surface early and
+                    // find the lease held, which only makes it look again later.
+                    Err(e) => tracing::warn!(error = %e, "could not push the watchdog ahead"),
+                }
+            }
+        }))
+    }
+}
+
+/// Stops pushing the watchdog when dropped.
+#[derive(Debug)]
+pub(crate) struct Follower(JoinHandle<()>);
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
