@@ -223,7 +223,7 @@ fn wire(settings: &Settings) -> Result<Wiring> {
 
 fn logic(settings: &Settings, demo: bool) -> Result<Arc<dyn Logic>> {
     Ok(match &settings.logic {
-        LogicSetting::Command(c) => command_logic(c)?,
+        LogicSetting::Command(c) => command_logic(c, settings.runner.stop_grace)?,
         LogicSetting::Url(u) => Arc::new(
             UrlLogic::new(u, settings.runner.run_timeout)
                 .map_err(|e| anyhow::anyhow!("LEASEHOLD_LOGIC_URL: {e}"))?,
@@ -239,17 +239,22 @@ fn logic(settings: &Settings, demo: bool) -> Result<Arc<dyn Logic>> {
     })
 }
 
-/// A shell command, supervised by this executable's `supervise` subcommand.
+/// A shell command, supervised by this executable's `supervise` subcommand. Its SIGTERM →
+/// SIGKILL grace ends a second inside the runner's stop grace, so a cancelled command is dead
+/// before the runner gives up waiting (and before the lease can be handed on).
 #[cfg(unix)]
-fn command_logic(command: &str) -> Result<Arc<dyn Logic>> {
+fn command_logic(command: &str, stop_grace: Duration) -> Result<Arc<dyn Logic>> {
     use leasehold_functions::logic::{CommandLogic, Supervisor};
     let supervisor = Supervisor::current_exe()
         .context("LEASEHOLD_LOGIC_COMMAND: locating the leasehold executable (its supervisor)")?;
-    Ok(Arc::new(CommandLogic::new(command, supervisor)))
+    let grace = stop_grace
+        .saturating_sub(Duration::from_secs(1))
+        .max(Duration::from_millis(500));
+    Ok(Arc::new(CommandLogic::new(command, supervisor).with_grace(grace)))
 }
 
 #[cfg(not(unix))]
-fn command_logic(_command: &str) -> Result<Arc<dyn Logic>> {
+fn command_logic(_command: &str, _stop_grace: Duration) -> Result<Arc<dyn Logic>> {
     bail!("LEASEHOLD_LOGIC_COMMAND needs a Unix system; use LEASEHOLD_LOGIC_URL")
 }
 

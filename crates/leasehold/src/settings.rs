@@ -173,10 +173,9 @@ impl Settings {
             );
         }
         let lease = LeaseOptions {
-            duration: Duration::from_secs(lease_seconds),
-            renew_every: Duration::from_secs(lease_seconds / 3),
             fencing: flag("LEASEHOLD_FENCING", &raw.leasehold_fencing, true)?,
-            ..LeaseOptions::default()
+            // Renewed every third of the duration, declared lost a third before it could expire.
+            ..LeaseOptions::with_duration(Duration::from_secs(lease_seconds))
         };
         let run_timeout = number(
             "LEASEHOLD_RUN_TIMEOUT_SECONDS",
@@ -186,9 +185,15 @@ impl Settings {
         if run_timeout == 0 {
             bail!("LEASEHOLD_RUN_TIMEOUT_SECONDS must be at least 1");
         }
+        let defaults = RunnerOptions::default();
         let runner = RunnerOptions {
             run_timeout: Duration::from_secs(run_timeout),
-            ..RunnerOptions::default()
+            // Logic told of a lost lease must be gone 2 s before storage can hand the lease on.
+            stop_grace: defaults
+                .stop_grace
+                .min(lease.safety_margin.saturating_sub(Duration::from_secs(2)))
+                .max(Duration::from_secs(1)),
+            ..defaults
         };
         let concurrency: usize = number("LEASEHOLD_CONCURRENCY", &raw.leasehold_concurrency, 8)?;
         if concurrency == 0 {
@@ -202,6 +207,11 @@ impl Settings {
         if max_dequeue_count == 0 {
             bail!("LEASEHOLD_MAX_DEQUEUE_COUNT must be at least 1");
         }
+        let runner = RunnerOptions {
+            // Under Functions the handler gives a trigger up itself (the host would drop the reason).
+            max_attempts: max_dequeue_count,
+            ..runner
+        };
         let consumer = ConsumerOptions {
             concurrency,
             batch_size: concurrency.min(32) as u32,
@@ -292,6 +302,26 @@ mod tests {
             RunnerOptions::default().run_timeout,
             "one source of defaults"
         );
+        assert_eq!(s.runner.max_attempts, 5);
+        assert!(s.lease.validate().is_ok());
+        assert!(s.runner.stop_grace + Duration::from_secs(2) <= s.lease.safety_margin);
+    }
+
+    #[test]
+    fn every_lease_duration_gives_consistent_margins() {
+        for secs in [15, 16, 20, 30, 45, 60] {
+            let s = Settings::from_raw(Raw {
+                leasehold_lease_seconds: Some(secs.to_string()),
+                ..raw()
+            })
+            .unwrap();
+            assert!(s.lease.validate().is_ok(), "{secs}");
+            assert!(
+                s.runner.stop_grace + Duration::from_secs(2) <= s.lease.safety_margin,
+                "{secs}: logic must be gone before the lease can be handed on"
+            );
+            assert_eq!(s.consumer.visibility, s.lease.duration + s.lease.renew_every);
+        }
     }
 
     #[test]
