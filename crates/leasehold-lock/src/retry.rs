@@ -80,3 +80,52 @@ impl RetryOptions {
             .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::counters::Op;
+    use crate::error::{StoreError, StoreErrorKind};
+
+    /// After a time-out the request may still land: the retry waits the late window, so the late
+    /// request lands (or never will) before the retry answers. A plain transient error is retried
+    /// after the usual short pause.
+    #[tokio::test(start_paused = true)]
+    async fn the_retry_after_a_time_out_waits_the_late_window() {
+        let retry = RetryOptions {
+            jitter_seed: Some(1),
+            ..RetryOptions::default()
+        };
+        for (first, at_least, at_most) in [
+            (
+                StoreError::timeout(Op::FlagDelete, Duration::from_secs(10)),
+                5_000,
+                6_000,
+            ),
+            (
+                StoreError::new(StoreErrorKind::Transient, Op::FlagDelete, "busy"),
+                0,
+                1_000,
+            ),
+        ] {
+            let calls = Mutex::new(Vec::new());
+            let start = tokio::time::Instant::now();
+            let first = Mutex::new(Some(first));
+            let result = retry
+                .run("delete", || {
+                    calls.lock().unwrap().push(start.elapsed());
+                    let err = first.lock().unwrap().take();
+                    async move { err.map_or(Ok(()), Err) }
+                })
+                .await;
+            assert!(result.is_ok());
+            let second = calls.lock().unwrap()[1].as_millis() as u64;
+            assert!(
+                (at_least..=at_most).contains(&second),
+                "retried after {second} ms"
+            );
+        }
+    }
+}

@@ -2,6 +2,7 @@
 
 mod azurite;
 mod behaviour;
+mod regressions;
 mod sim;
 
 use std::time::Instant;

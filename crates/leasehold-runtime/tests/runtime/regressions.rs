@@ -1,0 +1,627 @@
+//! One deterministic test per trigger-loss or overlap bug found by adversarial review (issue 9),
+//! each written so that it fails on the code before the fix: paused time, the in-memory store
+//! and queue, and a scripted store that slows or refuses chosen operations.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use leasehold_lock::memory::MemoryStore;
+use leasehold_lock::{
+    BlobProperties, ETag, FlagPut, LeaseId, LeaseLock, LeaseOptions, LeaseStore, Metadata, Op, OpCounters,
+    RetryOptions, StoreError, StoreErrorKind, StoreResult,
+};
+use leasehold_runtime::{
+    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MemoryQueue, Outcome, PoisonMessage,
+    Received, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue,
+    marker_blob_name, record_key,
+};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// What a scripted operation does on one call.
+#[derive(Debug, Clone, Copy)]
+enum Act {
+    /// Wait this long, then do it.
+    Slow(Duration),
+    /// Refuse with this kind of error (nothing happens).
+    Refuse(StoreErrorKind),
+    /// Do it, then lose the answer (the caller sees a time-out).
+    LoseAnswer,
+}
+
+/// The in-memory store and queue, with scripted acts for chosen calls: `script[op]` is consumed
+/// one act per call; `always[op]` applies once the script for `op` is used up.
+#[derive(Debug, Default)]
+struct Scripted {
+    store: MemoryStore,
+    queue: Option<Arc<MemoryQueue>>,
+    script: Mutex<HashMap<Op, Vec<Act>>>,
+    always: Mutex<HashMap<Op, Act>>,
+    counters: OpCounters,
+}
+
+impl Scripted {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            queue: Some(Arc::new(MemoryQueue::new("triggers", OpCounters::new()))),
+            ..Self::default()
+        })
+    }
+
+    fn then(&self, op: Op, acts: &[Act]) {
+        self.script.lock().unwrap().entry(op).or_default().extend(acts);
+    }
+
+    fn always(&self, op: Op, act: Act) {
+        self.always.lock().unwrap().insert(op, act);
+    }
+
+    fn queue(&self) -> &Arc<MemoryQueue> {
+        self.queue.as_ref().unwrap()
+    }
+
+    async fn call<T>(&self, op: Op, f: impl std::future::Future<Output = StoreResult<T>>) -> StoreResult<T> {
+        self.counters.record(op);
+        let act = {
+            let mut script = self.script.lock().unwrap();
+            match script.get_mut(&op) {
+                Some(acts) if !acts.is_empty() => Some(acts.remove(0)),
+                _ => self.always.lock().unwrap().get(&op).copied(),
+            }
+        };
+        match act {
+            None => f.await,
+            Some(Act::Slow(d)) => {
+                tokio::time::sleep(d).await;
+                f.await
+            }
+            Some(Act::Refuse(kind)) => Err(StoreError::new(kind, op, "scripted").with_status(409, None)),
+            Some(Act::LoseAnswer) => {
+                let _ = f.await;
+                Err(StoreError::timeout(op, Duration::from_secs(10)))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl LeaseStore for Scripted {
+    async fn create_container(&self) -> StoreResult<()> {
+        self.call(Op::ContainerCreate, self.store.create_container())
+            .await
+    }
+    async fn create_blob(&self, blob: &str) -> StoreResult<()> {
+        self.call(Op::BlobCreate, self.store.create_blob(blob)).await
+    }
+    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
+        self.call(Op::LeaseAcquire, self.store.acquire_lease(blob, lease, duration))
+            .await
+    }
+    async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()> {
+        self.call(Op::LeaseRenew, self.store.renew_lease(blob, lease))
+            .await
+    }
+    async fn release_lease(&self, blob: &str, lease: LeaseId, if_match: Option<&ETag>) -> StoreResult<()> {
+        self.call(Op::LeaseRelease, self.store.release_lease(blob, lease, if_match))
+            .await
+    }
+    async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()> {
+        self.call(Op::LeaseBreak, self.store.break_lease(blob, period))
+            .await
+    }
+    async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
+        self.call(Op::BlobProperties, self.store.properties(blob)).await
+    }
+    async fn set_metadata(
+        &self,
+        blob: &str,
+        lease: Option<LeaseId>,
+        if_match: Option<&ETag>,
+        metadata: &Metadata,
+    ) -> StoreResult<ETag> {
+        self.call(
+            Op::BlobSetMetadata,
+            self.store.set_metadata(blob, lease, if_match, metadata),
+        )
+        .await
+    }
+    async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut> {
+        self.call(Op::FlagPut, self.store.put_flag(blob)).await
+    }
+    async fn delete_flag(&self, blob: &str) -> StoreResult<bool> {
+        self.call(Op::FlagDelete, self.store.delete_flag(blob)).await
+    }
+    async fn flag_exists(&self, blob: &str) -> StoreResult<bool> {
+        self.store.flag_exists(blob).await
+    }
+    fn counters(&self) -> &OpCounters {
+        &self.counters
+    }
+}
+
+#[async_trait]
+impl TriggerQueue for Scripted {
+    fn name(&self) -> &str {
+        "triggers"
+    }
+    async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
+        self.call(Op::QueuePut, self.queue().put(body, delay)).await
+    }
+    async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
+        self.call(Op::QueueGet, self.queue().get(max, visibility)).await
+    }
+    async fn delete(&self, id: &str, pop_receipt: &str) -> StoreResult<()> {
+        self.call(Op::QueueDelete, self.queue().delete(id, pop_receipt))
+            .await
+    }
+    async fn set_visibility(
+        &self,
+        id: &str,
+        receipt: &str,
+        body: &str,
+        visibility: Duration,
+    ) -> StoreResult<String> {
+        self.call(
+            Op::QueueUpdate,
+            self.queue().set_visibility(id, receipt, body, visibility),
+        )
+        .await
+    }
+    async fn approximate_len(&self) -> StoreResult<u64> {
+        self.queue().approximate_len().await
+    }
+    fn counters(&self) -> &OpCounters {
+        &self.counters
+    }
+}
+
+/// Logic that records its runs and their starts, runs for `duration`, and then does `end`.
+struct Script {
+    duration: Duration,
+    end: End,
+    runs: AtomicUsize,
+    cancelled: AtomicUsize,
+    starts: Mutex<Vec<Instant>>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum End {
+    Succeed,
+    Panic,
+    /// Ignores cancellation: keeps running until `duration` has passed.
+    Stubborn,
+}
+
+impl Script {
+    fn new(duration: Duration, end: End) -> Arc<Self> {
+        Arc::new(Self {
+            duration,
+            end,
+            runs: 0.into(),
+            cancelled: 0.into(),
+            starts: Mutex::default(),
+        })
+    }
+}
+
+#[async_trait]
+impl Logic for Script {
+    async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        self.starts.lock().unwrap().push(Instant::now());
+        if self.end == End::Stubborn {
+            tokio::time::sleep(self.duration).await;
+            return Ok(());
+        }
+        tokio::select! {
+            _ = ctx.cancel.cancelled() => {
+                self.cancelled.fetch_add(1, Ordering::SeqCst);
+                Err(LogicError("cancelled".into()))
+            }
+            _ = tokio::time::sleep(self.duration) => match self.end {
+                End::Panic => panic!("the logic fell over"),
+                _ => Ok(()),
+            },
+        }
+    }
+}
+
+fn lock_on(store: &Arc<Scripted>) -> LeaseLock {
+    let options = LeaseOptions {
+        retry: RetryOptions {
+            jitter_seed: Some(3),
+            ..RetryOptions::default()
+        },
+        ..LeaseOptions::default()
+    };
+    LeaseLock::new(store.clone() as Arc<dyn LeaseStore>, options).unwrap()
+}
+
+fn runner_on(store: &Arc<Scripted>, logic: Arc<dyn Logic>, options: RunnerOptions) -> RecordRunner {
+    RecordRunner::new(lock_on(store), store.clone(), logic, options)
+}
+
+fn delivery(kind: TriggerKind, dequeue_count: u32, prior_attempts: u32) -> Delivery {
+    Delivery {
+        message: TriggerMessage::new("acct", "r").follow_up(kind, prior_attempts),
+        dequeue_count,
+    }
+}
+
+fn messages(store: &Scripted) -> Vec<TriggerMessage> {
+    store
+        .queue()
+        .bodies()
+        .iter()
+        .map(|b| TriggerMessage::decode(b).unwrap())
+        .collect()
+}
+
+async fn held(store: &Arc<Scripted>) -> bool {
+    lock_on(store)
+        .inspect(&record_key("acct", "r").unwrap())
+        .await
+        .unwrap()
+        .held
+}
+
+async fn marker_set(store: &Scripted) -> bool {
+    store
+        .store
+        .flag_exists(&marker_blob_name(&record_key("acct", "r").unwrap()))
+        .await
+        .unwrap()
+}
+
+/// A holder that died with its lease: the lease lapses after its duration.
+async fn dead_holder(store: &Arc<Scripted>) {
+    let guard = lock_on(store)
+        .try_acquire(&record_key("acct", "r").unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    guard.abandon();
+}
+
+/// B1: the holder's fencing write takes longer than the lease. The lease must be renewed from the
+/// grant, so the trigger that coalesced onto it during the write is honoured by a retrigger.
+/// Before the fix the holder's lease lapsed, its write got 412 and it reported "held by someone
+/// else": no run, no retrigger, a marker left behind.
+#[tokio::test(start_paused = true)]
+async fn b1_a_fencing_write_slower_than_the_lease_keeps_the_grant_and_its_duty() {
+    let store = Scripted::new();
+    store.then(Op::BlobSetMetadata, &[Act::Slow(Duration::from_secs(40))]);
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let holder = {
+        let runner = runner.clone();
+        tokio::spawn(async move {
+            runner
+                .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let coalesced = runner
+        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
+        .await;
+    assert_eq!(coalesced, Outcome::Coalesced);
+    let outcome = holder.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Completed {
+                retriggered: true,
+                fencing_token: Some(1),
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+    let kinds: Vec<_> = messages(&store).iter().map(|m| m.kind).collect();
+    assert_eq!(kinds, [TriggerKind::Retrigger]);
+    assert!(!marker_set(&store).await);
+}
+
+/// B1, in the lock: a grant whose fencing write finds the lease gone is an error, never "held
+/// by someone else" (a caller told "held" relies on a holder that does not exist).
+#[tokio::test(start_paused = true)]
+async fn b1_a_lease_lost_during_the_grant_is_an_error() {
+    let store = Scripted::new();
+    store.then(Op::BlobSetMetadata, &[Act::Refuse(StoreErrorKind::LeaseLost)]);
+    let result = lock_on(&store)
+        .try_acquire(&record_key("acct", "r").unwrap())
+        .await;
+    assert!(
+        matches!(result, Err(leasehold_lock::Error::LeaseLost { .. })),
+        "{result:?}"
+    );
+}
+
+/// B2: a recheck arrives (dequeue count 1) while a holder's lease is live. It may stand in for
+/// that very holder, dead since, so it must look again later instead of setting the marker and
+/// leaving. Before the fix it trusted the holder: coalesced, marker set, nobody to read it.
+#[tokio::test(start_paused = true)]
+async fn b2_a_recheck_never_trusts_a_held_lease() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    dead_holder(&store).await;
+    let outcome = runner
+        .handle(&delivery(TriggerKind::Recheck, 1, 1), &CancellationToken::new())
+        .await;
+    assert_eq!(
+        outcome,
+        Outcome::Rechecking {
+            after: Duration::from_secs(35)
+        }
+    );
+    assert!(!marker_set(&store).await, "no marker left for a dead holder");
+    let again = messages(&store);
+    assert_eq!(
+        again
+            .iter()
+            .map(|m| (m.kind, m.prior_attempts))
+            .collect::<Vec<_>>(),
+        [(TriggerKind::Recheck, 1)]
+    );
+    // Once the dead holder's lease has expired, the recheck runs the record.
+    tokio::time::sleep(Duration::from_secs(35)).await;
+    let outcome = runner
+        .handle(&delivery(TriggerKind::Recheck, 1, 1), &CancellationToken::new())
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+}
+
+/// B2 under Functions: a watchdog that surfaces while the lease is held leaves its own watchdog
+/// in place as the look again (no attempt counted), instead of trusting the holder.
+#[tokio::test(start_paused = true)]
+async fn b2_a_watchdog_never_trusts_a_held_lease() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    dead_holder(&store).await;
+    let outcome = runner
+        .handle_watched(
+            &delivery(TriggerKind::Watchdog, 1, 2),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
+    assert!(!marker_set(&store).await);
+    let again = messages(&store);
+    assert_eq!(
+        again
+            .iter()
+            .map(|m| (m.kind, m.prior_attempts))
+            .collect::<Vec<_>>(),
+        [(TriggerKind::Watchdog, 2)],
+        "the delivery's own watchdog, kept as the look again"
+    );
+    assert!(store.queue().next_visible_at().unwrap() >= Instant::now() + Duration::from_secs(34));
+}
+
+/// B3: the holder died on its trigger's last allowed delivery; a fresh trigger coalesced onto its
+/// lease; the holder's message comes back and is given up. Giving it up must not strand the
+/// marker: a sweep runs the record once the lease is free. Before the fix nothing ran.
+#[tokio::test(start_paused = true)]
+async fn b3_giving_up_a_dead_holders_trigger_still_honours_what_coalesced_onto_it() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    dead_holder(&store).await;
+    let coalesced = runner
+        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
+        .await;
+    assert_eq!(coalesced, Outcome::Coalesced);
+    let accepted = Instant::now();
+    // The dead holder's message, back for the sixth time (one more than allowed).
+    let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
+    let body = TriggerMessage::new("acct", "r").encode();
+    let put = store.queue().put(&body, Duration::ZERO).await.unwrap();
+    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    assert_eq!(taken[0].id, put.id);
+    consumer
+        .process(
+            Received {
+                dequeue_count: 6,
+                ..taken[0].clone()
+            },
+            CancellationToken::new(),
+        )
+        .await;
+    let entry = PoisonMessage::decode(&poison.bodies()[0]).unwrap();
+    assert!(entry.reason.contains("gave up"), "{entry:?}");
+    // The consumer works the queue until it is empty.
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        tokio::spawn(async move { consumer.run(shutdown).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !store.queue().bodies().is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+    assert_eq!(
+        logic.runs.load(Ordering::SeqCst),
+        1,
+        "one run for the coalesced trigger"
+    );
+    assert!(logic.starts.lock().unwrap()[0] > accepted);
+    assert!(!marker_set(&store).await);
+}
+
+/// B3 under Functions: a delivery beyond the limit is given up by the handler itself (with its
+/// reason, and a sweep), not left to the host, which would drop it without either.
+#[tokio::test(start_paused = true)]
+async fn b3_a_watched_delivery_over_the_limit_is_given_up_with_a_sweep() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let outcome = runner
+        .handle_watched(
+            &delivery(TriggerKind::Watchdog, 1, 5),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Poisoned { .. }), "{outcome:?}");
+    assert!(outcome.acknowledge());
+    assert_eq!(poison.bodies().len(), 1);
+    assert_eq!(
+        messages(&store).iter().map(|m| m.kind).collect::<Vec<_>>(),
+        [TriggerKind::Sweep]
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 0);
+}
+
+/// A recheck made by a redelivery at the poison limit carries only the failed attempts, so its
+/// first delivery runs instead of being given up unrun.
+#[tokio::test(start_paused = true)]
+async fn a_recheck_at_the_limit_is_not_given_up_unrun() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    dead_holder(&store).await;
+    // The fifth delivery (of five allowed) finds the lease held.
+    let outcome = runner
+        .handle(&delivery(TriggerKind::Trigger, 5, 0), &CancellationToken::new())
+        .await;
+    assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
+    let recheck = &messages(&store)[0];
+    let next = Delivery {
+        message: recheck.clone(),
+        dequeue_count: 1,
+    };
+    assert_eq!(next.attempts(), 5, "within the limit of 5");
+}
+
+/// A guard whose lease was lost before the run began never starts the logic (a biased select
+/// used to poll the logic first).
+#[tokio::test(start_paused = true)]
+async fn a_guard_lost_before_the_run_never_starts_the_logic() {
+    let store = Scripted::new();
+    // The fencing write takes 25 s; meanwhile renewals are refused: the guard is lost at birth.
+    store.then(Op::BlobSetMetadata, &[Act::Slow(Duration::from_secs(25))]);
+    store.always(Op::LeaseRenew, Act::Refuse(StoreErrorKind::LeaseLost));
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let outcome = runner
+        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
+        .await;
+    assert!(
+        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("lease lost before the run started")),
+        "{outcome:?}"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 0);
+}
+
+/// A visibility update whose answer was lost changed the pop receipt; the consumer's next
+/// renewal then finds its receipt stale. The run is healthy (its lease is fine) and must go on;
+/// it used to be cancelled.
+#[tokio::test(start_paused = true)]
+async fn a_lost_visibility_answer_does_not_cancel_a_healthy_run() {
+    let store = Scripted::new();
+    store.then(Op::QueueUpdate, &[Act::LoseAnswer]);
+    let logic = Script::new(Duration::from_secs(25), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let consumer = Consumer::new(
+        runner,
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    store
+        .queue()
+        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    consumer.process(taken[0].clone(), CancellationToken::new()).await;
+    assert_eq!(
+        logic.cancelled.load(Ordering::SeqCst),
+        0,
+        "the run was not cancelled"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+    assert!(!held(&store).await);
+}
+
+/// A panicking logic fails its run like an error: the lease is released, the message handed back
+/// for a retry, and nothing unwinds out of the consumer (its visibility renewer stops too).
+#[tokio::test(start_paused = true)]
+async fn a_panicking_logic_fails_its_run_and_nothing_unwinds() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Panic);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let outcome = runner
+        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
+        .await;
+    assert!(
+        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("logic panicked: the logic fell over")),
+        "{outcome:?}"
+    );
+    assert!(!held(&store).await, "released");
+    let consumer = Consumer::new(
+        runner,
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    store
+        .queue()
+        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    consumer.process(taken[0].clone(), CancellationToken::new()).await;
+    let updates = store.counters.snapshot().get(Op::QueueUpdate);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(
+        store.counters.snapshot().get(Op::QueueUpdate),
+        updates,
+        "no visibility renewer left running"
+    );
+    assert_eq!(store.queue().bodies().len(), 1, "handed back for a retry");
+}
+
+/// Logic that does not stop within its grace is abandoned, and its lease is left to lapse rather
+/// than released: releasing would let the next holder start beside it.
+#[tokio::test(start_paused = true)]
+async fn logic_that_will_not_stop_keeps_its_lease_until_it_lapses() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1000), End::Stubborn);
+    let options = RunnerOptions {
+        run_timeout: Duration::from_secs(60),
+        ..RunnerOptions::default()
+    };
+    let runner = runner_on(&store, logic.clone(), options);
+    let outcome = runner
+        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
+        .await;
+    assert!(
+        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("abandoned")),
+        "{outcome:?}"
+    );
+    assert!(held(&store).await, "the lease stays until it lapses");
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    assert!(!held(&store).await, "then it lapses");
+}
+
+/// The lease's safety margin leaves room for the stop grace: logic told of a lost lease is gone
+/// before storage could grant the lease to anyone else.
+#[test]
+fn default_margins_let_logic_stop_before_the_lease_can_be_handed_on() {
+    let lease = LeaseOptions::default();
+    let runner = RunnerOptions::default();
+    assert!(runner.stop_grace + Duration::from_secs(2) <= lease.safety_margin);
+    assert!(lease.validate().is_ok());
+}
