@@ -813,3 +813,127 @@ async fn handler_mode_coalesces_a_burst() {
     terminate(&child);
     child.wait().await.unwrap();
 }
+
+/// A whole Functions host instance dies mid-run: the handler, the host and the logic are gone,
+/// and the host's message stays hidden for 10 minutes (nothing deletes or updates it). The
+/// delivery's watchdog must bring the record back on another instance within the lease duration
+/// + 15 s. The host is emulated as `PROTOCOLS.md` describes it: messages taken with a 10-minute
+/// visibility, base64 decoded, passed double-encoded with the metadata as strings; deleted on a
+/// 2xx, made visible again after 5 s otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_15_s() {
+    const LEASE_SECONDS: u64 = 15;
+    let env = Env::new();
+    let other = Env {
+        queue: env.queue.clone(),
+        container: env.container.clone(),
+        dir: env.dir.join("second-host"),
+        port: free_port(),
+    };
+    std::fs::create_dir_all(&other.dir).unwrap();
+    // The first run hangs (until its worker dies); later runs finish at once.
+    let first = env.dir.join("first-run");
+    let logic = env.logic(&format!(
+        "if [ -e {f} ]; then exit 0; fi; touch {f}; exec sleep 600",
+        f = first.display()
+    ));
+    let settings = |e: &Env| {
+        vec![
+            ("LEASEHOLD_LOGIC_COMMAND", logic.clone()),
+            ("FUNCTIONS_CUSTOMHANDLER_PORT", e.port.to_string()),
+            ("LEASEHOLD_LEASE_SECONDS", LEASE_SECONDS.to_string()),
+            ("LEASEHOLD_LOG_FORMAT", "json".to_string()),
+        ]
+    };
+    let mut dying = env.spawn(&["handler"], &settings(&env)).await;
+    let mut survivor = other.spawn(&["handler"], &settings(&other)).await;
+    let queue = env.queue(&env.queue);
+    queue
+        .put(&TriggerMessage::new("account", RECORD).encode(), Duration::ZERO)
+        .await
+        .unwrap();
+
+    // Host 1 takes the message for 10 minutes and invokes its handler; it never answers.
+    let taken = queue.get(1, Duration::from_secs(600)).await.unwrap();
+    assert_eq!(taken.len(), 1);
+    let in_flight = tokio::spawn(invoke_as_host(env.port, taken[0].clone()));
+    eventually(Duration::from_secs(20), "the first run to start", || async {
+        (env.runs().len() == 1).then_some(())
+    })
+    .await;
+    // Let the lease be renewed (every 5 s) once, then the whole instance dies.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    dying.start_kill().unwrap();
+    dying.wait().await.unwrap();
+    in_flight.abort();
+    let died = std::time::Instant::now();
+
+    // Host 2 polls every second, as host.json's maxPollingInterval of 2 s allows.
+    let host = tokio::spawn({
+        let queue = env.queue(&env.queue);
+        let port = other.port;
+        async move {
+            loop {
+                for m in queue.get(16, Duration::from_secs(600)).await.unwrap_or_default() {
+                    let status = invoke_as_host(port, m.clone()).await;
+                    if (200..300).contains(&status) {
+                        queue.delete(&m.id, &m.pop_receipt).await.unwrap();
+                    } else {
+                        let _ = queue
+                            .set_visibility(&m.id, &m.pop_receipt, &m.body, Duration::from_secs(5))
+                            .await;
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    });
+    let bound = Duration::from_secs(LEASE_SECONDS + 15);
+    eventually(
+        bound + Duration::from_secs(5),
+        "the record to run again",
+        || async { (env.runs().len() >= 2).then_some(()) },
+    )
+    .await;
+    let recovered = died.elapsed();
+    host.abort();
+    println!("whole-host death: the record ran again {recovered:.1?} after the host died (bound {bound:?})");
+    assert!(
+        recovered <= bound,
+        "recovered after {recovered:?}, bound {bound:?}"
+    );
+    let runs = env.runs();
+    assert!(runs[1].1 > runs[0].1, "a new fencing token: {runs:?}");
+    // The host's own message was not what brought it back: it is still hidden.
+    assert!(
+        queue.get(1, Duration::from_secs(1)).await.unwrap().is_empty(),
+        "the dead host's message stays hidden"
+    );
+    terminate(&survivor);
+    survivor.wait().await.unwrap();
+}
+
+/// Invokes `POST /Worker` as the Functions host does for a queue message; returns the status.
+async fn invoke_as_host(port: u16, m: leasehold_runtime::Received) -> u16 {
+    use base64::Engine;
+    let text = String::from_utf8(base64::engine::general_purpose::STANDARD.decode(&m.body).unwrap()).unwrap();
+    let invocation = json!({
+        // A JSON string whose content is the message JSON (the host's double encoding).
+        "Data": { "trigger": text },
+        "Metadata": {
+            "DequeueCount": m.dequeue_count.to_string(),
+            "Id": format!("\"{}\"", m.id),
+            "PopReceipt": format!("\"{}\"", m.pop_receipt),
+            "sys": { "MethodName": "Worker" }
+        }
+    });
+    match reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{port}/Worker"))
+        .json(&invocation)
+        .send()
+        .await
+    {
+        Ok(r) => r.status().as_u16(),
+        Err(_) => 599,
+    }
+}
