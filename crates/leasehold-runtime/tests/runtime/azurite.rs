@@ -159,6 +159,12 @@ fn consumer_options() -> ConsumerOptions {
 /// Start's part (put) and a worker's part (get, handle, delete) for one trigger; returns the
 /// outcome.
 async fn one_trigger(setup: &Setup, runner: &RecordRunner, record: &str) -> Outcome {
+    deliver(setup, runner, record, false).await
+}
+
+/// One trigger through the queue: put, get, the runner (`watched`: as under Functions, with a
+/// watchdog), delete if acknowledged.
+async fn deliver(setup: &Setup, runner: &RecordRunner, record: &str, watched: bool) -> Outcome {
     setup
         .queue
         .put(&TriggerMessage::new("acct", record).encode(), Duration::ZERO)
@@ -173,7 +179,13 @@ async fn one_trigger(setup: &Setup, runner: &RecordRunner, record: &str) -> Outc
         message: TriggerMessage::decode(&received.body).unwrap(),
         dequeue_count: 1,
     };
-    let outcome = runner.handle(&delivery, &CancellationToken::new()).await;
+    let outcome = if watched {
+        runner
+            .handle_watched(&delivery, &*setup.poison, &CancellationToken::new())
+            .await
+    } else {
+        runner.handle(&delivery, &CancellationToken::new()).await
+    };
     if outcome.acknowledge() {
         setup
             .queue
@@ -265,6 +277,29 @@ async fn round_trips_per_trigger() {
             setup.queue.approximate_len().await.unwrap(),
             1,
             "exactly one retrigger"
+        );
+    }
+}
+
+/// Under Functions each delivery adds its watchdog's put and delete: 2 round trips more than
+/// standalone, uncontended or not (a run shorter than a renewal interval pushes it never).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_per_trigger_under_functions() {
+    for fencing in [false, true] {
+        let setup = setup();
+        let logic = Recorder::with_duration(Duration::from_millis(10));
+        let runner = runner(&setup, logic.clone(), fencing);
+        deliver(&setup, &runner, "warm-up", true).await;
+        let t0 = setup.counters.snapshot();
+        let outcome = deliver(&setup, &runner, "warm-up", true).await;
+        assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+        let uncontended = counted(&setup, &t0);
+        println!("[azurite] functions, fencing={fencing}: uncontended trigger: {uncontended}");
+        assert_eq!(uncontended.total(), if fencing { 10 } else { 8 });
+        assert_eq!(
+            setup.queue.approximate_len().await.unwrap(),
+            0,
+            "no watchdog left"
         );
     }
 }
