@@ -81,7 +81,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Force-release a record's lease (the holder's run is told it lost the lease).
+    /// Break a record's lease: its run is told at its next renewal and stops; the record is free
+    /// once that run released it or its lease would have expired (or at once with --now).
     Break {
         #[arg(long, default_value = "default")]
         scope: String,
@@ -89,6 +90,10 @@ enum Command {
         /// Why (logged).
         #[arg(long)]
         reason: String,
+        /// Free the record at once instead of when the broken lease would have expired. Only
+        /// for a holder known to be dead: a live one may still be running when the next starts.
+        #[arg(long)]
+        now: bool,
     },
     /// Internal: runs a logic command in a process group of its own and stops the whole group
     /// on SIGTERM/SIGINT/SIGHUP, on a `stop` line or end of stdin, and when the command exits.
@@ -186,7 +191,8 @@ async fn run(cli: Cli) -> Result<()> {
             scope,
             record_id,
             reason,
-        } => break_lease(settings, &scope, &record_id, &reason).await,
+            now,
+        } => break_lease(settings, &scope, &record_id, &reason, now).await,
         Command::Supervise { .. } => bail!("`supervise` runs before the async runtime starts"),
     }
 }
@@ -444,11 +450,26 @@ async fn status(settings: Settings, scope: &str, record_id: Option<&str>, json: 
     Ok(())
 }
 
-async fn break_lease(settings: Settings, scope: &str, record_id: &str, reason: &str) -> Result<()> {
+async fn break_lease(
+    settings: Settings,
+    scope: &str,
+    record_id: &str,
+    reason: &str,
+    now: bool,
+) -> Result<()> {
     let message = message_for(scope, record_id)?;
     let key = record_key(&message.scope, &message.record_id).map_err(anyhow::Error::msg)?;
     let wiring = wire(&settings)?;
-    wiring.lock.break_lock(&key, reason).await?;
-    println!("broke the lease on {key} ({reason})");
+    if now {
+        wiring.lock.break_lock_after(&key, reason, Duration::ZERO).await?;
+        println!("broke the lease on {key} ({reason}); the record is free now");
+    } else {
+        wiring.lock.break_lock(&key, reason).await?;
+        println!(
+            "broke the lease on {key} ({reason}); its run is told at its next renewal, and the record is free once \
+             that run released it or the lease would have expired (at most {} s)",
+            settings.lease.duration.as_secs()
+        );
+    }
     Ok(())
 }

@@ -692,7 +692,11 @@ async fn ops_commands_and_clear_configuration_errors() {
     let (ok, out) = env
         .output(&["break", "--scope", "account", RECORD, "--reason", "test"])
         .await;
-    assert!(ok, "{out}");
+    assert!(ok && out.contains("at most 30 s"), "{out}");
+    let (ok, out) = env
+        .output(&["break", "--scope", "account", RECORD, "--reason", "dead", "--now"])
+        .await;
+    assert!(ok && out.contains("free now"), "{out}");
     // A bad setting names the variable and exits non-zero.
     let out = env
         .command(&["serve"], &[("LEASEHOLD_LEASE_SECONDS", "5".into())])
