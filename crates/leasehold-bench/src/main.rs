@@ -161,9 +161,7 @@ fn env(azurite: &Azurite) -> Env {
 fn runner(env: &Env, logic: Arc<dyn Logic>, fencing: bool, lease_seconds: u64) -> RecordRunner {
     let options = LeaseOptions {
         fencing,
-        duration: Duration::from_secs(lease_seconds),
-        renew_every: Duration::from_secs(lease_seconds / 3),
-        ..LeaseOptions::default()
+        ..LeaseOptions::with_duration(Duration::from_secs(lease_seconds))
     };
     let lock = LeaseLock::new(env.store.clone(), options).unwrap();
     RecordRunner::new(lock, env.queue.clone(), logic, RunnerOptions::default())
