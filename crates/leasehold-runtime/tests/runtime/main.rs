@@ -153,6 +153,25 @@ fn simulation_catches_checking_the_marker_before_release() {
     );
 }
 
+/// The lease's safety margin must leave the logic time to stop (5 s) before storage, whose clock
+/// may run fast, can hand the lease on. The old default of 3 s did not: the simulation finds two
+/// runs overlapping when a holder's renewals fail (a partition) while its logic stops.
+#[test]
+fn simulation_catches_a_safety_margin_shorter_than_the_stop_grace() {
+    let found = (0..10_000u64).find_map(|seed| {
+        let mut plan = sim::Plan::from_seed(seed);
+        plan.safety_margin = Some(std::time::Duration::from_secs(3));
+        let report = sim::run_plan(plan, ProtocolVariant::Correct);
+        report
+            .violations
+            .into_iter()
+            .find(|v| matches!(v, Violation::Overlap(_)))
+            .map(|v| (seed, v))
+    });
+    let (seed, violation) = found.expect("the simulation should catch a 3 s safety margin");
+    println!("3 s safety margin caught by seed {seed}: {violation}");
+}
+
 #[test]
 fn simulation_catches_trusting_a_dead_holder() {
     let (failures, _, _) = run_seeds(0..5_000, ProtocolVariant::TrustHolderOnRedelivery, true);
