@@ -455,6 +455,42 @@ mod memory {
 
     /// Renewals that keep failing transiently: the lost signal fires by the local deadline,
     /// before storage could let the lease expire.
+    /// A shared member that dies without leaving stays in the member list, so the last live
+    /// member's leave does not release the key; it is harmless beyond a delay: nobody renews the
+    /// lease any more, and the key is free within one lease duration.
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_shared_member_delays_the_key_by_at_most_a_lease() {
+        let lock = LeaseLock::new(store(), fast_options()).unwrap();
+        let k = key("shared-dead");
+        let live = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        let dead = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        dead.abandon();
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert!(lock.inspect(&k).await.unwrap().held, "the live member keeps it");
+        live.release().await.unwrap();
+        let left = tokio::time::Instant::now();
+        assert!(
+            lock.inspect(&k).await.unwrap().held,
+            "the dead member is still listed"
+        );
+        let other = eventually_free(&lock, &k).await;
+        assert!(
+            left.elapsed() <= fast_options().duration,
+            "free after {:?}",
+            left.elapsed()
+        );
+        other.release().await.unwrap();
+    }
+
+    async fn eventually_free(lock: &LeaseLock, k: &LockKey) -> leasehold_lock::LeaseGuard {
+        loop {
+            if let Some(g) = lock.try_acquire(k).await.unwrap() {
+                return g;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn lost_when_renewals_keep_failing() {
         let inner = Arc::new(MemoryStore::new());
