@@ -316,8 +316,8 @@ struct Journal {
     accepted: Vec<(String, String, Instant)>,
     /// When each external trigger was first received by a worker (for the coalescing check).
     arrivals: Vec<(String, Instant)>,
-    /// Worker deaths: when, machine, the records it was running, restart pause.
-    deaths: Vec<(Instant, usize, Vec<String>, Duration)>,
+    /// Worker deaths: when, machine, the records it was running, restart pause, whole host.
+    deaths: Vec<(Instant, usize, Vec<String>, Duration, bool)>,
     partitions: Vec<(Instant, Instant, usize)>,
     /// Requests that got no answer in time (each delays its caller by the time-out and the
     /// retry's late window).
@@ -804,6 +804,9 @@ impl Logic for SimLogic {
 pub struct Report {
     pub runs: usize,
     pub accepted: usize,
+    /// Per clean death (no other fault near it): what died, how long until the record ran
+    /// again, and how long the dead worker took to restart.
+    pub recoveries: Vec<(&'static str, Duration, Duration)>,
     pub violations: Vec<Violation>,
     pub counts: FaultCounts,
     pub fingerprint: u64,
@@ -1163,7 +1166,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
                     .lock()
                     .unwrap()
                     .deaths
-                    .push((now, machine, holding, restart_after));
+                    .push((now, machine, holding, restart_after, host_death));
                 timeline.push((
                     now + restart_after,
                     Step::Restart {
@@ -1485,9 +1488,10 @@ fn check(plan: &Plan, world: &World) -> Report {
         .chain(j.timeouts.iter().map(|t| (*t, *t + CLIENT_TIMEOUT)))
         .chain(j.breaks.iter().map(|(t, _)| (*t, *t)))
         .collect();
-    for (when, _machine, records, restart) in &j.deaths {
+    let mut recoveries = Vec::new();
+    for (when, _machine, records, restart, host_death) in &j.deaths {
         let mut deadline = *when + bound + *restart;
-        for (later, _, _, later_restart) in &j.deaths {
+        for (later, _, _, later_restart, _) in &j.deaths {
             if *later > *when && *later <= deadline {
                 deadline = deadline.max(*later + bound + *later_restart);
             }
@@ -1503,6 +1507,15 @@ fn check(plan: &Plan, world: &World) -> Report {
             let runs = by_record.get(record.as_str()).map(Vec::as_slice).unwrap_or(&[]);
             let recovered = runs.iter().any(|r| r.start > *when && r.start <= deadline);
             let ran_later = runs.iter().any(|r| r.start > *when);
+            let alone = deadline == *when + bound + *restart;
+            if let Some(next) = runs.iter().find(|r| r.start > *when).filter(|_| alone) {
+                let kind = match (plan.mode, host_death) {
+                    (Mode::Standalone, _) => "standalone worker killed",
+                    (Mode::FunctionsHost, false) => "Functions handler killed (host alive)",
+                    (Mode::FunctionsHost, true) => "whole Functions host died",
+                };
+                recoveries.push((kind, next.start - *when, *restart));
+            }
             if ran_later && !recovered {
                 violations.push(Violation::Recovery(format!(
                     "{record}: holder died at t={:.3}s, no run again by t={:.3}s",
@@ -1565,7 +1578,7 @@ fn check(plan: &Plan, world: &World) -> Report {
                 r.completed
             );
         }
-        for (t, m, recs, _) in &j.deaths {
+        for (t, m, recs, _, _) in &j.deaths {
             println!("death of machine {m} at {:.3}s holding {recs:?}", at(*t));
         }
         for (c, rec, t) in &j.accepted {
@@ -1588,6 +1601,7 @@ fn check(plan: &Plan, world: &World) -> Report {
     Report {
         runs: j.runs.len(),
         accepted: j.accepted.len(),
+        recoveries,
         violations,
         counts: j.counts.clone(),
         fingerprint,
