@@ -556,6 +556,7 @@ impl RecordRunner {
     ) -> Outcome {
         // Keep the watchdog a lease ahead of the lease while we hold it.
         let _follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
+        let guard = Held(Some(guard));
         let marker = marker_blob_name(key);
         if only_if_marked {
             let (cleared, retried) = self
@@ -583,7 +584,7 @@ impl RecordRunner {
                 }
             }
         }
-        let token = guard.fencing_token();
+        let token = guard.get().fencing_token();
         let run_cancel = cancel.child_token();
         let ctx = RunContext {
             scope: delivery.message.scope.clone(),
@@ -593,7 +594,7 @@ impl RecordRunner {
             attempt: delivery.attempts(),
         };
         let started = Instant::now();
-        let end = self.run_logic(ctx, &guard, &run_cancel, cancel).await;
+        let end = self.run_logic(ctx, guard.get(), &run_cancel, cancel).await;
         let run_time = started.elapsed();
         if end.abandoned {
             // The logic may still be running: releasing would let another holder start beside
@@ -760,6 +761,39 @@ impl RunEnd {
         Self {
             result: Err(reason),
             abandoned: false,
+        }
+    }
+}
+
+/// The lease of a delivery in progress. If the delivery is dropped before it decides (its
+/// invocation went away), the lease is abandoned — left to lapse — not released: the logic may
+/// still be stopping, and the message (or its watchdog) comes back after the lease expired.
+struct Held(Option<LeaseGuard>);
+
+impl Held {
+    fn get(&self) -> &LeaseGuard {
+        self.0.as_ref().expect("held until released or abandoned")
+    }
+
+    async fn release(mut self) -> leasehold_lock::Result<()> {
+        self.0
+            .take()
+            .expect("held until released or abandoned")
+            .release()
+            .await
+    }
+
+    fn abandon(mut self) {
+        if let Some(guard) = self.0.take() {
+            guard.abandon();
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(guard) = self.0.take() {
+            guard.abandon();
         }
     }
 }

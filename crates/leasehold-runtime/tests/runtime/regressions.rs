@@ -625,3 +625,30 @@ fn default_margins_let_logic_stop_before_the_lease_can_be_handed_on() {
     assert!(runner.stop_grace + Duration::from_secs(2) <= lease.safety_margin);
     assert!(lease.validate().is_ok());
 }
+
+/// A delivery dropped mid-run (its invocation went away) leaves its lease to lapse instead of
+/// releasing it: its logic may still be stopping (a command gets a second from its supervisor),
+/// and releasing would let the next holder start beside it. The logic task is stopped too.
+#[tokio::test(start_paused = true)]
+async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(600), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let task = {
+        let runner = runner.clone();
+        tokio::spawn(async move {
+            runner
+                .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
+                .await
+        })
+    };
+    while logic.runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    task.abort();
+    let _ = task.await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(held(&store).await, "not released while the logic may still run");
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(!held(&store).await, "lapsed");
+}
