@@ -652,3 +652,169 @@ async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert!(!held(&store).await, "lapsed");
 }
+
+/// Under Functions a delivery's watchdog is put before the lease is touched, pushed ahead after
+/// each renewal while the run lasts (so it never surfaces under a live holder), and deleted when
+/// the delivery completes.
+#[tokio::test(start_paused = true)]
+async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(100), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let task = {
+        let runner = runner.clone();
+        tokio::spawn(async move {
+            runner
+                .handle_watched(
+                    &delivery(TriggerKind::Trigger, 1, 0),
+                    &poison,
+                    &CancellationToken::new(),
+                )
+                .await
+        })
+    };
+    while logic.runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let watchdog = &messages(&store)[0];
+    assert_eq!(
+        (watchdog.kind, watchdog.prior_attempts),
+        (TriggerKind::Watchdog, 1)
+    );
+    // Its first visibility is lease + renewal interval + 5 s; runs pass that by far.
+    for _ in 0..9 {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let hidden_for = store.queue().next_visible_at().unwrap() - Instant::now();
+        assert!(
+            hidden_for > Duration::from_secs(30),
+            "pushed ahead: {hidden_for:?}"
+        );
+    }
+    let outcome = task.await.unwrap();
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(store.queue().bodies().is_empty(), "the watchdog is gone");
+}
+
+/// A failed run under Functions becomes its own retry: the watchdog is rewritten (attempts
+/// counted) and made visible after the retry delay, and the host's message is acknowledged.
+/// At the limit the trigger is given up instead, with its reason and a sweep.
+#[tokio::test(start_paused = true)]
+async fn a_failed_watched_run_is_retried_through_its_watchdog_then_given_up() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Panic);
+    let options = RunnerOptions {
+        max_attempts: 2,
+        ..RunnerOptions::default()
+    };
+    let runner = runner_on(&store, logic.clone(), options);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let outcome = runner
+        .handle_watched(
+            &delivery(TriggerKind::Trigger, 1, 0),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(
+        matches!(&outcome, Outcome::Retrying { after, .. } if *after == Duration::from_secs(5)),
+        "{outcome:?}"
+    );
+    assert!(outcome.acknowledge());
+    let retry = messages(&store);
+    assert_eq!(
+        retry
+            .iter()
+            .map(|m| (m.kind, m.prior_attempts))
+            .collect::<Vec<_>>(),
+        [(TriggerKind::Watchdog, 1)]
+    );
+    assert_eq!(
+        store.queue().next_visible_at().unwrap() - Instant::now(),
+        Duration::from_secs(5)
+    );
+    // The retry's delivery (attempt 2 of 2) fails too: given up, with a sweep, no retry left.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let taken = store.queue().get(1, Duration::from_secs(600)).await.unwrap();
+    let second = Delivery {
+        message: TriggerMessage::decode(&taken[0].body).unwrap(),
+        dequeue_count: 1,
+    };
+    store
+        .queue()
+        .delete(&taken[0].id, &taken[0].pop_receipt)
+        .await
+        .unwrap();
+    let outcome = runner
+        .handle_watched(&second, &poison, &CancellationToken::new())
+        .await;
+    assert!(
+        matches!(&outcome, Outcome::Poisoned { reason } if reason.contains("gave up after 2") && reason.contains("panicked")),
+        "{outcome:?}"
+    );
+    let entry = PoisonMessage::decode(&poison.bodies()[0]).unwrap();
+    assert!(entry.reason.contains("logic panicked"), "{entry:?}");
+    assert_eq!(
+        messages(&store).iter().map(|m| m.kind).collect::<Vec<_>>(),
+        [TriggerKind::Sweep],
+        "only the sweep is left: the watchdog went with the given-up trigger"
+    );
+}
+
+/// Under Functions every holder has a watchdog, so a redelivered trigger may rely on a held
+/// lease (set the marker and leave); standalone, it may be looking at its own dead holder.
+#[tokio::test(start_paused = true)]
+async fn a_redelivered_trigger_trusts_a_holder_only_under_a_watchdog() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let _holder = lock_on(&store)
+        .try_acquire(&record_key("acct", "r").unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let watched = runner
+        .handle_watched(
+            &delivery(TriggerKind::Trigger, 3, 0),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert_eq!(watched, Outcome::Coalesced);
+    assert!(marker_set(&store).await);
+    assert!(messages(&store).is_empty(), "its watchdog is gone");
+    let standalone = runner
+        .handle(&delivery(TriggerKind::Trigger, 3, 0), &CancellationToken::new())
+        .await;
+    assert!(matches!(standalone, Outcome::Rechecking { .. }), "{standalone:?}");
+}
+
+/// A sweep's first delivery runs only if the marker is set (it consumes it); a redelivered sweep
+/// may follow one that consumed the marker and failed, so it runs regardless.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_runs_only_for_a_set_marker_unless_redelivered() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let none = runner
+        .handle(&delivery(TriggerKind::Sweep, 1, 0), &CancellationToken::new())
+        .await;
+    assert_eq!(none, Outcome::Coalesced, "no marker: nothing to run");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 0);
+    store
+        .store
+        .put_flag(&marker_blob_name(&record_key("acct", "r").unwrap()))
+        .await
+        .unwrap();
+    let marked = runner
+        .handle(&delivery(TriggerKind::Sweep, 1, 0), &CancellationToken::new())
+        .await;
+    assert!(matches!(marked, Outcome::Completed { .. }), "{marked:?}");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+    let again = runner
+        .handle(&delivery(TriggerKind::Sweep, 2, 0), &CancellationToken::new())
+        .await;
+    assert!(matches!(again, Outcome::Completed { .. }), "{again:?}");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
+}
