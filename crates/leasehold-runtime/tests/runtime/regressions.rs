@@ -818,3 +818,56 @@ async fn a_sweep_runs_only_for_a_set_marker_unless_redelivered() {
     assert!(matches!(again, Outcome::Completed { .. }), "{again:?}");
     assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
 }
+
+/// The consumer's plumbing: the poison queue's name is the host's, a trigger whose record can
+/// never be a key is given up at once with its reason, and a wake-up makes an idle consumer poll
+/// at once instead of after its back-off.
+#[tokio::test(start_paused = true)]
+async fn the_consumer_poisons_impossible_records_and_wakes_on_demand() {
+    assert_eq!(
+        leasehold_runtime::poison_queue_name("triggers"),
+        "triggers-poison"
+    );
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let options = ConsumerOptions {
+        poll_min: Duration::from_secs(60),
+        poll_max: Duration::from_secs(60),
+        ..ConsumerOptions::default()
+    };
+    let consumer = Consumer::new(runner, poison.clone(), options);
+    store
+        .queue()
+        .put(&TriggerMessage::new("acct", "a/b").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        tokio::spawn(async move { consumer.run(shutdown).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let entry = PoisonMessage::decode(&poison.bodies()[0]).unwrap();
+    assert!(entry.reason.contains('/'), "{entry:?}");
+    assert!(
+        store.queue().bodies().is_empty(),
+        "given up, and no sweep for an impossible key"
+    );
+    // The consumer is idle for a minute now; a wake-up makes it take new work at once.
+    store
+        .queue()
+        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    consumer.waker().notify_one();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        logic.runs.load(Ordering::SeqCst),
+        1,
+        "woken, not after the 60 s pause"
+    );
+    shutdown.cancel();
+    task.await.unwrap();
+}
