@@ -817,6 +817,76 @@ async fn a_sweep_runs_only_for_a_set_marker_unless_redelivered() {
         .await;
     assert!(matches!(again, Outcome::Completed { .. }), "{again:?}");
     assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
+    // A sweep that finds the lease held looks again later — as a sweep, still conditional.
+    dead_holder(&store).await;
+    let held = runner
+        .handle(&delivery(TriggerKind::Sweep, 1, 0), &CancellationToken::new())
+        .await;
+    assert!(matches!(held, Outcome::Rechecking { .. }), "{held:?}");
+    assert_eq!(
+        messages(&store).iter().map(|m| m.kind).collect::<Vec<_>>(),
+        [TriggerKind::Sweep]
+    );
+}
+
+/// Standalone, a message stays hidden while its run lasts: a transient failure to renew its
+/// visibility is retried every second while there is time, and a renewal after a success keeps
+/// the message hidden for the whole visibility from then.
+#[tokio::test(start_paused = true)]
+async fn visibility_renewal_rides_out_transient_failures_and_gives_up_in_time() {
+    // One failure between successes: the message stays hidden through a 60 s run.
+    let store = Scripted::new();
+    store.then(
+        Op::QueueUpdate,
+        &[Act::Slow(Duration::ZERO), Act::Refuse(StoreErrorKind::Transient)],
+    );
+    let logic = Script::new(Duration::from_secs(60), End::Succeed);
+    let consumer = Consumer::new(
+        runner_on(&store, logic.clone(), RunnerOptions::default()),
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    store
+        .queue()
+        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    let task = {
+        let consumer = consumer.clone();
+        let m = taken[0].clone();
+        tokio::spawn(async move { consumer.process(m, CancellationToken::new()).await })
+    };
+    for _ in 0..11 {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            store.queue().next_visible_at().unwrap() > Instant::now(),
+            "hidden while the run lasts"
+        );
+    }
+    task.await.unwrap();
+    assert!(store.queue().bodies().is_empty());
+
+    // Renewals that keep failing are retried every second until 2 s before the message would
+    // surface (at 40 s), then given up; the run goes on.
+    let store = Scripted::new();
+    store.always(Op::QueueUpdate, Act::Refuse(StoreErrorKind::Transient));
+    let logic = Script::new(Duration::from_secs(60), End::Succeed);
+    let consumer = Consumer::new(
+        runner_on(&store, logic.clone(), RunnerOptions::default()),
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    store
+        .queue()
+        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    consumer.process(taken[0].clone(), CancellationToken::new()).await;
+    // Tries at 10 s, 11 s, ... 38 s: 29 of them.
+    assert_eq!(store.counters.snapshot().get(Op::QueueUpdate), 29);
+    assert_eq!(logic.cancelled.load(Ordering::SeqCst), 0, "the run went on");
 }
 
 /// The consumer's plumbing: the poison queue's name is the host's, a trigger whose record can
