@@ -198,15 +198,15 @@ mod tests {
         let double = Value::String(m.to_json());
         let triple = Value::String(Value::String(m.to_json()).to_string());
         let base64 = Value::String(m.encode());
-        for (data, dc) in [
-            (plain, json!(1)),
-            (double, json!("2")),
-            (triple, json!(3)),
-            (base64, json!("\"4\"")),
+        for (data, dc, expected) in [
+            (plain, json!(1), 1),
+            (double, json!("3"), 3),
+            (triple, json!(4), 4),
+            (base64, json!("\"5\""), 5),
         ] {
             let inv = parse_queue_invocation(&worker_payload(data.clone(), dc)).unwrap();
             assert_eq!(inv.message.as_ref().unwrap(), &m, "{data}");
-            assert!((1..=4).contains(&inv.dequeue_count));
+            assert_eq!(inv.dequeue_count, expected, "{data}");
             assert_eq!(inv.id.as_deref(), Some("5c3a0d3c-7c55-4f7b-9d2c-2b1f0a4b9e11"));
         }
     }
@@ -223,6 +223,15 @@ mod tests {
             assert!(inv.message.is_err(), "{data}");
         }
         assert!(parse_queue_invocation(&json!({"Data": {}})).is_err());
+    }
+
+    #[test]
+    fn a_done_worker_invocation_names_its_outcome_and_outputs_nothing() {
+        let done = queue_invocation_done("coalesced", vec!["worker: coalesced".into()]);
+        assert_eq!(
+            done,
+            json!({ "Outputs": {}, "Logs": ["worker: coalesced"], "ReturnValue": { "outcome": "coalesced" } })
+        );
     }
 
     #[test]
