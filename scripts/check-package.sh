@@ -8,7 +8,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 zip=$(scripts/package.sh "$root/target/package")
 work=$(mktemp -d)
-trap 'rm -rf "$work"; [ -n "${pid:-}" ] && kill "$pid" 2>/dev/null || true' EXIT
+# Stop the handler we start (and wait for it) however this script ends.
+trap '[ -n "${pid:-}" ] && { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }; rm -rf "$work"; true' EXIT
 
 python3 - "$zip" <<'PY'
 import sys, zipfile, stat
@@ -28,7 +29,8 @@ path=$(echo "$exe" | sed -n 1p)
 args=$(echo "$exe" | sed -n 2p)
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 start=$(date +%s%N)
-(cd "$work/app" && env -i PATH="$PATH" FUNCTIONS_CUSTOMHANDLER_PORT="$port" FUNCTIONS_WORKER_RUNTIME=custom \
+# `exec`, so $! is the handler itself, not a subshell that would outlive a kill.
+(cd "$work/app" && exec env -i PATH="$PATH" FUNCTIONS_CUSTOMHANDLER_PORT="$port" FUNCTIONS_WORKER_RUNTIME=custom \
   AzureWebJobsStorage=UseDevelopmentStorage=true LEASEHOLD_LOGIC_COMMAND=true LEASEHOLD_QUEUE=leasehold-triggers \
   "./$path" $args >"$work/handler.log" 2>&1) &
 pid=$!

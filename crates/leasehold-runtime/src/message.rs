@@ -52,6 +52,11 @@ pub struct TriggerMessage {
     /// being copied. A delivery that only looked (and found a run in progress) does not count.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub prior_attempts: u32,
+    /// How many times this trigger's chain was given up (a sweep carries its origin's count + 1):
+    /// the sweep of a chain given up twice runs only if the marker is set, so logic that always
+    /// fails does not cycle through the poison queue for ever.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub given_up: u32,
     /// Correlation id from the source (Dataverse `CorrelationId`, or one Start made up).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub correlation_id: Option<String>,
@@ -79,6 +84,7 @@ impl TriggerMessage {
             record_id: record_id.into(),
             kind: TriggerKind::Trigger,
             prior_attempts: 0,
+            given_up: 0,
             correlation_id: None,
         }
     }

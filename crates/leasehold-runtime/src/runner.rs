@@ -110,8 +110,10 @@ pub struct RunnerOptions {
     /// lapse). Default 5 s. Keep it at least 2 s below the lease's safety margin, so logic told
     /// of a lost lease is gone before storage can grant the lease to anyone else.
     pub stop_grace: Duration,
-    /// Delay of a recheck; must exceed the lease duration. Default: set from the lease options
-    /// (duration + 5 s) by [`RecordRunner::new`].
+    /// Delay of a recheck (a carrier that found the lease held looks again after it). Default:
+    /// the lease's renewal interval + 5 s, set by [`RecordRunner::new`]: short, because a
+    /// recheck that comes too early only looks again, while one that comes late delays a dead
+    /// holder's recovery.
     pub recheck_delay: Option<Duration>,
     /// Deliveries of a trigger before it is given up (poison queue), when the runner decides
     /// that itself ([`RecordRunner::handle_watched`]). Default 5, as the Functions host.
@@ -161,15 +163,21 @@ impl Delivery {
     /// lease: a carrier keeps its kind, a redelivered trigger becomes a recheck.
     fn continuation_kind(&self) -> TriggerKind {
         match self.message.kind {
+            // A redelivered sweep may follow one that consumed the marker and failed: it has
+            // become a run that is owed, whatever the marker says.
+            TriggerKind::Sweep if self.dequeue_count > 1 => TriggerKind::Recheck,
             kind if kind.is_carrier() => kind,
             _ => TriggerKind::Recheck,
         }
     }
 
-    /// A sweep's first delivery runs only if the marker is set (it consumes the marker before
-    /// running); a later one may follow a delivery that consumed the marker and failed, so it runs.
+    /// A sweep runs once the lease is free, whatever the marker says: the trigger given up may
+    /// have consumed the marker (holders delete it after their run) without handing its duty on.
+    /// Only the sweep of a trigger given up more than once — a sweep's own chain, whose logic
+    /// keeps failing — runs just if the marker is set, so the give-up → sweep cycle ends; its
+    /// first delivery consumes the marker before running, and a later one runs regardless.
     fn runs_only_if_marked(&self) -> bool {
-        self.message.kind == TriggerKind::Sweep && self.dequeue_count <= 1
+        self.message.kind == TriggerKind::Sweep && self.message.given_up >= 2 && self.dequeue_count <= 1
     }
 }
 
@@ -265,7 +273,7 @@ impl RecordRunner {
     ) -> Self {
         let recheck_delay = options
             .recheck_delay
-            .unwrap_or(lock.options().duration + Duration::from_secs(5));
+            .unwrap_or(lock.options().renew_every + Duration::from_secs(5));
         if options.stop_grace + Duration::from_secs(2) > lock.options().safety_margin {
             tracing::warn!(stop_grace = ?options.stop_grace, safety_margin = ?lock.options().safety_margin,
                 "the runner's stop grace is not 2 s shorter than the lease's safety margin: logic told of a lost lease may still run when storage hands the lease on");
@@ -400,7 +408,8 @@ impl RecordRunner {
     pub async fn give_up(&self, poison: &dyn TriggerQueue, entry: &PoisonMessage) -> StoreResult<()> {
         if let Some(trigger) = &entry.trigger {
             if record_key(&trigger.scope, &trigger.record_id).is_ok() {
-                let sweep = trigger.follow_up(TriggerKind::Sweep, 0);
+                let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
+                sweep.given_up = trigger.given_up.saturating_add(1);
                 self.enqueue(&sweep, Duration::ZERO).await?;
             }
         }
@@ -499,12 +508,16 @@ impl RecordRunner {
         // One lease id for every attempt of this delivery: an acquire that took effect after we
         // gave up on it is then our own lease, which our next attempt renews, not a stranger's.
         let lease = LeaseId::random();
-        let conditional = delivery.runs_only_if_marked();
+        let first = if delivery.runs_only_if_marked() {
+            MarkerFirst::ClearOrStandDown
+        } else if delivery.message.kind == TriggerKind::Sweep {
+            MarkerFirst::Clear
+        } else {
+            MarkerFirst::Leave
+        };
         match self.lock.try_acquire_as(key, lease).await {
             Ok(Some(guard)) => {
-                return self
-                    .hold(key, delivery, guard, conditional, cancel, watchdog)
-                    .await;
+                return self.hold(key, delivery, guard, first, cancel, watchdog).await;
             }
             Ok(None) => {}
             Err(e) => return storage_failed("acquire", e),
@@ -535,7 +548,17 @@ impl RecordRunner {
             Ok(FlagPut::Created) => match self.lock.try_acquire_as(key, lease).await {
                 // The holder released between our two attempts and may already have looked at
                 // the marker: we hold now, and our run covers the marker we set.
-                Ok(Some(guard)) => self.hold(key, delivery, guard, true, cancel, watchdog).await,
+                Ok(Some(guard)) => {
+                    self.hold(
+                        key,
+                        delivery,
+                        guard,
+                        MarkerFirst::ClearOrStandDown,
+                        cancel,
+                        watchdog,
+                    )
+                    .await
+                }
                 Ok(None) => Outcome::Coalesced,
                 Err(e) => storage_failed("acquire", e),
             },
@@ -544,13 +567,14 @@ impl RecordRunner {
     }
 
     /// The holder path, from a granted lease to the acknowledgement decision. With
-    /// `only_if_marked`, the marker is consumed first and the run happens only if it was set.
+    /// `first` says whether the marker is consumed before the run (the run covers it), and whether
+    /// the run then happens only if it was set.
     async fn hold(
         &self,
         key: &LockKey,
         delivery: &Delivery,
         guard: LeaseGuard,
-        only_if_marked: bool,
+        first: MarkerFirst,
         cancel: &CancellationToken,
         watchdog: Option<&Arc<Watchdog>>,
     ) -> Outcome {
@@ -558,7 +582,7 @@ impl RecordRunner {
         let _follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
         let guard = Held(Some(guard));
         let marker = marker_blob_name(key);
-        if only_if_marked {
+        if first != MarkerFirst::Leave {
             let (cleared, retried) = self
                 .marker_op("clear own marker", |store| store.delete_flag(&marker))
                 .await;
@@ -568,7 +592,7 @@ impl RecordRunner {
                 // this trigger. Running too would be one run more than needed, so stand down —
                 // but as a holder: others may have found *our* lease held and set the marker
                 // since, so release and check the marker like any holder.
-                Ok(false) if !retried => {
+                Ok(false) if !retried && first == MarkerFirst::ClearOrStandDown => {
                     if let Err(e) = guard.release().await {
                         return storage_failed("release lease", e);
                     }
@@ -747,6 +771,18 @@ impl RecordRunner {
             .await
             .map(drop)
     }
+}
+
+/// What a holder does with the marker before its run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MarkerFirst {
+    /// Nothing: the marker is checked after the release.
+    Leave,
+    /// Consume it (the run covers it) and run whatever it said: a sweep, which owes a run.
+    Clear,
+    /// Consume it, and run only if it was set: a contender that created it (if it is gone, the
+    /// previous holder consumed it and owes a retrigger) or a sweep of a chain given up twice.
+    ClearOrStandDown,
 }
 
 /// How a run ended.
