@@ -29,13 +29,15 @@
 //!
 //! A carrier ([`TriggerKind::is_carrier`]: recheck, watchdog, sweep), and in standalone mode a
 //! redelivered trigger (it may be looking at its own dead holder's lease), never takes a held
-//! lease on trust: it looks again once that lease must have expired (a delayed recheck, or the
-//! watchdog left in place). Everything else that finds the lease held sets the marker and is
+//! lease on trust: it looks again later (a recheck after a renewal interval + 5 s, or the
+//! watchdog left in place), until the lease is free. Everything else that finds the lease held sets the marker and is
 //! acknowledged: the holder reads it, or the holder's carrier runs the record.
 //!
 //! **Giving up.** A trigger given up after too many failed deliveries goes to the poison queue
 //! with its reason, *after* a sweep message is queued: the poisoned trigger's earlier holder may
-//! have died with triggers coalesced onto it, and the sweep runs the record if the marker is set.
+//! have died with triggers coalesced onto it (having consumed their marker, even), so the sweep
+//! runs the record once more when the lease is free, whatever the marker says. Only a sweep's own
+//! chain, given up again, gets a sweep that asks the marker first, so the cycle ends.
 //!
 //! **Stopping.** A run is cancelled when its lease is lost, its time limit passes or `cancel`
 //! fires; it has [`RunnerOptions::stop_grace`] to stop. Logic that does not stop by then is
