@@ -455,6 +455,70 @@ mod memory {
 
     /// Renewals that keep failing transiently: the lost signal fires by the local deadline,
     /// before storage could let the lease expire.
+    /// Options: the scaled constructor, and validation that refuses what Azure would.
+    #[test]
+    fn options_scale_with_the_duration_and_bad_ones_are_refused() {
+        let o = LeaseOptions::with_duration(Duration::from_secs(15));
+        assert_eq!(
+            (o.duration, o.renew_every, o.safety_margin),
+            (
+                Duration::from_secs(15),
+                Duration::from_secs(5),
+                Duration::from_secs(5)
+            )
+        );
+        assert!(o.validate().is_ok());
+        for bad in [
+            LeaseOptions::with_duration(Duration::from_secs(10)),
+            LeaseOptions::with_duration(Duration::from_secs(61)),
+            LeaseOptions::with_duration(Duration::from_millis(15_500)),
+            LeaseOptions {
+                safety_margin: Duration::from_secs(20),
+                ..LeaseOptions::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+            assert!(LeaseLock::new(store(), bad).is_err());
+        }
+    }
+
+    /// `inspect` of a key never used, and of a fenced grant: who holds it and since when.
+    #[tokio::test(start_paused = true)]
+    async fn inspect_tells_holder_since_and_generation() {
+        let lock = LeaseLock::new(store(), LeaseOptions::default()).unwrap();
+        let never = lock.inspect(&key("never")).await.unwrap();
+        assert_eq!((never.held, never.state, never.generation), (false, None, 0));
+        let before = std::time::SystemTime::now() - Duration::from_secs(60);
+        let guard = lock.try_acquire(&key("seen")).await.unwrap().unwrap();
+        let info = lock.inspect(&key("seen")).await.unwrap();
+        assert!(info.held);
+        assert_eq!(info.generation, 1);
+        let holder = info.holder.unwrap();
+        assert!(holder.ends_with(&format!(":{}", std::process::id())), "{holder}");
+        assert!(info.since.unwrap() > before);
+        guard.release().await.unwrap();
+    }
+
+    /// A multi-key hold fires its lost signal when any of its leases is lost.
+    #[tokio::test(start_paused = true)]
+    async fn a_multi_key_hold_is_lost_when_one_lease_is() {
+        let store = store();
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let all = lock
+            .try_acquire_many(&[key("x/a"), key("x/b")])
+            .await
+            .unwrap()
+            .unwrap();
+        let lost = all.lost();
+        lock.break_lock_after(&key("x/b"), "test", Duration::ZERO)
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), lost.cancelled())
+            .await
+            .expect("lost within a renewal interval");
+        all.release().await.unwrap();
+    }
+
     /// A shared member that dies without leaving stays in the member list, so the last live
     /// member's leave does not release the key; it is harmless beyond a delay: nobody renews the
     /// lease any more, and the key is free within one lease duration.

@@ -184,6 +184,7 @@ struct Script {
     end: End,
     runs: AtomicUsize,
     cancelled: AtomicUsize,
+    completed: AtomicUsize,
     starts: Mutex<Vec<Instant>>,
 }
 
@@ -202,6 +203,7 @@ impl Script {
             end,
             runs: 0.into(),
             cancelled: 0.into(),
+            completed: 0.into(),
             starts: Mutex::default(),
         })
     }
@@ -223,7 +225,10 @@ impl Logic for Script {
             }
             _ = tokio::time::sleep(self.duration) => match self.end {
                 End::Panic => panic!("the logic fell over"),
-                _ => Ok(()),
+                _ => {
+                    self.completed.fetch_add(1, Ordering::SeqCst);
+                    Ok(())
+                }
             },
         }
     }
@@ -654,6 +659,12 @@ async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
     assert!(held(&store).await, "not released while the logic may still run");
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert!(!held(&store).await, "lapsed");
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert_eq!(
+        logic.completed.load(Ordering::SeqCst),
+        0,
+        "the logic's task was stopped too"
+    );
 }
 
 /// Under Functions a delivery's watchdog is put before the lease is touched, pushed ahead after
@@ -1017,4 +1028,153 @@ async fn the_consumer_poisons_impossible_records_and_wakes_on_demand() {
     );
     shutdown.cancel();
     task.await.unwrap();
+}
+
+/// Outcomes name themselves for logs and say whether to acknowledge; the runner reports its
+/// options; `dyn Logic` prints as such.
+#[test]
+fn outcomes_and_runner_surface() {
+    let all = [
+        (
+            Outcome::Completed {
+                fencing_token: None,
+                retriggered: false,
+                run_time: Duration::ZERO,
+            },
+            "completed",
+            true,
+        ),
+        (Outcome::Coalesced, "coalesced", true),
+        (
+            Outcome::Rechecking {
+                after: Duration::ZERO,
+            },
+            "rechecking",
+            true,
+        ),
+        (
+            Outcome::Retrying {
+                reason: String::new(),
+                after: Duration::ZERO,
+            },
+            "retrying",
+            true,
+        ),
+        (
+            Outcome::Poisoned {
+                reason: String::new(),
+            },
+            "poisoned",
+            true,
+        ),
+        (
+            Outcome::Rejected {
+                reason: String::new(),
+            },
+            "rejected",
+            false,
+        ),
+        (
+            Outcome::Failed {
+                reason: String::new(),
+                retriggered: false,
+            },
+            "failed",
+            false,
+        ),
+    ];
+    for (outcome, name, ack) in all {
+        assert_eq!((outcome.name(), outcome.acknowledge()), (name, ack));
+    }
+    let logic: Arc<dyn Logic> = Script::new(Duration::ZERO, End::Succeed);
+    assert_eq!(format!("{:?}", &*logic), "Logic");
+    let store = Scripted::new();
+    let options = RunnerOptions {
+        max_attempts: 7,
+        ..RunnerOptions::default()
+    };
+    assert_eq!(runner_on(&store, logic, options).options().max_attempts, 7);
+}
+
+/// Under Functions a delivery at the limit (attempt 5 of 5) still runs; only one beyond it is
+/// given up on arrival, with the count in its reason.
+#[tokio::test(start_paused = true)]
+async fn a_watched_delivery_at_the_limit_runs_and_one_beyond_is_given_up() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let at_limit = runner
+        .handle_watched(
+            &delivery(TriggerKind::Trigger, 5, 0),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(at_limit, Outcome::Completed { .. }), "{at_limit:?}");
+    let beyond = runner
+        .handle_watched(
+            &delivery(TriggerKind::Trigger, 7, 0),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(
+        matches!(&beyond, Outcome::Poisoned { reason } if reason.contains("gave up after 6 deliveries")),
+        "{beyond:?}"
+    );
+}
+
+/// A failed run whose watchdog was taken meanwhile (it surfaced) is acknowledged: the taker
+/// carries the retry. If the watchdog cannot be rewritten for another reason, the invocation
+/// fails so that the host retries its own message.
+#[tokio::test(start_paused = true)]
+async fn a_failed_run_whose_watchdog_cannot_be_rewritten() {
+    for (refusal, acknowledged) in [
+        (StoreErrorKind::NotFound, true),
+        (StoreErrorKind::Rejected, false),
+    ] {
+        let store = Scripted::new();
+        store.always(Op::QueueUpdate, Act::Refuse(refusal));
+        let logic = Script::new(Duration::from_secs(1), End::Panic);
+        let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+        let poison = MemoryQueue::new("poison", OpCounters::new());
+        let outcome = runner
+            .handle_watched(
+                &delivery(TriggerKind::Trigger, 1, 0),
+                &poison,
+                &CancellationToken::new(),
+            )
+            .await;
+        assert_eq!(outcome.acknowledge(), acknowledged, "{refusal:?}: {outcome:?}");
+    }
+}
+
+/// A holder that must consume the marker first, and whose delete was retried after a lost
+/// answer, cannot tell "not there" from "deleted by my first attempt": it runs rather than
+/// stand down.
+#[tokio::test(start_paused = true)]
+async fn an_ambiguous_marker_delete_runs_rather_than_stands_down() {
+    let store = Scripted::new();
+    store.then(Op::FlagDelete, &[Act::LoseAnswer]);
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    store
+        .store
+        .put_flag(&marker_blob_name(&record_key("acct", "r").unwrap()))
+        .await
+        .unwrap();
+    let mut message = TriggerMessage::new("acct", "r").follow_up(TriggerKind::Sweep, 0);
+    message.given_up = 2;
+    let outcome = runner
+        .handle(
+            &Delivery {
+                message,
+                dequeue_count: 1,
+            },
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
 }
