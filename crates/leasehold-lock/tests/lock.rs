@@ -499,6 +499,33 @@ mod memory {
         guard.release().await.unwrap();
     }
 
+    /// `abandon` stops renewing without releasing (the lease lapses, as a crashed process's);
+    /// dropping a guard releases it in the background.
+    #[tokio::test(start_paused = true)]
+    async fn abandon_lets_the_lease_lapse_and_drop_releases() {
+        let lock = LeaseLock::new(store(), fast_options()).unwrap();
+        lock.try_acquire(&key("abandoned"))
+            .await
+            .unwrap()
+            .unwrap()
+            .abandon();
+        assert!(
+            lock.try_acquire(&key("abandoned")).await.unwrap().is_none(),
+            "not released"
+        );
+        tokio::time::sleep(fast_options().duration + Duration::from_secs(1)).await;
+        assert!(
+            lock.try_acquire(&key("abandoned")).await.unwrap().is_some(),
+            "lapsed"
+        );
+        drop(lock.try_acquire(&key("dropped")).await.unwrap().unwrap());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            lock.try_acquire(&key("dropped")).await.unwrap().is_some(),
+            "released on drop, long before it could lapse"
+        );
+    }
+
     /// A multi-key hold fires its lost signal when any of its leases is lost.
     #[tokio::test(start_paused = true)]
     async fn a_multi_key_hold_is_lost_when_one_lease_is() {
