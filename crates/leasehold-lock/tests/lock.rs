@@ -589,6 +589,7 @@ mod memory {
             inner: inner.clone(),
             fail_renewals: true.into(),
             fail_acquires: 0.into(),
+            fail_releases: 0.into(),
         });
         let lock = LeaseLock::new(flaky, fast_options()).unwrap();
         let start = tokio::time::Instant::now();
@@ -602,6 +603,37 @@ mod memory {
         assert!(other.try_acquire(&key("flaky")).await.unwrap().is_none());
     }
 
+    /// A release that keeps failing is reported, not taken for "already gone": the caller
+    /// (the runner) must not act as if the key were free. One that recovers within the retries
+    /// succeeds.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_that_keeps_failing_is_an_error() {
+        let inner = Arc::new(MemoryStore::new());
+        let flaky = Arc::new(Flaky {
+            inner: inner.clone(),
+            fail_renewals: false.into(),
+            fail_acquires: 0.into(),
+            fail_releases: 100.into(),
+        });
+        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let guard = lock.try_acquire(&key("sticky")).await.unwrap().unwrap();
+        let err = guard.release().await.unwrap_err();
+        assert!(err.to_string().contains("lease release"), "{err}");
+        let other = LeaseLock::new(inner.clone(), fast_options()).unwrap();
+        assert!(
+            other.try_acquire(&key("sticky")).await.unwrap().is_none(),
+            "still held"
+        );
+        flaky.fail_releases.store(2, Ordering::SeqCst);
+        tokio::time::sleep(fast_options().duration).await;
+        let guard = lock.try_acquire(&key("sticky")).await.unwrap().unwrap();
+        guard.release().await.unwrap();
+        assert!(
+            other.try_acquire(&key("sticky")).await.unwrap().is_some(),
+            "released"
+        );
+    }
+
     /// Transient failures are retried with backoff; definitive ones are not.
     #[tokio::test(start_paused = true)]
     async fn transient_failures_are_retried() {
@@ -610,6 +642,7 @@ mod memory {
             inner: inner.clone(),
             fail_renewals: false.into(),
             fail_acquires: 2.into(),
+            fail_releases: 0.into(),
         });
         let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
         let guard = lock
@@ -638,6 +671,7 @@ mod memory {
         inner: Arc<MemoryStore>,
         fail_renewals: std::sync::atomic::AtomicBool,
         fail_acquires: AtomicUsize,
+        fail_releases: AtomicUsize,
     }
 
     fn transient(op: Op) -> StoreError {
@@ -676,6 +710,13 @@ mod memory {
             lease: LeaseId,
             if_match: Option<&ETag>,
         ) -> StoreResult<()> {
+            if self
+                .fail_releases
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return Err(transient(Op::LeaseRelease));
+            }
             self.inner.release_lease(blob, lease, if_match).await
         }
         async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()> {
