@@ -249,6 +249,14 @@ fn runner_on(store: &Arc<Scripted>, logic: Arc<dyn Logic>, options: RunnerOption
     RecordRunner::new(lock_on(store), store.clone(), logic, options)
 }
 
+/// A scripted store, a logic of `duration` ending with `end`, and a runner with default options.
+fn fixture(duration: Duration, end: End) -> (Arc<Scripted>, Arc<Script>, RecordRunner) {
+    let store = Scripted::new();
+    let logic = Script::new(duration, end);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    (store, logic, runner)
+}
+
 fn delivery(kind: TriggerKind, dequeue_count: u32, prior_attempts: u32) -> Delivery {
     Delivery {
         message: TriggerMessage::new("acct", "r").follow_up(kind, prior_attempts),
@@ -352,9 +360,7 @@ async fn b1_a_lease_lost_during_the_grant_is_an_error() {
 /// leaving. Before the fix it trusted the holder: coalesced, marker set, nobody to read it.
 #[tokio::test(start_paused = true)]
 async fn b2_a_recheck_never_trusts_a_held_lease() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     dead_holder(&store).await;
     let outcome = runner
         .handle(&delivery(TriggerKind::Recheck, 1, 1), &CancellationToken::new())
@@ -386,9 +392,7 @@ async fn b2_a_recheck_never_trusts_a_held_lease() {
 /// in place as the look again (no attempt counted), instead of trusting the holder.
 #[tokio::test(start_paused = true)]
 async fn b2_a_watchdog_never_trusts_a_held_lease() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     dead_holder(&store).await;
     let outcome = runner
@@ -420,9 +424,7 @@ async fn b2_a_watchdog_never_trusts_a_held_lease() {
 /// marker: a sweep runs the record once the lease is free. Before the fix nothing ran.
 #[tokio::test(start_paused = true)]
 async fn b3_giving_up_a_dead_holders_trigger_still_honours_what_coalesced_onto_it() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
     dead_holder(&store).await;
     let coalesced = runner
@@ -472,9 +474,7 @@ async fn b3_giving_up_a_dead_holders_trigger_still_honours_what_coalesced_onto_i
 /// reason, and a sweep), not left to the host, which would drop it without either.
 #[tokio::test(start_paused = true)]
 async fn b3_a_watched_delivery_over_the_limit_is_given_up_with_a_sweep() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let outcome = runner
         .handle_watched(
@@ -497,9 +497,7 @@ async fn b3_a_watched_delivery_over_the_limit_is_given_up_with_a_sweep() {
 /// first delivery runs instead of being given up unrun.
 #[tokio::test(start_paused = true)]
 async fn a_recheck_at_the_limit_is_not_given_up_unrun() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     dead_holder(&store).await;
     // The fifth delivery (of five allowed) finds the lease held.
     let outcome = runner
@@ -568,9 +566,7 @@ async fn a_lost_visibility_answer_does_not_cancel_a_healthy_run() {
 /// for a retry, and nothing unwinds out of the consumer (its visibility renewer stops too).
 #[tokio::test(start_paused = true)]
 async fn a_panicking_logic_fails_its_run_and_nothing_unwinds() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Panic);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Panic);
     let outcome = runner
         .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
         .await;
@@ -639,9 +635,7 @@ fn default_margins_let_logic_stop_before_the_lease_can_be_handed_on() {
 /// and releasing would let the next holder start beside it. The logic task is stopped too.
 #[tokio::test(start_paused = true)]
 async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(600), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, logic, runner) = fixture(Duration::from_secs(600), End::Succeed);
     let task = {
         let runner = runner.clone();
         tokio::spawn(async move {
@@ -672,9 +666,7 @@ async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
 /// the delivery completes.
 #[tokio::test(start_paused = true)]
 async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(100), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, logic, runner) = fixture(Duration::from_secs(100), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let task = {
         let runner = runner.clone();
@@ -779,9 +771,7 @@ async fn a_failed_watched_run_is_retried_through_its_watchdog_then_given_up() {
 /// lease (set the marker and leave); standalone, it may be looking at its own dead holder.
 #[tokio::test(start_paused = true)]
 async fn a_redelivered_trigger_trusts_a_holder_only_under_a_watchdog() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let _holder = lock_on(&store)
         .try_acquire(&record_key("acct", "r").unwrap())
@@ -810,9 +800,7 @@ async fn a_redelivered_trigger_trusts_a_holder_only_under_a_watchdog() {
 /// logic that always fails does not cycle through the poison queue for ever.
 #[tokio::test(start_paused = true)]
 async fn a_sweep_runs_once_the_lease_is_free_and_only_a_second_one_asks_the_marker() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let marker = marker_blob_name(&record_key("acct", "r").unwrap());
     let sweep = |given_up: u32, dequeue_count: u32| {
         let mut message = TriggerMessage::new("acct", "r").follow_up(TriggerKind::Sweep, 0);
@@ -875,9 +863,7 @@ async fn a_sweep_runs_once_the_lease_is_free_and_only_a_second_one_asks_the_mark
 /// marker says, so the trigger that coalesced onto it is honoured (found by review).
 #[tokio::test(start_paused = true)]
 async fn giving_up_a_holder_that_consumed_the_marker_still_honours_what_coalesced() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
     // The marker a coalesced trigger set was consumed by the holder, which then died.
     dead_holder(&store).await;
@@ -986,9 +972,7 @@ async fn the_consumer_poisons_impossible_records_and_wakes_on_demand() {
         leasehold_runtime::poison_queue_name("triggers"),
         "triggers-poison"
     );
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
     let options = ConsumerOptions {
         poll_min: Duration::from_secs(60),
@@ -1100,9 +1084,7 @@ fn outcomes_and_runner_surface() {
 /// given up on arrival, with the count in its reason.
 #[tokio::test(start_paused = true)]
 async fn a_watched_delivery_at_the_limit_runs_and_one_beyond_is_given_up() {
-    let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::Succeed);
-    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (_store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let at_limit = runner
         .handle_watched(
