@@ -58,7 +58,7 @@ fn run_seeds_measured(
                     if seed >= seeds.end {
                         return;
                     }
-                    let report = sim::run_seed(seed, variant);
+                    let report = sim::run_seed_bounded(seed, variant, sim::SEED_REAL_TIME_LIMIT);
                     {
                         let mut t = totals.lock().unwrap();
                         t.0.add(&report.counts);

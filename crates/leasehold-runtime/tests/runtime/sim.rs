@@ -802,7 +802,7 @@ impl Logic for SimLogic {
 }
 
 /// Outcome of one seed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Report {
     pub runs: usize,
     pub accepted: usize,
@@ -824,6 +824,9 @@ pub enum Violation {
     Recovery(String),
     RunTime(String),
     NotDrained(String),
+    /// The seed did not finish within its real-time budget: something spins without letting
+    /// simulated time move on (a retry loop with no pause, a task that never yields).
+    Stuck(String),
 }
 
 impl Violation {
@@ -843,6 +846,7 @@ impl std::fmt::Display for Violation {
             Violation::Recovery(t) => ("recovery", t),
             Violation::RunTime(t) => ("run time", t),
             Violation::NotDrained(t) => ("not drained", t),
+            Violation::Stuck(t) => ("stuck", t),
         };
         write!(f, "{kind}: {text}")
     }
@@ -897,6 +901,37 @@ impl tracing_subscriber::fmt::time::FormatTime for SimTime {
 /// Runs one seed to completion and checks the invariants.
 pub fn run_seed(seed: u64, variant: ProtocolVariant) -> Report {
     run_plan(Plan::from_seed(seed), variant)
+}
+
+/// Real time one seed may take before it counts as stuck. A seed normally takes a few
+/// milliseconds; a protocol change that spins (never lets simulated time move on) would
+/// otherwise hang the whole test run instead of failing it.
+pub const SEED_REAL_TIME_LIMIT: Duration = Duration::from_secs(20);
+
+/// [`run_seed`] on its own thread, reported as [`Violation::Stuck`] when it does not finish
+/// within `limit` of real time. A stuck seed's thread is left behind (it cannot be stopped
+/// from outside); the test that ran it fails, and the process ends with the test run.
+pub fn run_seed_bounded(seed: u64, variant: ProtocolVariant, limit: Duration) -> Report {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("sim-seed-{seed}"))
+        .spawn(move || {
+            let _ = tx.send(run_seed(seed, variant));
+        })
+        .expect("spawn a simulation thread");
+    match rx.recv_timeout(limit) {
+        Ok(report) => report,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Report {
+            violations: vec![Violation::Stuck(format!(
+                "seed {seed} did not finish within {limit:?} of real time"
+            ))],
+            ..Report::default()
+        },
+        // The seed's thread panicked: a bug in the simulation itself, or an assertion inside it.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            panic!("seed {seed}: the simulation panicked (replay with LEASEHOLD_SIM_SEED={seed})")
+        }
+    }
 }
 
 /// Runs a plan (a seed's, possibly changed) to completion and checks the invariants.
