@@ -49,7 +49,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold_lock::{FlagPut, LeaseGuard, LeaseId, LeaseLock, LockKey, StoreErrorKind, StoreResult};
+use leasehold_lock::{
+    FlagPut, LeaseGuard, LeaseId, LeaseLock, LockKey, StoreError, StoreErrorKind, StoreResult,
+};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -407,7 +409,7 @@ impl RecordRunner {
     /// Gives a trigger up: queues a sweep (so triggers that coalesced onto a holder of it are
     /// still honoured), then writes the poison entry. The caller deletes the message only if
     /// this succeeds.
-    pub async fn give_up(&self, poison: &dyn TriggerQueue, entry: &PoisonMessage) -> StoreResult<()> {
+    pub async fn give_up(&self, poison: &dyn TriggerQueue, entry: &PoisonMessage) -> Result<(), StoreError> {
         if let Some(trigger) = &entry.trigger {
             if record_key(&trigger.scope, &trigger.record_id).is_ok() {
                 let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
@@ -720,7 +722,7 @@ impl RecordRunner {
     /// Deletes the marker; if it was set, enqueues one retrigger. A delete whose answer was lost
     /// (a transient failure before a retry) may have removed a set marker: then we retrigger
     /// anyway, because an extra run is harmless and a lost trigger is not.
-    async fn take_marker_and_retrigger(&self, marker: &str, delivery: &Delivery) -> StoreResult<bool> {
+    async fn take_marker_and_retrigger(&self, marker: &str, delivery: &Delivery) -> Result<bool, StoreError> {
         let (was_set, retried) = self
             .marker_op("check retrigger marker", |store| store.delete_flag(marker))
             .await;
@@ -734,7 +736,7 @@ impl RecordRunner {
 
     /// Creates the marker. If an earlier attempt's answer was lost, "already set" may mean we set
     /// it, so it counts as created (we then make the second acquire attempt a setter owes).
-    async fn put_marker(&self, marker: &str) -> StoreResult<FlagPut> {
+    async fn put_marker(&self, marker: &str) -> Result<FlagPut, StoreError> {
         let (put, retried) = self
             .marker_op("set retrigger marker", |store| store.put_flag(marker))
             .await;
@@ -764,7 +766,7 @@ impl RecordRunner {
         (result, attempts > 1)
     }
 
-    async fn enqueue(&self, message: &TriggerMessage, delay: Duration) -> StoreResult<()> {
+    async fn enqueue(&self, message: &TriggerMessage, delay: Duration) -> Result<(), StoreError> {
         let body = message.encode();
         self.lock
             .options()

@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use leasehold_lock::{RetryOptions, StoreErrorKind, StoreResult};
+use leasehold_lock::{RetryOptions, StoreError, StoreErrorKind};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -32,7 +32,7 @@ impl Watchdog {
         retry: &RetryOptions,
         message: &TriggerMessage,
         visibility: Duration,
-    ) -> StoreResult<Self> {
+    ) -> Result<Self, StoreError> {
         let body = message.encode();
         let put = retry.run("put watchdog", || queue.put(&body, visibility)).await?;
         Ok(Self {
@@ -50,7 +50,7 @@ impl Watchdog {
 
     /// One update: new body and visibility from now. `NotFound` means someone took the message
     /// (it surfaced): it is theirs now, and they carry its duty.
-    async fn update(&self, body: &str, visibility: Duration) -> StoreResult<()> {
+    async fn update(&self, body: &str, visibility: Duration) -> Result<(), StoreError> {
         let receipt = self.receipt();
         let fresh = self
             .queue
@@ -62,7 +62,7 @@ impl Watchdog {
     }
 
     /// Turns the watchdog into `message`, visible after `after` (a retry or a recheck).
-    pub(crate) async fn rearm(&self, message: &TriggerMessage, after: Duration) -> StoreResult<()> {
+    pub(crate) async fn rearm(&self, message: &TriggerMessage, after: Duration) -> Result<(), StoreError> {
         let body = message.encode();
         // A retried update whose first answer was lost finds a stale receipt (NotFound): the
         // message then keeps its previous body and visibility, and still surfaces.
