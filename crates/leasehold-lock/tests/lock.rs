@@ -586,10 +586,8 @@ mod memory {
     async fn lost_when_renewals_keep_failing() {
         let inner = Arc::new(MemoryStore::new());
         let flaky = Arc::new(Flaky {
-            inner: inner.clone(),
             fail_renewals: true.into(),
-            fail_acquires: 0.into(),
-            fail_releases: 0.into(),
+            ..Flaky::over(inner.clone())
         });
         let lock = LeaseLock::new(flaky, fast_options()).unwrap();
         let start = tokio::time::Instant::now();
@@ -610,10 +608,8 @@ mod memory {
     async fn a_release_that_keeps_failing_is_an_error() {
         let inner = Arc::new(MemoryStore::new());
         let flaky = Arc::new(Flaky {
-            inner: inner.clone(),
-            fail_renewals: false.into(),
-            fail_acquires: 0.into(),
             fail_releases: 100.into(),
+            ..Flaky::over(inner.clone())
         });
         let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
         let guard = lock.try_acquire(&key("sticky")).await.unwrap().unwrap();
@@ -639,10 +635,8 @@ mod memory {
     async fn transient_failures_are_retried() {
         let inner = Arc::new(MemoryStore::new());
         let flaky = Arc::new(Flaky {
-            inner: inner.clone(),
-            fail_renewals: false.into(),
             fail_acquires: 2.into(),
-            fail_releases: 0.into(),
+            ..Flaky::over(inner.clone())
         });
         let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
         let guard = lock
@@ -665,13 +659,190 @@ mod memory {
         guard.release().await.unwrap();
     }
 
-    /// A store that fails chosen calls transiently, in front of a memory store.
+    /// Renewals that keep failing transiently are retried with growing pauses (twice the
+    /// minimum, doubling, capped at the maximum), not back to back, until the local deadline.
+    #[tokio::test(start_paused = true)]
+    async fn failing_renewals_back_off() {
+        let flaky = Arc::new(Flaky {
+            fail_renewals: true.into(),
+            ..Flaky::over(Arc::new(MemoryStore::new()))
+        });
+        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let start = tokio::time::Instant::now();
+        let guard = lock.try_acquire(&key("pace")).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(30), guard.lost().cancelled())
+            .await
+            .expect("lost at the local deadline");
+        let sent: Vec<u64> = flaky
+            .renewals
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|t| (*t - start).as_millis() as u64)
+            .collect();
+        // renew_every 3 s, then pauses of 0.4, 0.8, 1.6 s and 2 s (the cap) until the
+        // deadline at 15 s − 2 s.
+        assert_eq!(sent, [3000, 3400, 4200, 5800, 7800, 9800, 11800]);
+    }
+
+    /// On a key's first use (no lock blob yet), an acquire that fails after creating the blob is
+    /// an error, never "held by someone else".
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_acquire_at_first_use_is_an_error() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        // The first acquire finds no blob (the memory store answers 404); the second fails.
+        flaky.inject(Op::LeaseAcquire, StoreErrorKind::NotFound);
+        flaky.inject(Op::LeaseAcquire, StoreErrorKind::Rejected);
+        let err = lock.try_acquire(&key("first")).await.unwrap_err();
+        assert!(
+            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
+            "{err:?}"
+        );
+        // With the blob in place, the next try takes the key.
+        let guard = lock.try_acquire(&key("first")).await.unwrap();
+        assert!(guard.is_some());
+    }
+
+    /// `acquire` waits while the key is held or its own lease id is being broken, and returns
+    /// any other storage error at once instead of waiting out its timeout.
+    #[tokio::test(start_paused = true)]
+    async fn acquire_waits_for_held_or_breaking_and_fails_fast_otherwise() {
+        let inner = Arc::new(MemoryStore::new());
+        let flaky = Arc::new(Flaky::over(inner.clone()));
+        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let k = key("wait");
+        lock.try_acquire(&k)
+            .await
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+
+        let start = tokio::time::Instant::now();
+        flaky.inject(Op::LeaseAcquire, StoreErrorKind::Rejected);
+        let err = lock.acquire(&k, Duration::from_secs(30)).await.unwrap_err();
+        assert!(
+            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
+            "{err:?}"
+        );
+        assert_eq!(start.elapsed(), Duration::ZERO, "no waiting on a refusal");
+
+        flaky.inject(Op::LeaseAcquire, StoreErrorKind::LeaseBreaking);
+        let guard = lock.acquire(&k, Duration::from_secs(30)).await.unwrap();
+        assert!(start.elapsed() > Duration::ZERO, "waited out the break");
+        assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
+
+        // Held by someone else: tries again with growing pauses until the timeout, then says so.
+        let other = LeaseLock::new(inner.clone(), fast_options()).unwrap();
+        let before = inner.counters().snapshot();
+        let start = tokio::time::Instant::now();
+        let err = other.acquire(&k, Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(err, leasehold_lock::Error::Timeout { .. }), "{err:?}");
+        assert_eq!(start.elapsed(), Duration::from_secs(5), "gives up at the timeout");
+        let tries = inner.counters().snapshot().since(&before).get(Op::LeaseAcquire);
+        // 50 ms doubling to 2 s, jittered: about eight tries in 5 s, never a tight loop.
+        assert!((4..=15).contains(&tries), "{tries} tries in 5 s");
+        // The same pacing for several keys at once.
+        let before = inner.counters().snapshot();
+        let err = other
+            .acquire_many(&[key("free"), k.clone()], Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, leasehold_lock::Error::Timeout { .. }), "{err:?}");
+        let tries = inner.counters().snapshot().since(&before).get(Op::LeaseAcquire);
+        assert!((8..=30).contains(&tries), "{tries} acquires in 5 s for two keys");
+        guard.release().await.unwrap();
+        // Once free, acquire_many takes both.
+        let both = other
+            .acquire_many(&[key("free"), k.clone()], Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(both.guards().len(), 2);
+        both.release().await.unwrap();
+    }
+
+    /// Breaking a key that was never used is not an error; a break storage refuses is.
+    #[tokio::test(start_paused = true)]
+    async fn break_lock_errors() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        lock.break_lock(&key("never-used"), "test").await.unwrap();
+        flaky.inject(Op::LeaseBreak, StoreErrorKind::Rejected);
+        let err = lock.break_lock(&key("never-used"), "test").await.unwrap_err();
+        assert!(
+            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
+            "{err:?}"
+        );
+    }
+
+    /// The fencing write failing: a lease that ran out meanwhile is `LeaseLost`, any other
+    /// failure is that storage error; either way the lease is given back.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_fencing_write_is_an_error_of_its_kind() {
+        let inner = Arc::new(MemoryStore::new());
+        let flaky = Arc::new(Flaky::over(inner.clone()));
+        let options = LeaseOptions {
+            fencing: true,
+            ..fast_options()
+        };
+        let lock = LeaseLock::new(flaky.clone(), options.clone()).unwrap();
+        let k = key("fence");
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::LeaseLost);
+        let err = lock.try_acquire(&k).await.unwrap_err();
+        assert!(matches!(err, leasehold_lock::Error::LeaseLost { .. }), "{err:?}");
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::Rejected);
+        let err = lock.try_acquire(&k).await.unwrap_err();
+        assert!(
+            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
+            "{err:?}"
+        );
+        let other = LeaseLock::new(inner, options).unwrap();
+        let guard = other.try_acquire(&k).await.unwrap().expect("given back");
+        assert_eq!(guard.fencing_token(), Some(1), "no failed grant counted");
+    }
+
+    /// A store that fails chosen calls, in front of a memory store: renewals, acquires of an
+    /// existing blob and releases transiently by count, and any call once with an error of a
+    /// chosen kind (`inject`, taken in order). Records when each renewal was sent.
     #[derive(Debug)]
     struct Flaky {
         inner: Arc<MemoryStore>,
         fail_renewals: std::sync::atomic::AtomicBool,
         fail_acquires: AtomicUsize,
         fail_releases: AtomicUsize,
+        inject: std::sync::Mutex<std::collections::VecDeque<(Op, StoreErrorKind)>>,
+        renewals: std::sync::Mutex<Vec<tokio::time::Instant>>,
+    }
+
+    impl Flaky {
+        fn over(inner: Arc<MemoryStore>) -> Self {
+            Flaky {
+                inner,
+                fail_renewals: false.into(),
+                fail_acquires: 0.into(),
+                fail_releases: 0.into(),
+                inject: Default::default(),
+                renewals: Default::default(),
+            }
+        }
+
+        /// Fails the next `op` with an error of `kind` (after any already injected for it).
+        fn inject(&self, op: Op, kind: StoreErrorKind) {
+            self.inject.lock().unwrap().push_back((op, kind));
+        }
+
+        fn injected(&self, op: Op) -> StoreResult<()> {
+            let mut inject = self.inject.lock().unwrap();
+            match inject.iter().position(|(o, _)| *o == op) {
+                Some(i) => {
+                    let (_, kind) = inject.remove(i).unwrap();
+                    Err(StoreError::new(kind, op, "injected"))
+                }
+                None => Ok(()),
+            }
+        }
     }
 
     fn transient(op: Op) -> StoreError {
@@ -687,6 +858,7 @@ mod memory {
             self.inner.create_blob(blob).await
         }
         async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
+            self.injected(Op::LeaseAcquire)?;
             let exists = self.inner.properties(blob).await.is_ok();
             if exists
                 && self
@@ -699,6 +871,17 @@ mod memory {
             self.inner.acquire_lease(blob, lease, duration).await
         }
         async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()> {
+            let sent = {
+                let mut renewals = self.renewals.lock().unwrap();
+                renewals.push(tokio::time::Instant::now());
+                renewals.len()
+            };
+            if sent > 100 {
+                // A renewer retrying back to back would spin with time paused; let time move
+                // so the test ends (and fails on the count) instead of hanging.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            self.injected(Op::LeaseRenew)?;
             if self.fail_renewals.load(Ordering::SeqCst) {
                 return Err(transient(Op::LeaseRenew));
             }
@@ -720,6 +903,7 @@ mod memory {
             self.inner.release_lease(blob, lease, if_match).await
         }
         async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()> {
+            self.injected(Op::LeaseBreak)?;
             self.inner.break_lease(blob, period).await
         }
         async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
@@ -732,6 +916,7 @@ mod memory {
             if_match: Option<&ETag>,
             metadata: &Metadata,
         ) -> StoreResult<ETag> {
+            self.injected(Op::BlobSetMetadata)?;
             self.inner.set_metadata(blob, lease, if_match, metadata).await
         }
         async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut> {

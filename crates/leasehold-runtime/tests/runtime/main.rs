@@ -92,7 +92,10 @@ fn simulation_upholds_the_invariants() {
     let seeds = seeds();
     let count = seeds.end - seeds.start;
     let started = Instant::now();
-    let (failures, counts, runs, recoveries) = run_seeds_measured(seeds, ProtocolVariant::Correct, false);
+    // LEASEHOLD_SIM_FAIL_FAST stops at the first failing seed (for mutation testing, where only
+    // pass or fail matters and a broken protocol can make every seed slow).
+    let fail_fast = std::env::var_os("LEASEHOLD_SIM_FAIL_FAST").is_some();
+    let (failures, counts, runs, recoveries) = run_seeds_measured(seeds, ProtocolVariant::Correct, fail_fast);
     println!(
         "simulation: {count} seeds, {runs} runs in {:.1?}",
         started.elapsed()
