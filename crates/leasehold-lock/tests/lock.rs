@@ -526,6 +526,44 @@ mod memory {
         );
     }
 
+    /// A released guard renews no more; a lost one says so through `is_lost` too.
+    #[tokio::test(start_paused = true)]
+    async fn a_released_guard_stops_renewing_and_a_lost_one_says_so() {
+        let store = store();
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let guard = lock.try_acquire(&key("quiet")).await.unwrap().unwrap();
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert!(!guard.is_lost());
+        guard.release().await.unwrap();
+        let after = store.counters().snapshot();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(store.counters().snapshot().since(&after).get(Op::LeaseRenew), 0);
+
+        let guard = lock.try_acquire(&key("quiet")).await.unwrap().unwrap();
+        lock.break_lock_after(&key("quiet"), "test", Duration::ZERO)
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), guard.lost().cancelled())
+            .await
+            .expect("lost at the next renewal");
+        assert!(guard.is_lost());
+    }
+
+    /// Shared holders write who holds the key and since when, as exclusive ones do.
+    #[tokio::test(start_paused = true)]
+    async fn shared_holders_are_described_for_operators() {
+        let lock = LeaseLock::new(store(), LeaseOptions::default()).unwrap();
+        let before = std::time::SystemTime::now() - Duration::from_secs(60);
+        let k = key("shared-info");
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        let info = lock.inspect(&k).await.unwrap();
+        assert!(info.held);
+        let holder = info.holder.expect("holder written");
+        assert!(holder.ends_with(&format!(":{}", std::process::id())), "{holder}");
+        assert!(info.since.expect("since written") > before);
+        member.release().await.unwrap();
+    }
+
     /// A multi-key hold fires its lost signal when any of its leases is lost.
     #[tokio::test(start_paused = true)]
     async fn a_multi_key_hold_is_lost_when_one_lease_is() {
