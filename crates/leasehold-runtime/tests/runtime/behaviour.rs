@@ -284,9 +284,10 @@ async fn a_trigger_that_keeps_failing_ends_in_the_poison_queue_with_its_reason()
         let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
         tokio::spawn(async move { consumer.run(shutdown).await })
     };
-    while world.poison.bodies().len() < 2 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    leasehold_test_support::eventually(Duration::from_secs(600), "two poison entries", || async {
+        (world.poison.bodies().len() >= 2).then_some(())
+    })
+    .await;
     shutdown.cancel();
     task.await.unwrap();
     let left: Vec<TriggerMessage> = world

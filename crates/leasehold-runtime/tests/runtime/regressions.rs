@@ -644,9 +644,10 @@ async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
                 .await
         })
     };
-    while logic.runs.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    leasehold_test_support::eventually(Duration::from_secs(60), "the logic to start", || async {
+        (logic.runs.load(Ordering::SeqCst) > 0).then_some(())
+    })
+    .await;
     task.abort();
     let _ = task.await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -680,9 +681,10 @@ async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
                 .await
         })
     };
-    while logic.runs.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    leasehold_test_support::eventually(Duration::from_secs(60), "the logic to start", || async {
+        (logic.runs.load(Ordering::SeqCst) > 0).then_some(())
+    })
+    .await;
     let watchdog = &messages(&store)[0];
     assert_eq!(
         (watchdog.kind, watchdog.prior_attempts),
