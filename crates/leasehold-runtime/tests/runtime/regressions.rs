@@ -664,10 +664,12 @@ async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
 
 /// Under Functions a delivery's watchdog is put before the lease is touched, pushed ahead after
 /// each renewal while the run lasts (so it never surfaces under a live holder), and deleted when
-/// the delivery completes.
+/// the delivery completes. A push that fails is tried again at the next renewal.
 #[tokio::test(start_paused = true)]
 async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
     let (store, logic, runner) = fixture(Duration::from_secs(100), End::Succeed);
+    // The first push fails (a storage hiccup): the next renewal pushes it again.
+    store.then(Op::QueueUpdate, &[Act::Refuse(StoreErrorKind::Transient)]);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let task = {
         let runner = runner.clone();
