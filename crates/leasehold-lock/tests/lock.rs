@@ -575,6 +575,8 @@ mod memory {
             .unwrap()
             .unwrap();
         let lost = all.lost();
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert!(!lost.is_cancelled(), "both leases renewed: not lost");
         lock.break_lock_after(&key("x/b"), "test", Duration::ZERO)
             .await
             .unwrap();
@@ -801,6 +803,39 @@ mod memory {
         both.release().await.unwrap();
     }
 
+    /// `inspect` reports a storage failure as an error, never as "free, never used".
+    #[tokio::test(start_paused = true)]
+    async fn inspect_does_not_mistake_a_failure_for_a_free_key() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let guard = lock.try_acquire(&key("seen")).await.unwrap().unwrap();
+        flaky.inject(Op::BlobProperties, StoreErrorKind::Rejected);
+        let err = lock.inspect(&key("seen")).await.unwrap_err();
+        assert!(
+            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
+            "{err:?}"
+        );
+        assert!(lock.inspect(&key("seen")).await.unwrap().held);
+        guard.release().await.unwrap();
+    }
+
+    /// A first acquire refused for another reason than a missing blob is that error: the lock
+    /// blob is not created and nothing is tried again.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_first_acquire_creates_nothing() {
+        let inner = Arc::new(MemoryStore::new());
+        let flaky = Arc::new(Flaky::over(inner.clone()));
+        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        flaky.inject(Op::LeaseAcquire, StoreErrorKind::Rejected);
+        let err = lock.try_acquire(&key("refused")).await.unwrap_err();
+        assert!(
+            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
+            "{err:?}"
+        );
+        assert_eq!(inner.counters().snapshot().get(Op::BlobCreate), 0);
+        assert_eq!(inner.counters().snapshot().get(Op::LeaseAcquire), 0);
+    }
+
     /// Breaking a key that was never used is not an error; a break storage refuses is.
     #[tokio::test(start_paused = true)]
     async fn break_lock_errors() {
@@ -945,6 +980,7 @@ mod memory {
             self.inner.break_lease(blob, period).await
         }
         async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
+            self.injected(Op::BlobProperties)?;
             self.inner.properties(blob).await
         }
         async fn set_metadata(
