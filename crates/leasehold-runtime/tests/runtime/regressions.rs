@@ -1164,3 +1164,52 @@ async fn an_ambiguous_marker_delete_runs_rather_than_stands_down() {
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
 }
+
+/// The runner's own storage calls (the watchdog here) retry as the lock's options say: with no
+/// retries configured, a watchdog put that fails transiently fails the delivery before anything
+/// runs (the host retries its message).
+#[tokio::test(start_paused = true)]
+async fn the_runner_retries_storage_calls_as_the_lock_options_say() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let options = LeaseOptions {
+        retry: RetryOptions::none(),
+        ..LeaseOptions::default()
+    };
+    let lock = LeaseLock::new(store.clone() as Arc<dyn LeaseStore>, options).unwrap();
+    let runner = RecordRunner::new(lock, store.clone(), logic.clone(), RunnerOptions::default());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    store.then(Op::QueuePut, &[Act::Refuse(StoreErrorKind::Transient)]);
+    let outcome = runner
+        .handle_watched(
+            &delivery(TriggerKind::Trigger, 1, 0),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(
+        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("put watchdog")),
+        "{outcome:?}"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 0);
+    assert!(store.queue().bodies().is_empty());
+}
+
+/// A watchdog found taken (it surfaced: someone else carries it now) is not pushed any more.
+#[tokio::test(start_paused = true)]
+async fn a_watchdog_found_taken_is_not_pushed_again() {
+    let (store, _logic, runner) = fixture(Duration::from_secs(35), End::Succeed);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    store.then(Op::QueueUpdate, &[Act::Refuse(StoreErrorKind::NotFound)]);
+    let outcome = runner
+        .handle_watched(
+            &delivery(TriggerKind::Trigger, 1, 0),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    // Renewals at 10, 20 and 30 s: only the first tried to push the watchdog.
+    assert_eq!(store.counters.snapshot().get(Op::LeaseRenew), 3);
+    assert_eq!(store.counters.snapshot().get(Op::QueueUpdate), 1);
+}
