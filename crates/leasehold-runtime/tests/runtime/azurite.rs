@@ -333,7 +333,7 @@ async fn concurrent_triggers_are_exclusive_and_coalesced() {
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
     }
-    eventually(Duration::from_secs(90), "every trigger to be served", || async {
+    eventually(Duration::from_secs(30), "every trigger to be served", || async {
         accepted
             .iter()
             .all(|(record, t)| logic.completed_after(record, *t))
