@@ -313,6 +313,11 @@ mod scenarios {
             );
             assert_eq!(steady.total(), if fencing { 4 } else { 2 });
             assert_eq!(contended.total(), 1);
+            if fencing {
+                // The container exists by now: first use adds the failed acquire (404) and the
+                // blob create.
+                assert_eq!(first.total(), steady.total() + 2);
+            }
         }
     }
 
