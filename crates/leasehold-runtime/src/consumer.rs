@@ -223,14 +223,19 @@ impl Consumer {
         // Visibility is renewed by a task of its own, so a slow renewal never stalls the run;
         // it stops when this delivery ends, however it ends.
         let receipt = Arc::new(std::sync::Mutex::new(received.pop_receipt.clone()));
-        let renewer = AbortOnDrop(tokio::spawn(keep_hidden(
+        let stop_renewing = CancellationToken::new();
+        let mut renewer = AbortOnDrop(tokio::spawn(keep_hidden(
             self.queue().clone(),
             received.clone(),
             receipt.clone(),
             self.options.clone(),
+            stop_renewing.clone(),
         )));
         let outcome = self.runner.handle(&delivery, &cancel).await;
-        drop(renewer);
+        // Stop renewing, but let an update in flight finish: cut off, it could land and change
+        // the receipt without our knowing, and the delete below would then miss.
+        stop_renewing.cancel();
+        let _ = (&mut renewer.0).await;
         let receipt = receipt.lock().expect("receipt mutex").clone();
 
         match outcome {
@@ -300,20 +305,26 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Renews a message's visibility every `visibility_renew_every` while its run lasts. When the
-/// message cannot be kept hidden (its receipt went stale, say because an update's answer was
-/// lost), the run goes on: its lease keeps it exclusive, and the message's next delivery finds
-/// the lease held and looks again once it must have expired.
+/// Renews a message's visibility every `visibility_renew_every` while its run lasts, until
+/// `stop` fires (checked only between updates, so the receipt always reflects the last update
+/// that landed). When the message cannot be kept hidden (its receipt went stale, say because an
+/// update's answer was lost), the run goes on: its lease keeps it exclusive, and the message's
+/// next delivery finds the lease held and looks again once it must have expired.
 async fn keep_hidden(
     queue: Arc<dyn TriggerQueue>,
     received: Received,
     receipt: Arc<std::sync::Mutex<String>>,
     options: ConsumerOptions,
+    stop: CancellationToken,
 ) {
     let mut hidden_until = Instant::now() + options.visibility;
     let mut next = Instant::now() + options.visibility_renew_every;
     loop {
-        sleep_until(next).await;
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            _ = sleep_until(next) => {}
+        }
         let sent = Instant::now();
         let current = receipt.lock().expect("receipt mutex").clone();
         match queue

@@ -582,8 +582,24 @@ impl RecordRunner {
         cancel: &CancellationToken,
         watchdog: Option<&Arc<Watchdog>>,
     ) -> Outcome {
-        // Keep the watchdog a lease ahead of the lease while we hold it.
-        let _follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
+        // Keep the watchdog a lease ahead of the lease while we hold it; once the hold ends,
+        // let a push in flight finish so the watchdog's receipt is current for what follows.
+        let follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
+        let outcome = self.hold_lease(key, delivery, guard, first, cancel).await;
+        if let Some(follower) = follower {
+            follower.finish().await;
+        }
+        outcome
+    }
+
+    async fn hold_lease(
+        &self,
+        key: &LockKey,
+        delivery: &Delivery,
+        guard: LeaseGuard,
+        first: MarkerFirst,
+        cancel: &CancellationToken,
+    ) -> Outcome {
         let guard = Held(Some(guard));
         let marker = marker_blob_name(key);
         if first != MarkerFirst::Leave {

@@ -9,6 +9,7 @@ use leasehold_lock::{RetryOptions, StoreError, StoreErrorKind};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::message::TriggerMessage;
 use crate::queue::TriggerQueue;
@@ -94,36 +95,58 @@ impl Watchdog {
         }
     }
 
-    /// Pushes the watchdog to `visibility` from now after each lease renewal, until dropped.
+    /// Pushes the watchdog to `visibility` from now after each lease renewal, until
+    /// [`Follower::finish`] (or drop).
     pub(crate) fn follow(
         self: &Arc<Self>,
         mut renewals: watch::Receiver<Instant>,
         visibility: Duration,
     ) -> Follower {
         let this = self.clone();
-        Follower(tokio::spawn(async move {
-            while renewals.changed().await.is_ok() {
-                let body = this.body.lock().expect("watchdog mutex").clone();
-                match this.update(&body, visibility).await {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == StoreErrorKind::NotFound => {
-                        tracing::warn!(
-                            "the watchdog surfaced while the run still holds its lease; its taker looks again later"
-                        );
-                        return;
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        Follower(
+            tokio::spawn(async move {
+                loop {
+                    // Stop only between pushes: a push cut off in flight may land without its new
+                    // receipt being recorded, and the delete at the end would then miss.
+                    tokio::select! {
+                        biased;
+                        _ = stopped.cancelled() => return,
+                        changed = renewals.changed() => if changed.is_err() { return },
                     }
-                    // The next renewal tries again; meanwhile the watchdog may surface early and
-                    // find the lease held, which only makes it look again later.
-                    Err(e) => tracing::warn!(error = %e, "could not push the watchdog ahead"),
+                    let body = this.body.lock().expect("watchdog mutex").clone();
+                    match this.update(&body, visibility).await {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                            tracing::warn!(
+                                "the watchdog surfaced while the run still holds its lease; its taker looks again later"
+                            );
+                            return;
+                        }
+                        // The next renewal tries again; meanwhile the watchdog may surface early and
+                        // find the lease held, which only makes it look again later.
+                        Err(e) => tracing::warn!(error = %e, "could not push the watchdog ahead"),
+                    }
                 }
-            }
-        }))
+            }),
+            stop,
+        )
     }
 }
 
-/// Stops pushing the watchdog when dropped.
+/// Pushes a watchdog ahead while a lease is renewed. [`finish`](Self::finish) stops it after
+/// any push in flight has landed and its receipt is recorded; dropping it stops it at once.
 #[derive(Debug)]
-pub(crate) struct Follower(JoinHandle<()>);
+pub(crate) struct Follower(JoinHandle<()>, CancellationToken);
+
+impl Follower {
+    /// Stops following, waiting for a push in flight (one request) to complete.
+    pub(crate) async fn finish(mut self) {
+        self.1.cancel();
+        let _ = (&mut self.0).await;
+    }
+}
 
 impl Drop for Follower {
     fn drop(&mut self) {

@@ -30,6 +30,8 @@ enum Act {
     Refuse(StoreErrorKind),
     /// Do it, then lose the answer (the caller sees a time-out).
     LoseAnswer,
+    /// Do it at once, but answer only after this long.
+    SlowAnswer(Duration),
 }
 
 /// The in-memory store and queue, with scripted acts for chosen calls: `script[op]` is consumed
@@ -87,6 +89,11 @@ impl Scripted {
             Some(Act::LoseAnswer) => {
                 let _ = f.await;
                 Err(StoreError::timeout(op, Duration::from_secs(10)))
+            }
+            Some(Act::SlowAnswer(d)) => {
+                let result = f.await;
+                tokio::time::sleep(d).await;
+                result
             }
         }
     }
@@ -1217,4 +1224,45 @@ async fn a_watchdog_found_taken_is_not_pushed_again() {
     // Renewals at 10, 20 and 30 s: only the first tried to push the watchdog.
     assert_eq!(store.counters.snapshot().get(Op::LeaseRenew), 3);
     assert_eq!(store.counters.snapshot().get(Op::QueueUpdate), 1);
+}
+
+/// An update of the message's visibility (standalone) or of the watchdog (Functions) that is in
+/// flight when the run ends lands and changes the receipt: the delivery waits for its answer
+/// instead of cutting it off, so the delete that acknowledges uses the current receipt and
+/// nothing is left to come back for a redundant run.
+#[tokio::test(start_paused = true)]
+async fn an_update_in_flight_when_the_run_ends_leaves_nothing_behind() {
+    // Functions: the watchdog push at the first renewal (10 s) lands at once, answers at 12 s;
+    // the run ends at 10.5 s.
+    let (store, _logic, runner) = fixture(Duration::from_millis(10_500), End::Succeed);
+    store.then(Op::QueueUpdate, &[Act::SlowAnswer(Duration::from_secs(2))]);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let outcome = runner
+        .handle_watched(
+            &delivery(TriggerKind::Trigger, 1, 0),
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(store.queue().bodies().is_empty(), "the watchdog is deleted");
+
+    // Standalone: the consumer's visibility update at 10 s lands at once, answers at 12 s.
+    let store = Scripted::new();
+    store.then(Op::QueueUpdate, &[Act::SlowAnswer(Duration::from_secs(2))]);
+    let logic = Script::new(Duration::from_millis(10_500), End::Succeed);
+    let consumer = Consumer::new(
+        runner_on(&store, logic.clone(), RunnerOptions::default()),
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    store
+        .queue()
+        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    consumer.process(taken[0].clone(), CancellationToken::new()).await;
+    assert_eq!(logic.completed.load(Ordering::SeqCst), 1);
+    assert!(store.queue().bodies().is_empty(), "the message is deleted");
 }
