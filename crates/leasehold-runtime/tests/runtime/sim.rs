@@ -1324,7 +1324,8 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
 /// The Functions host, emulated: takes messages hidden for 10 minutes (sometimes letting that
 /// lapse early), invokes the handler, deletes on success, makes the message visible again after
 /// `visibilityTimeout` when the invocation fails (including when the handler is dead or stopping),
-/// and poisons after `maxDequeueCount` without asking the handler.
+/// and poisons without asking the handler when the `maxDequeueCount`-th invocation fails (or a
+/// message arrives past it, after a host crash).
 async fn host(world: Arc<World>, queue: Arc<Node>, slot: Slot, killed: CancellationToken) {
     loop {
         let batch = queue.get(16, HOST_VISIBILITY).await.unwrap_or_default();
@@ -1402,6 +1403,11 @@ async fn host(world: Arc<World>, queue: Arc<Node>, slot: Slot, killed: Cancellat
                 };
                 if acknowledged {
                     let _ = retry.run("host delete", || queue.delete(&m.id, &receipt)).await;
+                } else if m.dequeue_count >= HOST_MAX_DEQUEUE {
+                    // Like the real host: the last allowed invocation failed, so the message
+                    // goes to the poison queue now, without the handler being asked.
+                    PoisonSink::record(&world, Some(delivery.message.clone()));
+                    let _ = retry.run("host poison", || queue.delete(&m.id, &receipt)).await;
                 } else {
                     let visible = || queue.set_visibility(&m.id, &receipt, &m.body, HOST_RETRY_VISIBILITY);
                     let _ = retry.run("host retry", visible).await;
