@@ -69,7 +69,30 @@ pub enum Fault {
     Partition { machine: usize, length: Duration },
     /// An operator breaks a record's lease.
     Break { record: usize },
+    /// The worker (Functions: the handler, or with `host_death` the whole host) dies right
+    /// after its next request of kind `op` took effect, before the answer reaches it: a crash
+    /// aimed at one await point of the protocol.
+    CrashAfter {
+        machine: usize,
+        op: Op,
+        host_death: bool,
+        restart_after: Duration,
+    },
 }
+
+/// The requests an aimed crash can follow: every step of the lock, marker, queue and watchdog
+/// protocol that changes state.
+const CRASH_POINTS: [Op; 9] = [
+    Op::LeaseAcquire,
+    Op::BlobSetMetadata,
+    Op::LeaseRelease,
+    Op::FlagPut,
+    Op::FlagDelete,
+    Op::QueuePut,
+    Op::QueueDelete,
+    Op::QueueUpdate,
+    Op::QueueGet,
+];
 
 /// Everything one seed decides.
 #[derive(Debug, Clone)]
@@ -157,6 +180,16 @@ impl Plan {
                 let length = Duration::from_millis(rng.random_range(20_000..90_000));
                 bad_record = Some((rng.random_range(0..records), from, from + length));
             }
+            // Drawn last, so the faults above stay what they were for every seed.
+            if rng.random_bool(0.3) {
+                let fault = Fault::CrashAfter {
+                    machine: rng.random_range(0..machines),
+                    op: CRASH_POINTS[rng.random_range(0..CRASH_POINTS.len())],
+                    host_death: mode == Mode::FunctionsHost && rng.random_bool(0.5),
+                    restart_after: pause(&mut rng),
+                };
+                faults.push((at(&mut rng), fault));
+            }
         }
         faults.sort();
         Self {
@@ -220,6 +253,7 @@ pub struct FaultCounts {
     pub lease_lost_outcomes: u64,
     pub rechecks: u64,
     pub watchdog_retries: u64,
+    pub aimed_crashes: u64,
 }
 
 impl FaultCounts {
@@ -266,6 +300,10 @@ impl FaultCounts {
             ("deliveries whose run lost its lease", self.lease_lost_outcomes),
             ("rechecks (a held lease not trusted)", self.rechecks),
             ("failed runs retried through the watchdog", self.watchdog_retries),
+            (
+                "crashes right after a chosen request took effect",
+                self.aimed_crashes,
+            ),
         ]
     }
 
@@ -295,6 +333,7 @@ impl FaultCounts {
             lease_lost_outcomes: v[16],
             rechecks: v[17],
             watchdog_retries: v[18],
+            aimed_crashes: v[19],
         };
     }
 }
@@ -347,6 +386,12 @@ pub struct World {
     bad_record: Option<(String, Instant, Instant)>,
     /// Per machine: the worker was stopped (its logic dies within the supervisor's second).
     dead_at: Mutex<HashMap<usize, Instant>>,
+    /// Per machine: an aimed crash waiting for its request (see [`Fault::CrashAfter`]).
+    crash_armed: Mutex<HashMap<usize, Fault>>,
+    /// Per machine: the generation of its current worker.
+    current_worker: Mutex<HashMap<usize, u64>>,
+    /// Aimed crashes that fired, for the fault loop to carry out.
+    crash_now: tokio::sync::mpsc::UnboundedSender<Fault>,
 }
 
 impl World {
@@ -383,6 +428,9 @@ struct Node {
     machine: usize,
     alive: Arc<AtomicBool>,
     counters: OpCounters,
+    /// A worker's requests (not the emulated host's) are where aimed crashes fire: those of
+    /// the machine's current worker, `Some(its generation)`, not of one still shutting down.
+    aimable: Option<u64>,
 }
 
 impl std::fmt::Debug for Node {
@@ -442,6 +490,7 @@ impl Node {
             );
         }
         let result = effect.await;
+        self.crash_if_aimed_at(op).await;
         if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
             println!(
                 "t={:.3}s machine {} {op}: {:?}",
@@ -458,6 +507,37 @@ impl Node {
             return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
         }
         result
+    }
+
+    /// An aimed crash armed for this machine and `op` fires: the request has taken effect, and
+    /// the process dies before it sees the answer.
+    async fn crash_if_aimed_at(&self, op: Op) {
+        let fired = {
+            let mut armed = self.world.crash_armed.lock().unwrap();
+            match armed.get(&self.machine) {
+                Some(Fault::CrashAfter { op: o, .. })
+                    if *o == op
+                        && self.world.faults.load(Ordering::SeqCst)
+                        && self.aimable.is_some()
+                        && self.aimable
+                            == self
+                                .world
+                                .current_worker
+                                .lock()
+                                .unwrap()
+                                .get(&self.machine)
+                                .copied() =>
+                {
+                    armed.remove(&self.machine)
+                }
+                _ => None,
+            }
+        };
+        if let Some(fault) = fired {
+            self.world.count(|c| c.aimed_crashes += 1);
+            let _ = self.world.crash_now.send(fault);
+            std::future::pending::<()>().await;
+        }
     }
 
     fn blob(&self) -> Arc<MemoryStore> {
@@ -1003,11 +1083,17 @@ impl Sim {
         let killed = CancellationToken::new();
         let shutdown = CancellationToken::new();
         self.world.dead_at.lock().unwrap().remove(&machine);
+        self.world
+            .current_worker
+            .lock()
+            .unwrap()
+            .insert(machine, generation);
         let node = Node {
             world: self.world.clone(),
             machine,
             alive: alive.clone(),
             counters: self.counters.clone(),
+            aimable: Some(generation),
         };
         let store: Arc<dyn LeaseStore> = Arc::new(node.clone());
         let lock = LeaseLock::new(
@@ -1070,6 +1156,7 @@ impl Sim {
             machine,
             alive: alive.clone(),
             counters: self.counters.clone(),
+            aimable: None,
         });
         let task = tokio::spawn(host(
             self.world.clone(),
@@ -1105,6 +1192,7 @@ impl Sim {
 
 async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     let epoch = Instant::now();
+    let (crash_now, mut crashes) = tokio::sync::mpsc::unbounded_channel();
     EPOCH.with(|e| e.set(Some(epoch)));
     let world = Arc::new(World {
         rng: Mutex::new(SmallRng::seed_from_u64(plan.seed)),
@@ -1120,6 +1208,9 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
             .bad_record
             .map(|(r, from, to)| (format!("r{r}"), epoch + from, epoch + to)),
         dead_at: Mutex::default(),
+        crash_armed: Mutex::default(),
+        current_worker: Mutex::default(),
+        crash_now,
     });
     if plan.skew > 0.0 {
         world.count(|c| c.skewed_clock += 1);
@@ -1163,10 +1254,47 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         .map(|(at, f)| (epoch + *at, Step::Fault(*f)))
         .collect();
     let mut generation = 1u64;
-    while !timeline.is_empty() {
+    // An aimed crash that fired is carried out at once, like a planned one.
+    let aimed = |fault: Fault| {
+        let Fault::CrashAfter {
+            machine,
+            host_death,
+            restart_after,
+            ..
+        } = fault
+        else {
+            unreachable!("only aimed crashes are sent")
+        };
+        Step::Fault(if host_death {
+            Fault::HostDeath {
+                machine,
+                restart_after,
+            }
+        } else {
+            Fault::Crash {
+                machine,
+                restart_after,
+            }
+        })
+    };
+    loop {
         timeline.sort_by_key(|(t, _)| *t);
-        let (when, step) = timeline.remove(0);
-        tokio::time::sleep_until(when).await;
+        let next = timeline.first().map(|(t, _)| *t);
+        let step = tokio::select! {
+            biased;
+            Some(fault) = crashes.recv() => aimed(fault),
+            _ = tokio::time::sleep_until(next.unwrap_or(epoch + FAULT_PHASE)) => match next {
+                Some(_) => timeline.remove(0).1,
+                None => {
+                    // Faults end here; an aimed crash that fired just now is still carried out.
+                    world.faults.store(false, Ordering::SeqCst);
+                    match crashes.try_recv() {
+                        Ok(fault) => aimed(fault),
+                        Err(_) => break,
+                    }
+                }
+            },
+        };
         let now = Instant::now();
         match step {
             Step::Restart { machine, host_too } => {
@@ -1259,6 +1387,9 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
                     .partitions
                     .push((now, now + length, machine));
             }
+            Step::Fault(fault @ Fault::CrashAfter { machine, .. }) => {
+                world.crash_armed.lock().unwrap().insert(machine, fault);
+            }
             Step::Fault(Fault::Break { record }) => {
                 let key = LockKey::new(format!("sim/r{record}")).unwrap();
                 // As `leasehold break` does: safe, free only once the time the lease had left passed.
@@ -1279,8 +1410,6 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         }
     }
 
-    tokio::time::sleep_until(epoch + FAULT_PHASE).await;
-    world.faults.store(false, Ordering::SeqCst);
     injector.await.unwrap();
 
     // Drain: wait until no message is left and no run is active.
