@@ -704,7 +704,12 @@ async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
         (watchdog.kind, watchdog.prior_attempts),
         (TriggerKind::Watchdog, 1)
     );
-    // Its first visibility is lease + renewal interval + 5 s; runs pass that by far.
+    // Its first visibility is lease + renewal interval + 5 s (45 s); runs pass that by far.
+    let hidden_for = store.queue().next_visible_at().unwrap() - Instant::now();
+    assert!(
+        hidden_for > Duration::from_millis(44_900) && hidden_for <= Duration::from_secs(45),
+        "{hidden_for:?}"
+    );
     for _ in 0..9 {
         tokio::time::sleep(Duration::from_secs(10)).await;
         let hidden_for = store.queue().next_visible_at().unwrap() - Instant::now();
