@@ -1,25 +1,13 @@
-//! `leasehold`: the executable. Configuration, telemetry, signals and wiring only; everything
-//! testable lives in the libraries.
-
-mod settings;
+//! `leasehold`: the executable. The command line, logging and signals only; the application
+//! is the `leasehold` library (`src/lib.rs`).
 
 use std::ffi::OsString;
-use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use leasehold_functions::http::{App, handler_router, standalone_router};
-use leasehold_functions::logic::{DemoLogic, UrlLogic};
-use leasehold_lock::azure::AzureBlobStore;
-use leasehold_lock::{LeaseLock, OpCounters, RetryOptions};
-use leasehold_runtime::{
-    AzureQueue, Consumer, Logic, RecordRunner, TriggerMessage, TriggerQueue, marker_blob_name,
-    poison_queue_name, record_key,
-};
+use leasehold::{Application, Mode, Settings, ops};
 use tokio_util::sync::CancellationToken;
-
-use crate::settings::{LogicSetting, Settings};
 
 /// Long per-record work on Azure: one run per record at a time, every event honoured, bursts
 /// coalesced into one follow-up run, recovery from crashes in about a minute.
@@ -178,90 +166,40 @@ async fn run(cli: Cli) -> Result<()> {
         }
     };
     let settings = Settings::from_env()?;
-    match command {
-        Command::Handler => handler(settings).await,
-        Command::Serve { port, demo } => serve(settings, port, demo).await,
-        Command::Enqueue { scope, record_id } => enqueue(settings, &scope, &record_id).await,
+    let mode = match command {
+        Command::Handler => Mode::Handler,
+        Command::Serve { port, demo } => Mode::Standalone { port, demo },
+        Command::Enqueue { scope, record_id } => {
+            println!("{}", ops::enqueue(&settings, &scope, &record_id).await?);
+            return Ok(());
+        }
         Command::Status {
             scope,
             record_id,
             json,
-        } => status(settings, &scope, record_id.as_deref(), json).await,
+        } => {
+            println!(
+                "{}",
+                ops::status(&settings, &scope, record_id.as_deref(), json).await?
+            );
+            return Ok(());
+        }
         Command::Break {
             scope,
             record_id,
             reason,
             now,
-        } => break_lease(settings, &scope, &record_id, &reason, now).await,
+        } => {
+            println!(
+                "{}",
+                ops::break_lease(&settings, &scope, &record_id, &reason, now).await?
+            );
+            return Ok(());
+        }
         Command::Supervise { .. } => bail!("`supervise` runs before the async runtime starts"),
-    }
-}
-
-/// Queues, lock and runner from the settings, sharing one set of round-trip counters.
-struct Wiring {
-    queue: Arc<dyn TriggerQueue>,
-    poison: Arc<dyn TriggerQueue>,
-    lock: LeaseLock,
-}
-
-fn wire(settings: &Settings) -> Result<Wiring> {
-    let counters = OpCounters::new();
-    let store = Arc::new(AzureBlobStore::new(
-        &settings.account,
-        &settings.container,
-        counters.clone(),
-    ));
-    let lock = LeaseLock::new(store, settings.lease.clone())?;
-    Ok(Wiring {
-        queue: Arc::new(AzureQueue::new(
-            &settings.account,
-            &settings.queue,
-            counters.clone(),
-        )),
-        poison: Arc::new(AzureQueue::new(
-            &settings.account,
-            &poison_queue_name(&settings.queue),
-            counters,
-        )),
-        lock,
-    })
-}
-
-fn logic(settings: &Settings, demo: bool) -> Result<Arc<dyn Logic>> {
-    Ok(match &settings.logic {
-        LogicSetting::Command(c) => command_logic(c, settings.runner.stop_grace)?,
-        LogicSetting::Url(u) => Arc::new(
-            UrlLogic::new(u, settings.runner.run_timeout)
-                .map_err(|e| anyhow::anyhow!("LEASEHOLD_LOGIC_URL: {e}"))?,
-        ),
-        LogicSetting::Demo(d) => Arc::new(DemoLogic { duration: *d }),
-        LogicSetting::Unset if demo => Arc::new(DemoLogic {
-            duration: Duration::from_secs(2),
-        }),
-        LogicSetting::Unset => bail!(
-            "no logic to run: set LEASEHOLD_LOGIC_COMMAND (a shell command) or LEASEHOLD_LOGIC_URL (an HTTP endpoint), \
-             or pass --demo to `serve`"
-        ),
-    })
-}
-
-/// A shell command, supervised by this executable's `supervise` subcommand. Its SIGTERM →
-/// SIGKILL grace ends a second inside the runner's stop grace, so a cancelled command is dead
-/// before the runner gives up waiting (and before the lease can be handed on).
-#[cfg(unix)]
-fn command_logic(command: &str, stop_grace: Duration) -> Result<Arc<dyn Logic>> {
-    use leasehold_functions::logic::{CommandLogic, Supervisor};
-    let supervisor = Supervisor::current_exe()
-        .context("LEASEHOLD_LOGIC_COMMAND: locating the leasehold executable (its supervisor)")?;
-    let grace = stop_grace
-        .saturating_sub(Duration::from_secs(1))
-        .max(Duration::from_millis(500));
-    Ok(Arc::new(CommandLogic::new(command, supervisor).with_grace(grace)))
-}
-
-#[cfg(not(unix))]
-fn command_logic(_command: &str, _stop_grace: Duration) -> Result<Arc<dyn Logic>> {
-    bail!("LEASEHOLD_LOGIC_COMMAND needs a Unix system; use LEASEHOLD_LOGIC_URL")
+    };
+    let app = Application::build(settings, mode).await?;
+    app.run_until_stopped(shutdown_signal()).await
 }
 
 /// Fires on SIGINT or SIGTERM.
@@ -288,188 +226,4 @@ fn shutdown_signal() -> CancellationToken {
         t.cancel();
     });
     token
-}
-
-async fn handler(settings: Settings) -> Result<()> {
-    let port = settings.handler_port.context(
-        "FUNCTIONS_CUSTOMHANDLER_PORT is not set: the Functions host sets it when it starts a custom handler",
-    )?;
-    // Listen first: the host gives a custom handler at most 30 s to answer GET /.
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-        .await
-        .with_context(|| format!("listening on 127.0.0.1:{port}"))?;
-    let wiring = wire(&settings)?;
-    let logic = logic(&settings, false)?;
-    let shutdown = shutdown_signal();
-    let runner = RecordRunner::new(wiring.lock, wiring.queue.clone(), logic, settings.runner.clone());
-    let app = App {
-        policy: settings.policy.clone(),
-        queue: wiring.queue,
-        poison: wiring.poison,
-        runner,
-        wake: None,
-        shutdown: shutdown.clone(),
-    };
-    tracing::info!(port, queue = %settings.queue, container = %settings.container, "custom handler listening");
-    axum::serve(listener, handler_router(app))
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await?;
-    tracing::info!("custom handler stopped");
-    Ok(())
-}
-
-async fn serve(settings: Settings, port: Option<u16>, demo: bool) -> Result<()> {
-    let wiring = wire(&settings)?;
-    let logic = logic(&settings, demo)?;
-    // Fail fast on unusable credentials or endpoints, with the storage answer.
-    if let Err(e) = wiring.queue.approximate_len().await {
-        if e.is_transient() {
-            tracing::warn!(error = %e, "storage is not answering yet; the consumer will keep trying");
-        } else {
-            bail!("the storage account refused a request ({e}); check AzureWebJobsStorage");
-        }
-    }
-    let port = port.unwrap_or(settings.port);
-    let listener = tokio::net::TcpListener::bind((settings.bind.as_str(), port))
-        .await
-        .with_context(|| {
-            format!(
-                "listening on {}:{port} (LEASEHOLD_BIND, LEASEHOLD_PORT)",
-                settings.bind
-            )
-        })?;
-    let shutdown = shutdown_signal();
-    let runner = RecordRunner::new(wiring.lock, wiring.queue.clone(), logic, settings.runner.clone());
-    let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
-    let app = App {
-        policy: settings.policy.clone(),
-        queue: wiring.queue,
-        poison: wiring.poison,
-        runner,
-        wake: Some(consumer.waker()),
-        shutdown: shutdown.clone(),
-    };
-    let addr = listener.local_addr()?;
-    tracing::info!(%addr, queue = %settings.queue, container = %settings.container,
-        concurrency = settings.consumer.concurrency, "serving POST /api/start and consuming the queue");
-    let http = axum::serve(listener, standalone_router(app))
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
-    let consume = consumer.run(shutdown.clone());
-    let (served, ()) = tokio::join!(async { http.await }, consume);
-    served?;
-    Ok(())
-}
-
-fn message_for(scope: &str, record_id: &str) -> Result<TriggerMessage> {
-    let scope =
-        leasehold_functions::start::normalise_scope(scope).map_err(|e| anyhow::anyhow!("--scope: {e}"))?;
-    let record_id = leasehold_functions::start::normalise_record_id(record_id)
-        .map_err(|e| anyhow::anyhow!("record id: {e}"))?;
-    Ok(TriggerMessage::new(scope, record_id))
-}
-
-async fn enqueue(settings: Settings, scope: &str, record_id: &str) -> Result<()> {
-    let message = message_for(scope, record_id)?;
-    let wiring = wire(&settings)?;
-    let body = message.encode();
-    RetryOptions::default()
-        .run("enqueue", || wiring.queue.put(&body, Duration::ZERO))
-        .await?;
-    println!(
-        "enqueued {}/{} on {}",
-        message.scope, message.record_id, settings.queue
-    );
-    Ok(())
-}
-
-async fn status(settings: Settings, scope: &str, record_id: Option<&str>, json: bool) -> Result<()> {
-    let wiring = wire(&settings)?;
-    let depth = wiring.queue.approximate_len().await?;
-    let poison = wiring.poison.approximate_len().await?;
-    let mut report = serde_json::json!({
-        "queue": { "name": settings.queue, "approximateMessages": depth },
-        "poison": { "name": poison_queue_name(&settings.queue), "approximateMessages": poison },
-    });
-    if let Some(record_id) = record_id {
-        let message = message_for(scope, record_id)?;
-        let key = record_key(&message.scope, &message.record_id).map_err(anyhow::Error::msg)?;
-        let info = wiring.lock.inspect(&key).await?;
-        let pending = wiring.lock.store().flag_exists(&marker_blob_name(&key)).await?;
-        let since = info
-            .since
-            .map(|t| t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()));
-        report["record"] = serde_json::json!({
-            "scope": message.scope,
-            "recordId": message.record_id,
-            "held": info.held,
-            "leaseState": info.state.map(|s| format!("{s:?}").to_lowercase()),
-            "holder": info.holder,
-            "sinceUnixSeconds": since,
-            "generation": info.generation,
-            "retriggerPending": pending,
-        });
-    }
-    if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
-    }
-    if let Some(r) = report.get("record") {
-        println!(
-            "record      {}/{}",
-            r["scope"].as_str().unwrap_or(""),
-            r["recordId"].as_str().unwrap_or("")
-        );
-        let held = if r["held"].as_bool() == Some(true) {
-            "held"
-        } else {
-            "free"
-        };
-        let state = r["leaseState"].as_str().unwrap_or("never used");
-        println!("lease       {held} ({state})");
-        if let Some(holder) = r["holder"].as_str() {
-            println!(
-                "holder      {holder} (last fenced grant, {} s since the epoch)",
-                r["sinceUnixSeconds"]
-            );
-        }
-        println!("generation  {}", r["generation"]);
-        println!(
-            "retrigger   {}",
-            if r["retriggerPending"].as_bool() == Some(true) {
-                "pending"
-            } else {
-                "none"
-            }
-        );
-    }
-    println!("queue       {}: about {depth} messages", settings.queue);
-    println!(
-        "poison      {}: about {poison} messages",
-        poison_queue_name(&settings.queue)
-    );
-    Ok(())
-}
-
-async fn break_lease(
-    settings: Settings,
-    scope: &str,
-    record_id: &str,
-    reason: &str,
-    now: bool,
-) -> Result<()> {
-    let message = message_for(scope, record_id)?;
-    let key = record_key(&message.scope, &message.record_id).map_err(anyhow::Error::msg)?;
-    let wiring = wire(&settings)?;
-    if now {
-        wiring.lock.break_lock_after(&key, reason, Duration::ZERO).await?;
-        println!("broke the lease on {key} ({reason}); the record is free now");
-    } else {
-        wiring.lock.break_lock(&key, reason).await?;
-        println!(
-            "broke the lease on {key} ({reason}); its run is told at its next renewal, and the record is free once \
-             that run released it or the lease would have expired (at most {} s)",
-            settings.lease.duration.as_secs()
-        );
-    }
-    Ok(())
 }

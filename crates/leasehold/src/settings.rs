@@ -127,9 +127,22 @@ fn name(setting: &str, value: Option<String>, default: &str) -> Result<String> {
 }
 
 impl Settings {
-    /// Reads and checks the environment. `need_storage`: whether `AzureWebJobsStorage` must be set.
+    /// Reads and checks the environment.
     pub fn from_env() -> Result<Self> {
         let raw: Raw = envy::from_env().context("reading settings from the environment")?;
+        Self::from_raw(raw)
+    }
+
+    /// Reads and checks settings from name/value pairs named as in the environment (for
+    /// embedding, and for tests that run the application in-process).
+    pub fn from_vars<I, K, V>(vars: I) -> Result<Self>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: Into<String>,
+        V: Into<String>,
+    {
+        let raw: Raw = envy::from_iter(vars.into_iter().map(|(k, v)| (k.into(), v.into())))
+            .context("reading settings")?;
         Self::from_raw(raw)
     }
 
@@ -284,6 +297,22 @@ mod tests {
             storage: Some("UseDevelopmentStorage=true".into()),
             ..Raw::default()
         }
+    }
+
+    #[test]
+    fn settings_from_name_value_pairs_use_the_environment_names() {
+        let s = Settings::from_vars([
+            ("AzureWebJobsStorage", "UseDevelopmentStorage=true"),
+            ("LEASEHOLD_QUEUE", "my-queue"),
+            ("LEASEHOLD_PORT", "0"),
+        ])
+        .unwrap();
+        assert_eq!((s.queue.as_str(), s.port), ("my-queue", 0));
+        let err = Settings::from_vars([("LEASEHOLD_QUEUE", "q1")]).unwrap_err();
+        assert!(
+            err.to_string().contains("AzureWebJobsStorage is not set"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -1,6 +1,11 @@
-//! The `leasehold` executable end to end against a real Azurite: standalone `serve`, the custom
-//! handler spoken to exactly as the Functions host speaks it, the bad-input table, auth and
-//! loop protection, poison, shutdown, and the ops commands.
+//! Leasehold end to end against a real Azurite: standalone `serve`, the custom handler spoken to
+//! exactly as the Functions host speaks it, the bad-input table, auth and loop protection,
+//! poison, shutdown, and the ops commands.
+//!
+//! Tests that need nothing of a process run the application in-process on port 0
+//! ([`Env::start`]: `leasehold::Application`). The real binary is spawned where the process is
+//! the point: signals (SIGTERM hand-back, SIGKILL of a whole host), the command line and its
+//! exit codes, and the logs it writes.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -134,6 +139,54 @@ impl Env {
     }
 }
 
+/// The application running in this test process (port 0: no port chosen in advance).
+struct InProcess {
+    port: u16,
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl InProcess {
+    /// Stops it as SIGTERM would, and waits until it has handed its work back.
+    async fn stop(self) {
+        self.stop.cancel();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+impl Env {
+    /// Builds and starts the application in-process with the same settings `command` passes
+    /// the binary (and `LEASEHOLD_PORT` 0), logic commands supervised by the real binary.
+    async fn start(&self, mode: leasehold::Mode, extra: &[(&str, String)]) -> InProcess {
+        let mut vars = vec![
+            (
+                "AzureWebJobsStorage".to_string(),
+                Azurite::shared().connection_string(),
+            ),
+            ("LEASEHOLD_QUEUE".into(), self.queue.clone()),
+            ("LEASEHOLD_CONTAINER".into(), self.container.clone()),
+            ("LEASEHOLD_PORT".into(), "0".into()),
+            ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
+        ];
+        vars.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        // Later values win, as they do in an environment.
+        let vars: std::collections::BTreeMap<_, _> = vars.into_iter().collect();
+        let settings = leasehold::Settings::from_vars(vars).unwrap();
+        let app = leasehold::Application::build_with_supervisor(
+            settings,
+            mode,
+            Some(env!("CARGO_BIN_EXE_leasehold").into()),
+        )
+        .await
+        .unwrap();
+        let port = app.port();
+        assert_ne!(port, 0);
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(app.run_until_stopped(stop.clone()));
+        InProcess { port, stop, task }
+    }
+}
+
 fn terminate(child: &Child) {
     let pid = child.id().unwrap();
     std::process::Command::new("kill")
@@ -156,10 +209,16 @@ async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
     let env = Env::new();
-    let mut child = env
-        .spawn(&["serve"], &[("LEASEHOLD_LOGIC_COMMAND", env.logic("sleep 2"))])
+    let app = env
+        .start(
+            leasehold::Mode::Standalone {
+                port: None,
+                demo: false,
+            },
+            &[("LEASEHOLD_LOGIC_COMMAND", env.logic("sleep 2"))],
+        )
         .await;
-    let url = format!("http://127.0.0.1:{}/api/start", env.port);
+    let url = format!("http://127.0.0.1:{}/api/start", app.port);
 
     let posted = std::time::SystemTime::now();
     let (status, body) = post(
@@ -228,8 +287,7 @@ async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
         runs.len()
     );
     assert!(after_burst <= 2, "a burst of 10 caused {after_burst} runs");
-    terminate(&child);
-    assert!(child.wait().await.unwrap().success(), "clean exit on SIGTERM");
+    app.stop().await;
 }
 
 /// (name, URL, headers, body, expected status, text the answer must contain)
@@ -752,16 +810,19 @@ async fn start_answers_503_when_the_queue_is_unreachable() {
         "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={};BlobEndpoint=http://127.0.0.1:{closed}/devstoreaccount1;QueueEndpoint=http://127.0.0.1:{closed}/devstoreaccount1;",
         leasehold_lock::EMULATOR_KEY
     );
-    let mut child = env
-        .spawn(
-            &["serve"],
+    let app = env
+        .start(
+            leasehold::Mode::Standalone {
+                port: None,
+                demo: false,
+            },
             &[
                 ("LEASEHOLD_LOGIC_COMMAND", "true".into()),
                 ("AzureWebJobsStorage", nowhere),
             ],
         )
         .await;
-    let url = format!("http://127.0.0.1:{}/api/start", env.port);
+    let url = format!("http://127.0.0.1:{}/api/start", app.port);
     let (status, body) = post(&url, r#"{"recordId":"1"}"#, &[]).await;
     assert_eq!(status, 503, "{body}");
     assert!(
@@ -769,8 +830,7 @@ async fn start_answers_503_when_the_queue_is_unreachable() {
         "{body}"
     );
     assert!(!body.to_string().contains(leasehold_lock::EMULATOR_KEY));
-    terminate(&child);
-    child.wait().await.unwrap();
+    app.stop().await;
 }
 
 /// Handler mode under a burst: the host delivers several triggers for a record while its run is
@@ -780,16 +840,16 @@ async fn handler_mode_coalesces_a_burst() {
     let env = Env::new();
     let gate = env.dir.join("gate");
     let logic = env.logic(&format!("while [ ! -e {} ]; do sleep 0.05; done", gate.display()));
-    let mut child = env
-        .spawn(
-            &["handler"],
+    let app = env
+        .start(
+            leasehold::Mode::Handler,
             &[
                 ("LEASEHOLD_LOGIC_COMMAND", logic),
-                ("FUNCTIONS_CUSTOMHANDLER_PORT", env.port.to_string()),
+                ("FUNCTIONS_CUSTOMHANDLER_PORT", "0".into()),
             ],
         )
         .await;
-    let url = format!("http://127.0.0.1:{}/Worker", env.port);
+    let url = format!("http://127.0.0.1:{}/Worker", app.port);
     let invocation = json!({
         "Data": { "trigger": TriggerMessage::new("account", RECORD).to_json() },
         "Metadata": { "DequeueCount": 1 }
@@ -838,8 +898,7 @@ async fn handler_mode_coalesces_a_burst() {
     let retrigger = TriggerMessage::decode(&waiting[0].body).unwrap();
     assert_eq!(retrigger.kind, leasehold_runtime::TriggerKind::Retrigger);
     assert_eq!(env.runs().len(), 1);
-    terminate(&child);
-    child.wait().await.unwrap();
+    app.stop().await;
 }
 
 /// A whole Functions host instance dies mid-run: the handler, the host and the logic are gone,

@@ -1,0 +1,254 @@
+//! Wiring the long-running modes: standalone (Start endpoint and queue consumer in one process)
+//! and the Azure Functions custom handler.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use leasehold_functions::http::{App, handler_router, standalone_router};
+use leasehold_functions::logic::{DemoLogic, UrlLogic};
+use leasehold_lock::azure::AzureBlobStore;
+use leasehold_lock::{LeaseLock, OpCounters};
+use leasehold_runtime::{AzureQueue, Consumer, Logic, RecordRunner, TriggerQueue, poison_queue_name};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::settings::{LogicSetting, Settings};
+
+/// Which long-running mode to build.
+#[derive(Debug, Clone)]
+pub enum Mode {
+    /// The Start endpoint (`POST /api/start`, `GET /healthz`) and a queue consumer in one
+    /// process. `port` overrides `LEASEHOLD_PORT` (0: any free port); `demo` runs the demo logic
+    /// when no logic is configured.
+    Standalone { port: Option<u16>, demo: bool },
+    /// An Azure Functions custom handler on 127.0.0.1:`FUNCTIONS_CUSTOMHANDLER_PORT` (`GET /`,
+    /// `POST /Start`, `POST /Worker`).
+    Handler,
+}
+
+/// A built application: its listener is bound and its storage wired; nothing runs until
+/// [`run_until_stopped`](Self::run_until_stopped).
+pub struct Application {
+    listener: TcpListener,
+    port: u16,
+    shutdown: CancellationToken,
+    router: axum::Router,
+    consumer: Option<Consumer>,
+    description: String,
+}
+
+impl std::fmt::Debug for Application {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Application")
+            .field("port", &self.port)
+            .field("mode", &self.description)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Queues and lock from the settings, sharing one set of round-trip counters.
+pub(crate) struct Wiring {
+    pub(crate) queue: Arc<dyn TriggerQueue>,
+    pub(crate) poison: Arc<dyn TriggerQueue>,
+    pub(crate) lock: LeaseLock,
+}
+
+pub(crate) fn wire(settings: &Settings) -> Result<Wiring> {
+    let counters = OpCounters::new();
+    let store = Arc::new(AzureBlobStore::new(
+        &settings.account,
+        &settings.container,
+        counters.clone(),
+    ));
+    let lock = LeaseLock::new(store, settings.lease.clone())?;
+    Ok(Wiring {
+        queue: Arc::new(AzureQueue::new(
+            &settings.account,
+            &settings.queue,
+            counters.clone(),
+        )),
+        poison: Arc::new(AzureQueue::new(
+            &settings.account,
+            &poison_queue_name(&settings.queue),
+            counters,
+        )),
+        lock,
+    })
+}
+
+impl Application {
+    /// Builds `mode` from `settings`. A logic command is supervised by this executable's hidden
+    /// `supervise` subcommand (see [`build_with_supervisor`](Self::build_with_supervisor) when
+    /// the running executable is not `leasehold`, as in tests).
+    pub async fn build(settings: Settings, mode: Mode) -> Result<Self> {
+        Self::build_with_supervisor(settings, mode, None).await
+    }
+
+    /// [`build`](Self::build), with logic commands supervised by the `leasehold` executable at
+    /// `supervisor` (`None`: the running executable).
+    pub async fn build_with_supervisor(
+        settings: Settings,
+        mode: Mode,
+        supervisor: Option<PathBuf>,
+    ) -> Result<Self> {
+        match mode {
+            Mode::Handler => Self::handler(settings, supervisor).await,
+            Mode::Standalone { port, demo } => Self::standalone(settings, port, demo, supervisor).await,
+        }
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Serves until `stop` fires, then stops taking work and hands back what is in flight
+    /// (standalone: runs get the shutdown grace; the custom handler: the host's own drain).
+    pub async fn run_until_stopped(self, stop: CancellationToken) -> Result<()> {
+        let shutdown = self.shutdown.clone();
+        let link = tokio::spawn(async move {
+            stop.cancelled().await;
+            shutdown.cancel();
+        });
+        let http = axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(self.shutdown.clone().cancelled_owned());
+        let result = match self.consumer {
+            Some(consumer) => {
+                let consume = consumer.run(self.shutdown.clone());
+                let (served, ()) = tokio::join!(async { http.await }, consume);
+                served
+            }
+            None => http.await,
+        };
+        link.abort();
+        tracing::info!(mode = %self.description, "stopped");
+        Ok(result?)
+    }
+
+    async fn handler(settings: Settings, supervisor: Option<PathBuf>) -> Result<Self> {
+        let port = settings.handler_port.context(
+            "FUNCTIONS_CUSTOMHANDLER_PORT is not set: the Functions host sets it when it starts a custom handler",
+        )?;
+        // Listen first: the host gives a custom handler at most 30 s to answer GET /.
+        let listener = TcpListener::bind(("127.0.0.1", port))
+            .await
+            .with_context(|| format!("listening on 127.0.0.1:{port}"))?;
+        let port = listener.local_addr()?.port();
+        let wiring = wire(&settings)?;
+        let logic = logic(&settings, false, supervisor)?;
+        let shutdown = CancellationToken::new();
+        let runner = RecordRunner::new(wiring.lock, wiring.queue.clone(), logic, settings.runner.clone());
+        let app = App {
+            policy: settings.policy.clone(),
+            queue: wiring.queue,
+            poison: wiring.poison,
+            runner,
+            wake: None,
+            shutdown: shutdown.clone(),
+        };
+        tracing::info!(port, queue = %settings.queue, container = %settings.container, "custom handler listening");
+        Ok(Self {
+            listener,
+            port,
+            shutdown,
+            router: handler_router(app),
+            consumer: None,
+            description: "custom handler".into(),
+        })
+    }
+
+    async fn standalone(
+        settings: Settings,
+        port: Option<u16>,
+        demo: bool,
+        supervisor: Option<PathBuf>,
+    ) -> Result<Self> {
+        let wiring = wire(&settings)?;
+        let logic = logic(&settings, demo, supervisor)?;
+        // Fail fast on unusable credentials or endpoints, with the storage answer.
+        if let Err(e) = wiring.queue.approximate_len().await {
+            if e.is_transient() {
+                tracing::warn!(error = %e, "storage is not answering yet; the consumer will keep trying");
+            } else {
+                bail!("the storage account refused a request ({e}); check AzureWebJobsStorage");
+            }
+        }
+        let port = port.unwrap_or(settings.port);
+        let listener = TcpListener::bind((settings.bind.as_str(), port))
+            .await
+            .with_context(|| {
+                format!(
+                    "listening on {}:{port} (LEASEHOLD_BIND, LEASEHOLD_PORT)",
+                    settings.bind
+                )
+            })?;
+        let addr = listener.local_addr()?;
+        let shutdown = CancellationToken::new();
+        let runner = RecordRunner::new(wiring.lock, wiring.queue.clone(), logic, settings.runner.clone());
+        let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
+        let app = App {
+            policy: settings.policy.clone(),
+            queue: wiring.queue,
+            poison: wiring.poison,
+            runner,
+            wake: Some(consumer.waker()),
+            shutdown: shutdown.clone(),
+        };
+        tracing::info!(%addr, queue = %settings.queue, container = %settings.container,
+            concurrency = settings.consumer.concurrency, "serving POST /api/start and consuming the queue");
+        Ok(Self {
+            listener,
+            port: addr.port(),
+            shutdown,
+            router: standalone_router(app),
+            consumer: Some(consumer),
+            description: "standalone".into(),
+        })
+    }
+}
+
+fn logic(settings: &Settings, demo: bool, supervisor: Option<PathBuf>) -> Result<Arc<dyn Logic>> {
+    Ok(match &settings.logic {
+        LogicSetting::Command(c) => command_logic(c, settings.runner.stop_grace, supervisor)?,
+        LogicSetting::Url(u) => Arc::new(
+            UrlLogic::new(u, settings.runner.run_timeout)
+                .map_err(|e| anyhow::anyhow!("LEASEHOLD_LOGIC_URL: {e}"))?,
+        ),
+        LogicSetting::Demo(d) => Arc::new(DemoLogic { duration: *d }),
+        LogicSetting::Unset if demo => Arc::new(DemoLogic {
+            duration: Duration::from_secs(2),
+        }),
+        LogicSetting::Unset => bail!(
+            "no logic to run: set LEASEHOLD_LOGIC_COMMAND (a shell command) or LEASEHOLD_LOGIC_URL (an HTTP endpoint), \
+             or pass --demo to `serve`"
+        ),
+    })
+}
+
+/// A shell command, supervised by the `leasehold` executable's `supervise` subcommand. Its
+/// SIGTERM → SIGKILL grace ends a second inside the runner's stop grace, so a cancelled command
+/// is dead before the runner gives up waiting (and before the lease can be handed on).
+#[cfg(unix)]
+fn command_logic(command: &str, stop_grace: Duration, supervisor: Option<PathBuf>) -> Result<Arc<dyn Logic>> {
+    use leasehold_functions::logic::{CommandLogic, Supervisor};
+    let supervisor = match supervisor {
+        Some(path) => Supervisor::program(path, ["supervise"]),
+        None => Supervisor::current_exe()
+            .context("LEASEHOLD_LOGIC_COMMAND: locating the leasehold executable (its supervisor)")?,
+    };
+    let grace = stop_grace
+        .saturating_sub(Duration::from_secs(1))
+        .max(Duration::from_millis(500));
+    Ok(Arc::new(CommandLogic::new(command, supervisor).with_grace(grace)))
+}
+
+#[cfg(not(unix))]
+fn command_logic(
+    _command: &str,
+    _stop_grace: Duration,
+    _supervisor: Option<PathBuf>,
+) -> Result<Arc<dyn Logic>> {
+    bail!("LEASEHOLD_LOGIC_COMMAND needs a Unix system; use LEASEHOLD_LOGIC_URL")
+}
