@@ -1,49 +1,4 @@
-//! The coalescing record runner: run a record's logic under its lease, and make sure that
-//! triggers arriving during a run cause exactly one more run.
-//!
-//! Per record there is a lock blob (`locks/<scope>/<record>`, leased while a run is in progress,
-//! fencing generation in its metadata) and a retrigger marker (`retrigger/<scope>/<record>`, whose
-//! existence means "a trigger arrived during a run").
-//!
-//! * Holder path: acquire → run logic while the guard renews → release → *then* delete the marker
-//!   (202 = it was set) → if it was set, enqueue one retrigger → acknowledge.
-//! * Contended path: create the marker with `If-None-Match: *`. If we created it, try the lease
-//!   once more (with the same lease id): if that succeeds we are the holder (we delete our own
-//!   marker before running, since our run covers it); if it fails, the holder will find the
-//!   marker after its release. If the marker already existed, whoever created it is already
-//!   bound to that same second look.
-//!
-//! **Dead holders.** Leaving a marker is safe only if the holder will read it, or if something
-//! else will run the record once the holder's lease has expired. So every holder has a
-//! *carrier*: a queue message that comes back if the holder dies, only after its lease must have
-//! expired, and then runs the record.
-//!
-//! * Standalone ([`RecordRunner::handle`]): the holder's own trigger message, kept hidden by
-//!   the consumer while the process lives (lease duration + renewal interval at a time).
-//! * Functions mode ([`RecordRunner::handle_watched`]): the host keeps a message hidden for 10
-//!   minutes whatever happens, so each delivery first puts a hidden *watchdog* message, pushes it
-//!   a lease duration + renewal interval + 5 s ahead after each lease renewal, and deletes it when
-//!   it ends. If the whole host dies, the watchdog surfaces at most that long (45 s by default)
-//!   after the death, once the lease has expired, and stands in for the delivery. A failed run turns the watchdog into its retry (and the host's message is
-//!   acknowledged), so the retry never waits for the host.
-//!
-//! A carrier ([`TriggerKind::is_carrier`]: recheck, watchdog, sweep), and in standalone mode a
-//! redelivered trigger (it may be looking at its own dead holder's lease), never takes a held
-//! lease on trust: it looks again later (a recheck after a renewal interval + 5 s, or the
-//! watchdog left in place), until the lease is free. Everything else that finds the lease held sets the marker and is
-//! acknowledged: the holder reads it, or the holder's carrier runs the record.
-//!
-//! **Giving up.** A trigger given up after too many failed deliveries goes to the poison queue
-//! with its reason, *after* a sweep message is queued: the poisoned trigger's earlier holder may
-//! have died with triggers coalesced onto it (having consumed their marker, even), so the sweep
-//! runs the record once more when the lease is free, whatever the marker says. Only a sweep's own
-//! chain, given up again, gets a sweep that asks the marker first, so the cycle ends.
-//!
-//! **Stopping.** A run is cancelled when its lease is lost, its time limit passes or `cancel`
-//! fires; it has [`RunnerOptions::stop_grace`] to stop. Logic that does not stop by then is
-//! abandoned *and its lease is left to lapse* instead of released, so nobody else can start
-//! while it may still be running; its message is retried once the lease has expired. A logic
-//! that panics fails its run like an error.
+//! The coalescing record runner: see [`RecordRunner`] for the protocol.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -240,6 +195,59 @@ impl Outcome {
 }
 
 /// Runs records' logic under their leases with the coalescing protocol.
+///
+/// # The protocol
+///
+/// The coalescing record runner: run a record's logic under its lease, and make sure that
+/// triggers arriving during a run cause exactly one more run.
+///
+/// Per record there is a lock blob (`locks/<scope>/<record>`, leased while a run is in progress,
+/// fencing generation in its metadata) and a retrigger marker (`retrigger/<scope>/<record>`, whose
+/// existence means "a trigger arrived during a run").
+///
+/// * Holder path: acquire → run logic while the guard renews → release → *then* delete the marker
+///   (202 = it was set) → if it was set, enqueue one retrigger → acknowledge.
+/// * Contended path: create the marker with `If-None-Match: *`. If we created it, try the lease
+///   once more (with the same lease id): if that succeeds we are the holder (we delete our own
+///   marker before running, since our run covers it); if it fails, the holder will find the
+///   marker after its release. If the marker already existed, whoever created it is already
+///   bound to that same second look.
+///
+/// **Dead holders.** Leaving a marker is safe only if the holder will read it, or if something
+/// else will run the record once the holder's lease has expired. So every holder has a
+/// *carrier*: a queue message that comes back if the holder dies, only after its lease must have
+/// expired, and then runs the record.
+///
+/// * Standalone ([`RecordRunner::handle`]): the holder's own trigger message, kept hidden by
+///   the consumer while the process lives (lease duration + renewal interval at a time).
+/// * Functions mode ([`RecordRunner::handle_watched`]): the host keeps a message hidden for 10
+///   minutes whatever happens, so each delivery first puts a hidden *watchdog* message, pushes it
+///   a lease duration + renewal interval + 5 s ahead after each lease renewal, and deletes it when
+///   it ends. If the whole host dies, the watchdog surfaces at most that long (45 s by default)
+///   after the death, once the lease has expired, and stands in for the delivery. A failed run turns the watchdog into its retry (and the host's message is
+///   acknowledged), so the retry never waits for the host.
+///
+/// A carrier ([`TriggerKind::is_carrier`]: recheck, watchdog, sweep), and in standalone mode a
+/// redelivered trigger (it may be looking at its own dead holder's lease), never takes a held
+/// lease on trust: it looks again later (a recheck after a renewal interval + 5 s, or the
+/// watchdog left in place), until the lease is free. Everything else that finds the lease held sets the marker and is
+/// acknowledged: the holder reads it, or the holder's carrier runs the record.
+///
+/// **Giving up.** A trigger given up after too many failed deliveries goes to the poison queue
+/// with its reason, *after* a sweep message is queued: the poisoned trigger's earlier holder may
+/// have died with triggers coalesced onto it (having consumed their marker, even), so the sweep
+/// runs the record once more when the lease is free, whatever the marker says. Only a sweep's own
+/// chain, given up again, gets a sweep that asks the marker first, so the cycle ends.
+///
+/// **Stopping.** A run is cancelled when its lease is lost, its time limit passes or `cancel`
+/// fires; it has [`RunnerOptions::stop_grace`] to stop. Logic that does not stop by then is
+/// abandoned *and its lease is left to lapse* instead of released, so nobody else can start
+/// while it may still be running; its message is retried once the lease has expired. A logic
+/// that panics fails its run like an error.
+///
+/// The design, with the reasons for each step's order, is in `docs/design.md`; its proof is the
+/// simulation in `tests/runtime/sim.rs` and one deterministic test per bug in
+/// `tests/runtime/regressions.rs`.
 #[derive(Debug, Clone)]
 pub struct RecordRunner {
     lock: LeaseLock,
