@@ -650,8 +650,9 @@ impl RecordRunner {
         let run_time = started.elapsed();
         if end.abandoned {
             // The logic may still be running: releasing would let another holder start beside
-            // it. Let the lease lapse instead; the message comes back after it has.
-            guard.abandon();
+            // it. Let the lease lapse instead (dropping a `Held` abandons it); the message
+            // comes back after it has.
+            drop(guard);
             return Outcome::Failed {
                 reason: end.result.err().unwrap_or_default(),
                 retriggered: false,
@@ -846,12 +847,6 @@ impl Held {
             .release()
             .await
     }
-
-    fn abandon(mut self) {
-        if let Some(guard) = self.0.take() {
-            guard.abandon();
-        }
-    }
 }
 
 impl Drop for Held {
@@ -875,16 +870,18 @@ fn logic_result(joined: Result<Result<(), LogicError>, tokio::task::JoinError>) 
     match joined {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(format!("logic failed: {e}")),
-        Err(e) if e.is_panic() => {
-            let payload = e.into_panic();
-            let text = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-text payload".into());
-            Err(format!("logic panicked: {text}"))
-        }
-        Err(_) => Err("logic task was cancelled".into()),
+        // Cancelled only when the runtime itself shuts down under the run.
+        Err(e) => match e.try_into_panic() {
+            Ok(payload) => {
+                let text = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-text payload".into());
+                Err(format!("logic panicked: {text}"))
+            }
+            Err(_) => Err("logic task was cancelled".into()),
+        },
     }
 }
 
