@@ -1271,3 +1271,49 @@ async fn an_update_in_flight_when_the_run_ends_leaves_nothing_behind() {
     assert_eq!(logic.completed.load(Ordering::SeqCst), 1);
     assert!(store.queue().bodies().is_empty(), "the message is deleted");
 }
+
+/// What happened to a record is in the logs: one line per delivery with the record, the
+/// attempt and the outcome (and, for a run, its fencing token and run time).
+#[tokio::test(start_paused = true)]
+async fn every_delivery_logs_its_outcome_with_the_record() {
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    // The test's runtime has one thread: every task logs through this subscriber.
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let (_store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let outcome = runner
+        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("record run completed"))
+        .unwrap_or_else(|| panic!("no outcome line in:\n{text}"));
+    for field in [
+        "scope=acct",
+        "record=r",
+        "attempt=1",
+        "outcome=\"completed\"",
+        "run_ms=",
+    ] {
+        assert!(line.contains(field), "{field} missing from {line}");
+    }
+}
