@@ -20,12 +20,46 @@ pub const MAX_RECORD_ID_LEN: usize = 128;
 /// Scope used when a plain body names none.
 pub const DEFAULT_SCOPE: &str = "default";
 
+/// A secret (an API key): its `Debug` and `Display` never show it; [`expose`](Self::expose)
+/// reads it where it is needed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that compares or sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(value: &str) -> Self {
+        Self::new(value)
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
 /// What Start needs to know besides the request.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, Debug)]
 pub struct StartPolicy {
     /// `LEASEHOLD_API_KEY`: when set (standalone mode), requests must present it as the
     /// `x-functions-key` header or the `code` query parameter.
-    pub api_key: Option<String>,
+    pub api_key: Option<Secret>,
     /// `LEASEHOLD_ALLOWED_ORGANIZATIONS`: when set, only requests naming one of these
     /// organisations (id, unique name or host, case-insensitive) are accepted.
     pub allowed_organizations: Vec<String>,
@@ -34,17 +68,6 @@ pub struct StartPolicy {
     pub integration_user_ids: Vec<Uuid>,
     /// `LEASEHOLD_MAX_DEPTH`: Dataverse events deeper than this are ignored.
     pub max_depth: Option<u64>,
-}
-
-impl std::fmt::Debug for StartPolicy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StartPolicy")
-            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
-            .field("allowed_organizations", &self.allowed_organizations)
-            .field("integration_user_ids", &self.integration_user_ids)
-            .field("max_depth", &self.max_depth)
-            .finish()
-    }
 }
 
 /// The parts of an HTTP request Start looks at.
@@ -136,7 +159,7 @@ pub fn decide(policy: &StartPolicy, req: &StartRequest<'_>) -> Decision {
                 .header("x-functions-key")
                 .or_else(|| req.query("code"))
                 .unwrap_or("");
-            if !bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
+            if !bool::from(presented.as_bytes().ct_eq(expected.expose().as_bytes())) {
                 return reject(
                     401,
                     "missing or wrong key: send it as the x-functions-key header or the code query parameter",
@@ -352,6 +375,22 @@ mod tests {
             Decision::Enqueue(m) => (&m.scope, &m.record_id),
             other => panic!("expected an enqueue, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_secret_is_never_printed() {
+        let policy = StartPolicy {
+            api_key: Some("s3cret".into()),
+            ..StartPolicy::default()
+        };
+        let shown = format!(
+            "{policy:?} {} {:?}",
+            policy.api_key.as_ref().unwrap(),
+            policy.api_key
+        );
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("<redacted>"), "{shown}");
+        assert_eq!(policy.api_key.unwrap().expose(), "s3cret");
     }
 
     #[test]

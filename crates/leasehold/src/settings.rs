@@ -9,6 +9,45 @@ use leasehold_lock::{LeaseOptions, StorageAccount};
 use leasehold_runtime::{ConsumerOptions, RunnerOptions};
 use serde::Deserialize;
 
+/// One setting as users see it: its environment name and the default the README and
+/// `local.settings.example.json` show (`None`: no default). The parsing below takes its defaults
+/// from the libraries' `Default`s; a test checks they are what this table says, and that the
+/// README's table and the example settings file list exactly these.
+#[derive(Debug, Clone, Copy)]
+pub struct SettingInfo {
+    pub name: &'static str,
+    pub default: Option<&'static str>,
+}
+
+const fn setting(name: &'static str, default: Option<&'static str>) -> SettingInfo {
+    SettingInfo { name, default }
+}
+
+/// Every setting, in the order the README lists them.
+pub const SETTINGS: &[SettingInfo] = &[
+    setting("AzureWebJobsStorage", None),
+    setting("LEASEHOLD_QUEUE", Some("leasehold-triggers")),
+    setting("LEASEHOLD_CONTAINER", Some("leasehold-locks")),
+    setting("LEASEHOLD_LOGIC_COMMAND", None),
+    setting("LEASEHOLD_LOGIC_URL", None),
+    setting("LEASEHOLD_DEMO_SECONDS", None),
+    setting("LEASEHOLD_API_KEY", None),
+    setting("LEASEHOLD_ALLOWED_ORGANIZATIONS", None),
+    setting("LEASEHOLD_INTEGRATION_USER_IDS", None),
+    setting("LEASEHOLD_MAX_DEPTH", None),
+    setting("LEASEHOLD_LEASE_SECONDS", Some("30")),
+    setting("LEASEHOLD_FENCING", Some("true")),
+    setting("LEASEHOLD_RUN_TIMEOUT_SECONDS", Some("540")),
+    setting("LEASEHOLD_CONCURRENCY", Some("8")),
+    setting("LEASEHOLD_MAX_DEQUEUE_COUNT", Some("5")),
+    setting("LEASEHOLD_POLL_MAX_SECONDS", Some("2")),
+    setting("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", Some("30")),
+    setting("LEASEHOLD_PORT", Some("7071")),
+    setting("LEASEHOLD_BIND", Some("127.0.0.1")),
+    setting("LEASEHOLD_LOG_FORMAT", Some("text")),
+    setting("FUNCTIONS_CUSTOMHANDLER_PORT", None),
+];
+
 /// The environment as read (all text; parsed and checked by [`Settings::from_env`]).
 #[derive(Deserialize, Default)]
 struct Raw {
@@ -179,7 +218,11 @@ impl Settings {
             other => other,
         };
 
-        let lease_seconds: u64 = number("LEASEHOLD_LEASE_SECONDS", &raw.leasehold_lease_seconds, 30)?;
+        let lease_seconds: u64 = number(
+            "LEASEHOLD_LEASE_SECONDS",
+            &raw.leasehold_lease_seconds,
+            LeaseOptions::default().duration.as_secs(),
+        )?;
         if !(15..=60).contains(&lease_seconds) {
             bail!(
                 "LEASEHOLD_LEASE_SECONDS must be from 15 to 60 (Azure's lease limits), not {lease_seconds}"
@@ -208,14 +251,19 @@ impl Settings {
                 .max(Duration::from_secs(1)),
             ..defaults
         };
-        let concurrency: usize = number("LEASEHOLD_CONCURRENCY", &raw.leasehold_concurrency, 8)?;
+        let consumer_defaults = ConsumerOptions::default();
+        let concurrency: usize = number(
+            "LEASEHOLD_CONCURRENCY",
+            &raw.leasehold_concurrency,
+            consumer_defaults.concurrency,
+        )?;
         if concurrency == 0 {
             bail!("LEASEHOLD_CONCURRENCY must be at least 1");
         }
         let max_dequeue_count = number(
             "LEASEHOLD_MAX_DEQUEUE_COUNT",
             &raw.leasehold_max_dequeue_count,
-            5u32,
+            defaults.max_attempts,
         )?;
         if max_dequeue_count == 0 {
             bail!("LEASEHOLD_MAX_DEQUEUE_COUNT must be at least 1");
@@ -237,16 +285,16 @@ impl Settings {
                 number(
                     "LEASEHOLD_POLL_MAX_SECONDS",
                     &raw.leasehold_poll_max_seconds,
-                    2u64,
+                    consumer_defaults.poll_max.as_secs(),
                 )?
                 .max(1),
             ),
             shutdown_grace: Duration::from_secs(number(
                 "LEASEHOLD_SHUTDOWN_GRACE_SECONDS",
                 &raw.leasehold_shutdown_grace_seconds,
-                30u64,
+                consumer_defaults.shutdown_grace.as_secs(),
             )?),
-            ..ConsumerOptions::default()
+            ..consumer_defaults
         };
 
         let mut integration_user_ids = Vec::new();
@@ -260,7 +308,10 @@ impl Settings {
             Some(_) => Some(number("LEASEHOLD_MAX_DEPTH", &raw.leasehold_max_depth, 0u64)?),
         };
         let policy = StartPolicy {
-            api_key: raw.leasehold_api_key.filter(|k| !k.is_empty()),
+            api_key: raw
+                .leasehold_api_key
+                .filter(|k| !k.is_empty())
+                .map(leasehold_functions::start::Secret::new),
             allowed_organizations: list(&raw.leasehold_allowed_organizations),
             integration_user_ids,
             max_depth,
@@ -313,6 +364,92 @@ mod tests {
             err.to_string().contains("AzureWebJobsStorage is not set"),
             "{err}"
         );
+    }
+
+    /// The defaults the table documents are the ones parsing applies.
+    #[test]
+    fn the_settings_table_states_the_defaults_parsing_applies() {
+        let s = Settings::from_raw(raw()).unwrap();
+        let applied = |name: &str| -> Option<String> {
+            Some(match name {
+                "LEASEHOLD_QUEUE" => s.queue.clone(),
+                "LEASEHOLD_CONTAINER" => s.container.clone(),
+                "LEASEHOLD_LEASE_SECONDS" => s.lease.duration.as_secs().to_string(),
+                "LEASEHOLD_FENCING" => s.lease.fencing.to_string(),
+                "LEASEHOLD_RUN_TIMEOUT_SECONDS" => s.runner.run_timeout.as_secs().to_string(),
+                "LEASEHOLD_CONCURRENCY" => s.consumer.concurrency.to_string(),
+                "LEASEHOLD_MAX_DEQUEUE_COUNT" => s.consumer.max_dequeue_count.to_string(),
+                "LEASEHOLD_POLL_MAX_SECONDS" => s.consumer.poll_max.as_secs().to_string(),
+                "LEASEHOLD_SHUTDOWN_GRACE_SECONDS" => s.consumer.shutdown_grace.as_secs().to_string(),
+                "LEASEHOLD_PORT" => s.port.to_string(),
+                "LEASEHOLD_BIND" => s.bind.clone(),
+                // Read by the command line (clap), whose default is the same text.
+                "LEASEHOLD_LOG_FORMAT" => "text".into(),
+                _ => return None,
+            })
+        };
+        for info in SETTINGS {
+            assert_eq!(applied(info.name).as_deref(), info.default, "{}", info.name);
+        }
+        assert_eq!(s.runner.max_attempts, s.consumer.max_dequeue_count);
+    }
+
+    /// The README's settings table and `local.settings.example.json` list exactly the settings
+    /// of [`SETTINGS`], with its defaults.
+    #[test]
+    fn the_readme_and_the_example_settings_list_every_setting_with_its_default() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+        let section = readme
+            .split("\n## Configuration\n")
+            .nth(1)
+            .expect("a Configuration section")
+            .split("\n## ")
+            .next()
+            .unwrap();
+        let rows: Vec<(String, String)> = section
+            .lines()
+            .filter(|l| l.starts_with("| `"))
+            .map(|l| {
+                let cells: Vec<&str> = l.split(" | ").collect();
+                (
+                    cells[0].trim_start_matches("| ").trim_matches('`').to_string(),
+                    cells[1].to_string(),
+                )
+            })
+            .collect();
+        let names: Vec<&str> = rows.iter().map(|(n, _)| n.as_str()).collect();
+        let documented: Vec<&str> = SETTINGS.iter().map(|i| i.name).collect();
+        assert_eq!(names, documented, "README settings table");
+        for ((name, default), info) in rows.iter().zip(SETTINGS) {
+            match info.default {
+                Some(d) => assert_eq!(default, &format!("`{d}`"), "README default of {name}"),
+                None => assert!(!default.starts_with('`'), "README shows a default for {name}"),
+            }
+        }
+
+        let example: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(root.join("local.settings.example.json")).unwrap())
+                .unwrap();
+        let values = example["Values"].as_object().unwrap();
+        for info in SETTINGS {
+            if info.name == "FUNCTIONS_CUSTOMHANDLER_PORT" {
+                assert!(!values.contains_key(info.name), "the host sets {}", info.name);
+                continue;
+            }
+            let value = values
+                .get(info.name)
+                .unwrap_or_else(|| panic!("{} missing from local.settings.example.json", info.name));
+            if let Some(d) = info.default {
+                assert_eq!(value, d, "example value of {}", info.name);
+            }
+        }
+        for key in values.keys() {
+            assert!(
+                key == "FUNCTIONS_WORKER_RUNTIME" || SETTINGS.iter().any(|i| i.name == key),
+                "{key} in local.settings.example.json is not a setting"
+            );
+        }
     }
 
     #[test]
