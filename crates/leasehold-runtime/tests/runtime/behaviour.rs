@@ -150,7 +150,7 @@ async fn a_run_that_loses_its_lease_is_told_at_once_and_not_acknowledged() {
                 .await
         })
     };
-    logic.started.notified().await;
+    started(&logic.started).await;
     let operator = lock(&world);
     operator
         .break_lock(&record_key("acct", "stolen").unwrap(), "test")
@@ -185,7 +185,7 @@ async fn a_failed_run_still_honours_triggers_that_arrived_during_it() {
         let (runner_h, cancel) = (runner_h.clone(), cancel.clone());
         tokio::spawn(async move { runner_h.handle(&delivery("r", 1), &cancel).await })
     };
-    hanging.started.notified().await;
+    started(&hanging.started).await;
     assert_eq!(
         runner_a
             .handle(&delivery("r", 1), &CancellationToken::new())
@@ -223,7 +223,7 @@ async fn a_redelivery_that_finds_the_lease_held_schedules_a_recheck_after_a_rene
         let (runner, cancel) = (runner.clone(), cancel.clone());
         tokio::spawn(async move { runner.handle(&delivery("r", 1), &cancel).await })
     };
-    hanging.started.notified().await;
+    started(&hanging.started).await;
     let now = tokio::time::Instant::now();
     let outcome = runner.handle(&delivery("r", 2), &CancellationToken::new()).await;
     assert_eq!(
@@ -348,7 +348,7 @@ async fn shutdown_finishes_short_runs_and_hands_back_long_ones() {
         let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
         tokio::spawn(async move { consumer.run(shutdown).await })
     };
-    logic.started.notified().await;
+    started(&logic.started).await;
     let asked = tokio::time::Instant::now();
     shutdown.cancel();
     task.await.unwrap();
@@ -364,4 +364,12 @@ async fn shutdown_finishes_short_runs_and_hands_back_long_ones() {
         world.queue.next_visible_at().unwrap(),
         tokio::time::Instant::now()
     );
+}
+
+/// Waits for a logic run to start; fails (instead of hanging) if none starts within a minute of
+/// simulated time.
+async fn started(signal: &tokio::sync::Notify) {
+    tokio::time::timeout(Duration::from_secs(60), signal.notified())
+        .await
+        .expect("the logic should have started");
 }
