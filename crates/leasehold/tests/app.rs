@@ -28,12 +28,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// One isolated environment: its own queue, container and run log.
+/// One isolated environment: its own queue, container and run log. `port` is the handler's
+/// (chosen in advance, as the Functions host does) or, once `serve` is up, the one it bound.
 struct Env {
     queue: String,
     container: String,
     dir: PathBuf,
-    port: u16,
+    port: std::sync::atomic::AtomicU16,
 }
 
 impl Env {
@@ -44,8 +45,12 @@ impl Env {
             queue: unique_name("triggers"),
             container: unique_name("locks"),
             dir,
-            port: free_port(),
+            port: free_port().into(),
         }
+    }
+
+    fn port(&self) -> u16 {
+        self.port.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn runs_file(&self) -> PathBuf {
@@ -83,7 +88,8 @@ impl Env {
             .env("AzureWebJobsStorage", Azurite::shared().connection_string())
             .env("LEASEHOLD_QUEUE", &self.queue)
             .env("LEASEHOLD_CONTAINER", &self.container)
-            .env("LEASEHOLD_PORT", self.port.to_string())
+            // `serve` binds any free port and logs it (no port chosen in advance to race for).
+            .env("LEASEHOLD_PORT", "0")
             .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -100,9 +106,25 @@ impl Env {
 
     async fn spawn(&self, args: &[&str], extra: &[(&str, String)]) -> Child {
         let child = self.command(args, extra).spawn().unwrap();
+        if args[0] == "serve" {
+            let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
+                let log = self.log("serve");
+                // Text (`addr=127.0.0.1:N`) or JSON (`"addr":"127.0.0.1:N"`) logs.
+                let at = ["addr=127.0.0.1:", "\"addr\":\"127.0.0.1:"]
+                    .iter()
+                    .find_map(|p| log.find(p).map(|i| i + p.len()))?;
+                log[at..]
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()?
+                    .parse::<u16>()
+                    .ok()
+            })
+            .await;
+            self.port.store(port, std::sync::atomic::Ordering::SeqCst);
+        }
         let url = format!(
             "http://127.0.0.1:{}/{}",
-            self.port,
+            self.port(),
             if args[0] == "serve" { "healthz" } else { "" }
         );
         let client = reqwest::Client::new();
@@ -305,8 +327,8 @@ async fn bad_input_is_refused_and_nothing_is_enqueued() {
         ("LEASEHOLD_MAX_DEPTH", "2".to_string()),
     ];
     let mut child = env.spawn(&["serve"], &extra).await;
-    let url = format!("http://127.0.0.1:{}/api/start?code=k3y", env.port);
-    let no_key = format!("http://127.0.0.1:{}/api/start", env.port);
+    let url = format!("http://127.0.0.1:{}/api/start?code=k3y", env.port());
+    let no_key = format!("http://127.0.0.1:{}/api/start", env.port());
     let org = ("x-ms-dynamics-organization", "contoso");
     let json_ct = ("content-type", "application/json");
     let dv = |patch: Value| {
@@ -523,7 +545,7 @@ async fn bad_input_is_refused_and_nothing_is_enqueued() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn custom_handler_speaks_the_host_protocol() {
     let env = Env::new();
-    let port = env.port.to_string();
+    let port = env.port().to_string();
     // No subcommand: FUNCTIONS_CUSTOMHANDLER_PORT selects handler mode.
     let mut child = {
         let mut cmd = env.command(
@@ -539,7 +561,7 @@ async fn custom_handler_speaks_the_host_protocol() {
         cmd.arg("--log-format").arg("json");
         let started = std::time::Instant::now();
         let child = cmd.spawn().unwrap();
-        let base = format!("http://127.0.0.1:{}/", env.port);
+        let base = format!("http://127.0.0.1:{}/", env.port());
         eventually(Duration::from_secs(30), "GET / to answer", || {
             let base = base.clone();
             async move {
@@ -557,7 +579,7 @@ async fn custom_handler_speaks_the_host_protocol() {
         );
         child
     };
-    let base = format!("http://127.0.0.1:{}", env.port);
+    let base = format!("http://127.0.0.1:{}", env.port());
     let client = reqwest::Client::new();
     let invoke = |function: &str, payload: Value| {
         let (client, url) = (client.clone(), format!("{base}/{function}"));
@@ -915,7 +937,7 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
         queue: env.queue.clone(),
         container: env.container.clone(),
         dir: env.dir.join("second-host"),
-        port: free_port(),
+        port: free_port().into(),
     };
     std::fs::create_dir_all(&other.dir).unwrap();
     // The first run hangs (until its worker dies); later runs finish at once.
@@ -927,7 +949,7 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
     let settings = |e: &Env| {
         vec![
             ("LEASEHOLD_LOGIC_COMMAND", logic.clone()),
-            ("FUNCTIONS_CUSTOMHANDLER_PORT", e.port.to_string()),
+            ("FUNCTIONS_CUSTOMHANDLER_PORT", e.port().to_string()),
             ("LEASEHOLD_LEASE_SECONDS", LEASE_SECONDS.to_string()),
             ("LEASEHOLD_LOG_FORMAT", "json".to_string()),
         ]
@@ -943,7 +965,7 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
     // Host 1 takes the message for 10 minutes and invokes its handler; it never answers.
     let taken = queue.get(1, Duration::from_secs(600)).await.unwrap();
     assert_eq!(taken.len(), 1);
-    let in_flight = tokio::spawn(invoke_as_host(env.port, taken[0].clone()));
+    let in_flight = tokio::spawn(invoke_as_host(env.port(), taken[0].clone()));
     eventually(Duration::from_secs(20), "the first run to start", || async {
         (env.runs().len() == 1).then_some(())
     })
@@ -958,7 +980,7 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
     // Host 2 polls every second, as host.json's maxPollingInterval of 2 s allows.
     let host = tokio::spawn({
         let queue = env.queue(&env.queue);
-        let port = other.port;
+        let port = other.port();
         async move {
             loop {
                 for m in queue.get(16, Duration::from_secs(600)).await.unwrap_or_default() {
