@@ -961,6 +961,8 @@ async fn visibility_renewal_rides_out_transient_failures_and_gives_up_in_time() 
     }
     task.await.unwrap();
     assert!(store.queue().bodies().is_empty());
+    // Every 10 s, and the failed one again a second later: 10, 20 (failed), 21, 31, 41, 51 s.
+    assert_eq!(store.counters.snapshot().get(Op::QueueUpdate), 6);
 
     // Renewals that keep failing are retried every second until 2 s before the message would
     // surface (at 40 s), then given up; the run goes on.
