@@ -640,7 +640,9 @@ mod memory {
         let lock = LeaseLock::new(flaky, fast_options()).unwrap();
         let start = tokio::time::Instant::now();
         let guard = lock.try_acquire(&key("flaky")).await.unwrap().unwrap();
-        guard.lost().cancelled().await;
+        tokio::time::timeout(Duration::from_secs(60), guard.lost().cancelled())
+            .await
+            .expect("lost within the lease");
         let after = start.elapsed();
         // duration 15 s − margin 2 s = 13 s from the grant.
         assert_eq!(after, Duration::from_secs(13), "lost at the local deadline");
