@@ -183,8 +183,8 @@ fn simulation_upholds_the_invariants() {
 #[test]
 fn simulation_is_deterministic() {
     for seed in [1, 2, 7, 42, 1234] {
-        let a = sim::run_seed(seed, ProtocolVariant::Correct);
-        let b = sim::run_seed(seed, ProtocolVariant::Correct);
+        let a = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
+        let b = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
         assert_eq!(a, b, "seed {seed} gave two different histories");
         assert!(a.runs > 0 && a.accepted > 0);
     }
