@@ -44,9 +44,9 @@ pub trait Logic: Send + Sync + 'static {
     async fn run(&self, run: RunContext) -> Result<(), LogicError>;
 }
 
-/// Known-wrong protocol variants, kept so the simulation can prove it catches them. Never use
-/// anything but `Correct` outside tests.
-#[doc(hidden)]
+/// Known-wrong protocol variants, kept so the simulation can prove it catches them. Only with
+/// the `testing` feature (the crate's own tests turn it on); never use anything but `Correct`.
+#[cfg(feature = "testing")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ProtocolVariant {
     #[default]
@@ -80,7 +80,8 @@ pub struct RunnerOptions {
     /// Delay before a failed trigger is tried again ([`RecordRunner::handle_watched`]).
     /// Default 5 s.
     pub retry_delay: Duration,
-    #[doc(hidden)]
+    /// The protocol variant (feature `testing` only).
+    #[cfg(feature = "testing")]
     pub variant: ProtocolVariant,
 }
 
@@ -92,6 +93,7 @@ impl Default for RunnerOptions {
             recheck_delay: None,
             max_attempts: 5,
             retry_delay: Duration::from_secs(5),
+            #[cfg(feature = "testing")]
             variant: ProtocolVariant::Correct,
         }
     }
@@ -502,6 +504,7 @@ impl RecordRunner {
 
     /// Whether this delivery may set the marker and leave when it finds the lease held.
     fn trusts_holder(&self, delivery: &Delivery, watched: bool) -> bool {
+        #[cfg(feature = "testing")]
         if self.options.variant == ProtocolVariant::TrustHolderOnRedelivery {
             return true;
         }
@@ -660,6 +663,7 @@ impl RecordRunner {
         }
         let result = end.result;
 
+        #[cfg(feature = "testing")]
         if self.options.variant == ProtocolVariant::CheckMarkerBeforeRelease {
             // WRONG on purpose: a trigger that sets the marker after this check and before the
             // release below is never seen by anyone.
