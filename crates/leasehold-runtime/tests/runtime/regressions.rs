@@ -276,6 +276,38 @@ fn delivery(kind: TriggerKind, dequeue_count: u32, prior_attempts: u32) -> Deliv
     }
 }
 
+/// One delivery through [`RecordRunner::handle`] (standalone), never cancelled.
+async fn standalone(
+    runner: &RecordRunner,
+    kind: TriggerKind,
+    dequeue_count: u32,
+    prior_attempts: u32,
+) -> Outcome {
+    runner
+        .handle(
+            &delivery(kind, dequeue_count, prior_attempts),
+            &CancellationToken::new(),
+        )
+        .await
+}
+
+/// One delivery through [`RecordRunner::handle_watched`] (Functions), never cancelled.
+async fn watched(
+    runner: &RecordRunner,
+    poison: &MemoryQueue,
+    kind: TriggerKind,
+    dequeue_count: u32,
+    prior_attempts: u32,
+) -> Outcome {
+    runner
+        .handle_watched(
+            &delivery(kind, dequeue_count, prior_attempts),
+            poison,
+            &CancellationToken::new(),
+        )
+        .await
+}
+
 fn messages(store: &Scripted) -> Vec<TriggerMessage> {
     store
         .queue()
@@ -323,16 +355,10 @@ async fn b1_a_fencing_write_slower_than_the_lease_keeps_the_grant_and_its_duty()
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
     let holder = {
         let runner = runner.clone();
-        tokio::spawn(async move {
-            runner
-                .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
-                .await
-        })
+        tokio::spawn(async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await })
     };
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let coalesced = runner
-        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
-        .await;
+    let coalesced = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert_eq!(coalesced, Outcome::Coalesced);
     let outcome = holder.await.unwrap();
     assert!(
@@ -374,9 +400,7 @@ async fn b1_a_lease_lost_during_the_grant_is_an_error() {
 async fn b2_a_recheck_never_trusts_a_held_lease() {
     let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     dead_holder(&store).await;
-    let outcome = runner
-        .handle(&delivery(TriggerKind::Recheck, 1, 1), &CancellationToken::new())
-        .await;
+    let outcome = standalone(&runner, TriggerKind::Recheck, 1, 1).await;
     assert_eq!(
         outcome,
         Outcome::Rechecking {
@@ -394,9 +418,7 @@ async fn b2_a_recheck_never_trusts_a_held_lease() {
     );
     // Once the dead holder's lease has expired, the recheck runs the record.
     tokio::time::sleep(Duration::from_secs(35)).await;
-    let outcome = runner
-        .handle(&delivery(TriggerKind::Recheck, 1, 1), &CancellationToken::new())
-        .await;
+    let outcome = standalone(&runner, TriggerKind::Recheck, 1, 1).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
 }
 
@@ -407,13 +429,7 @@ async fn b2_a_watchdog_never_trusts_a_held_lease() {
     let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     dead_holder(&store).await;
-    let outcome = runner
-        .handle_watched(
-            &delivery(TriggerKind::Watchdog, 1, 2),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let outcome = watched(&runner, &poison, TriggerKind::Watchdog, 1, 2).await;
     assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
     assert!(!marker_set(&store).await);
     let again = messages(&store);
@@ -439,9 +455,7 @@ async fn b3_giving_up_a_dead_holders_trigger_still_honours_what_coalesced_onto_i
     let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
     dead_holder(&store).await;
-    let coalesced = runner
-        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
-        .await;
+    let coalesced = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert_eq!(coalesced, Outcome::Coalesced);
     let accepted = Instant::now();
     // The dead holder's message, back for the sixth time (one more than allowed).
@@ -488,13 +502,7 @@ async fn b3_giving_up_a_dead_holders_trigger_still_honours_what_coalesced_onto_i
 async fn b3_a_watched_delivery_over_the_limit_is_given_up_with_a_sweep() {
     let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
-    let outcome = runner
-        .handle_watched(
-            &delivery(TriggerKind::Watchdog, 1, 5),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let outcome = watched(&runner, &poison, TriggerKind::Watchdog, 1, 5).await;
     assert!(matches!(outcome, Outcome::Poisoned { .. }), "{outcome:?}");
     assert!(outcome.acknowledge());
     assert_eq!(poison.bodies().len(), 1);
@@ -512,9 +520,7 @@ async fn a_recheck_at_the_limit_is_not_given_up_unrun() {
     let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     dead_holder(&store).await;
     // The fifth delivery (of five allowed) finds the lease held.
-    let outcome = runner
-        .handle(&delivery(TriggerKind::Trigger, 5, 0), &CancellationToken::new())
-        .await;
+    let outcome = standalone(&runner, TriggerKind::Trigger, 5, 0).await;
     assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
     let recheck = &messages(&store)[0];
     let next = Delivery {
@@ -534,9 +540,7 @@ async fn a_guard_lost_before_the_run_never_starts_the_logic() {
     store.always(Op::LeaseRenew, Act::Refuse(StoreErrorKind::LeaseLost));
     let logic = Script::new(Duration::from_secs(1), End::Succeed);
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
-    let outcome = runner
-        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
-        .await;
+    let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(
         matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("lease lost before the run started")),
         "{outcome:?}"
@@ -579,9 +583,7 @@ async fn a_lost_visibility_answer_does_not_cancel_a_healthy_run() {
 #[tokio::test(start_paused = true)]
 async fn a_panicking_logic_fails_its_run_and_nothing_unwinds() {
     let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Panic);
-    let outcome = runner
-        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
-        .await;
+    let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(
         matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("logic panicked: the logic fell over")),
         "{outcome:?}"
@@ -620,9 +622,7 @@ async fn logic_that_will_not_stop_keeps_its_lease_until_it_lapses() {
         ..RunnerOptions::default()
     };
     let runner = runner_on(&store, logic.clone(), options);
-    let outcome = runner
-        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
-        .await;
+    let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(
         matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("abandoned")),
         "{outcome:?}"
@@ -650,11 +650,7 @@ async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
     let (store, logic, runner) = fixture(Duration::from_secs(600), End::Succeed);
     let task = {
         let runner = runner.clone();
-        tokio::spawn(async move {
-            runner
-                .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
-                .await
-        })
+        tokio::spawn(async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await })
     };
     leasehold_test_support::eventually(Duration::from_secs(60), "the logic to start", || async {
         (logic.runs.load(Ordering::SeqCst) > 0).then_some(())
@@ -685,15 +681,7 @@ async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let task = {
         let runner = runner.clone();
-        tokio::spawn(async move {
-            runner
-                .handle_watched(
-                    &delivery(TriggerKind::Trigger, 1, 0),
-                    &poison,
-                    &CancellationToken::new(),
-                )
-                .await
-        })
+        tokio::spawn(async move { watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await })
     };
     leasehold_test_support::eventually(Duration::from_secs(60), "the logic to start", || async {
         (logic.runs.load(Ordering::SeqCst) > 0).then_some(())
@@ -736,13 +724,7 @@ async fn a_failed_watched_run_is_retried_through_its_watchdog_then_given_up() {
     };
     let runner = runner_on(&store, logic.clone(), options);
     let poison = MemoryQueue::new("poison", OpCounters::new());
-    let outcome = runner
-        .handle_watched(
-            &delivery(TriggerKind::Trigger, 1, 0),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
     assert!(
         matches!(&outcome, Outcome::Retrying { after, .. } if *after == Duration::from_secs(5)),
         "{outcome:?}"
@@ -799,19 +781,11 @@ async fn a_redelivered_trigger_trusts_a_holder_only_under_a_watchdog() {
         .await
         .unwrap()
         .unwrap();
-    let watched = runner
-        .handle_watched(
-            &delivery(TriggerKind::Trigger, 3, 0),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let watched = watched(&runner, &poison, TriggerKind::Trigger, 3, 0).await;
     assert_eq!(watched, Outcome::Coalesced);
     assert!(marker_set(&store).await);
     assert!(messages(&store).is_empty(), "its watchdog is gone");
-    let standalone = runner
-        .handle(&delivery(TriggerKind::Trigger, 3, 0), &CancellationToken::new())
-        .await;
+    let standalone = standalone(&runner, TriggerKind::Trigger, 3, 0).await;
     assert!(matches!(standalone, Outcome::Rechecking { .. }), "{standalone:?}");
 }
 
@@ -1109,21 +1083,9 @@ fn outcomes_and_runner_surface() {
 async fn a_watched_delivery_at_the_limit_runs_and_one_beyond_is_given_up() {
     let (_store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
-    let at_limit = runner
-        .handle_watched(
-            &delivery(TriggerKind::Trigger, 5, 0),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let at_limit = watched(&runner, &poison, TriggerKind::Trigger, 5, 0).await;
     assert!(matches!(at_limit, Outcome::Completed { .. }), "{at_limit:?}");
-    let beyond = runner
-        .handle_watched(
-            &delivery(TriggerKind::Trigger, 7, 0),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let beyond = watched(&runner, &poison, TriggerKind::Trigger, 7, 0).await;
     assert!(
         matches!(&beyond, Outcome::Poisoned { reason } if reason.contains("gave up after 6 deliveries")),
         "{beyond:?}"
@@ -1144,13 +1106,7 @@ async fn a_failed_run_whose_watchdog_cannot_be_rewritten() {
         let logic = Script::new(Duration::from_secs(1), End::Panic);
         let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
         let poison = MemoryQueue::new("poison", OpCounters::new());
-        let outcome = runner
-            .handle_watched(
-                &delivery(TriggerKind::Trigger, 1, 0),
-                &poison,
-                &CancellationToken::new(),
-            )
-            .await;
+        let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
         assert_eq!(outcome.acknowledge(), acknowledged, "{refusal:?}: {outcome:?}");
     }
 }
@@ -1199,13 +1155,7 @@ async fn the_runner_retries_storage_calls_as_the_lock_options_say() {
     let runner = RecordRunner::new(lock, store.clone(), logic.clone(), RunnerOptions::default());
     let poison = MemoryQueue::new("poison", OpCounters::new());
     store.then(Op::QueuePut, &[Act::Refuse(StoreErrorKind::Transient)]);
-    let outcome = runner
-        .handle_watched(
-            &delivery(TriggerKind::Trigger, 1, 0),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
     assert!(
         matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("put watchdog")),
         "{outcome:?}"
@@ -1220,13 +1170,7 @@ async fn a_watchdog_found_taken_is_not_pushed_again() {
     let (store, _logic, runner) = fixture(Duration::from_secs(35), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     store.then(Op::QueueUpdate, &[Act::Refuse(StoreErrorKind::NotFound)]);
-    let outcome = runner
-        .handle_watched(
-            &delivery(TriggerKind::Trigger, 1, 0),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     // Renewals at 10, 20 and 30 s: only the first tried to push the watchdog.
     assert_eq!(store.counters.snapshot().get(Op::LeaseRenew), 3);
@@ -1244,13 +1188,7 @@ async fn an_update_in_flight_when_the_run_ends_leaves_nothing_behind() {
     let (store, _logic, runner) = fixture(Duration::from_millis(10_500), End::Succeed);
     store.then(Op::QueueUpdate, &[Act::SlowAnswer(Duration::from_secs(2))]);
     let poison = MemoryQueue::new("poison", OpCounters::new());
-    let outcome = runner
-        .handle_watched(
-            &delivery(TriggerKind::Trigger, 1, 0),
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     assert!(store.queue().bodies().is_empty(), "the watchdog is deleted");
 
@@ -1300,9 +1238,7 @@ async fn every_delivery_logs_its_outcome_with_the_record() {
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let (_store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
-    let outcome = runner
-        .handle(&delivery(TriggerKind::Trigger, 1, 0), &CancellationToken::new())
-        .await;
+    let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
     let line = text
