@@ -745,10 +745,7 @@ mod memory {
         flaky.inject(Op::LeaseAcquire, StoreErrorKind::NotFound);
         flaky.inject(Op::LeaseAcquire, StoreErrorKind::Rejected);
         let err = lock.try_acquire(&key("first")).await.unwrap_err();
-        assert!(
-            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
-            "{err:?}"
-        );
+        assert_refused(&err);
         // With the blob in place, the next try takes the key.
         let guard = lock.try_acquire(&key("first")).await.unwrap();
         assert!(guard.is_some());
@@ -773,10 +770,7 @@ mod memory {
         let start = tokio::time::Instant::now();
         flaky.inject(Op::LeaseAcquire, StoreErrorKind::Rejected);
         let err = lock.acquire(&k, Duration::from_secs(30)).await.unwrap_err();
-        assert!(
-            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
-            "{err:?}"
-        );
+        assert_refused(&err);
         assert_eq!(start.elapsed(), Duration::ZERO, "no waiting on a refusal");
 
         flaky.inject(Op::LeaseAcquire, StoreErrorKind::LeaseBreaking);
@@ -821,10 +815,7 @@ mod memory {
         let guard = lock.try_acquire(&key("seen")).await.unwrap().unwrap();
         flaky.inject(Op::BlobProperties, StoreErrorKind::Rejected);
         let err = lock.inspect(&key("seen")).await.unwrap_err();
-        assert!(
-            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
-            "{err:?}"
-        );
+        assert_refused(&err);
         assert!(lock.inspect(&key("seen")).await.unwrap().held);
         guard.release().await.unwrap();
     }
@@ -838,10 +829,7 @@ mod memory {
         let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
         flaky.inject(Op::LeaseAcquire, StoreErrorKind::Rejected);
         let err = lock.try_acquire(&key("refused")).await.unwrap_err();
-        assert!(
-            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
-            "{err:?}"
-        );
+        assert_refused(&err);
         assert_eq!(inner.counters().snapshot().get(Op::BlobCreate), 0);
         assert_eq!(inner.counters().snapshot().get(Op::LeaseAcquire), 0);
     }
@@ -854,10 +842,7 @@ mod memory {
         lock.break_lock(&key("never-used"), "test").await.unwrap();
         flaky.inject(Op::LeaseBreak, StoreErrorKind::Rejected);
         let err = lock.break_lock(&key("never-used"), "test").await.unwrap_err();
-        assert!(
-            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
-            "{err:?}"
-        );
+        assert_refused(&err);
     }
 
     /// The fencing write failing: a lease that ran out meanwhile is `LeaseLost`, any other
@@ -877,13 +862,18 @@ mod memory {
         assert!(matches!(err, leasehold_lock::Error::LeaseLost { .. }), "{err:?}");
         flaky.inject(Op::BlobSetMetadata, StoreErrorKind::Rejected);
         let err = lock.try_acquire(&k).await.unwrap_err();
-        assert!(
-            matches!(&err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
-            "{err:?}"
-        );
+        assert_refused(&err);
         let other = LeaseLock::new(inner, options).unwrap();
         let guard = other.try_acquire(&k).await.unwrap().expect("given back");
         assert_eq!(guard.fencing_token(), Some(1), "no failed grant counted");
+    }
+
+    /// The error is storage's definitive refusal (what the tests inject), passed on as is.
+    fn assert_refused(err: &leasehold_lock::Error) {
+        assert!(
+            matches!(err, leasehold_lock::Error::Storage(e) if e.kind() == StoreErrorKind::Rejected),
+            "{err:?}"
+        );
     }
 
     /// A store that fails chosen calls, in front of a memory store: renewals, acquires of an
