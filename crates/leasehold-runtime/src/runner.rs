@@ -581,9 +581,10 @@ impl RecordRunner {
         }
     }
 
-    /// The holder path, from a granted lease to the acknowledgement decision. With
-    /// `first` says whether the marker is consumed before the run (the run covers it), and whether
-    /// the run then happens only if it was set.
+    /// The holder path, from a granted lease to the acknowledgement decision, with the watchdog
+    /// (Functions mode) following the lease until it ends. `first` says whether the marker is
+    /// consumed before the run (the run covers it), and whether the run then happens only if it
+    /// was set.
     async fn hold(
         &self,
         key: &LockKey,

@@ -308,6 +308,23 @@ async fn watched(
         .await
 }
 
+/// A consumer with default options over `store`, and one trigger for `acct/r` taken from the
+/// queue as the consumer would take it (hidden 40 s), ready for `Consumer::process`.
+async fn consumer_with_one_trigger(store: &Arc<Scripted>, runner: RecordRunner) -> (Consumer, Vec<Received>) {
+    let consumer = Consumer::new(
+        runner,
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    store
+        .queue()
+        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    (consumer, taken)
+}
+
 fn messages(store: &Scripted) -> Vec<TriggerMessage> {
     store
         .queue()
@@ -557,17 +574,7 @@ async fn a_lost_visibility_answer_does_not_cancel_a_healthy_run() {
     store.then(Op::QueueUpdate, &[Act::LoseAnswer]);
     let logic = Script::new(Duration::from_secs(25), End::Succeed);
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
-    let consumer = Consumer::new(
-        runner,
-        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
-        ConsumerOptions::default(),
-    );
-    store
-        .queue()
-        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
-        .await
-        .unwrap();
-    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    let (consumer, taken) = consumer_with_one_trigger(&store, runner).await;
     consumer.process(taken[0].clone(), CancellationToken::new()).await;
     assert_eq!(
         logic.cancelled.load(Ordering::SeqCst),
@@ -589,17 +596,7 @@ async fn a_panicking_logic_fails_its_run_and_nothing_unwinds() {
         "{outcome:?}"
     );
     assert!(!held(&store).await, "released");
-    let consumer = Consumer::new(
-        runner,
-        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
-        ConsumerOptions::default(),
-    );
-    store
-        .queue()
-        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
-        .await
-        .unwrap();
-    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    let (consumer, taken) = consumer_with_one_trigger(&store, runner).await;
     consumer.process(taken[0].clone(), CancellationToken::new()).await;
     let updates = store.counters.snapshot().get(Op::QueueUpdate);
     tokio::time::sleep(Duration::from_secs(60)).await;
@@ -910,17 +907,8 @@ async fn visibility_renewal_rides_out_transient_failures_and_gives_up_in_time() 
         &[Act::Slow(Duration::ZERO), Act::Refuse(StoreErrorKind::Transient)],
     );
     let logic = Script::new(Duration::from_secs(60), End::Succeed);
-    let consumer = Consumer::new(
-        runner_on(&store, logic.clone(), RunnerOptions::default()),
-        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
-        ConsumerOptions::default(),
-    );
-    store
-        .queue()
-        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
-        .await
-        .unwrap();
-    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    let (consumer, taken) =
+        consumer_with_one_trigger(&store, runner_on(&store, logic.clone(), RunnerOptions::default())).await;
     let task = {
         let consumer = consumer.clone();
         let m = taken[0].clone();
@@ -943,17 +931,8 @@ async fn visibility_renewal_rides_out_transient_failures_and_gives_up_in_time() 
     let store = Scripted::new();
     store.always(Op::QueueUpdate, Act::Refuse(StoreErrorKind::Transient));
     let logic = Script::new(Duration::from_secs(60), End::Succeed);
-    let consumer = Consumer::new(
-        runner_on(&store, logic.clone(), RunnerOptions::default()),
-        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
-        ConsumerOptions::default(),
-    );
-    store
-        .queue()
-        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
-        .await
-        .unwrap();
-    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    let (consumer, taken) =
+        consumer_with_one_trigger(&store, runner_on(&store, logic.clone(), RunnerOptions::default())).await;
     consumer.process(taken[0].clone(), CancellationToken::new()).await;
     // Tries at 10 s, 11 s, ... 38 s: 29 of them.
     assert_eq!(store.counters.snapshot().get(Op::QueueUpdate), 29);
@@ -1196,17 +1175,8 @@ async fn an_update_in_flight_when_the_run_ends_leaves_nothing_behind() {
     let store = Scripted::new();
     store.then(Op::QueueUpdate, &[Act::SlowAnswer(Duration::from_secs(2))]);
     let logic = Script::new(Duration::from_millis(10_500), End::Succeed);
-    let consumer = Consumer::new(
-        runner_on(&store, logic.clone(), RunnerOptions::default()),
-        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
-        ConsumerOptions::default(),
-    );
-    store
-        .queue()
-        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
-        .await
-        .unwrap();
-    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    let (consumer, taken) =
+        consumer_with_one_trigger(&store, runner_on(&store, logic.clone(), RunnerOptions::default())).await;
     consumer.process(taken[0].clone(), CancellationToken::new()).await;
     assert_eq!(logic.completed.load(Ordering::SeqCst), 1);
     assert!(store.queue().bodies().is_empty(), "the message is deleted");
