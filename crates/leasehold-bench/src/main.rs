@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use async_trait::async_trait;
 use leasehold_lock::azure::AzureBlobStore;
-use leasehold_lock::{LeaseLock, LeaseOptions, LeaseStore, OpCounters, OpCounts};
+use leasehold_lock::{LeaseDuration, LeaseLock, LeaseOptions, LeaseStore, OpCounters, OpCounts};
 use leasehold_runtime::{
     AzureQueue, Consumer, ConsumerOptions, Delivery, Logic, LogicError, RecordRunner, RunContext,
     RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
@@ -161,7 +161,9 @@ fn env(azurite: &Azurite) -> Env {
 fn runner(env: &Env, logic: Arc<dyn Logic>, fencing: bool, lease_seconds: u64) -> RecordRunner {
     let options = LeaseOptions {
         fencing,
-        ..LeaseOptions::with_duration(Duration::from_secs(lease_seconds))
+        ..LeaseOptions::with_duration(
+            LeaseDuration::from_secs(lease_seconds).expect("a lease duration Azure grants"),
+        )
     };
     let lock = LeaseLock::new(env.store.clone(), options).unwrap();
     RecordRunner::new(lock, env.queue.clone(), logic, RunnerOptions::default())

@@ -13,13 +13,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use leasehold_lock::{LeaseId, LeaseStore, Metadata, StoreErrorKind, StoreResult};
+use leasehold_lock::{LeaseDuration, LeaseId, LeaseStore, Metadata, StoreErrorKind, StoreResult};
 use leasehold_runtime::{Logic, RunContext};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio_util::sync::CancellationToken;
 
-const LEASE: Duration = Duration::from_secs(15);
 const STALE_AFTER_MS: u64 = 15 * 60 * 1000;
 
 pub struct Seed {
@@ -59,7 +58,8 @@ impl Seed {
         let lease = LeaseId::random();
         let mut acquired = false;
         for attempt in 0..3 {
-            match self.store.acquire_lease(blob, lease, LEASE).await {
+            let duration = LeaseDuration::from_secs(15).expect("the shortest lease Azure grants");
+            match self.store.acquire_lease(blob, lease, duration).await {
                 Ok(()) => {
                     acquired = true;
                     break;

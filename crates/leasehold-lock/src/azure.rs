@@ -16,7 +16,7 @@ use azure_storage_blobs::prelude::{BlobClient, ClientBuilder, ContainerClient};
 use crate::account::StorageAccount;
 use crate::counters::{Op, OpCounters};
 use crate::error::{StoreError, StoreErrorKind, StoreResult};
-use crate::store::{BlobProperties, ETag, FlagPut, LeaseId, LeaseState, LeaseStore, Metadata};
+use crate::store::{BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
 
 /// Default limit on one round trip before it counts as a transient failure.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -159,19 +159,6 @@ fn lease_state(state: Option<&azure_core::LeaseState>) -> LeaseState {
     }
 }
 
-fn lease_seconds(duration: Duration) -> StoreResult<u8> {
-    let secs = duration.as_secs();
-    if (15..=60).contains(&secs) && duration.subsec_nanos() == 0 {
-        Ok(secs as u8)
-    } else {
-        Err(StoreError::new(
-            StoreErrorKind::Rejected,
-            Op::LeaseAcquire,
-            format!("lease duration must be whole seconds from 15 to 60, not {duration:?}"),
-        ))
-    }
-}
-
 #[async_trait]
 impl LeaseStore for AzureBlobStore {
     async fn create_container(&self) -> StoreResult<()> {
@@ -202,11 +189,10 @@ impl LeaseStore for AzureBlobStore {
         self.with_container(attempt).await
     }
 
-    async fn acquire_lease(&self, name: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
-        let secs = lease_seconds(duration)?;
+    async fn acquire_lease(&self, name: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
         let fut = self
             .blob(name)
-            .acquire_lease(Duration::from_secs(u64::from(secs)))
+            .acquire_lease(duration.as_duration())
             .proposed_lease_id(azure_core::request_options::LeaseId::from(lease.0))
             .into_future();
         self.call(Op::LeaseAcquire, fut).await.map(|_| ())
@@ -350,14 +336,5 @@ mod tests {
         assert_eq!(classify(400, Some("InvalidHeaderValue")), Rejected);
         assert_eq!(classify(400, Some("PopReceiptMismatch")), NotFound);
         assert_eq!(classify(409, Some("QueueBeingDeleted")), Transient);
-    }
-
-    #[test]
-    fn lease_durations_outside_azure_limits_are_refused() {
-        assert!(lease_seconds(Duration::from_secs(15)).is_ok());
-        assert!(lease_seconds(Duration::from_secs(60)).is_ok());
-        assert!(lease_seconds(Duration::from_secs(14)).is_err());
-        assert!(lease_seconds(Duration::from_secs(61)).is_err());
-        assert!(lease_seconds(Duration::from_millis(15_500)).is_err());
     }
 }

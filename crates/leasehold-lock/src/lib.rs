@@ -20,7 +20,10 @@ pub use lock::{
     META_SINCE, MultiGuard, lock_blob_name,
 };
 pub use retry::RetryOptions;
-pub use store::{BlobProperties, ETag, FlagPut, LeaseId, LeaseState, LeaseStore, Metadata};
+pub use store::{
+    BlobProperties, ETag, FlagPut, InvalidLeaseDuration, LeaseDuration, LeaseId, LeaseState, LeaseStore,
+    Metadata,
+};
 
 /// Re-exported so library users can name the cancellation signal the guard hands out.
 pub use tokio_util::sync::CancellationToken;

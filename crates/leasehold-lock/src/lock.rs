@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{Error, Result, StoreErrorKind, StoreResult};
 use crate::key::LockKey;
 use crate::retry::RetryOptions;
-use crate::store::{ETag, LeaseId, LeaseState, LeaseStore, Metadata};
+use crate::store::{ETag, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
 
 /// Metadata name of the fencing generation on a lock blob.
 pub const META_GENERATION: &str = "leasehold_generation";
@@ -30,9 +30,9 @@ pub const LOCK_PREFIX: &str = "locks/";
 /// How locks are held.
 #[derive(Debug, Clone)]
 pub struct LeaseOptions {
-    /// Lease duration asked of storage: whole seconds, 15–60. Default 30 s: a dead holder blocks
-    /// its key for at most this long, and renewal every 10 s leaves two more tries before expiry.
-    pub duration: Duration,
+    /// Lease duration asked of storage. Default 30 s: a dead holder blocks its key for at most
+    /// this long, and renewal every 10 s leaves two more tries before expiry.
+    pub duration: LeaseDuration,
     /// How often the guard renews. Default 10 s (a third of the duration).
     pub renew_every: Duration,
     /// The guard declares the lease lost this long before storage could let it expire
@@ -52,7 +52,7 @@ pub struct LeaseOptions {
 impl Default for LeaseOptions {
     fn default() -> Self {
         Self {
-            duration: Duration::from_secs(30),
+            duration: LeaseDuration::default(),
             renew_every: Duration::from_secs(10),
             safety_margin: Duration::from_secs(10),
             fencing: true,
@@ -65,25 +65,20 @@ impl Default for LeaseOptions {
 impl LeaseOptions {
     /// Options for a lease of `duration`, renewed every third of it and declared lost a third
     /// of it before storage could let it expire (the defaults, scaled).
-    pub fn with_duration(duration: Duration) -> Self {
+    pub fn with_duration(duration: LeaseDuration) -> Self {
+        let third = duration.as_duration() / 3;
         Self {
             duration,
-            renew_every: duration / 3,
-            safety_margin: duration / 3,
+            renew_every: third,
+            safety_margin: third,
             ..Self::default()
         }
     }
 
-    /// Checks the options against Azure's limits and each other.
+    /// Checks the renewal interval and safety margin against the duration.
     pub fn validate(&self) -> Result<()> {
-        let secs = self.duration.as_secs();
-        if !(15..=60).contains(&secs) || self.duration.subsec_nanos() != 0 {
-            return Err(Error::Config(format!(
-                "lease duration must be whole seconds from 15 to 60 (Azure's limits), not {:?}",
-                self.duration
-            )));
-        }
-        if self.renew_every.is_zero() || self.renew_every + self.safety_margin >= self.duration {
+        if self.renew_every.is_zero() || self.renew_every + self.safety_margin >= self.duration.as_duration()
+        {
             return Err(Error::Config(format!(
                 "renew interval {:?} plus safety margin {:?} must be shorter than the lease duration {:?}",
                 self.renew_every, self.safety_margin, self.duration
@@ -272,7 +267,8 @@ impl LeaseLock {
     /// acquire it until the time it had left has passed (at most the lease duration) — so the
     /// broken holder's work is gone before anyone else starts. The reason is logged.
     pub async fn break_lock(&self, key: &LockKey, reason: &str) -> Result<()> {
-        self.break_lock_after(key, reason, self.options.duration).await
+        self.break_lock_after(key, reason, self.options.duration.as_duration())
+            .await
     }
 
     /// [`break_lock`](Self::break_lock) with the key free again after `period` at most
@@ -590,7 +586,7 @@ async fn renew_loop(
     stop: CancellationToken,
     renewed: watch::Sender<Instant>,
 ) {
-    let valid_for = options.duration - options.safety_margin;
+    let valid_for = options.duration.as_duration() - options.safety_margin;
     let mut deadline = granted_at + valid_for;
     let mut next = granted_at + options.renew_every;
     let mut failures = 0u32;

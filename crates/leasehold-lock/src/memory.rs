@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::counters::{Op, OpCounters};
 use crate::error::{StoreError, StoreErrorKind, StoreResult};
-use crate::store::{BlobProperties, ETag, FlagPut, LeaseId, LeaseState, LeaseStore, Metadata};
+use crate::store::{BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
 
 #[derive(Debug, Clone)]
 enum Lease {
@@ -48,10 +48,18 @@ struct State {
 }
 
 /// In-memory blob container with Azure lease semantics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryStore {
     state: Mutex<State>,
     counters: OpCounters,
+    /// How much faster storage's clock runs than the caller's (1.0: alike).
+    clock_rate: f64,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::with_counters(OpCounters::default())
+    }
 }
 
 impl MemoryStore {
@@ -64,7 +72,16 @@ impl MemoryStore {
         Self {
             state: Mutex::default(),
             counters,
+            clock_rate: 1.0,
         }
+    }
+
+    /// Storage's clock runs `rate` times as fast as the caller's (tokio's): a lease of `d` ends
+    /// after `d / rate` by the caller's clock. For simulating clock-rate differences.
+    pub fn with_clock_rate(mut self, rate: f64) -> Self {
+        assert!(rate > 0.0, "a clock rate is positive");
+        self.clock_rate = rate;
+        self
     }
 
     /// Names of the blobs that exist, sorted (for tests).
@@ -168,7 +185,8 @@ impl LeaseStore for MemoryStore {
         })
     }
 
-    async fn acquire_lease(&self, name: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
+    async fn acquire_lease(&self, name: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
+        let duration = duration.as_duration().div_f64(self.clock_rate);
         let op = Op::LeaseAcquire;
         self.with_state(op, |s, now| {
             if !s.container_exists || !s.blobs.contains_key(name) {

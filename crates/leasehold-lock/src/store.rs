@@ -37,6 +37,63 @@ impl fmt::Display for LeaseId {
     }
 }
 
+/// A lease duration storage grants: whole seconds from 15 to 60 (Azure's limits for a lease that
+/// expires). Checked once, where it is made; everything after takes it as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LeaseDuration(u8);
+
+impl LeaseDuration {
+    /// The shortest lease storage grants, in seconds.
+    pub const MIN_SECS: u64 = 15;
+    /// The longest lease storage grants (short of an infinite one), in seconds.
+    pub const MAX_SECS: u64 = 60;
+
+    /// A lease of `secs` seconds, if storage grants one that long.
+    pub fn from_secs(secs: u64) -> Result<Self, InvalidLeaseDuration> {
+        Self::try_from(Duration::from_secs(secs))
+    }
+
+    /// Whole seconds, as the `x-ms-lease-duration` header carries them.
+    pub fn secs(self) -> u8 {
+        self.0
+    }
+
+    pub fn as_duration(self) -> Duration {
+        Duration::from_secs(u64::from(self.0))
+    }
+}
+
+impl Default for LeaseDuration {
+    /// 30 s: a dead holder blocks its key for at most this long.
+    fn default() -> Self {
+        Self(30)
+    }
+}
+
+impl TryFrom<Duration> for LeaseDuration {
+    type Error = InvalidLeaseDuration;
+
+    fn try_from(duration: Duration) -> Result<Self, InvalidLeaseDuration> {
+        let secs = duration.as_secs();
+        if (Self::MIN_SECS..=Self::MAX_SECS).contains(&secs) && duration.subsec_nanos() == 0 {
+            Ok(Self(secs as u8))
+        } else {
+            Err(InvalidLeaseDuration(duration))
+        }
+    }
+}
+
+impl From<LeaseDuration> for Duration {
+    fn from(d: LeaseDuration) -> Duration {
+        d.as_duration()
+    }
+}
+
+/// A duration storage would refuse for a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("lease duration must be whole seconds from 15 to 60 (Azure's limits), not {0:?}")]
+pub struct InvalidLeaseDuration(pub Duration);
+
 /// An entity tag, for optimistic concurrency (`If-Match`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ETag(pub String);
@@ -98,10 +155,10 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     /// is success.
     async fn create_blob(&self, blob: &str) -> StoreResult<()>;
 
-    /// Acquires a lease of `duration` (15–60 s) with the proposed id. Answers `NotFound` if the
+    /// Acquires a lease of `duration` with the proposed id. Answers `NotFound` if the
     /// blob (or container) is missing and `LeaseAlreadyPresent` if another id holds it; with the
     /// id that holds it, it succeeds and renews.
-    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()>;
+    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()>;
 
     /// Renews a lease; `LeaseLost` if the id no longer holds it.
     async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()>;
@@ -140,4 +197,27 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
 
     /// The round-trip counters this store records into.
     fn counters(&self) -> &OpCounters;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_durations_outside_azure_limits_are_refused() {
+        assert_eq!(LeaseDuration::from_secs(15).unwrap().secs(), 15);
+        assert_eq!(
+            LeaseDuration::from_secs(60).unwrap().as_duration(),
+            Duration::from_secs(60)
+        );
+        assert_eq!(LeaseDuration::default().secs(), 30);
+        for bad in [
+            Duration::from_secs(14),
+            Duration::from_secs(61),
+            Duration::from_millis(15_500),
+        ] {
+            let e = LeaseDuration::try_from(bad).unwrap_err();
+            assert!(e.to_string().contains("from 15 to 60"), "{e}");
+        }
+    }
 }

@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, FlagPut, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
-    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
+    BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey,
+    Metadata, Op, OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
 };
 use leasehold_test_support::{Azurite, unique_name};
 
@@ -20,7 +20,7 @@ fn key(k: &str) -> LockKey {
 /// Options for tests: the shortest lease Azure allows, renewed often.
 fn fast_options() -> LeaseOptions {
     LeaseOptions {
-        duration: Duration::from_secs(15),
+        duration: LeaseDuration::from_secs(15).unwrap(),
         renew_every: Duration::from_secs(3),
         safety_margin: Duration::from_secs(2),
         holder: "test".into(),
@@ -463,9 +463,9 @@ mod memory {
     /// Options: the scaled constructor, and validation that refuses what Azure would.
     #[test]
     fn options_scale_with_the_duration_and_bad_ones_are_refused() {
-        let o = LeaseOptions::with_duration(Duration::from_secs(15));
+        let o = LeaseOptions::with_duration(LeaseDuration::from_secs(15).unwrap());
         assert_eq!(
-            (o.duration, o.renew_every, o.safety_margin),
+            (o.duration.as_duration(), o.renew_every, o.safety_margin),
             (
                 Duration::from_secs(15),
                 Duration::from_secs(5),
@@ -474,9 +474,10 @@ mod memory {
         );
         assert!(o.validate().is_ok());
         for bad in [
-            LeaseOptions::with_duration(Duration::from_secs(10)),
-            LeaseOptions::with_duration(Duration::from_secs(61)),
-            LeaseOptions::with_duration(Duration::from_millis(15_500)),
+            LeaseOptions {
+                renew_every: Duration::ZERO,
+                ..LeaseOptions::default()
+            },
             LeaseOptions {
                 safety_margin: Duration::from_secs(20),
                 ..LeaseOptions::default()
@@ -518,7 +519,7 @@ mod memory {
             lock.try_acquire(&key("abandoned")).await.unwrap().is_none(),
             "not released"
         );
-        tokio::time::sleep(fast_options().duration + Duration::from_secs(1)).await;
+        tokio::time::sleep(fast_options().duration.as_duration() + Duration::from_secs(1)).await;
         assert!(
             lock.try_acquire(&key("abandoned")).await.unwrap().is_some(),
             "lapsed"
@@ -611,7 +612,7 @@ mod memory {
         );
         let other = eventually_free(&lock, &k).await;
         assert!(
-            left.elapsed() <= fast_options().duration,
+            left.elapsed() <= fast_options().duration.as_duration(),
             "free after {:?}",
             left.elapsed()
         );
@@ -671,7 +672,7 @@ mod memory {
             "still held"
         );
         flaky.fail_releases.store(2, Ordering::SeqCst);
-        tokio::time::sleep(fast_options().duration).await;
+        tokio::time::sleep(fast_options().duration.as_duration()).await;
         let guard = lock.try_acquire(&key("sticky")).await.unwrap().unwrap();
         guard.release().await.unwrap();
         assert!(
@@ -930,7 +931,12 @@ mod memory {
         async fn create_blob(&self, blob: &str) -> StoreResult<()> {
             self.inner.create_blob(blob).await
         }
-        async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
+        async fn acquire_lease(
+            &self,
+            blob: &str,
+            lease: LeaseId,
+            duration: LeaseDuration,
+        ) -> StoreResult<()> {
             if self.inner.counters().snapshot().get(Op::LeaseAcquire) > 1_000 {
                 // Tries back to back would spin with time paused: let time move instead, so
                 // the test fails on its counts.

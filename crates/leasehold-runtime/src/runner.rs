@@ -466,7 +466,7 @@ impl RecordRunner {
     /// next one expires: lease duration + renewal interval + margin (45 s by default).
     fn watchdog_visibility(&self) -> Duration {
         let lease = self.lock.options();
-        lease.duration + lease.renew_every + WATCHDOG_MARGIN
+        lease.duration.as_duration() + lease.renew_every + WATCHDOG_MARGIN
     }
 
     fn key_of(&self, delivery: &Delivery) -> Result<LockKey, Outcome> {

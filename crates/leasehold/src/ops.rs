@@ -124,7 +124,7 @@ pub async fn break_lease(
         Ok(format!(
             "broke the lease on {key} ({reason}); its run is told at its next renewal, and the record is free once \
              that run released it or the lease would have expired (at most {} s)",
-            settings.lease.duration.as_secs()
+            settings.lease.duration.secs()
         ))
     }
 }

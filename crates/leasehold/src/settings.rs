@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use leasehold_functions::start::StartPolicy;
-use leasehold_lock::{LeaseOptions, StorageAccount};
+use leasehold_lock::{LeaseDuration, LeaseOptions, StorageAccount};
 use leasehold_runtime::{ConsumerOptions, RunnerOptions};
 use serde::Deserialize;
 
@@ -221,17 +221,19 @@ impl Settings {
         let lease_seconds: u64 = number(
             "LEASEHOLD_LEASE_SECONDS",
             &raw.leasehold_lease_seconds,
-            LeaseOptions::default().duration.as_secs(),
+            u64::from(LeaseOptions::default().duration.secs()),
         )?;
-        if !(15..=60).contains(&lease_seconds) {
+        let Ok(duration) = LeaseDuration::from_secs(lease_seconds) else {
             bail!(
-                "LEASEHOLD_LEASE_SECONDS must be from 15 to 60 (Azure's lease limits), not {lease_seconds}"
+                "LEASEHOLD_LEASE_SECONDS must be from {} to {} (Azure's lease limits), not {lease_seconds}",
+                LeaseDuration::MIN_SECS,
+                LeaseDuration::MAX_SECS
             );
-        }
+        };
         let lease = LeaseOptions {
             fencing: flag("LEASEHOLD_FENCING", &raw.leasehold_fencing, true)?,
             // Renewed every third of the duration, declared lost a third before it could expire.
-            ..LeaseOptions::with_duration(Duration::from_secs(lease_seconds))
+            ..LeaseOptions::with_duration(duration)
         };
         let run_timeout = number(
             "LEASEHOLD_RUN_TIMEOUT_SECONDS",
@@ -278,7 +280,7 @@ impl Settings {
             batch_size: concurrency.min(32) as u32,
             // Visibility of a taken message: lease + renewal interval, so a dead worker's
             // message reappears only after its lease has expired.
-            visibility: lease.duration + lease.renew_every,
+            visibility: lease.duration.as_duration() + lease.renew_every,
             visibility_renew_every: lease.renew_every,
             max_dequeue_count,
             poll_max: Duration::from_secs(
@@ -374,7 +376,7 @@ mod tests {
             Some(match name {
                 "LEASEHOLD_QUEUE" => s.queue.clone(),
                 "LEASEHOLD_CONTAINER" => s.container.clone(),
-                "LEASEHOLD_LEASE_SECONDS" => s.lease.duration.as_secs().to_string(),
+                "LEASEHOLD_LEASE_SECONDS" => s.lease.duration.secs().to_string(),
                 "LEASEHOLD_FENCING" => s.lease.fencing.to_string(),
                 "LEASEHOLD_RUN_TIMEOUT_SECONDS" => s.runner.run_timeout.as_secs().to_string(),
                 "LEASEHOLD_CONCURRENCY" => s.consumer.concurrency.to_string(),
@@ -459,7 +461,7 @@ mod tests {
             (s.queue.as_str(), s.container.as_str(), s.port),
             ("leasehold-triggers", "leasehold-locks", 7071)
         );
-        assert_eq!(s.lease.duration, Duration::from_secs(30));
+        assert_eq!(s.lease.duration.as_duration(), Duration::from_secs(30));
         assert_eq!(s.consumer.visibility, Duration::from_secs(40));
         assert_eq!(s.logic, LogicSetting::Unset);
         assert!(s.lease.fencing);
@@ -486,7 +488,10 @@ mod tests {
                 s.runner.stop_grace + Duration::from_secs(2) <= s.lease.safety_margin,
                 "{secs}: logic must be gone before the lease can be handed on"
             );
-            assert_eq!(s.consumer.visibility, s.lease.duration + s.lease.renew_every);
+            assert_eq!(
+                s.consumer.visibility,
+                s.lease.duration.as_duration() + s.lease.renew_every
+            );
         }
     }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use leasehold_lock::azure::AzureBlobStore;
-use leasehold_lock::{LeaseLock, LeaseOptions, OpCounters, OpCounts};
+use leasehold_lock::{LeaseDuration, LeaseLock, LeaseOptions, OpCounters, OpCounts};
 use leasehold_runtime::{
     AzureQueue, Consumer, ConsumerOptions, Delivery, Logic, LogicError, Outcome, RecordRunner, RunContext,
     RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 /// Shortest lease Azure allows, so the crash test is quick.
 fn lease_options(fencing: bool) -> LeaseOptions {
     LeaseOptions {
-        duration: Duration::from_secs(15),
+        duration: LeaseDuration::from_secs(15).unwrap(),
         renew_every: Duration::from_secs(5),
         safety_margin: Duration::from_secs(2),
         fencing,

@@ -10,8 +10,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, FlagPut, LeaseId, LeaseLock, LeaseOptions, LeaseStore, Metadata, Op, OpCounters,
-    RetryOptions, StoreError, StoreErrorKind, StoreResult,
+    BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, Metadata, Op,
+    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
 };
 use leasehold_runtime::{
     Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MemoryQueue, Outcome, PoisonMessage,
@@ -108,7 +108,7 @@ impl LeaseStore for Scripted {
     async fn create_blob(&self, blob: &str) -> StoreResult<()> {
         self.call(Op::BlobCreate, self.store.create_blob(blob)).await
     }
-    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
+    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
         self.call(Op::LeaseAcquire, self.store.acquire_lease(blob, lease, duration))
             .await
     }

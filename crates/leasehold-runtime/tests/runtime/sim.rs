@@ -35,8 +35,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, FlagPut, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
-    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
+    BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey,
+    Metadata, Op, OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
 };
 use leasehold_runtime::{
     Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MemoryQueue, Outcome, PoisonMessage,
@@ -380,7 +380,6 @@ pub struct World {
     journal: Mutex<Journal>,
     epoch: Instant,
     logic_rng: Mutex<SmallRng>,
-    skew: f64,
     /// Per machine: storage unreachable until this instant.
     partitioned_until: Mutex<HashMap<usize, Instant>>,
     bad_record: Option<(String, Instant, Instant)>,
@@ -564,10 +563,8 @@ impl LeaseStore for Node {
         self.call(Op::BlobCreate, Box::pin(async move { b.create_blob(&n).await }))
             .await
     }
-    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: Duration) -> StoreResult<()> {
+    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
         let (b, n) = (self.blob(), blob.to_string());
-        // Storage's clock runs fast: its lease ends early by the workers' clocks.
-        let duration = duration.div_f64(1.0 + self.world.skew);
         self.call(
             Op::LeaseAcquire,
             Box::pin(async move { b.acquire_lease(&n, lease, duration).await }),
@@ -941,7 +938,7 @@ fn lease_options(plan: &Plan, node: u64) -> LeaseOptions {
         },
         holder: format!("node{node}"),
         safety_margin: plan.safety_margin.unwrap_or(LEASE / 3),
-        ..LeaseOptions::with_duration(LEASE)
+        ..LeaseOptions::with_duration(LeaseDuration::try_from(LEASE).unwrap())
     }
 }
 
@@ -1197,12 +1194,12 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     let world = Arc::new(World {
         rng: Mutex::new(SmallRng::seed_from_u64(plan.seed)),
         faults: AtomicBool::new(plan.faulty),
-        blob: Arc::new(MemoryStore::new()),
+        // Storage's clock runs fast: its leases end early by the workers' clocks.
+        blob: Arc::new(MemoryStore::new().with_clock_rate(1.0 + plan.skew)),
         queue: Arc::new(MemoryQueue::new("sim", OpCounters::new())),
         journal: Mutex::default(),
         epoch,
         logic_rng: Mutex::new(SmallRng::seed_from_u64(plan.seed.rotate_left(17))),
-        skew: plan.skew,
         partitioned_until: Mutex::default(),
         bad_record: plan
             .bad_record
