@@ -112,21 +112,21 @@ impl Logic for Probe {
         self.starts
             .lock()
             .unwrap()
-            .push((ctx.record_id.clone(), Instant::now()));
+            .push((ctx.record_id.to_string(), Instant::now()));
         self.count.fetch_add(1, Ordering::SeqCst);
         self.started.notify_waiters();
         let d = *self.duration.lock().unwrap();
         if !d.is_zero() {
             tokio::select! {
                 biased;
-                _ = ctx.cancel.cancelled() => return Err(LogicError("cancelled".into())),
+                _ = ctx.cancel.cancelled() => return Err(LogicError::new("cancelled")),
                 _ = tokio::time::sleep(d) => {}
             }
         }
         self.ends
             .lock()
             .unwrap()
-            .push((ctx.record_id.clone(), Instant::now()));
+            .push((ctx.record_id.to_string(), Instant::now()));
         Ok(())
     }
 }
@@ -181,7 +181,10 @@ async fn take_one(queue: &Arc<dyn TriggerQueue>) -> leasehold_runtime::Received 
 /// Start's put, a worker's get, the runner, the delete: one trigger, Leasehold's way.
 async fn leasehold_trigger(env: &Env, runner: &RecordRunner, record: &str) {
     env.queue
-        .put(&TriggerMessage::new("bench", record).encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("bench", record).unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
     let m = take_one(&env.queue).await;
@@ -198,7 +201,10 @@ async fn leasehold_trigger(env: &Env, runner: &RecordRunner, record: &str) {
 /// The same trigger the seed's way.
 async fn seed_trigger(env: &Env, seed: &seed::Seed, record: &str) {
     env.queue
-        .put(&TriggerMessage::new("bench", record).encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("bench", record).unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
     let m = take_one(&env.queue).await;
@@ -236,7 +242,7 @@ async fn round_trips(az: &Azurite, report: &mut String) {
             let r = r.clone();
             tokio::spawn(async move {
                 let d = Delivery {
-                    message: TriggerMessage::new("bench", "warm"),
+                    message: TriggerMessage::parse("bench", "warm").unwrap(),
                     dequeue_count: 1,
                 };
                 r.handle(&d, &CancellationToken::new()).await
@@ -321,7 +327,7 @@ async fn overhead(az: &Azurite, runs: usize, report: &mut String) {
     for fencing in [false, true] {
         let r = runner(&e, Probe::new(Duration::ZERO), fencing, 30);
         let d = Delivery {
-            message: TriggerMessage::new("bench", "overhead"),
+            message: TriggerMessage::parse("bench", "overhead").unwrap(),
             dequeue_count: 1,
         };
         r.handle(&d, &CancellationToken::new()).await;
@@ -367,7 +373,7 @@ async fn throughput(az: &Azurite, records: usize, repeats: usize, report: &mut S
         for i in 0..records {
             e.queue
                 .put(
-                    &TriggerMessage::new("bench", format!("r{i}")).encode(),
+                    &TriggerMessage::parse("bench", &format!("r{i}")).unwrap().encode(),
                     Duration::ZERO,
                 )
                 .await
@@ -459,7 +465,9 @@ async fn latency(az: &Azurite, samples: usize, report: &mut String) {
             let t = Instant::now();
             e.queue
                 .put(
-                    &TriggerMessage::new("bench", format!("lat{i}")).encode(),
+                    &TriggerMessage::parse("bench", &format!("lat{i}"))
+                        .unwrap()
+                        .encode(),
                     Duration::ZERO,
                 )
                 .await
@@ -517,7 +525,7 @@ async fn bursts(az: &Azurite, records: usize, triggers: usize, run_for: Duration
                         match q.get(1, Duration::from_secs(120)).await.unwrap().pop() {
                             Some(m) => {
                                 let t = TriggerMessage::decode(&m.body).unwrap();
-                                let _ = seed.handle(&t.record_id).await;
+                                let _ = seed.handle(t.record_id.as_str()).await;
                                 let _ = q.delete(&m.id, &m.pop_receipt).await;
                             }
                             None => tokio::time::sleep(Duration::from_millis(100)).await,
@@ -534,7 +542,10 @@ async fn bursts(az: &Azurite, records: usize, triggers: usize, run_for: Duration
             for r in 0..records {
                 let record = format!("burst{r}");
                 e.queue
-                    .put(&TriggerMessage::new("bench", &record).encode(), Duration::ZERO)
+                    .put(
+                        &TriggerMessage::parse("bench", &record).unwrap().encode(),
+                        Duration::ZERO,
+                    )
                     .await
                     .unwrap();
                 accepted.push((record, Instant::now()));
@@ -620,7 +631,10 @@ async fn recovery(az: &Azurite, samples: usize, report: &mut String) {
         rt.spawn(async move { victim.run(CancellationToken::new()).await });
         let record = format!("doomed{i}");
         e.queue
-            .put(&TriggerMessage::new("bench", &record).encode(), Duration::ZERO)
+            .put(
+                &TriggerMessage::parse("bench", &record).unwrap().encode(),
+                Duration::ZERO,
+            )
             .await
             .unwrap();
         while victim_probe.count.load(Ordering::SeqCst) == 0 {

@@ -135,8 +135,8 @@ impl Seed {
         let mut runs = 0;
         loop {
             let ctx = RunContext {
-                scope: "seed".into(),
-                record_id: record.into(),
+                scope: "seed".parse().expect("a scope"),
+                record_id: record.parse().expect("a record id"),
                 fencing_token: None,
                 cancel: CancellationToken::new(),
                 attempt: 1,

@@ -9,9 +9,23 @@
 use serde_json::{Map, Value};
 use uuid::Uuid;
 
-use leasehold_runtime::TriggerMessage;
+use leasehold_runtime::{InvalidName, RecordId, Scope, TriggerMessage};
 
-use crate::start::{Decision, StartPolicy, normalise_record_id, normalise_scope, org_allowed};
+use crate::start::{Decision, IgnoreReason, Rejection, StartPolicy, org_allowed};
+
+/// Why a Dataverse context names no record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NoRecord {
+    #[error("PrimaryEntityName is missing")]
+    NoEntityName,
+    #[error("PrimaryEntityName: {0}")]
+    InvalidEntityName(InvalidName),
+    #[error(
+        "no record id: PrimaryEntityId is missing or empty and neither Target.Id nor OutputParameters[id] is set"
+    )]
+    NoRecordId,
+}
 
 /// Whether a JSON object is a RemoteExecutionContext (rather than a plain `{recordId}` body).
 pub fn looks_like_context(object: &Map<String, Value>) -> bool {
@@ -46,24 +60,27 @@ fn guid_of(value: Option<&Value>) -> Option<Uuid> {
 }
 
 /// The record a context is about: (scope, record id), or why it names none.
-pub fn record_of(context: &Value) -> Result<(String, String), String> {
+pub fn record_of(context: &Value) -> Result<(Scope, RecordId), NoRecord> {
     let name = context.get("PrimaryEntityName").and_then(Value::as_str);
     let target = lookup(context.get("InputParameters"), "Target");
     let name = name
         .filter(|n| !n.trim().is_empty() && *n != "none")
         .or_else(|| target.and_then(|t| t.get("LogicalName")).and_then(Value::as_str))
-        .ok_or("PrimaryEntityName is missing")?;
-    let scope = normalise_scope(name).map_err(|e| format!("PrimaryEntityName: {e}"))?;
+        .ok_or(NoRecord::NoEntityName)?;
+    let scope = Scope::parse(name).map_err(NoRecord::InvalidEntityName)?;
     let id = guid_of(context.get("PrimaryEntityId"))
         .or_else(|| guid_of(target.and_then(|t| t.get("Id"))))
         .or_else(|| guid_of(lookup(context.get("OutputParameters"), "id")))
-        .ok_or("no record id: PrimaryEntityId is missing or empty and neither Target.Id nor OutputParameters[id] is set")?;
-    let id = normalise_record_id(&id.to_string())?;
+        .ok_or(NoRecord::NoRecordId)?;
+    let id = RecordId::from_guid(id).expect("guid_of never yields the empty GUID");
     Ok((scope, id))
 }
 
-pub(crate) fn decide(policy: &StartPolicy, org_header: Option<&str>, context: &Value) -> Decision {
-    let reject = |status: u16, error: String| Decision::Reject { status, error };
+pub(crate) fn decide(
+    policy: &StartPolicy,
+    org_header: Option<&str>,
+    context: &Value,
+) -> Result<Decision, Rejection> {
     if !policy.allowed_organizations.is_empty() {
         let names: Vec<&str> = ["OrganizationId", "OrganizationName"]
             .iter()
@@ -72,34 +89,26 @@ pub(crate) fn decide(policy: &StartPolicy, org_header: Option<&str>, context: &V
             .collect();
         if !org_allowed(policy, &names) {
             let named = names.first().copied().unwrap_or("(none named)");
-            return reject(
-                403,
-                format!("organization {named:?} is not allowed to trigger this environment"),
-            );
+            return Err(Rejection::OrganizationNotAllowed(named.to_string()));
         }
     }
-    let (scope, record_id) = match record_of(context) {
-        Ok(r) => r,
-        Err(e) => return reject(400, e),
-    };
+    let (scope, record_id) = record_of(context)?;
     if let Some(user) = guid_of(context.get("InitiatingUserId")) {
         if policy.integration_user_ids.contains(&user) {
-            return Decision::Ignore {
+            return Ok(Decision::Ignore {
                 scope,
                 record_id,
-                reason: format!(
-                    "initiated by the integration's own user {user}: ignored to break a write-back loop"
-                ),
-            };
+                reason: IgnoreReason::IntegrationUser(user),
+            });
         }
     }
     if let (Some(max), Some(depth)) = (policy.max_depth, context.get("Depth").and_then(Value::as_u64)) {
         if depth > max {
-            return Decision::Ignore {
+            return Ok(Decision::Ignore {
                 scope,
                 record_id,
-                reason: format!("Depth {depth} is over the maximum {max}: ignored to break a loop"),
-            };
+                reason: IgnoreReason::TooDeep { depth, max },
+            });
         }
     }
     let mut message = TriggerMessage::new(scope, record_id);
@@ -107,5 +116,5 @@ pub(crate) fn decide(policy: &StartPolicy, org_header: Option<&str>, context: &V
         .get("CorrelationId")
         .and_then(Value::as_str)
         .map(str::to_string);
-    Decision::Enqueue(message)
+    Ok(Decision::Enqueue(message))
 }

@@ -15,7 +15,9 @@
 
 use serde_json::{Map, Value, json};
 
-use leasehold_runtime::TriggerMessage;
+use leasehold_runtime::{DecodeError, TriggerMessage};
+
+use crate::Error;
 
 /// Function names, as the folder names `Start/` and `Worker/` (the host calls `POST /<name>`).
 pub const START_FUNCTION: &str = "Start";
@@ -39,11 +41,11 @@ pub struct HostHttpRequest {
 }
 
 /// Reads `Data.req` of a Start invocation.
-pub fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, String> {
+pub fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, Error> {
     let req = payload
         .get("Data")
         .and_then(|d| d.get(HTTP_IN))
-        .ok_or_else(|| format!("invocation has no Data.{HTTP_IN}"))?;
+        .ok_or(Error::MissingBinding(HTTP_IN))?;
     let method = req
         .get("Method")
         .and_then(Value::as_str)
@@ -109,18 +111,18 @@ pub fn http_invocation_response(
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueueInvocation {
     /// The message as read; `Err` with the reason if it is not a trigger.
-    pub message: Result<TriggerMessage, String>,
+    pub message: Result<TriggerMessage, DecodeError>,
     pub raw: String,
     pub dequeue_count: u32,
     pub id: Option<String>,
 }
 
 /// Reads `Data.trigger` and `Metadata` of a Worker invocation.
-pub fn parse_queue_invocation(payload: &Value) -> Result<QueueInvocation, String> {
+pub fn parse_queue_invocation(payload: &Value) -> Result<QueueInvocation, Error> {
     let data = payload
         .get("Data")
         .and_then(|d| d.get(QUEUE_IN))
-        .ok_or_else(|| format!("invocation has no Data.{QUEUE_IN}"))?;
+        .ok_or(Error::MissingBinding(QUEUE_IN))?;
     let raw = match data {
         Value::String(s) => s.clone(),
         other => other.to_string(),
@@ -149,23 +151,19 @@ pub fn parse_queue_invocation(payload: &Value) -> Result<QueueInvocation, String
 
 /// A trigger from whatever form the host passed: an object, a JSON string holding the object
 /// (double-encoded), a string holding that string (triple), or base64 of the JSON.
-fn read_trigger(value: &Value) -> Result<TriggerMessage, String> {
+fn read_trigger(value: &Value) -> Result<TriggerMessage, DecodeError> {
     let mut value = value.clone();
     for _ in 0..3 {
         match value {
-            Value::Object(_) => {
-                return serde_json::from_value::<TriggerMessage>(value)
-                    .map_err(|e| format!("not a trigger message: {e}"))
-                    .and_then(|m| TriggerMessage::from_json(&m.to_json()).map_err(|e| e.to_string()));
-            }
+            Value::Object(_) => return TriggerMessage::from_json(&value.to_string()),
             Value::String(s) => match serde_json::from_str::<Value>(&s) {
                 Ok(inner) => value = inner,
-                Err(_) => return TriggerMessage::decode(&s).map_err(|e| e.to_string()),
+                Err(_) => return TriggerMessage::decode(&s),
             },
-            _ => return Err("not a trigger message: expected a JSON object".into()),
+            _ => return Err(DecodeError::new("expected a JSON object")),
         }
     }
-    Err("not a trigger message: nested too deeply".into())
+    Err(DecodeError::new("nested too deeply"))
 }
 
 /// The answer to a successful Worker invocation (the host deletes the message).
@@ -193,7 +191,7 @@ mod tests {
 
     #[test]
     fn queue_trigger_in_every_encoding() {
-        let m = TriggerMessage::new("account", "8f9c1d2e-0000-4000-8000-000000000001");
+        let m = TriggerMessage::parse("account", "8f9c1d2e-0000-4000-8000-000000000001").unwrap();
         let plain = serde_json::from_str::<Value>(&m.to_json()).unwrap();
         let double = Value::String(m.to_json());
         let triple = Value::String(Value::String(m.to_json()).to_string());
@@ -236,7 +234,7 @@ mod tests {
 
     #[test]
     fn a_missing_or_unreadable_dequeue_count_reads_as_a_redelivery() {
-        let m = TriggerMessage::new("account", "42");
+        let m = TriggerMessage::parse("account", "42").unwrap();
         for dc in [json!(null), json!("many"), json!(-1), json!({})] {
             let inv =
                 parse_queue_invocation(&worker_payload(Value::String(m.to_json()), dc.clone())).unwrap();
@@ -274,7 +272,7 @@ mod tests {
 
     #[test]
     fn start_response_puts_the_callers_status_in_res_and_the_trigger_in_the_queue_output() {
-        let m = TriggerMessage::new("account", "42");
+        let m = TriggerMessage::parse("account", "42").unwrap();
         let r = http_invocation_response(202, &json!({"ok": true}), Some(&m), vec!["log".into()]);
         assert_eq!(r["Outputs"]["res"]["statusCode"], 202);
         assert_eq!(r["Outputs"]["res"]["body"], "{\"ok\":true}");

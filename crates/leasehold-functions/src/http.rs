@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use leasehold_lock::RetryOptions;
-use leasehold_runtime::{Delivery, Outcome, RecordRunner, TriggerMessage, TriggerQueue};
+use leasehold_runtime::{Delivery, Error, Outcome, PoisonMessage, RecordRunner, TriggerQueue};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -134,8 +134,8 @@ fn log_decision(decision: &Decision) {
         } => {
             tracing::info!(%scope, record = %record_id, outcome = "ignored", %reason, "start: trigger ignored")
         }
-        Decision::Reject { status, error } => {
-            tracing::warn!(status, %error, outcome = "rejected", "start: request refused")
+        Decision::Reject(rejection) => {
+            tracing::warn!(status = rejection.status(), error = %rejection, outcome = "rejected", "start: request refused")
         }
     }
 }
@@ -155,7 +155,7 @@ async fn invoke(State(app): State<Arc<App>>, Path(function): Path<String>, body:
 async fn invoke_start(app: &App, payload: &Value) -> Response {
     let req = match handler::parse_http_invocation(payload) {
         Ok(r) => r,
-        Err(e) => return json_response(400, json!({ "error": e })),
+        Err(e) => return json_response(400, json!({ "error": e.to_string() })),
     };
     // The host already checked the function key (authLevel: function).
     let request = StartRequest {
@@ -182,12 +182,18 @@ async fn invoke_start(app: &App, payload: &Value) -> Response {
 async fn invoke_worker(app: &App, payload: &Value) -> Response {
     let invocation = match handler::parse_queue_invocation(payload) {
         Ok(i) => i,
-        Err(e) => return json_response(400, json!({ "error": e })),
+        Err(e) => return json_response(400, json!({ "error": e.to_string() })),
     };
     let message = match invocation.message {
         Ok(m) => m,
-        Err(reason) => {
-            return poison_unreadable(app, &invocation.raw, invocation.dequeue_count, reason).await;
+        Err(e) => {
+            return poison_unreadable(
+                app,
+                &invocation.raw,
+                invocation.dequeue_count,
+                Error::Unreadable(e),
+            )
+            .await;
         }
     };
     let delivery = Delivery {
@@ -209,9 +215,6 @@ async fn invoke_worker(app: &App, payload: &Value) -> Response {
     );
     match &outcome {
         o if o.acknowledge() => json_response(200, handler::queue_invocation_done(o.name(), vec![log])),
-        Outcome::Rejected { reason } => {
-            poison_unreadable(app, &invocation.raw, invocation.dequeue_count, reason.clone()).await
-        }
         // Any non-2xx fails the invocation: the host makes the message visible again after
         // visibilityTimeout and poisons it after maxDequeueCount.
         _ => json_response(
@@ -232,23 +235,18 @@ fn describe(outcome: &Outcome) -> String {
         }
         Outcome::Coalesced => "a run is in progress; it will run once more".into(),
         Outcome::Rechecking { after } => format!("lease held after a redelivery; rechecking in {after:?}"),
-        Outcome::Retrying { reason, after } => format!("{reason}; retrying in {after:?}"),
-        Outcome::Poisoned { reason } => format!("moved to the poison queue: {reason}"),
-        Outcome::Rejected { reason } | Outcome::Failed { reason, .. } => reason.clone(),
+        Outcome::Retrying { error, after } => format!("{error}; retrying in {after:?}"),
+        Outcome::Poisoned { error } => format!("moved to the poison queue: {error}"),
+        Outcome::Failed { error, .. } => error.to_string(),
     }
 }
 
 /// A message that can never be a trigger: moved to the poison queue with its reason (the host
 /// would only retry it five times and then poison it without one), and the invocation succeeds.
-async fn poison_unreadable(app: &App, raw: &str, dequeue_count: u32, reason: String) -> Response {
-    let trigger = TriggerMessage::decode(raw).ok();
-    let poison = leasehold_runtime::PoisonMessage {
-        body: raw.to_string(),
-        trigger,
-        reason: reason.clone(),
-        dequeue_count,
-    };
+async fn poison_unreadable(app: &App, raw: &str, dequeue_count: u32, error: Error) -> Response {
+    let poison = PoisonMessage::new(raw.to_string(), None, &error, dequeue_count);
     let encoded = poison.encode();
+    let reason = poison.reason();
     match RetryOptions::default()
         .run("write poison", || app.poison.put(&encoded, Duration::ZERO))
         .await

@@ -1,7 +1,10 @@
 #![doc = include_str!("../README.md")]
 
 pub mod dataverse;
+mod error;
 pub mod handler;
 pub mod http;
 pub mod logic;
 pub mod start;
+
+pub use error::Error;

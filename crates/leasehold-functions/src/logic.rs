@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use leasehold_runtime::{Logic, LogicError, RunContext};
+
+use crate::Error;
 use tokio::io::AsyncReadExt;
 
 /// How long a cancelled command gets between SIGTERM and SIGKILL (the default of
@@ -156,8 +158,8 @@ impl Logic for CommandLogic {
             .arg("sh")
             .arg("-c")
             .arg(&self.command)
-            .env("LEASEHOLD_SCOPE", &ctx.scope)
-            .env("LEASEHOLD_RECORD_ID", &ctx.record_id)
+            .env("LEASEHOLD_SCOPE", ctx.scope.as_str())
+            .env("LEASEHOLD_RECORD_ID", ctx.record_id.as_str())
             .env(
                 "LEASEHOLD_FENCING_TOKEN",
                 ctx.fencing_token.map(|t| t.to_string()).unwrap_or_default(),
@@ -175,11 +177,9 @@ impl Logic for CommandLogic {
             // stops it instead.
             .kill_on_drop(false)
             .spawn()
-            .map_err(|e| {
-                LogicError(format!(
-                    "could not start the logic supervisor {}: {e}",
-                    self.supervisor.program.display()
-                ))
+            .map_err(|error| Error::Spawn {
+                program: self.supervisor.program.clone(),
+                error,
             })?;
         let _control = child.stdin.take();
         let mut stderr = child.stderr.take().expect("stderr is piped");
@@ -192,7 +192,7 @@ impl Logic for CommandLogic {
                 status = child.wait() => break status,
                 _ = ctx.cancel.cancelled() => {
                     self.stop(&mut child).await;
-                    return Err(LogicError("the logic command was terminated (run cancelled)".into()));
+                    return Err(Error::CommandTerminated.into());
                 }
                 n = stderr.read(&mut buf), if stderr_open => match n {
                     Ok(n) if n > 0 => tail.push(&buf[..n]),
@@ -200,7 +200,7 @@ impl Logic for CommandLogic {
                 },
             }
         };
-        let status = status.map_err(|e| LogicError(format!("waiting for the logic command: {e}")))?;
+        let status = status.map_err(Error::CommandWait)?;
         if status.success() {
             return Ok(());
         }
@@ -212,15 +212,11 @@ impl Logic for CommandLogic {
             })
             .await;
         }
-        let tail = tail.text();
-        let code = status
-            .code()
-            .map_or_else(|| "a signal".to_string(), |c| format!("code {c}"));
-        Err(LogicError(if tail.is_empty() {
-            format!("the logic command exited with {code}")
-        } else {
-            format!("the logic command exited with {code}: {tail}")
-        }))
+        Err(Error::CommandFailed {
+            code: status.code(),
+            stderr: tail.text(),
+        }
+        .into())
     }
 }
 
@@ -463,15 +459,15 @@ pub struct UrlLogic {
 }
 
 impl UrlLogic {
-    pub fn new(url: &str, timeout: Duration) -> Result<Self, String> {
-        let url = reqwest::Url::parse(url).map_err(|e| format!("not a URL: {e}"))?;
+    pub fn new(url: &str, timeout: Duration) -> Result<Self, Error> {
+        let url = reqwest::Url::parse(url)?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err("the URL must be http or https".into());
+            return Err(Error::UnsupportedScheme(url.scheme().to_string()));
         }
         let client = reqwest::Client::builder()
             .timeout(timeout)
             .build()
-            .map_err(|e| e.to_string())?;
+            .map_err(Error::HttpClient)?;
         Ok(Self { url, client })
     }
 }
@@ -491,22 +487,26 @@ impl Logic for UrlLogic {
         }
         let response = tokio::select! {
             biased;
-            _ = ctx.cancel.cancelled() => return Err(LogicError("the logic request was abandoned (run cancelled)".into())),
+            _ = ctx.cancel.cancelled() => return Err(Error::RequestAbandoned.into()),
             r = request.send() => r,
         };
         // Only the host and path are named: a query string may hold a key.
         let target = format!("{}{}", self.url.host_str().unwrap_or(""), self.url.path());
-        let response =
-            response.map_err(|e| LogicError(format!("logic URL {target}: {}", e.without_url())))?;
+        let response = response.map_err(|e| Error::Request {
+            target: target.clone(),
+            error: e.without_url(),
+        })?;
         let status = response.status();
         if status.is_success() {
             return Ok(());
         }
         let text = response.text().await.unwrap_or_default();
-        let snippet: String = text.chars().take(500).collect();
-        Err(LogicError(format!(
-            "logic URL {target} answered {status}: {snippet}"
-        )))
+        Err(Error::Refused {
+            target,
+            status,
+            body: text.chars().take(500).collect(),
+        }
+        .into())
     }
 }
 
@@ -523,7 +523,7 @@ impl Logic for DemoLogic {
             "demo logic: working on the record for {:?}", self.duration);
         tokio::select! {
             biased;
-            _ = ctx.cancel.cancelled() => Err(LogicError("demo logic cancelled".into())),
+            _ = ctx.cancel.cancelled() => Err(Error::DemoCancelled.into()),
             _ = tokio::time::sleep(self.duration) => Ok(()),
         }
     }

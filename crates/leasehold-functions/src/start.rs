@@ -8,17 +8,13 @@ use serde_json::Value;
 use subtle::ConstantTimeEq;
 use uuid::Uuid;
 
-use leasehold_runtime::TriggerMessage;
+use leasehold_runtime::{Field, InvalidName, RecordId, Scope, TriggerMessage};
+
+use crate::dataverse::NoRecord;
 
 /// Largest request body accepted. Dataverse sends at most 256 KB before it trims the context
 /// (`x-ms-dynamics-msg-size-exceeded`); twice that leaves room for encoding differences.
 pub const MAX_BODY_BYTES: usize = 512 * 1024;
-/// Longest scope: Dataverse logical names are at most 50 characters.
-pub const MAX_SCOPE_LEN: usize = 64;
-/// Longest record id that is not a GUID.
-pub const MAX_RECORD_ID_LEN: usize = 128;
-/// Scope used when a plain body names none.
-pub const DEFAULT_SCOPE: &str = "default";
 
 /// A secret (an API key): its `Debug` and `Display` never show it; [`expose`](Self::expose)
 /// reads it where it is needed.
@@ -106,12 +102,81 @@ pub enum Decision {
     Enqueue(TriggerMessage),
     /// Answer 200 and enqueue nothing (loop protection); the reason is logged and returned.
     Ignore {
-        scope: String,
-        record_id: String,
-        reason: String,
+        scope: Scope,
+        record_id: RecordId,
+        reason: IgnoreReason,
     },
-    /// Answer this 4xx with this message and enqueue nothing.
-    Reject { status: u16, error: String },
+    /// Answer the rejection's 4xx with its text and enqueue nothing.
+    Reject(Rejection),
+}
+
+/// Why Start refused a request. Each owns the HTTP status it is answered with; nothing was
+/// enqueued.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Rejection {
+    #[error("method {0} not allowed: POST a record id")]
+    MethodNotAllowed(String),
+    #[error("missing or wrong key: send it as the x-functions-key header or the code query parameter")]
+    WrongKey,
+    #[error("unsupported content type {0:?}: send application/json")]
+    UnsupportedContentType(String),
+    #[error("body of {0} bytes is over the limit of {MAX_BODY_BYTES}")]
+    BodyTooLarge(usize),
+    #[error("empty body: send {{\"recordId\": \"...\"}} or a Dataverse webhook body")]
+    EmptyBody,
+    #[error("malformed JSON: {0}")]
+    MalformedJson(String),
+    #[error("the body must be a JSON object")]
+    NotAnObject,
+    /// The organisation named (by header or in the Dataverse context) is not allowed.
+    #[error("organization {0:?} is not allowed to trigger this environment")]
+    OrganizationNotAllowed(String),
+    /// Allowed organisations are set and the request names none.
+    #[error("this environment only accepts requests from its allowed organizations")]
+    OrganizationNotNamed,
+    #[error("{0} must be a string")]
+    NotAString(Field),
+    #[error("recordId is missing")]
+    MissingRecordId,
+    #[error(transparent)]
+    InvalidName(#[from] InvalidName),
+    /// A Dataverse context that names no record.
+    #[error(transparent)]
+    NoRecord(#[from] NoRecord),
+}
+
+impl Rejection {
+    /// The HTTP status to answer with.
+    pub fn status(&self) -> u16 {
+        match self {
+            Rejection::MethodNotAllowed(_) => 405,
+            Rejection::WrongKey => 401,
+            Rejection::UnsupportedContentType(_) => 415,
+            Rejection::BodyTooLarge(_) => 413,
+            Rejection::OrganizationNotAllowed(_) | Rejection::OrganizationNotNamed => 403,
+            Rejection::EmptyBody
+            | Rejection::MalformedJson(_)
+            | Rejection::NotAnObject
+            | Rejection::NotAString(_)
+            | Rejection::MissingRecordId
+            | Rejection::InvalidName(_)
+            | Rejection::NoRecord(_) => 400,
+        }
+    }
+}
+
+/// Why Start accepted a request but enqueued nothing: loop protection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum IgnoreReason {
+    /// The event was the integration's own write (`InitiatingUserId` is one of
+    /// `LEASEHOLD_INTEGRATION_USER_IDS`).
+    #[error("initiated by the integration's own user {0}: ignored to break a write-back loop")]
+    IntegrationUser(Uuid),
+    /// The event is deeper than `LEASEHOLD_MAX_DEPTH`.
+    #[error("Depth {depth} is over the maximum {max}: ignored to break a loop")]
+    TooDeep { depth: u64, max: u64 },
 }
 
 impl Decision {
@@ -131,27 +196,27 @@ impl Decision {
                 reason,
             } => (
                 200,
-                serde_json::json!({ "ignored": { "scope": scope, "recordId": record_id }, "reason": reason }),
+                serde_json::json!({ "ignored": { "scope": scope, "recordId": record_id }, "reason": reason.to_string() }),
             ),
-            Decision::Reject { status, error } => (*status, serde_json::json!({ "error": error })),
+            Decision::Reject(rejection) => (
+                rejection.status(),
+                serde_json::json!({ "error": rejection.to_string() }),
+            ),
         }
-    }
-}
-
-fn reject(status: u16, error: impl Into<String>) -> Decision {
-    Decision::Reject {
-        status,
-        error: error.into(),
     }
 }
 
 /// Decides what to do with a request to `POST /api/start`.
 pub fn decide(policy: &StartPolicy, req: &StartRequest<'_>) -> Decision {
+    match accept(policy, req) {
+        Ok(decision) => decision,
+        Err(rejection) => Decision::Reject(rejection),
+    }
+}
+
+fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Rejection> {
     if !req.method.eq_ignore_ascii_case("POST") {
-        return reject(
-            405,
-            format!("method {} not allowed: POST a record id", req.method),
-        );
+        return Err(Rejection::MethodNotAllowed(req.method.to_string()));
     }
     if req.check_key {
         if let Some(expected) = &policy.api_key {
@@ -160,10 +225,7 @@ pub fn decide(policy: &StartPolicy, req: &StartRequest<'_>) -> Decision {
                 .or_else(|| req.query("code"))
                 .unwrap_or("");
             if !bool::from(presented.as_bytes().ct_eq(expected.expose().as_bytes())) {
-                return reject(
-                    401,
-                    "missing or wrong key: send it as the x-functions-key header or the code query parameter",
-                );
+                return Err(Rejection::WrongKey);
             }
         }
     }
@@ -171,33 +233,19 @@ pub fn decide(policy: &StartPolicy, req: &StartRequest<'_>) -> Decision {
         let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
         let json = mime == "application/json" || mime == "text/json" || mime.ends_with("+json");
         if !json {
-            return reject(
-                415,
-                format!("unsupported content type {mime:?}: send application/json"),
-            );
+            return Err(Rejection::UnsupportedContentType(mime));
         }
     }
     if req.body.len() > MAX_BODY_BYTES {
-        return reject(
-            413,
-            format!(
-                "body of {} bytes is over the limit of {MAX_BODY_BYTES}",
-                req.body.len()
-            ),
-        );
+        return Err(Rejection::BodyTooLarge(req.body.len()));
     }
     if req.body.iter().all(u8::is_ascii_whitespace) {
-        return reject(
-            400,
-            "empty body: send {\"recordId\": \"...\"} or a Dataverse webhook body",
-        );
+        return Err(Rejection::EmptyBody);
     }
-    let body: Value = match serde_json::from_slice(req.body) {
-        Ok(v) => v,
-        Err(e) => return reject(400, format!("malformed JSON: {e}")),
-    };
+    let body: Value =
+        serde_json::from_slice(req.body).map_err(|e| Rejection::MalformedJson(e.to_string()))?;
     let Some(object) = body.as_object() else {
-        return reject(400, "the body must be a JSON object");
+        return Err(Rejection::NotAnObject);
     };
     if crate::dataverse::looks_like_context(object) {
         return crate::dataverse::decide(policy, req.header("x-ms-dynamics-organization"), &body);
@@ -206,35 +254,19 @@ pub fn decide(policy: &StartPolicy, req: &StartRequest<'_>) -> Decision {
     if !policy.allowed_organizations.is_empty() {
         match req.header("x-ms-dynamics-organization") {
             Some(org) if org_allowed(policy, &[org]) => {}
-            Some(org) => {
-                return reject(
-                    403,
-                    format!("organization {org:?} is not allowed to trigger this environment"),
-                );
-            }
-            None => {
-                return reject(
-                    403,
-                    "this environment only accepts requests from its allowed organizations",
-                );
-            }
+            Some(org) => return Err(Rejection::OrganizationNotAllowed(org.to_string())),
+            None => return Err(Rejection::OrganizationNotNamed),
         }
     }
     let scope = match object.get("scope") {
-        None | Some(Value::Null) => DEFAULT_SCOPE.to_string(),
-        Some(Value::String(s)) => match normalise_scope(s) {
-            Ok(s) => s,
-            Err(e) => return reject(400, e),
-        },
-        Some(_) => return reject(400, "scope must be a string"),
+        None | Some(Value::Null) => Scope::default(),
+        Some(Value::String(s)) => Scope::parse(s)?,
+        Some(_) => return Err(Rejection::NotAString(Field::Scope)),
     };
     let record_id = match object.get("recordId") {
-        None | Some(Value::Null) => return reject(400, "recordId is missing"),
-        Some(Value::String(s)) => match normalise_record_id(s) {
-            Ok(s) => s,
-            Err(e) => return reject(400, e),
-        },
-        Some(_) => return reject(400, "recordId must be a string"),
+        None | Some(Value::Null) => return Err(Rejection::MissingRecordId),
+        Some(Value::String(s)) => RecordId::parse(s)?,
+        Some(_) => return Err(Rejection::NotAString(Field::RecordId)),
     };
     let mut message = TriggerMessage::new(scope, record_id);
     message.correlation_id = req
@@ -242,7 +274,7 @@ pub fn decide(policy: &StartPolicy, req: &StartRequest<'_>) -> Decision {
         .or_else(|| object.get("correlationId").and_then(Value::as_str))
         .map(str::to_string)
         .or_else(|| Some(Uuid::new_v4().to_string()));
-    Decision::Enqueue(message)
+    Ok(Decision::Enqueue(message))
 }
 
 pub(crate) fn org_allowed(policy: &StartPolicy, names: &[&str]) -> bool {
@@ -252,60 +284,6 @@ pub(crate) fn org_allowed(policy: &StartPolicy, names: &[&str]) -> bool {
             .iter()
             .any(|a| a.eq_ignore_ascii_case(n.trim()))
     })
-}
-
-/// Scopes: 1–64 characters of letters, digits, `_ . -`, lower-cased (Dataverse logical names
-/// are lower case, so `Account` and `account` are one scope).
-pub fn normalise_scope(scope: &str) -> Result<String, String> {
-    let scope = scope.trim();
-    if scope.is_empty() {
-        return Err("scope is empty".into());
-    }
-    if scope.len() > MAX_SCOPE_LEN {
-        return Err(format!("scope is longer than {MAX_SCOPE_LEN} characters"));
-    }
-    if !scope
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
-        || scope.starts_with('.')
-    {
-        return Err(format!(
-            "scope {scope:?} may only hold letters, digits, '_', '.' and '-'"
-        ));
-    }
-    Ok(scope.to_ascii_lowercase())
-}
-
-/// Record ids: GUIDs in any case, with or without braces, become lower-case hyphenated GUIDs (one
-/// record, one key); other ids are 1–128 characters of letters, digits and `_ . : @ = + -`.
-pub fn normalise_record_id(id: &str) -> Result<String, String> {
-    let id = id.trim();
-    if id.is_empty() {
-        return Err("recordId is empty".into());
-    }
-    let unbraced = id
-        .strip_prefix('{')
-        .and_then(|s| s.strip_suffix('}'))
-        .unwrap_or(id);
-    if let Ok(guid) = Uuid::try_parse(unbraced) {
-        if guid.is_nil() {
-            return Err("recordId is the empty GUID".into());
-        }
-        return Ok(guid.hyphenated().to_string());
-    }
-    if id.len() > MAX_RECORD_ID_LEN {
-        return Err(format!("recordId is longer than {MAX_RECORD_ID_LEN} characters"));
-    }
-    if !id
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || "_.:@=+-".contains(c))
-        || id.starts_with('.')
-    {
-        return Err(format!(
-            "recordId {id:?} may only hold letters, digits and _ . : @ = + -"
-        ));
-    }
-    Ok(id.to_string())
 }
 
 #[cfg(test)]
@@ -372,7 +350,7 @@ mod tests {
 
     fn enqueued(d: &Decision) -> (&str, &str) {
         match d {
-            Decision::Enqueue(m) => (&m.scope, &m.record_id),
+            Decision::Enqueue(m) => (m.scope.as_str(), m.record_id.as_str()),
             other => panic!("expected an enqueue, got {other:?}"),
         }
     }
@@ -414,7 +392,7 @@ mod tests {
         // With an allow-list, a plain body must name an allowed organisation.
         assert!(matches!(
             post(&json!({"recordId": "x"})),
-            Decision::Reject { status: 403, .. }
+            Decision::Reject(Rejection::OrganizationNotNamed)
         ));
         // Allowed organisation required for plain bodies too when an allow-list is set.
         let text = json!({"recordId": "x"}).to_string();
@@ -471,21 +449,29 @@ mod tests {
     fn loop_protection_and_organisations() {
         let mut own = dataverse("8f9c1d2e-0000-4000-8000-000000000001");
         own["InitiatingUserId"] = json!(APP_USER.to_uppercase());
-        assert!(matches!(post(&own), Decision::Ignore { reason, .. } if reason.contains("integration")));
+        assert!(
+            matches!(post(&own), Decision::Ignore { reason: IgnoreReason::IntegrationUser(u), .. } if u.to_string() == APP_USER)
+        );
         let mut deep = dataverse("8f9c1d2e-0000-4000-8000-000000000001");
         deep["Depth"] = json!(3);
-        assert!(matches!(post(&deep), Decision::Ignore { reason, .. } if reason.contains("Depth 3")));
+        assert!(matches!(
+            post(&deep),
+            Decision::Ignore {
+                reason: IgnoreReason::TooDeep { depth: 3, max: 2 },
+                ..
+            }
+        ));
         let mut other_org = dataverse("8f9c1d2e-0000-4000-8000-000000000001");
         other_org["OrganizationId"] = json!("11111111-2222-4333-8444-555555555555");
         other_org["OrganizationName"] = json!("fabrikam-prod");
-        assert!(matches!(post(&other_org), Decision::Reject { status: 403, .. }));
+        assert!(matches!(post(&other_org), Decision::Reject(r) if r.status() == 403));
         let no_id = {
             let mut c = dataverse("00000000-0000-0000-0000-000000000000");
             c["InputParameters"] = json!([]);
             c
         };
         assert!(
-            matches!(post(&no_id), Decision::Reject { status: 400, error } if error.contains("no record id"))
+            matches!(post(&no_id), Decision::Reject(r @ Rejection::NoRecord(NoRecord::NoRecordId)) if r.status() == 400)
         );
     }
 
@@ -505,11 +491,11 @@ mod tests {
         };
         assert!(matches!(
             decide(&p, &req(vec![], vec![])),
-            Decision::Reject { status: 401, .. }
+            Decision::Reject(Rejection::WrongKey)
         ));
         assert!(matches!(
             decide(&p, &req(vec![("x-functions-key".into(), "s3cre".into())], vec![])),
-            Decision::Reject { status: 401, .. }
+            Decision::Reject(Rejection::WrongKey)
         ));
         assert!(matches!(
             decide(

@@ -14,8 +14,8 @@ use tokio_util::sync::CancellationToken;
 
 fn ctx(record: &str, token: Option<u64>) -> RunContext {
     RunContext {
-        scope: "account".into(),
-        record_id: record.into(),
+        scope: "account".parse().unwrap(),
+        record_id: record.parse().unwrap(),
         fencing_token: token,
         cancel: CancellationToken::new(),
         attempt: 1,

@@ -123,7 +123,7 @@ impl std::error::Error for StoreError {}
 pub type StoreResult<T> = std::result::Result<T, StoreError>;
 
 /// Everything the lock library can report.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// Storage answered with something the lock cannot work around (after retrying transient

@@ -17,6 +17,7 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::error::Error;
 use crate::message::TriggerMessage;
 use crate::queue::{Received, TriggerQueue};
 use crate::runner::{Delivery, Outcome, RecordRunner};
@@ -70,7 +71,8 @@ impl Default for ConsumerOptions {
     }
 }
 
-/// What the poison queue holds: the trigger and why it was given up.
+/// What the poison queue holds: the trigger and why it was given up (the text of the
+/// [`Error`] that gave it up, for operators).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PoisonMessage {
@@ -79,11 +81,26 @@ pub struct PoisonMessage {
     /// The trigger, when the body could be read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trigger: Option<TriggerMessage>,
-    pub reason: String,
+    reason: String,
     pub dequeue_count: u32,
 }
 
 impl PoisonMessage {
+    /// The entry for a message given up because of `error`.
+    pub fn new(body: String, trigger: Option<TriggerMessage>, error: &Error, dequeue_count: u32) -> Self {
+        Self {
+            body,
+            trigger,
+            reason: error.to_string(),
+            dequeue_count,
+        }
+    }
+
+    /// Why the message was given up.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+
     /// The poison queue's wire form: base64 of the JSON, like trigger messages, so tools reading
     /// either queue decode alike.
     pub fn encode(&self) -> String {
@@ -195,13 +212,8 @@ impl Consumer {
         let message = match TriggerMessage::decode(&received.body) {
             Ok(m) => m,
             Err(e) => {
-                self.poison(
-                    &received,
-                    &received.pop_receipt,
-                    None,
-                    format!("unreadable message: {e}"),
-                )
-                .await;
+                self.poison(&received, &received.pop_receipt, None, Error::Unreadable(e))
+                    .await;
                 return;
             }
         };
@@ -210,12 +222,12 @@ impl Consumer {
             dequeue_count: received.dequeue_count,
         };
         if delivery.attempts() > self.options.max_dequeue_count {
-            let reason = format!(
-                "gave up after {} deliveries (max {}); last failures are in the logs",
-                delivery.attempts() - 1,
-                self.options.max_dequeue_count
-            );
-            self.poison(&received, &received.pop_receipt, Some(delivery.message), reason)
+            let error = Error::GaveUp {
+                deliveries: delivery.attempts() - 1,
+                max: self.options.max_dequeue_count,
+                last: None,
+            };
+            self.poison(&received, &received.pop_receipt, Some(delivery.message), error)
                 .await;
             return;
         }
@@ -245,10 +257,6 @@ impl Consumer {
                     tracing::warn!(error = %e, "acknowledging the message failed; it may be delivered again");
                 }
             }
-            Outcome::Rejected { reason } => {
-                self.poison(&received, &receipt, Some(delivery.message), reason)
-                    .await
-            }
             Outcome::Failed { .. } => {
                 // Hand the message back for a retry after a pause (or at once if we were cancelled
                 // by shutdown, so another worker can take it).
@@ -275,14 +283,9 @@ impl Consumer {
         received: &Received,
         receipt: &str,
         trigger: Option<TriggerMessage>,
-        reason: String,
+        error: Error,
     ) {
-        let entry = PoisonMessage {
-            body: received.body.clone(),
-            trigger,
-            reason,
-            dequeue_count: received.dequeue_count,
-        };
+        let entry = PoisonMessage::new(received.body.clone(), trigger, &error, received.dequeue_count);
         match self.runner.give_up(&*self.poison, &entry).await {
             Ok(()) => {
                 if let Err(e) = self.queue().delete(&received.id, receipt).await {

@@ -1,17 +1,21 @@
 #![doc = include_str!("../README.md")]
 
 mod consumer;
+mod error;
 mod message;
 pub mod queue;
+mod record;
 mod runner;
 mod watchdog;
 
 pub use consumer::{Consumer, ConsumerOptions, PoisonMessage, poison_queue_name};
+pub use error::{Error, LogicError};
 pub use message::{DecodeError, TriggerKind, TriggerMessage};
 pub use queue::{AzureQueue, Enqueued, MemoryQueue, Received, TriggerQueue};
+pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId, Scope, record_key};
 #[cfg(feature = "testing")]
 pub use runner::ProtocolVariant;
 pub use runner::{
-    Delivery, Logic, LogicError, MARKER_PREFIX, Outcome, RecordRunner, RunContext, RunnerOptions,
-    WATCHDOG_MARGIN, marker_blob_name, record_key,
+    Delivery, Logic, MARKER_PREFIX, Outcome, RecordRunner, RunContext, RunnerOptions, WATCHDOG_MARGIN,
+    marker_blob_name,
 };

@@ -3,7 +3,10 @@
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use leasehold_lock::LockKey;
 use serde::{Deserialize, Serialize};
+
+use crate::record::{InvalidName, RecordId, Scope, record_key};
 
 /// Why a message was enqueued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -43,8 +46,8 @@ impl TriggerKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TriggerMessage {
-    pub scope: String,
-    pub record_id: String,
+    pub scope: Scope,
+    pub record_id: RecordId,
     #[serde(default)]
     pub kind: TriggerKind,
     /// Failed deliveries of this trigger in earlier messages it was carried over from (a recheck
@@ -67,26 +70,37 @@ fn is_zero(n: &u32) -> bool {
 }
 
 /// A queue message body that is not a trigger.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("not a trigger message: {0}")]
 pub struct DecodeError(String);
 
 impl DecodeError {
-    pub(crate) fn new(reason: impl Into<String>) -> Self {
+    pub fn new(reason: impl Into<String>) -> Self {
         Self(reason.into())
     }
 }
 
 impl TriggerMessage {
-    pub fn new(scope: impl Into<String>, record_id: impl Into<String>) -> Self {
+    pub fn new(scope: Scope, record_id: RecordId) -> Self {
         Self {
-            scope: scope.into(),
-            record_id: record_id.into(),
+            scope,
+            record_id,
             kind: TriggerKind::Trigger,
             prior_attempts: 0,
             given_up: 0,
             correlation_id: None,
         }
+    }
+
+    /// A trigger for the record these texts name, once they are checked ([`Scope::parse`],
+    /// [`RecordId::parse`]).
+    pub fn parse(scope: &str, record_id: &str) -> Result<Self, InvalidName> {
+        Ok(Self::new(Scope::parse(scope)?, RecordId::parse(record_id)?))
+    }
+
+    /// The lock key of the record.
+    pub fn key(&self) -> LockKey {
+        record_key(&self.scope, &self.record_id)
     }
 
     /// A follow-up of `self` of another kind, keeping its identity.
@@ -123,13 +137,9 @@ impl TriggerMessage {
         Self::from_json(&text)
     }
 
-    /// Reads the JSON text.
+    /// Reads the JSON text; scope and record id are checked as Start checks them.
     pub fn from_json(text: &str) -> Result<Self, DecodeError> {
-        let msg: Self = serde_json::from_str(text).map_err(|e| DecodeError(e.to_string()))?;
-        if msg.scope.is_empty() || msg.record_id.is_empty() {
-            return Err(DecodeError("scope and recordId must not be empty".into()));
-        }
-        Ok(msg)
+        serde_json::from_str(text).map_err(|e| DecodeError(e.to_string()))
     }
 }
 
@@ -139,7 +149,7 @@ mod tests {
 
     #[test]
     fn round_trips_through_base64_and_reads_plain_json() {
-        let m = TriggerMessage::new("account", "8f9c1d2e-0000-4000-8000-000000000001");
+        let m = TriggerMessage::parse("account", "8f9c1d2e-0000-4000-8000-000000000001").unwrap();
         assert_eq!(TriggerMessage::decode(&m.encode()).unwrap(), m);
         assert_eq!(TriggerMessage::decode(&m.to_json()).unwrap(), m);
         assert_eq!(
@@ -150,6 +160,20 @@ mod tests {
         assert_eq!(TriggerMessage::decode(&r.encode()).unwrap().prior_attempts, 3);
     }
 
+    /// A message put by another tool is read into the form Start would have given it.
+    #[test]
+    fn reads_names_into_their_canonical_form() {
+        let m = TriggerMessage::decode(
+            r#"{"scope":"Account","recordId":"{8F9C1D2E-0000-4000-8000-000000000001}"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            m,
+            TriggerMessage::parse("account", "8f9c1d2e-0000-4000-8000-000000000001").unwrap()
+        );
+        assert_eq!(m.key().as_str(), "account/8f9c1d2e-0000-4000-8000-000000000001");
+    }
+
     #[test]
     fn rejects_what_is_not_a_trigger() {
         for body in [
@@ -158,6 +182,8 @@ mod tests {
             "e30=",
             r#"{"scope":"","recordId":"x"}"#,
             r#"{"recordId":"x"}"#,
+            r#"{"scope":"a","recordId":"a/b"}"#,
+            r#"{"scope":"a","recordId":"00000000-0000-0000-0000-000000000000"}"#,
         ] {
             assert!(TriggerMessage::decode(body).is_err(), "{body:?}");
         }

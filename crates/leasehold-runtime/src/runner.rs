@@ -12,8 +12,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::consumer::PoisonMessage;
+use crate::error::{Error, LogicError};
 use crate::message::{TriggerKind, TriggerMessage};
 use crate::queue::TriggerQueue;
+use crate::record::{RecordId, Scope};
 use crate::watchdog::Watchdog;
 
 /// Prefix of retrigger marker blobs.
@@ -22,8 +24,8 @@ pub const MARKER_PREFIX: &str = "retrigger/";
 /// What the logic is told about its run.
 #[derive(Debug, Clone)]
 pub struct RunContext {
-    pub scope: String,
-    pub record_id: String,
+    pub scope: Scope,
+    pub record_id: RecordId,
     /// Strictly increasing per record; `None` when fencing is off.
     pub fencing_token: Option<u64>,
     /// Fires when the run must stop: lease lost, time limit, shutdown. Results produced after it
@@ -32,11 +34,6 @@ pub struct RunContext {
     /// Delivery number of this trigger (1 = first).
     pub attempt: u32,
 }
-
-/// A failed run, with the reason that ends up in logs and, eventually, the poison queue.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
-pub struct LogicError(pub String);
 
 /// A record's logic.
 #[async_trait]
@@ -158,18 +155,26 @@ pub enum Outcome {
     /// `after` (a recheck is enqueued, or the watchdog left in place). Acknowledge.
     Rechecking { after: Duration },
     /// The run failed and its retry is already queued (the watchdog became it). Acknowledge.
-    Retrying { reason: String, after: Duration },
-    /// Given up after too many failed deliveries: the trigger is in the poison queue with its
-    /// reason and a sweep is queued. Acknowledge.
-    Poisoned { reason: String },
-    /// The message can never succeed (its scope or record cannot be a key). Poison it now.
-    Rejected { reason: String },
+    Retrying { error: Error, after: Duration },
+    /// Given up after too many failed deliveries ([`Error::GaveUp`]): the trigger is in the
+    /// poison queue with its reason and a sweep is queued. Acknowledge.
+    Poisoned { error: Error },
     /// The run failed, timed out, lost its lease, was cancelled, or storage failed. Do not
     /// acknowledge: the message is delivered again (and poisoned after too many deliveries).
-    Failed { reason: String, retriggered: bool },
+    Failed { error: Error, retriggered: bool },
 }
 
 impl Outcome {
+    /// Why the delivery did not complete a run, if it failed.
+    pub fn error(&self) -> Option<&Error> {
+        match self {
+            Outcome::Retrying { error, .. } | Outcome::Poisoned { error } | Outcome::Failed { error, .. } => {
+                Some(error)
+            }
+            Outcome::Completed { .. } | Outcome::Coalesced | Outcome::Rechecking { .. } => None,
+        }
+    }
+
     /// Whether the trigger message may be deleted.
     pub fn acknowledge(&self) -> bool {
         matches!(
@@ -190,7 +195,6 @@ impl Outcome {
             Outcome::Rechecking { .. } => "rechecking",
             Outcome::Retrying { .. } => "retrying",
             Outcome::Poisoned { .. } => "poisoned",
-            Outcome::Rejected { .. } => "rejected",
             Outcome::Failed { .. } => "failed",
         }
     }
@@ -265,14 +269,6 @@ impl std::fmt::Debug for dyn Logic {
     }
 }
 
-/// The lock key of a record: `<scope>/<record>`. Scope and record must each be one key segment.
-pub fn record_key(scope: &str, record_id: &str) -> Result<LockKey, String> {
-    if scope.contains('/') || record_id.contains('/') {
-        return Err("scope and record id must not contain '/'".into());
-    }
-    LockKey::new(format!("{scope}/{record_id}")).map_err(|e| e.to_string())
-}
-
 /// The marker blob of a record key.
 pub fn marker_blob_name(key: &LockKey) -> String {
     format!("{MARKER_PREFIX}{key}")
@@ -317,10 +313,9 @@ impl RecordRunner {
     /// (the standalone [`crate::Consumer`]): the message itself is the carrier. `cancel` stops a
     /// run from outside (shutdown); the trigger is then not acknowledged.
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
-        let outcome = match self.key_of(delivery) {
-            Ok(key) => self.handle_key(&key, delivery, cancel, None).await,
-            Err(rejected) => rejected,
-        };
+        let outcome = self
+            .handle_key(&delivery.message.key(), delivery, cancel, None)
+            .await;
         self.log(delivery, &outcome);
         outcome
     }
@@ -329,7 +324,7 @@ impl RecordRunner {
     /// whatever happens to this process (the Functions host: 10 minutes). A hidden watchdog
     /// message is put first and carries the delivery's duty if its host dies; a failed run turns
     /// it into the retry, and a trigger that failed `max_attempts` times is given up (poison
-    /// queue, with a sweep). Every outcome but `Failed` and `Rejected` means: acknowledge.
+    /// queue, with a sweep). Every outcome but `Failed` means: acknowledge.
     /// Costs 2 round trips per delivery (put and delete of the watchdog) plus one per lease
     /// renewal while a run lasts.
     pub async fn handle_watched(
@@ -350,19 +345,16 @@ impl RecordRunner {
         cancel: &CancellationToken,
     ) -> Outcome {
         let msg = &delivery.message;
-        let key = match self.key_of(delivery) {
-            Ok(key) => key,
-            Err(rejected) => return rejected,
-        };
+        let key = msg.key();
         let attempts = delivery.attempts();
         if attempts > self.options.max_attempts {
             // Only a message the host redelivered after a crash can get here.
-            let reason = format!(
-                "gave up after {} deliveries (max {})",
-                attempts - 1,
-                self.options.max_attempts
-            );
-            return self.poison_delivery(poison, delivery, reason).await;
+            let error = Error::GaveUp {
+                deliveries: attempts - 1,
+                max: self.options.max_attempts,
+                last: None,
+            };
+            return self.poison_delivery(poison, delivery, error).await;
         }
         let standin = msg.follow_up(TriggerKind::Watchdog, attempts);
         let watchdog = match Watchdog::arm(
@@ -387,26 +379,27 @@ impl RecordRunner {
                 }
                 Outcome::Rechecking { after }
             }
-            Outcome::Failed { reason, .. } if attempts >= self.options.max_attempts => {
-                let reason = format!(
-                    "gave up after {attempts} deliveries (max {}): {reason}",
-                    self.options.max_attempts
-                );
-                let outcome = self.poison_delivery(poison, delivery, reason).await;
+            Outcome::Failed { error, .. } if attempts >= self.options.max_attempts => {
+                let error = Error::GaveUp {
+                    deliveries: attempts,
+                    max: self.options.max_attempts,
+                    last: Some(Box::new(error)),
+                };
+                let outcome = self.poison_delivery(poison, delivery, error).await;
                 if outcome.acknowledge() {
                     watchdog.disarm().await;
                 }
                 outcome
             }
-            Outcome::Failed { reason, retriggered } => {
+            Outcome::Failed { error, retriggered } => {
                 let retry = msg.follow_up(TriggerKind::Watchdog, attempts);
                 let after = self.options.retry_delay;
                 match watchdog.rearm(&retry, after).await {
-                    Ok(()) => Outcome::Retrying { reason, after },
+                    Ok(()) => Outcome::Retrying { error, after },
                     // Taken by someone already (it surfaced during the run): it carries the retry.
-                    Err(e) if e.kind() == StoreErrorKind::NotFound => Outcome::Retrying { reason, after },
+                    Err(e) if e.kind() == StoreErrorKind::NotFound => Outcome::Retrying { error, after },
                     // The host retries its message (and the watchdog may surface too).
-                    Err(_) => Outcome::Failed { reason, retriggered },
+                    Err(_) => Outcome::Failed { error, retriggered },
                 }
             }
             other => {
@@ -421,11 +414,9 @@ impl RecordRunner {
     /// this succeeds.
     pub async fn give_up(&self, poison: &dyn TriggerQueue, entry: &PoisonMessage) -> Result<(), StoreError> {
         if let Some(trigger) = &entry.trigger {
-            if record_key(&trigger.scope, &trigger.record_id).is_ok() {
-                let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
-                sweep.given_up = trigger.given_up.saturating_add(1);
-                self.enqueue(&sweep, Duration::ZERO).await?;
-            }
+            let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
+            sweep.given_up = trigger.given_up.saturating_add(1);
+            self.enqueue(&sweep, Duration::ZERO).await?;
         }
         let body = entry.encode();
         self.options_retry()
@@ -434,26 +425,23 @@ impl RecordRunner {
         tracing::error!(
             scope = entry.trigger.as_ref().map(|t| t.scope.as_str()),
             record = entry.trigger.as_ref().map(|t| t.record_id.as_str()),
-            dequeue_count = entry.dequeue_count, reason = %entry.reason, poison_queue = poison.name(),
+            dequeue_count = entry.dequeue_count,
+            reason = entry.reason(),
+            poison_queue = poison.name(),
             "trigger moved to the poison queue"
         );
         Ok(())
     }
 
-    async fn poison_delivery(
-        &self,
-        poison: &dyn TriggerQueue,
-        delivery: &Delivery,
-        reason: String,
-    ) -> Outcome {
-        let entry = PoisonMessage {
-            body: delivery.message.encode(),
-            trigger: Some(delivery.message.clone()),
-            reason: reason.clone(),
-            dequeue_count: delivery.dequeue_count,
-        };
+    async fn poison_delivery(&self, poison: &dyn TriggerQueue, delivery: &Delivery, error: Error) -> Outcome {
+        let entry = PoisonMessage::new(
+            delivery.message.encode(),
+            Some(delivery.message.clone()),
+            &error,
+            delivery.dequeue_count,
+        );
         match self.give_up(poison, &entry).await {
-            Ok(()) => Outcome::Poisoned { reason },
+            Ok(()) => Outcome::Poisoned { error },
             Err(e) => storage_failed("give the trigger up", e),
         }
     }
@@ -469,11 +457,6 @@ impl RecordRunner {
         lease.duration.as_duration() + lease.renew_every + WATCHDOG_MARGIN
     }
 
-    fn key_of(&self, delivery: &Delivery) -> Result<LockKey, Outcome> {
-        record_key(&delivery.message.scope, &delivery.message.record_id)
-            .map_err(|reason| Outcome::Rejected { reason })
-    }
-
     fn log(&self, delivery: &Delivery, outcome: &Outcome) {
         let msg = &delivery.message;
         let attempt = delivery.attempts();
@@ -487,13 +470,13 @@ impl RecordRunner {
                 fencing_token = ?fencing_token, outcome = "completed", retriggered, run_ms = run_time.as_millis() as u64,
                 "record run completed"
             ),
-            Outcome::Failed { reason, retriggered } => tracing::warn!(
+            Outcome::Failed { error, retriggered } => tracing::warn!(
                 scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
-                outcome = "failed", retriggered, %reason, "record run failed; trigger will be retried"
+                outcome = "failed", retriggered, reason = %error, "record run failed; trigger will be retried"
             ),
-            Outcome::Retrying { reason, after } => tracing::warn!(
+            Outcome::Retrying { error, after } => tracing::warn!(
                 scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
-                outcome = "retrying", retry_in = ?after, %reason, "record run failed; retry queued"
+                outcome = "retrying", retry_in = ?after, reason = %error, "record run failed; retry queued"
             ),
             other => tracing::info!(
                 scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
@@ -658,7 +641,7 @@ impl RecordRunner {
             // comes back after it has.
             drop(guard);
             return Outcome::Failed {
-                reason: end.result.err().unwrap_or_default(),
+                error: end.result.expect_err("an abandoned run failed"),
                 retriggered: false,
             };
         }
@@ -679,7 +662,7 @@ impl RecordRunner {
                     retriggered,
                     run_time,
                 },
-                Err(reason) => Outcome::Failed { reason, retriggered },
+                Err(error) => Outcome::Failed { error, retriggered },
             };
         }
 
@@ -700,7 +683,7 @@ impl RecordRunner {
                 retriggered,
                 run_time,
             },
-            Err(reason) => Outcome::Failed { reason, retriggered },
+            Err(error) => Outcome::Failed { error, retriggered },
         }
     }
 
@@ -715,36 +698,34 @@ impl RecordRunner {
     ) -> RunEnd {
         let lost = guard.lost();
         if lost.is_cancelled() {
-            return RunEnd::stopped("lease lost before the run started".into());
+            return RunEnd::stopped(Error::LeaseLostBeforeRun);
         }
         let logic = self.logic.clone();
         let mut task = AbortOnDrop(tokio::spawn(async move { logic.run(ctx).await }));
         // Biased: a lost lease or a cancellation wins over a result that is ready at the same
         // moment, so a result produced after the lease was lost is never acknowledged.
-        let stop_reason = tokio::select! {
+        let stopped = tokio::select! {
             biased;
-            _ = lost.cancelled() => "lease lost during the run".to_string(),
-            _ = outer.cancelled() => "run cancelled (shutdown)".to_string(),
+            _ = lost.cancelled() => Error::LeaseLost,
+            _ = outer.cancelled() => Error::Cancelled,
             joined = &mut task.0 => return RunEnd { result: logic_result(joined), abandoned: false },
-            _ = tokio::time::sleep(self.options.run_timeout) => {
-                format!("run exceeded its time limit of {:?}", self.options.run_timeout)
-            }
+            _ = tokio::time::sleep(self.options.run_timeout) => Error::TimedOut(self.options.run_timeout),
         };
         run_cancel.cancel();
         if tokio::time::timeout(self.options.stop_grace, &mut task.0)
             .await
             .is_ok()
         {
-            return RunEnd::stopped(stop_reason);
+            return RunEnd::stopped(stopped);
         }
         task.0.abort();
         tracing::error!(grace = ?self.options.stop_grace,
             "logic did not stop within its grace period; abandoned, its lease left to lapse");
         RunEnd {
-            result: Err(format!(
-                "{stop_reason}; the logic did not stop within {:?} and was abandoned",
-                self.options.stop_grace
-            )),
+            result: Err(Error::Abandoned {
+                stopped: Box::new(stopped),
+                grace: self.options.stop_grace,
+            }),
             abandoned: true,
         }
     }
@@ -821,15 +802,15 @@ enum MarkerFirst {
 
 /// How a run ended.
 struct RunEnd {
-    result: Result<(), String>,
+    result: Result<(), Error>,
     /// The logic did not stop within its grace: it may still be running.
     abandoned: bool,
 }
 
 impl RunEnd {
-    fn stopped(reason: String) -> Self {
+    fn stopped(error: Error) -> Self {
         Self {
-            result: Err(reason),
+            result: Err(error),
             abandoned: false,
         }
     }
@@ -871,10 +852,10 @@ impl Drop for AbortOnDrop {
     }
 }
 
-fn logic_result(joined: Result<Result<(), LogicError>, tokio::task::JoinError>) -> Result<(), String> {
+fn logic_result(joined: Result<Result<(), LogicError>, tokio::task::JoinError>) -> Result<(), Error> {
     match joined {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(format!("logic failed: {e}")),
+        Ok(Err(e)) => Err(Error::Logic(e)),
         // Cancelled only when the runtime itself shuts down under the run.
         Err(e) => match e.try_into_panic() {
             Ok(payload) => {
@@ -883,16 +864,16 @@ fn logic_result(joined: Result<Result<(), LogicError>, tokio::task::JoinError>) 
                     .map(|s| s.to_string())
                     .or_else(|| payload.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "a non-text payload".into());
-                Err(format!("logic panicked: {text}"))
+                Err(Error::LogicPanicked(text))
             }
-            Err(_) => Err("logic task was cancelled".into()),
+            Err(_) => Err(Error::LogicTaskCancelled),
         },
     }
 }
 
-fn storage_failed(what: &str, e: impl std::fmt::Display) -> Outcome {
+fn storage_failed(step: &'static str, error: impl Into<leasehold_lock::Error>) -> Outcome {
     Outcome::Failed {
-        reason: format!("storage: {what}: {e}"),
+        error: Error::storage(step, error),
         retriggered: false,
     }
 }

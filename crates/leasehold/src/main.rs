@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use leasehold::{Application, Mode, Settings, ops};
+use leasehold_runtime::{RecordId, Scope};
 use tokio_util::sync::CancellationToken;
 
 /// Long per-record work on Azure: one run per record at a time, every event honoured, bursts
@@ -55,16 +56,16 @@ enum Command {
     Enqueue {
         /// Scope of the record (e.g. a Dataverse table name).
         #[arg(long, default_value = "default")]
-        scope: String,
-        record_id: String,
+        scope: Scope,
+        record_id: RecordId,
     },
     /// Show a record's lease (held, holder, since, fencing generation), whether a retrigger is
     /// pending, and the queue and poison queue depths.
     Status {
         #[arg(long, default_value = "default")]
-        scope: String,
+        scope: Scope,
         /// Omit to see only the queue depths.
-        record_id: Option<String>,
+        record_id: Option<RecordId>,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -73,8 +74,8 @@ enum Command {
     /// once that run released it or its lease would have expired (or at once with --now).
     Break {
         #[arg(long, default_value = "default")]
-        scope: String,
-        record_id: String,
+        scope: Scope,
+        record_id: RecordId,
         /// Why (logged).
         #[arg(long)]
         reason: String,
@@ -180,7 +181,7 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             println!(
                 "{}",
-                ops::status(&settings, &scope, record_id.as_deref(), json).await?
+                ops::status(&settings, &scope, record_id.as_ref(), json).await?
             );
             return Ok(());
         }

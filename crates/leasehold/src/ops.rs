@@ -4,22 +4,14 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use anyhow::Result;
 use leasehold_lock::RetryOptions;
-use leasehold_runtime::{TriggerMessage, marker_blob_name, poison_queue_name, record_key};
+use leasehold_runtime::{RecordId, Scope, TriggerMessage, marker_blob_name, poison_queue_name, record_key};
 
 use crate::app::wire;
 use crate::settings::Settings;
 
-fn message_for(scope: &str, record_id: &str) -> Result<TriggerMessage> {
-    let scope =
-        leasehold_functions::start::normalise_scope(scope).map_err(|e| anyhow::anyhow!("--scope: {e}"))?;
-    let record_id = leasehold_functions::start::normalise_record_id(record_id)
-        .map_err(|e| anyhow::anyhow!("record id: {e}"))?;
-    Ok(TriggerMessage::new(scope, record_id))
-}
-
 /// Puts a trigger for a record on the queue, as Start would.
-pub async fn enqueue(settings: &Settings, scope: &str, record_id: &str) -> Result<String> {
-    let message = message_for(scope, record_id)?;
+pub async fn enqueue(settings: &Settings, scope: &Scope, record_id: &RecordId) -> Result<String> {
+    let message = TriggerMessage::new(scope.clone(), record_id.clone());
     let wiring = wire(settings)?;
     let body = message.encode();
     RetryOptions::default()
@@ -33,7 +25,12 @@ pub async fn enqueue(settings: &Settings, scope: &str, record_id: &str) -> Resul
 
 /// The queue and poison queue depths and, for a record, its lease (held, holder, since,
 /// fencing generation) and whether a retrigger is pending; as text or JSON.
-pub async fn status(settings: &Settings, scope: &str, record_id: Option<&str>, json: bool) -> Result<String> {
+pub async fn status(
+    settings: &Settings,
+    scope: &Scope,
+    record_id: Option<&RecordId>,
+    json: bool,
+) -> Result<String> {
     let wiring = wire(settings)?;
     let depth = wiring.queue.approximate_len().await?;
     let poison = wiring.poison.approximate_len().await?;
@@ -42,16 +39,15 @@ pub async fn status(settings: &Settings, scope: &str, record_id: Option<&str>, j
         "poison": { "name": poison_queue_name(&settings.queue), "approximateMessages": poison },
     });
     if let Some(record_id) = record_id {
-        let message = message_for(scope, record_id)?;
-        let key = record_key(&message.scope, &message.record_id).map_err(anyhow::Error::msg)?;
+        let key = record_key(scope, record_id);
         let info = wiring.lock.inspect(&key).await?;
         let pending = wiring.lock.store().flag_exists(&marker_blob_name(&key)).await?;
         let since = info
             .since
             .map(|t| t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()));
         report["record"] = serde_json::json!({
-            "scope": message.scope,
-            "recordId": message.record_id,
+            "scope": scope,
+            "recordId": record_id,
             "held": info.held,
             "leaseState": info.state.map(|s| format!("{s:?}").to_lowercase()),
             "holder": info.holder,
@@ -106,13 +102,12 @@ pub async fn status(settings: &Settings, scope: &str, record_id: Option<&str>, j
 /// a holder known to be dead).
 pub async fn break_lease(
     settings: &Settings,
-    scope: &str,
-    record_id: &str,
+    scope: &Scope,
+    record_id: &RecordId,
     reason: &str,
     now: bool,
 ) -> Result<String> {
-    let message = message_for(scope, record_id)?;
-    let key = record_key(&message.scope, &message.record_id).map_err(anyhow::Error::msg)?;
+    let key = record_key(scope, record_id);
     let wiring = wire(settings)?;
     if now {
         wiring.lock.break_lock_after(&key, reason, Duration::ZERO).await?;

@@ -655,7 +655,10 @@ async fn custom_handler_speaks_the_host_protocol() {
     // so the invocation succeeds and the host deletes its own message; the reason is logged.
     let (status, r) = invoke(
         "Worker",
-        worker(json!(TriggerMessage::new("account", "fails").to_json()), json!(1)),
+        worker(
+            json!(TriggerMessage::parse("account", "fails").unwrap().to_json()),
+            json!(1),
+        ),
     )
     .await;
     assert_eq!(status, 200, "{r}");
@@ -681,7 +684,10 @@ async fn custom_handler_speaks_the_host_protocol() {
     let poison = env.queue(&poison_queue_name(&env.queue));
     let got = poison.get(1, Duration::from_secs(30)).await.unwrap();
     let poisoned = PoisonMessage::decode(&got[0].body).unwrap();
-    assert!(poisoned.reason.contains("not a trigger message"), "{poisoned:?}");
+    assert!(
+        poisoned.reason().contains("not a trigger message"),
+        "{poisoned:?}"
+    );
     assert!(poisoned.body.contains("not a trigger"), "{poisoned:?}");
     // Unknown function.
     assert_eq!(invoke("Nope", json!({})).await.0, 404);
@@ -735,7 +741,7 @@ async fn a_failing_trigger_is_poisoned_and_shutdown_releases_the_lease() {
         .map(|m| PoisonMessage::decode(&m.body).unwrap())
         .collect();
     for entry in &poisoned {
-        assert!(entry.reason.contains("gave up after 2 deliveries"), "{entry:?}");
+        assert!(entry.reason().contains("gave up after 2 deliveries"), "{entry:?}");
         assert_eq!(
             entry.trigger.as_ref().map(|t| t.record_id.as_str()),
             Some("doomed")
@@ -873,7 +879,7 @@ async fn handler_mode_coalesces_a_burst() {
         .await;
     let url = format!("http://127.0.0.1:{}/Worker", app.port);
     let invocation = json!({
-        "Data": { "trigger": TriggerMessage::new("account", RECORD).to_json() },
+        "Data": { "trigger": TriggerMessage::parse("account", RECORD).unwrap().to_json() },
         "Metadata": { "DequeueCount": 1 }
     });
     let client = reqwest::Client::new();
@@ -958,7 +964,10 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
     let mut survivor = other.spawn(&["handler"], &settings(&other)).await;
     let queue = env.queue(&env.queue);
     queue
-        .put(&TriggerMessage::new("account", RECORD).encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("account", RECORD).unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
 

@@ -115,8 +115,8 @@ impl Tree {
 
     fn ctx(&self) -> RunContext {
         RunContext {
-            scope: "account".into(),
-            record_id: self.record.clone(),
+            scope: "account".parse().unwrap(),
+            record_id: self.record.parse().unwrap(),
             fencing_token: Some(7),
             cancel: CancellationToken::new(),
             attempt: 1,

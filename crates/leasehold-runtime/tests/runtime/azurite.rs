@@ -77,14 +77,14 @@ impl Logic for Recorder {
     async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
         let index = {
             let mut active = self.active.lock().unwrap();
-            let n = active.entry(ctx.record_id.clone()).or_default();
+            let n = active.entry(ctx.record_id.to_string()).or_default();
             *n += 1;
             if *n > 1 {
                 self.overlaps.fetch_add(1, Ordering::SeqCst);
             }
             let mut runs = self.runs.lock().unwrap();
             runs.push(Run {
-                record: ctx.record_id.clone(),
+                record: ctx.record_id.to_string(),
                 start: Instant::now(),
                 end: None,
                 completed: false,
@@ -95,7 +95,7 @@ impl Logic for Recorder {
         let duration = *self.duration.lock().unwrap();
         let outcome = tokio::select! {
             biased;
-            _ = ctx.cancel.cancelled() => Err(LogicError("cancelled".into())),
+            _ = ctx.cancel.cancelled() => Err(LogicError::new("cancelled")),
             _ = async {
                 if self.holding.load(Ordering::SeqCst) {
                     self.hold.notified().await;
@@ -104,7 +104,12 @@ impl Logic for Recorder {
                 }
             } => Ok(()),
         };
-        *self.active.lock().unwrap().get_mut(&ctx.record_id).unwrap() -= 1;
+        *self
+            .active
+            .lock()
+            .unwrap()
+            .get_mut(ctx.record_id.as_str())
+            .unwrap() -= 1;
         let mut runs = self.runs.lock().unwrap();
         runs[index].end = Some(Instant::now());
         runs[index].completed = outcome.is_ok();
@@ -167,7 +172,10 @@ async fn one_trigger(setup: &Setup, runner: &RecordRunner, record: &str) -> Outc
 async fn deliver(setup: &Setup, runner: &RecordRunner, record: &str, watched: bool) -> Outcome {
     setup
         .queue
-        .put(&TriggerMessage::new("acct", record).encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("acct", record).unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
     let received = eventually(Duration::from_secs(10), "the trigger to be visible", || async {
@@ -232,7 +240,7 @@ async fn round_trips_per_trigger() {
         let holder = {
             let (runner, q) = (runner.clone(), setup.queue.clone());
             tokio::spawn(async move {
-                let msg = TriggerMessage::new("acct", "warm-up");
+                let msg = TriggerMessage::parse("acct", "warm-up").unwrap();
                 let delivery = Delivery {
                     message: msg,
                     dequeue_count: 1,
@@ -325,7 +333,7 @@ async fn concurrent_triggers_are_exclusive_and_coalesced() {
     let mut accepted = Vec::new();
     for round in 0..10 {
         for record in records {
-            let msg = TriggerMessage::new("acct", record);
+            let msg = TriggerMessage::parse("acct", record).unwrap();
             setup.queue.put(&msg.encode(), Duration::ZERO).await.unwrap();
             accepted.push((record, Instant::now()));
         }
@@ -380,7 +388,10 @@ async fn killed_holder_is_recovered() {
 
     setup
         .queue
-        .put(&TriggerMessage::new("acct", "doomed").encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("acct", "doomed").unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
     eventually(Duration::from_secs(20), "the victim's run to start", || async {
@@ -392,7 +403,9 @@ async fn killed_holder_is_recovered() {
 
     // Nothing was released: the dead holder's lease is still there.
     let probe = runner(&setup, Recorder::with_duration(Duration::ZERO), true);
-    let key = leasehold_runtime::record_key("acct", "doomed").unwrap();
+    let key = leasehold_runtime::TriggerMessage::parse("acct", "doomed")
+        .unwrap()
+        .key();
     assert!(
         probe.lock().inspect(&key).await.unwrap().held,
         "a killed holder must not release"

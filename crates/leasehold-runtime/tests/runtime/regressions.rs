@@ -14,9 +14,9 @@ use leasehold_lock::{
     OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
 };
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MemoryQueue, Outcome, PoisonMessage,
-    Received, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue,
-    marker_blob_name, record_key,
+    Consumer, ConsumerOptions, Delivery, Enqueued, Error, Logic, LogicError, MemoryQueue, Outcome,
+    PoisonMessage, Received, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
+    TriggerQueue, marker_blob_name,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -233,7 +233,7 @@ impl Logic for Script {
         tokio::select! {
             _ = ctx.cancel.cancelled() => {
                 self.cancelled.fetch_add(1, Ordering::SeqCst);
-                Err(LogicError("cancelled".into()))
+                Err(LogicError::new("cancelled"))
             }
             _ = tokio::time::sleep(self.duration) => match self.end {
                 End::Panic => panic!("the logic fell over"),
@@ -271,7 +271,9 @@ fn fixture(duration: Duration, end: End) -> (Arc<Scripted>, Arc<Script>, RecordR
 
 fn delivery(kind: TriggerKind, dequeue_count: u32, prior_attempts: u32) -> Delivery {
     Delivery {
-        message: TriggerMessage::new("acct", "r").follow_up(kind, prior_attempts),
+        message: TriggerMessage::parse("acct", "r")
+            .unwrap()
+            .follow_up(kind, prior_attempts),
         dequeue_count,
     }
 }
@@ -318,7 +320,10 @@ async fn consumer_with_one_trigger(store: &Arc<Scripted>, runner: RecordRunner) 
     );
     store
         .queue()
-        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("acct", "r").unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
     let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
@@ -336,7 +341,7 @@ fn messages(store: &Scripted) -> Vec<TriggerMessage> {
 
 async fn held(store: &Arc<Scripted>) -> bool {
     lock_on(store)
-        .inspect(&record_key("acct", "r").unwrap())
+        .inspect(&TriggerMessage::parse("acct", "r").unwrap().key())
         .await
         .unwrap()
         .held
@@ -345,7 +350,9 @@ async fn held(store: &Arc<Scripted>) -> bool {
 async fn marker_set(store: &Scripted) -> bool {
     store
         .store
-        .flag_exists(&marker_blob_name(&record_key("acct", "r").unwrap()))
+        .flag_exists(&marker_blob_name(
+            &TriggerMessage::parse("acct", "r").unwrap().key(),
+        ))
         .await
         .unwrap()
 }
@@ -353,7 +360,7 @@ async fn marker_set(store: &Scripted) -> bool {
 /// A holder that died with its lease: the lease lapses after its duration.
 async fn dead_holder(store: &Arc<Scripted>) {
     let guard = lock_on(store)
-        .try_acquire(&record_key("acct", "r").unwrap())
+        .try_acquire(&TriggerMessage::parse("acct", "r").unwrap().key())
         .await
         .unwrap()
         .unwrap();
@@ -402,7 +409,7 @@ async fn b1_a_lease_lost_during_the_grant_is_an_error() {
     let store = Scripted::new();
     store.then(Op::BlobSetMetadata, &[Act::Refuse(StoreErrorKind::LeaseLost)]);
     let result = lock_on(&store)
-        .try_acquire(&record_key("acct", "r").unwrap())
+        .try_acquire(&TriggerMessage::parse("acct", "r").unwrap().key())
         .await;
     assert!(
         matches!(result, Err(leasehold_lock::Error::LeaseLost { .. })),
@@ -477,7 +484,7 @@ async fn b3_giving_up_a_dead_holders_trigger_still_honours_what_coalesced_onto_i
     let accepted = Instant::now();
     // The dead holder's message, back for the sixth time (one more than allowed).
     let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
-    let body = TriggerMessage::new("acct", "r").encode();
+    let body = TriggerMessage::parse("acct", "r").unwrap().encode();
     let put = store.queue().put(&body, Duration::ZERO).await.unwrap();
     let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
     assert_eq!(taken[0].id, put.id);
@@ -491,7 +498,7 @@ async fn b3_giving_up_a_dead_holders_trigger_still_honours_what_coalesced_onto_i
         )
         .await;
     let entry = PoisonMessage::decode(&poison.bodies()[0]).unwrap();
-    assert!(entry.reason.contains("gave up"), "{entry:?}");
+    assert!(entry.reason().contains("gave up"), "{entry:?}");
     // The consumer works the queue until it is empty.
     let shutdown = CancellationToken::new();
     let task = {
@@ -559,7 +566,13 @@ async fn a_guard_lost_before_the_run_never_starts_the_logic() {
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
     let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(
-        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("lease lost before the run started")),
+        matches!(
+            &outcome,
+            Outcome::Failed {
+                error: Error::LeaseLostBeforeRun,
+                ..
+            }
+        ),
         "{outcome:?}"
     );
     assert_eq!(logic.runs.load(Ordering::SeqCst), 0);
@@ -592,7 +605,7 @@ async fn a_panicking_logic_fails_its_run_and_nothing_unwinds() {
     let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Panic);
     let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(
-        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("logic panicked: the logic fell over")),
+        matches!(&outcome, Outcome::Failed { error: Error::LogicPanicked(text), .. } if text == "the logic fell over"),
         "{outcome:?}"
     );
     assert!(!held(&store).await, "released");
@@ -621,7 +634,13 @@ async fn logic_that_will_not_stop_keeps_its_lease_until_it_lapses() {
     let runner = runner_on(&store, logic.clone(), options);
     let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(
-        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("abandoned")),
+        matches!(
+            &outcome,
+            Outcome::Failed {
+                error: Error::Abandoned { .. },
+                ..
+            }
+        ),
         "{outcome:?}"
     );
     assert!(held(&store).await, "the lease stays until it lapses");
@@ -755,11 +774,12 @@ async fn a_failed_watched_run_is_retried_through_its_watchdog_then_given_up() {
         .handle_watched(&second, &poison, &CancellationToken::new())
         .await;
     assert!(
-        matches!(&outcome, Outcome::Poisoned { reason } if reason.contains("gave up after 2") && reason.contains("panicked")),
+        matches!(&outcome, Outcome::Poisoned { error: Error::GaveUp { deliveries: 2, last: Some(last), .. } }
+            if matches!(**last, Error::LogicPanicked(_))),
         "{outcome:?}"
     );
     let entry = PoisonMessage::decode(&poison.bodies()[0]).unwrap();
-    assert!(entry.reason.contains("logic panicked"), "{entry:?}");
+    assert!(entry.reason().contains("logic panicked"), "{entry:?}");
     assert_eq!(
         messages(&store).iter().map(|m| m.kind).collect::<Vec<_>>(),
         [TriggerKind::Sweep],
@@ -774,7 +794,7 @@ async fn a_redelivered_trigger_trusts_a_holder_only_under_a_watchdog() {
     let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let _holder = lock_on(&store)
-        .try_acquire(&record_key("acct", "r").unwrap())
+        .try_acquire(&TriggerMessage::parse("acct", "r").unwrap().key())
         .await
         .unwrap()
         .unwrap();
@@ -793,9 +813,11 @@ async fn a_redelivered_trigger_trusts_a_holder_only_under_a_watchdog() {
 #[tokio::test(start_paused = true)]
 async fn a_sweep_runs_once_the_lease_is_free_and_only_a_second_one_asks_the_marker() {
     let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
-    let marker = marker_blob_name(&record_key("acct", "r").unwrap());
+    let marker = marker_blob_name(&TriggerMessage::parse("acct", "r").unwrap().key());
     let sweep = |given_up: u32, dequeue_count: u32| {
-        let mut message = TriggerMessage::new("acct", "r").follow_up(TriggerKind::Sweep, 0);
+        let mut message = TriggerMessage::parse("acct", "r")
+            .unwrap()
+            .follow_up(TriggerKind::Sweep, 0);
         message.given_up = given_up;
         Delivery {
             message,
@@ -860,13 +882,16 @@ async fn giving_up_a_holder_that_consumed_the_marker_still_honours_what_coalesce
     // The marker a coalesced trigger set was consumed by the holder, which then died.
     dead_holder(&store).await;
     let accepted = Instant::now();
-    let marker = marker_blob_name(&record_key("acct", "r").unwrap());
+    let marker = marker_blob_name(&TriggerMessage::parse("acct", "r").unwrap().key());
     store.store.put_flag(&marker).await.unwrap();
     store.store.delete_flag(&marker).await.unwrap();
     let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
     store
         .queue()
-        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("acct", "r").unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
     let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
@@ -958,7 +983,7 @@ async fn the_consumer_poisons_impossible_records_and_wakes_on_demand() {
     let consumer = Consumer::new(runner, poison.clone(), options);
     store
         .queue()
-        .put(&TriggerMessage::new("acct", "a/b").encode(), Duration::ZERO)
+        .put(r#"{"scope":"acct","recordId":"a/b"}"#, Duration::ZERO)
         .await
         .unwrap();
     let shutdown = CancellationToken::new();
@@ -968,7 +993,10 @@ async fn the_consumer_poisons_impossible_records_and_wakes_on_demand() {
     };
     tokio::time::sleep(Duration::from_secs(1)).await;
     let entry = PoisonMessage::decode(&poison.bodies()[0]).unwrap();
-    assert!(entry.reason.contains('/'), "{entry:?}");
+    assert!(
+        entry.reason().starts_with("unreadable message") && entry.reason().contains("a/b"),
+        "{entry:?}"
+    );
     assert!(
         store.queue().bodies().is_empty(),
         "given up, and no sweep for an impossible key"
@@ -976,7 +1004,10 @@ async fn the_consumer_poisons_impossible_records_and_wakes_on_demand() {
     // The consumer is idle for a minute now; a wake-up makes it take new work at once.
     store
         .queue()
-        .put(&TriggerMessage::new("acct", "r").encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("acct", "r").unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
     consumer.waker().notify_one();
@@ -1014,7 +1045,7 @@ fn outcomes_and_runner_surface() {
         ),
         (
             Outcome::Retrying {
-                reason: String::new(),
+                error: Error::Cancelled,
                 after: Duration::ZERO,
             },
             "retrying",
@@ -1022,21 +1053,14 @@ fn outcomes_and_runner_surface() {
         ),
         (
             Outcome::Poisoned {
-                reason: String::new(),
+                error: Error::Cancelled,
             },
             "poisoned",
             true,
         ),
         (
-            Outcome::Rejected {
-                reason: String::new(),
-            },
-            "rejected",
-            false,
-        ),
-        (
             Outcome::Failed {
-                reason: String::new(),
+                error: Error::Cancelled,
                 retriggered: false,
             },
             "failed",
@@ -1045,6 +1069,8 @@ fn outcomes_and_runner_surface() {
     ];
     for (outcome, name, ack) in all {
         assert_eq!((outcome.name(), outcome.acknowledge()), (name, ack));
+        let failed = matches!(name, "retrying" | "poisoned" | "failed");
+        assert_eq!(outcome.error(), failed.then_some(&Error::Cancelled), "{name}");
     }
     let logic: Arc<dyn Logic> = Script::new(Duration::ZERO, End::Succeed);
     assert_eq!(format!("{:?}", &*logic), "Logic");
@@ -1066,7 +1092,16 @@ async fn a_watched_delivery_at_the_limit_runs_and_one_beyond_is_given_up() {
     assert!(matches!(at_limit, Outcome::Completed { .. }), "{at_limit:?}");
     let beyond = watched(&runner, &poison, TriggerKind::Trigger, 7, 0).await;
     assert!(
-        matches!(&beyond, Outcome::Poisoned { reason } if reason.contains("gave up after 6 deliveries")),
+        matches!(
+            &beyond,
+            Outcome::Poisoned {
+                error: Error::GaveUp {
+                    deliveries: 6,
+                    max: 5,
+                    last: None
+                }
+            }
+        ),
         "{beyond:?}"
     );
 }
@@ -1101,10 +1136,14 @@ async fn an_ambiguous_marker_delete_runs_rather_than_stands_down() {
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
     store
         .store
-        .put_flag(&marker_blob_name(&record_key("acct", "r").unwrap()))
+        .put_flag(&marker_blob_name(
+            &TriggerMessage::parse("acct", "r").unwrap().key(),
+        ))
         .await
         .unwrap();
-    let mut message = TriggerMessage::new("acct", "r").follow_up(TriggerKind::Sweep, 0);
+    let mut message = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .follow_up(TriggerKind::Sweep, 0);
     message.given_up = 2;
     let outcome = runner
         .handle(
@@ -1136,7 +1175,16 @@ async fn the_runner_retries_storage_calls_as_the_lock_options_say() {
     store.then(Op::QueuePut, &[Act::Refuse(StoreErrorKind::Transient)]);
     let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
     assert!(
-        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("put watchdog")),
+        matches!(
+            &outcome,
+            Outcome::Failed {
+                error: Error::Storage {
+                    step: "put watchdog",
+                    ..
+                },
+                ..
+            }
+        ),
         "{outcome:?}"
     );
     assert_eq!(logic.runs.load(Ordering::SeqCst), 0);

@@ -664,7 +664,7 @@ impl TriggerQueue for Node {
             for m in &taken {
                 if let Ok(t) = TriggerMessage::decode(&m.body) {
                     if t.kind == TriggerKind::Trigger && m.dequeue_count == 1 {
-                        j.arrivals.push((t.record_id, now));
+                        j.arrivals.push((t.record_id.to_string(), now));
                     }
                 }
             }
@@ -725,7 +725,7 @@ impl PoisonSink {
         let mut j = world.journal.lock().unwrap();
         j.counts.poisoned += 1;
         let (corr, record, given_up) = trigger.map_or((None, String::new(), 0), |t| {
-            (t.correlation_id, t.record_id, t.given_up)
+            (t.correlation_id, t.record_id.to_string(), t.given_up)
         });
         j.poisoned.push((corr, record, Instant::now(), given_up));
     }
@@ -817,12 +817,12 @@ impl Logic for SimLogic {
         let bad = world
             .bad_record
             .as_ref()
-            .is_some_and(|(r, from, to)| *r == ctx.record_id && now >= *from && now < *to);
+            .is_some_and(|(r, from, to)| *r == ctx.record_id.as_str() && now >= *from && now < *to);
         let index = {
             let mut j = world.journal.lock().unwrap();
             j.runs.push(RunRecord {
                 machine: self.machine,
-                record: ctx.record_id.clone(),
+                record: ctx.record_id.to_string(),
                 token: ctx.fencing_token,
                 start: now,
                 end: None,
@@ -858,7 +858,7 @@ impl Logic for SimLogic {
                     tokio::time::sleep(stop).await;
                 }
                 run.returned = true;
-                Err(LogicError("cancelled".into()))
+                Err(LogicError::new("cancelled"))
             }
             _ = tokio::time::sleep(duration) => {
                 if panics {
@@ -868,7 +868,7 @@ impl Logic for SimLogic {
                 run.returned = true;
                 if fails || bad {
                     world.count(|c| c.logic_failures += 1);
-                    Err(LogicError("injected logic failure".into()))
+                    Err(LogicError::new("injected logic failure"))
                 } else {
                     run.done = true;
                     Ok(())
@@ -1232,12 +1232,12 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         tokio::spawn(async move {
             for (i, (at, record)) in triggers.into_iter().enumerate() {
                 tokio::time::sleep_until(world.epoch + at).await;
-                let mut msg = TriggerMessage::new("sim", format!("r{record}"));
+                let mut msg = TriggerMessage::parse("sim", &format!("r{record}")).unwrap();
                 msg.correlation_id = Some(format!("t{i}"));
                 world.queue.put(&msg.encode(), Duration::ZERO).await.unwrap();
                 world.journal.lock().unwrap().accepted.push((
                     format!("t{i}"),
-                    msg.record_id.clone(),
+                    msg.record_id.to_string(),
                     Instant::now(),
                 ));
             }
@@ -1545,11 +1545,11 @@ async fn host(world: Arc<World>, queue: Arc<Node>, slot: Slot, killed: Cancellat
 
 fn count_outcome(world: &World, outcome: &Outcome) {
     world.count(|c| match outcome {
-        Outcome::Failed { reason, .. } | Outcome::Retrying { reason, .. } => {
-            if reason.starts_with("storage") {
+        Outcome::Failed { error, .. } | Outcome::Retrying { error, .. } => {
+            if error.is_storage() {
                 c.storage_failed_outcomes += 1;
             }
-            if reason.contains("lease lost") {
+            if error.is_lease_lost() {
                 c.lease_lost_outcomes += 1;
             }
             if matches!(outcome, Outcome::Retrying { .. }) {
