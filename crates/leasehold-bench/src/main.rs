@@ -19,9 +19,10 @@ use async_trait::async_trait;
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseDuration, LeaseLock, LeaseOptions, LeaseStore, OpCounters, OpCounts};
 use leasehold_runtime::{
-    AzureQueue, Consumer, ConsumerOptions, Delivery, Logic, LogicError, RecordRunner, RunContext,
-    RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
+    AzureMarkers, AzureQueue, Consumer, ConsumerOptions, Delivery, Logic, LogicError, RecordRunner,
+    RunContext, RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
 };
+use leasehold_storage::azure::BlobContainer;
 use leasehold_test_support::{Azurite, unique_name};
 use tokio_util::sync::CancellationToken;
 
@@ -134,6 +135,9 @@ impl Logic for Probe {
 struct Env {
     counters: OpCounters,
     store: Arc<dyn LeaseStore>,
+    /// The same container, for the retrigger markers and the seed design's plain blob calls.
+    container: BlobContainer,
+    markers: Arc<AzureMarkers>,
     queue: Arc<dyn TriggerQueue>,
     poison: Arc<dyn TriggerQueue>,
 }
@@ -142,12 +146,11 @@ fn env(azurite: &Azurite) -> Env {
     let account = azurite.account();
     let counters = OpCounters::new();
     let queue = unique_name("bench");
+    let container = unique_name("bench");
     Env {
-        store: Arc::new(AzureBlobStore::new(
-            &account,
-            &unique_name("bench"),
-            counters.clone(),
-        )),
+        store: Arc::new(AzureBlobStore::new(&account, &container, counters.clone())),
+        container: BlobContainer::new(&account, &container, counters.clone()),
+        markers: Arc::new(AzureMarkers::new(&account, &container, counters.clone())),
         queue: Arc::new(AzureQueue::new(&account, &queue, counters.clone())),
         poison: Arc::new(AzureQueue::new(
             &account,
@@ -166,7 +169,13 @@ fn runner(env: &Env, logic: Arc<dyn Logic>, fencing: bool, lease_seconds: u64) -
         )
     };
     let lock = LeaseLock::new(env.store.clone(), options).unwrap();
-    RecordRunner::new(lock, env.queue.clone(), logic, RunnerOptions::default())
+    RecordRunner::new(
+        lock,
+        env.markers.clone(),
+        env.queue.clone(),
+        logic,
+        RunnerOptions::default(),
+    )
 }
 
 async fn take_one(queue: &Arc<dyn TriggerQueue>) -> leasehold_runtime::Received {
@@ -271,7 +280,12 @@ async fn round_trips(az: &Azurite, report: &mut String) {
     }
     let e = env(az);
     let probe = Probe::new(Duration::ZERO);
-    let seed = Arc::new(seed::Seed::new(e.store.clone(), probe.clone(), 1));
+    let seed = Arc::new(seed::Seed::new(
+        e.store.clone(),
+        e.container.clone(),
+        probe.clone(),
+        1,
+    ));
     seed_trigger(&e, &seed, "warm").await;
     let t = e.counters.snapshot();
     seed_trigger(&e, &seed, "warm").await;
@@ -506,7 +520,12 @@ async fn bursts(az: &Azurite, records: usize, triggers: usize, run_for: Duration
         let probe = Probe::new(run_for);
         let shutdown = CancellationToken::new();
         let mut tasks = Vec::new();
-        let seed = Arc::new(seed::Seed::new(e.store.clone(), probe.clone(), 7));
+        let seed = Arc::new(seed::Seed::new(
+            e.store.clone(),
+            e.container.clone(),
+            probe.clone(),
+            7,
+        ));
         if design == "Leasehold" {
             let consumer = Consumer::new(
                 runner(&e, probe.clone(), true, 30),

@@ -15,6 +15,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use leasehold_lock::{LeaseDuration, LeaseId, LeaseStore, Metadata, StoreErrorKind, StoreResult};
 use leasehold_runtime::{Logic, RunContext};
+use leasehold_storage::Op;
+use leasehold_storage::azure::BlobContainer;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio_util::sync::CancellationToken;
@@ -23,6 +25,8 @@ const STALE_AFTER_MS: u64 = 15 * 60 * 1000;
 
 pub struct Seed {
     store: Arc<dyn LeaseStore>,
+    /// The same container, for what the lock's seam does not do (existence checks, deletes).
+    container: BlobContainer,
     logic: Arc<dyn Logic>,
     rng: Mutex<SmallRng>,
 }
@@ -32,9 +36,15 @@ fn now_ms() -> u64 {
 }
 
 impl Seed {
-    pub fn new(store: Arc<dyn LeaseStore>, logic: Arc<dyn Logic>, seed: u64) -> Self {
+    pub fn new(
+        store: Arc<dyn LeaseStore>,
+        container: BlobContainer,
+        logic: Arc<dyn Logic>,
+        seed: u64,
+    ) -> Self {
         Self {
             store,
+            container,
             logic,
             rng: Mutex::new(SmallRng::seed_from_u64(seed)),
         }
@@ -52,7 +62,7 @@ impl Seed {
         change: impl Fn(&Metadata) -> (Metadata, R),
     ) -> StoreResult<Option<R>> {
         self.store.create_container().await?;
-        if !self.store.flag_exists(blob).await? {
+        if !self.container.exists(blob).await? {
             self.store.create_blob(blob).await?;
         }
         let lease = LeaseId::random();
@@ -162,7 +172,7 @@ impl Seed {
             (md, ())
         })
         .await?;
-        let _ = self.store.delete_flag(&lock).await;
+        let _ = self.container.delete_if_present(&lock, Op::FlagDelete).await;
         Ok(runs)
     }
 }

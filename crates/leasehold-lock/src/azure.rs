@@ -1,143 +1,52 @@
-//! [`LeaseStore`] on Azure Blob Storage (and Azurite) through `azure_storage_blobs` 0.21.
-//!
-//! This module and its queue twin in `leasehold-runtime` are the only places that touch the Azure
-//! SDK. The SDK's own retry policy is switched off: callers retry transient errors with `backon`,
-//! so every request sent is one counted round trip and retries are visible.
+//! [`LeaseStore`] on Azure Blob Storage (and Azurite), on the shared request path of
+//! `leasehold-storage` (counted, timed and classified round trips; no SDK retries).
 
-use std::future::Future;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use azure_core::RetryOptions;
-use azure_core::error::ErrorKind as AzureErrorKind;
 use azure_core::request_options::{IfMatchCondition, Metadata as AzureMetadata};
-use azure_storage_blobs::prelude::{BlobClient, ClientBuilder, ContainerClient};
+use azure_storage_blobs::prelude::BlobClient;
+use leasehold_storage::azure::BlobContainer;
+use leasehold_storage::{Op, OpCounters, StorageAccount, StoreResult};
 
-use crate::account::StorageAccount;
-use crate::counters::{Op, OpCounters};
-use crate::error::{StoreError, StoreErrorKind, StoreResult};
-use crate::store::{BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
+use crate::store::{BlobProperties, ETag, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
 
-/// Default limit on one round trip before it counts as a transient failure.
-pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+pub use leasehold_storage::azure::DEFAULT_REQUEST_TIMEOUT;
 
-/// One blob container holding lock and flag blobs.
+/// The lock blobs of one container.
 #[derive(Debug, Clone)]
 pub struct AzureBlobStore {
-    container: ContainerClient,
-    counters: OpCounters,
-    request_timeout: Duration,
+    container: BlobContainer,
 }
 
 impl AzureBlobStore {
     /// A store on `container` in `account`, recording round trips into `counters`.
     pub fn new(account: &StorageAccount, container: &str, counters: OpCounters) -> Self {
-        let container =
-            ClientBuilder::with_location(account.blob_location().clone(), account.credentials().clone())
-                .retry(RetryOptions::none())
-                .container_client(container);
         Self {
-            container,
-            counters,
-            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            container: BlobContainer::new(account, container, counters),
         }
     }
 
     /// Sets the per-request time limit.
     pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
-        self.request_timeout = timeout;
+        self.container = self.container.with_request_timeout(timeout);
         self
     }
 
     pub fn container_name(&self) -> &str {
-        self.container.container_name()
+        self.container.name()
     }
 
     fn blob(&self, name: &str) -> BlobClient {
-        self.container.blob_client(name)
+        self.container.blob(name)
     }
 
-    async fn call<T>(&self, op: Op, fut: impl Future<Output = azure_core::Result<T>>) -> StoreResult<T> {
-        send(&self.counters, op, self.request_timeout, fut).await
-    }
-
-    /// Creates the container; an existing one is success.
-    async fn ensure_container(&self) -> StoreResult<()> {
-        match self
-            .call(Op::ContainerCreate, self.container.create().into_future())
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(e) if e.code() == Some("ContainerAlreadyExists") => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Runs `attempt`; if it says the container is missing, creates the container and tries once more.
-    async fn with_container<T, F, Fut>(&self, attempt: F) -> StoreResult<T>
-    where
-        F: Fn() -> Fut,
-        Fut: Future<Output = StoreResult<T>>,
-    {
-        match attempt().await {
-            Err(e) if e.code() == Some("ContainerNotFound") => {
-                self.ensure_container().await?;
-                attempt().await
-            }
-            other => other,
-        }
-    }
-}
-
-/// Sends one SDK request for any storage service: counts it, bounds it in time and maps its
-/// error. Shared by the blob store here and the queue in `leasehold-runtime`, so every Azure
-/// round trip is counted and classified the same way.
-pub async fn send<T>(
-    counters: &OpCounters,
-    op: Op,
-    timeout: Duration,
-    fut: impl Future<Output = azure_core::Result<T>>,
-) -> StoreResult<T> {
-    counters.record(op);
-    match tokio::time::timeout(timeout, fut).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(map_error(op, &e)),
-        Err(_) => Err(StoreError::timeout(op, timeout)),
-    }
-}
-
-/// Classifies an SDK error as a definitive or transient storage answer. Only the status, the
-/// storage error code and a redacted message are kept.
-fn map_error(op: Op, e: &azure_core::Error) -> StoreError {
-    match e.kind() {
-        AzureErrorKind::HttpResponse { status, error_code } => {
-            let status = u16::from(*status);
-            let code = error_code.clone();
-            let kind = classify(status, code.as_deref());
-            StoreError::new(kind, op, "").with_status(status, code)
-        }
-        AzureErrorKind::Io => StoreError::new(StoreErrorKind::Transient, op, format!("connection: {e}")),
-        AzureErrorKind::Credential => {
-            StoreError::new(StoreErrorKind::Rejected, op, "credentials were refused")
-        }
-        _ => StoreError::new(StoreErrorKind::Transient, op, e.to_string()),
-    }
-}
-
-fn classify(status: u16, code: Option<&str>) -> StoreErrorKind {
-    match (status, code.unwrap_or("")) {
-        (409, "LeaseAlreadyPresent") => StoreErrorKind::LeaseAlreadyPresent,
-        (409, "LeaseIsBreakingAndCannotBeAcquired") => StoreErrorKind::LeaseBreaking,
-        (409 | 412, c) if c.starts_with("Lease") => StoreErrorKind::LeaseLost,
-        (409, "ContainerBeingDeleted" | "BlobBeingRehydrated" | "QueueBeingDeleted") => {
-            StoreErrorKind::Transient
-        }
-        // Queue: a stale pop receipt means someone else took the message since.
-        (400, "PopReceiptMismatch") => StoreErrorKind::NotFound,
-        (404, _) => StoreErrorKind::NotFound,
-        (412, _) => StoreErrorKind::ConditionNotMet,
-        (408 | 429 | 500..=599, _) => StoreErrorKind::Transient,
-        _ => StoreErrorKind::Rejected,
+    async fn call<T>(
+        &self,
+        op: Op,
+        fut: impl std::future::Future<Output = azure_core::Result<T>>,
+    ) -> StoreResult<T> {
+        self.container.call(op, fut).await
     }
 }
 
@@ -162,31 +71,16 @@ fn lease_state(state: Option<&azure_core::LeaseState>) -> LeaseState {
 #[async_trait]
 impl LeaseStore for AzureBlobStore {
     async fn create_container(&self) -> StoreResult<()> {
-        self.ensure_container().await
+        self.container.create().await
     }
 
     async fn create_blob(&self, name: &str) -> StoreResult<()> {
-        let blob = self.blob(name);
-        let attempt = || {
-            let fut = blob
-                .put_block_blob(Vec::<u8>::new())
-                .if_match(IfMatchCondition::NotMatch("*".into()))
-                .into_future();
-            async move {
-                match self.call(Op::BlobCreate, fut).await {
-                    Ok(_) => Ok(()),
-                    // Someone else created it first (409), or it exists and is leased (412): both
-                    // mean the blob is there, which is all we wanted.
-                    Err(e)
-                        if matches!(e.status(), Some(409 | 412)) && e.code() != Some("ContainerNotFound") =>
-                    {
-                        Ok(())
-                    }
-                    Err(e) => Err(e),
-                }
-            }
-        };
-        self.with_container(attempt).await
+        // Created now or by someone else first: either way the blob is there, which is all we
+        // wanted.
+        self.container
+            .put_empty_if_absent(name, Op::BlobCreate)
+            .await
+            .map(drop)
     }
 
     async fn acquire_lease(&self, name: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
@@ -266,75 +160,7 @@ impl LeaseStore for AzureBlobStore {
         Ok(ETag(response.etag))
     }
 
-    async fn put_flag(&self, name: &str) -> StoreResult<FlagPut> {
-        let blob = self.blob(name);
-        let attempt = || {
-            let fut = blob
-                .put_block_blob(Vec::<u8>::new())
-                .if_match(IfMatchCondition::NotMatch("*".into()))
-                .into_future();
-            async move {
-                match self.call(Op::FlagPut, fut).await {
-                    Ok(_) => Ok(FlagPut::Created),
-                    Err(e) if e.code() == Some("BlobAlreadyExists") || (e.status() == Some(412)) => {
-                        Ok(FlagPut::AlreadySet)
-                    }
-                    Err(e) => Err(e),
-                }
-            }
-        };
-        self.with_container(attempt).await
-    }
-
-    async fn delete_flag(&self, name: &str) -> StoreResult<bool> {
-        match self
-            .call(Op::FlagDelete, self.blob(name).delete().into_future())
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
-    async fn flag_exists(&self, name: &str) -> StoreResult<bool> {
-        match self
-            .call(Op::BlobProperties, self.blob(name).get_properties().into_future())
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
     fn counters(&self) -> &OpCounters {
-        &self.counters
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn storage_answers_are_classified() {
-        use StoreErrorKind::*;
-        assert_eq!(classify(409, Some("LeaseAlreadyPresent")), LeaseAlreadyPresent);
-        assert_eq!(
-            classify(409, Some("LeaseIdMismatchWithLeaseOperation")),
-            LeaseLost
-        );
-        assert_eq!(classify(412, Some("LeaseIdMissing")), LeaseLost);
-        assert_eq!(classify(412, Some("LeaseNotPresentWithBlobOperation")), LeaseLost);
-        assert_eq!(classify(412, Some("ConditionNotMet")), ConditionNotMet);
-        assert_eq!(classify(404, Some("BlobNotFound")), NotFound);
-        assert_eq!(classify(503, Some("ServerBusy")), Transient);
-        assert_eq!(classify(500, None), Transient);
-        assert_eq!(classify(429, None), Transient);
-        assert_eq!(classify(403, Some("AuthenticationFailed")), Rejected);
-        assert_eq!(classify(400, Some("InvalidHeaderValue")), Rejected);
-        assert_eq!(classify(400, Some("PopReceiptMismatch")), NotFound);
-        assert_eq!(classify(409, Some("QueueBeingDeleted")), Transient);
+        self.container.counters()
     }
 }

@@ -8,9 +8,10 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{Error, Result, StoreErrorKind, StoreResult};
+use leasehold_storage::{RetryOptions, StoreErrorKind, StoreResult};
+
+use crate::error::{Error, Result};
 use crate::key::LockKey;
-use crate::retry::RetryOptions;
 use crate::store::{ETag, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
 
 /// Metadata name of the fencing generation on a lock blob.

@@ -9,9 +9,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::time::Instant;
 
-use crate::counters::{Op, OpCounters};
-use crate::error::{StoreError, StoreErrorKind, StoreResult};
-use crate::store::{BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
+use leasehold_storage::{Op, OpCounters, StoreError, StoreErrorKind, StoreResult};
+
+use crate::store::{BlobProperties, ETag, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
 
 #[derive(Debug, Clone)]
 enum Lease {
@@ -388,29 +388,6 @@ impl LeaseStore for MemoryStore {
             s.next_etag = etag;
             Ok(ETag(etag.to_string()))
         })
-    }
-
-    async fn put_flag(&self, name: &str) -> StoreResult<FlagPut> {
-        let needs_container = !self.state.lock().expect("poisoned").container_exists;
-        if needs_container {
-            self.create_container().await?;
-        }
-        self.with_state(Op::FlagPut, |s, _| {
-            if s.blobs.contains_key(name) {
-                return Ok(FlagPut::AlreadySet);
-            }
-            let blob = s.new_blob();
-            s.blobs.insert(name.to_string(), blob);
-            Ok(FlagPut::Created)
-        })
-    }
-
-    async fn delete_flag(&self, name: &str) -> StoreResult<bool> {
-        self.with_state(Op::FlagDelete, |s, _| Ok(s.blobs.remove(name).is_some()))
-    }
-
-    async fn flag_exists(&self, name: &str) -> StoreResult<bool> {
-        self.with_state(Op::BlobProperties, |s, _| Ok(s.blobs.contains_key(name)))
     }
 
     fn counters(&self) -> &OpCounters {

@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::error::{Error, Result, StoreErrorKind};
+use leasehold_storage::StoreErrorKind;
+
+use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lock::{
     LeaseGuard, LeaseLock, META_GENERATION, META_SHARE_GROUP, META_SHARERS, generation_of, holder_metadata,

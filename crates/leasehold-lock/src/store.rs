@@ -1,5 +1,5 @@
-//! The storage seam. Every Azure call the lock (and the runner on top of it) makes goes through
-//! [`LeaseStore`]; [`crate::azure::AzureBlobStore`] speaks to Azure Blob Storage (or Azurite) and
+//! The lock's storage seam. Every Azure call the lock makes goes through [`LeaseStore`];
+//! [`crate::azure::AzureBlobStore`] speaks to Azure Blob Storage (or Azurite) and
 //! [`crate::memory::MemoryStore`] is an exact, deterministic model for unit tests and simulation.
 //!
 //! Each method is one round trip on the hot path (and is counted as one). Creating a missing
@@ -11,8 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::counters::OpCounters;
-use crate::error::StoreResult;
+use leasehold_storage::{OpCounters, StoreResult};
 
 /// A lease id: a GUID chosen by the acquirer ("proposed lease id").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -131,15 +130,6 @@ pub struct BlobProperties {
     pub etag: ETag,
 }
 
-/// Answer of [`LeaseStore::put_flag`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FlagPut {
-    /// The flag did not exist and this call created it.
-    Created,
-    /// The flag existed already; nothing was written.
-    AlreadySet,
-}
-
 /// The storage operations the lock and the runner need, one round trip each.
 ///
 /// Errors carry a [`crate::StoreErrorKind`]: lease conflicts, lost leases, missing blobs and
@@ -184,16 +174,6 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         if_match: Option<&ETag>,
         metadata: &Metadata,
     ) -> StoreResult<ETag>;
-
-    /// Creates a small flag blob if it does not exist (`If-None-Match: *`), creating the
-    /// container on first use.
-    async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut>;
-
-    /// Deletes a flag blob: `true` if it existed (202), `false` if not (404).
-    async fn delete_flag(&self, blob: &str) -> StoreResult<bool>;
-
-    /// Whether a flag blob exists (a read, for status displays; not used by the protocol).
-    async fn flag_exists(&self, blob: &str) -> StoreResult<bool>;
 
     /// The round-trip counters this store records into.
     fn counters(&self) -> &OpCounters;

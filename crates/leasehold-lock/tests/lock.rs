@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey,
-    Metadata, Op, OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
+    BlobProperties, ETag, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
+    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
 };
 use leasehold_test_support::{Azurite, unique_name};
 
@@ -1003,15 +1003,6 @@ mod memory {
         ) -> StoreResult<ETag> {
             self.injected(Op::BlobSetMetadata)?;
             self.inner.set_metadata(blob, lease, if_match, metadata).await
-        }
-        async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut> {
-            self.inner.put_flag(blob).await
-        }
-        async fn delete_flag(&self, blob: &str) -> StoreResult<bool> {
-            self.inner.delete_flag(blob).await
-        }
-        async fn flag_exists(&self, blob: &str) -> StoreResult<bool> {
-            self.inner.flag_exists(blob).await
         }
         fn counters(&self) -> &OpCounters {
             self.inner.counters()

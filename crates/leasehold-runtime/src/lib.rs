@@ -2,6 +2,7 @@
 
 mod consumer;
 mod error;
+mod markers;
 mod message;
 pub mod queue;
 mod record;
@@ -10,12 +11,12 @@ mod watchdog;
 
 pub use consumer::{Consumer, ConsumerOptions, PoisonMessage, poison_queue_name};
 pub use error::{Error, LogicError};
+pub use markers::{
+    AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, record_status,
+};
 pub use message::{DecodeError, TriggerKind, TriggerMessage};
 pub use queue::{AzureQueue, Enqueued, MemoryQueue, Received, TriggerQueue};
 pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId, Scope, record_key};
 #[cfg(feature = "testing")]
 pub use runner::ProtocolVariant;
-pub use runner::{
-    Delivery, Logic, MARKER_PREFIX, Outcome, RecordRunner, RunContext, RunnerOptions, WATCHDOG_MARGIN,
-    marker_blob_name,
-};
+pub use runner::{Delivery, Logic, Outcome, RecordRunner, RunContext, RunnerOptions, WATCHDOG_MARGIN};

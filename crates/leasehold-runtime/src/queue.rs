@@ -9,9 +9,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use azure_core::RetryOptions as AzureRetryOptions;
 use azure_storage_queues::{QueueClient, QueueServiceClientBuilder};
-use leasehold_lock::{Op, OpCounters, StorageAccount, StoreError, StoreErrorKind, StoreResult};
+use leasehold_storage::azure::{DEFAULT_REQUEST_TIMEOUT, no_sdk_retries, send};
+use leasehold_storage::{Op, OpCounters, StorageAccount, StoreError, StoreErrorKind, StoreResult};
 use tokio::time::Instant;
 
 /// A message taken from the queue (invisible to others until its visibility timeout passes).
@@ -240,18 +240,18 @@ impl AzureQueue {
             account.queue_location().clone(),
             account.credentials().clone(),
         )
-        .retry(AzureRetryOptions::none())
+        .retry(no_sdk_retries())
         .build()
         .queue_client(queue);
         Self {
             client,
             counters,
-            request_timeout: leasehold_lock::azure::DEFAULT_REQUEST_TIMEOUT,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
         }
     }
 
     async fn call<T>(&self, op: Op, fut: impl Future<Output = azure_core::Result<T>>) -> StoreResult<T> {
-        leasehold_lock::azure::send(&self.counters, op, self.request_timeout, fut).await
+        send(&self.counters, op, self.request_timeout, fut).await
     }
 
     /// Creates the queue; an existing one is success.

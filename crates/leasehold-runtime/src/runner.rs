@@ -4,22 +4,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold_lock::{
-    FlagPut, LeaseGuard, LeaseId, LeaseLock, LockKey, StoreError, StoreErrorKind, StoreResult,
-};
+use leasehold_lock::{LeaseGuard, LeaseId, LeaseLock, LockKey, StoreError, StoreErrorKind, StoreResult};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::consumer::PoisonMessage;
 use crate::error::{Error, LogicError};
+use crate::markers::{MarkerSet, MarkerStore, RecordStatus, record_status};
 use crate::message::{TriggerKind, TriggerMessage};
 use crate::queue::TriggerQueue;
 use crate::record::{RecordId, Scope};
 use crate::watchdog::Watchdog;
-
-/// Prefix of retrigger marker blobs.
-pub const MARKER_PREFIX: &str = "retrigger/";
 
 /// What the logic is told about its run.
 #[derive(Debug, Clone)]
@@ -257,6 +253,7 @@ impl Outcome {
 #[derive(Debug, Clone)]
 pub struct RecordRunner {
     lock: LeaseLock,
+    markers: Arc<dyn MarkerStore>,
     queue: Arc<dyn TriggerQueue>,
     logic: Arc<dyn Logic>,
     options: RunnerOptions,
@@ -269,14 +266,10 @@ impl std::fmt::Debug for dyn Logic {
     }
 }
 
-/// The marker blob of a record key.
-pub fn marker_blob_name(key: &LockKey) -> String {
-    format!("{MARKER_PREFIX}{key}")
-}
-
 impl RecordRunner {
     pub fn new(
         lock: LeaseLock,
+        markers: Arc<dyn MarkerStore>,
         queue: Arc<dyn TriggerQueue>,
         logic: Arc<dyn Logic>,
         options: RunnerOptions,
@@ -290,6 +283,7 @@ impl RecordRunner {
         }
         Self {
             lock,
+            markers,
             queue,
             logic,
             options,
@@ -303,6 +297,11 @@ impl RecordRunner {
 
     pub fn queue(&self) -> &Arc<dyn TriggerQueue> {
         &self.queue
+    }
+
+    /// What storage says about a record now: its lease and whether a retrigger is pending.
+    pub async fn status(&self, scope: &Scope, record_id: &RecordId) -> Result<RecordStatus, Error> {
+        record_status(&self.lock, &*self.markers, scope, record_id).await
     }
 
     pub fn options(&self) -> &RunnerOptions {
@@ -540,10 +539,9 @@ impl RecordRunner {
             };
         }
 
-        let marker = marker_blob_name(key);
-        match self.put_marker(&marker).await {
-            Ok(FlagPut::AlreadySet) => Outcome::Coalesced,
-            Ok(FlagPut::Created) => match self.lock.try_acquire_as(key, lease).await {
+        match self.set_marker(key).await {
+            Ok(MarkerSet::AlreadySet) => Outcome::Coalesced,
+            Ok(MarkerSet::Created) => match self.lock.try_acquire_as(key, lease).await {
                 // The holder released between our two attempts and may already have looked at
                 // the marker: we hold now, and our run covers the marker we set.
                 Ok(Some(guard)) => {
@@ -596,10 +594,9 @@ impl RecordRunner {
         cancel: &CancellationToken,
     ) -> Outcome {
         let guard = Held(Some(guard));
-        let marker = marker_blob_name(key);
         if first != MarkerFirst::Leave {
             let (cleared, retried) = self
-                .marker_op("clear own marker", |store| store.delete_flag(&marker))
+                .marker_op("clear own marker", |markers| markers.take(key))
                 .await;
             match cleared {
                 // Our run would cover the marker we set, but it is gone: the previous holder's
@@ -611,7 +608,7 @@ impl RecordRunner {
                     if let Err(e) = guard.release().await {
                         return storage_failed("release lease", e);
                     }
-                    return match self.take_marker_and_retrigger(&marker, delivery).await {
+                    return match self.take_marker_and_retrigger(key, delivery).await {
                         Ok(_) => Outcome::Coalesced,
                         Err(e) => storage_failed("check retrigger marker", e),
                     };
@@ -651,7 +648,7 @@ impl RecordRunner {
         if self.options.variant == ProtocolVariant::CheckMarkerBeforeRelease {
             // WRONG on purpose: a trigger that sets the marker after this check and before the
             // release below is never seen by anyone.
-            let retriggered = match self.take_marker_and_retrigger(&marker, delivery).await {
+            let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
                 Ok(r) => r,
                 Err(e) => return storage_failed("check retrigger marker", e),
             };
@@ -673,7 +670,7 @@ impl RecordRunner {
             // us. Not acknowledging makes our own message come back and look again.
             return storage_failed("release lease", e);
         }
-        let retriggered = match self.take_marker_and_retrigger(&marker, delivery).await {
+        let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
             Ok(r) => r,
             Err(e) => return storage_failed("check retrigger marker", e),
         };
@@ -733,9 +730,13 @@ impl RecordRunner {
     /// Deletes the marker; if it was set, enqueues one retrigger. A delete whose answer was lost
     /// (a transient failure before a retry) may have removed a set marker: then we retrigger
     /// anyway, because an extra run is harmless and a lost trigger is not.
-    async fn take_marker_and_retrigger(&self, marker: &str, delivery: &Delivery) -> Result<bool, StoreError> {
+    async fn take_marker_and_retrigger(
+        &self,
+        key: &LockKey,
+        delivery: &Delivery,
+    ) -> Result<bool, StoreError> {
         let (was_set, retried) = self
-            .marker_op("check retrigger marker", |store| store.delete_flag(marker))
+            .marker_op("check retrigger marker", |markers| markers.take(key))
             .await;
         if !was_set? && !retried {
             return Ok(false);
@@ -745,14 +746,14 @@ impl RecordRunner {
         Ok(true)
     }
 
-    /// Creates the marker. If an earlier attempt's answer was lost, "already set" may mean we set
+    /// Sets the marker. If an earlier attempt's answer was lost, "already set" may mean we set
     /// it, so it counts as created (we then make the second acquire attempt a setter owes).
-    async fn put_marker(&self, marker: &str) -> Result<FlagPut, StoreError> {
-        let (put, retried) = self
-            .marker_op("set retrigger marker", |store| store.put_flag(marker))
+    async fn set_marker(&self, key: &LockKey) -> Result<MarkerSet, StoreError> {
+        let (set, retried) = self
+            .marker_op("set retrigger marker", |markers| markers.set(key))
             .await;
-        let put = put?;
-        Ok(if retried { FlagPut::Created } else { put })
+        let set = set?;
+        Ok(if retried { MarkerSet::Created } else { set })
     }
 
     /// Runs a marker operation with retries, and says whether it was retried: after a retry a
@@ -760,18 +761,18 @@ impl RecordRunner {
     /// attempt, whose answer was lost.
     async fn marker_op<'a, T, F, Fut>(&'a self, what: &str, mut op: F) -> (StoreResult<T>, bool)
     where
-        F: FnMut(&'a Arc<dyn leasehold_lock::LeaseStore>) -> Fut,
+        F: FnMut(&'a dyn MarkerStore) -> Fut,
         Fut: std::future::Future<Output = StoreResult<T>>,
     {
         let mut attempts = 0u32;
-        let store = self.lock.store();
+        let markers = &*self.markers;
         let result = self
             .lock
             .options()
             .retry
             .run(what, || {
                 attempts += 1;
-                op(store)
+                op(markers)
             })
             .await;
         (result, attempts > 1)

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use leasehold_lock::StorageAccount;
+use leasehold_storage::StorageAccount;
 
 /// The install command named in failure messages.
 pub const INSTALL_HINT: &str = "scripts/install-azurite.sh (or: npm ci --prefix tools/azurite)";

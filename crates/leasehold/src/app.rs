@@ -10,7 +10,9 @@ use leasehold_functions::http::{App, handler_router, standalone_router};
 use leasehold_functions::logic::{DemoLogic, UrlLogic};
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseLock, OpCounters};
-use leasehold_runtime::{AzureQueue, Consumer, Logic, RecordRunner, TriggerQueue, poison_queue_name};
+use leasehold_runtime::{
+    AzureMarkers, AzureQueue, Consumer, Logic, MarkerStore, RecordRunner, TriggerQueue, poison_queue_name,
+};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -53,6 +55,7 @@ pub(crate) struct Wiring {
     pub(crate) queue: Arc<dyn TriggerQueue>,
     pub(crate) poison: Arc<dyn TriggerQueue>,
     pub(crate) lock: LeaseLock,
+    pub(crate) markers: Arc<dyn MarkerStore>,
 }
 
 pub(crate) fn wire(settings: &Settings) -> Result<Wiring> {
@@ -63,7 +66,13 @@ pub(crate) fn wire(settings: &Settings) -> Result<Wiring> {
         counters.clone(),
     ));
     let lock = LeaseLock::new(store, settings.lease.clone())?;
+    let markers = Arc::new(AzureMarkers::new(
+        &settings.account,
+        &settings.container,
+        counters.clone(),
+    ));
     Ok(Wiring {
+        markers,
         queue: Arc::new(AzureQueue::new(
             &settings.account,
             &settings.queue,
@@ -139,7 +148,13 @@ impl Application {
         let wiring = wire(&settings)?;
         let logic = logic(&settings, false, supervisor)?;
         let shutdown = CancellationToken::new();
-        let runner = RecordRunner::new(wiring.lock, wiring.queue.clone(), logic, settings.runner.clone());
+        let runner = RecordRunner::new(
+            wiring.lock,
+            wiring.markers,
+            wiring.queue.clone(),
+            logic,
+            settings.runner.clone(),
+        );
         let app = App {
             policy: settings.policy.clone(),
             queue: wiring.queue,
@@ -186,7 +201,13 @@ impl Application {
             })?;
         let addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
-        let runner = RecordRunner::new(wiring.lock, wiring.queue.clone(), logic, settings.runner.clone());
+        let runner = RecordRunner::new(
+            wiring.lock,
+            wiring.markers,
+            wiring.queue.clone(),
+            logic,
+            settings.runner.clone(),
+        );
         let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
         let app = App {
             policy: settings.policy.clone(),

@@ -4,7 +4,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use anyhow::Result;
 use leasehold_lock::RetryOptions;
-use leasehold_runtime::{RecordId, Scope, TriggerMessage, marker_blob_name, poison_queue_name, record_key};
+use leasehold_runtime::{RecordId, Scope, TriggerMessage, poison_queue_name, record_key, record_status};
 
 use crate::app::wire;
 use crate::settings::Settings;
@@ -39,9 +39,8 @@ pub async fn status(
         "poison": { "name": poison_queue_name(&settings.queue), "approximateMessages": poison },
     });
     if let Some(record_id) = record_id {
-        let key = record_key(scope, record_id);
-        let info = wiring.lock.inspect(&key).await?;
-        let pending = wiring.lock.store().flag_exists(&marker_blob_name(&key)).await?;
+        let status = record_status(&wiring.lock, &*wiring.markers, scope, record_id).await?;
+        let info = status.lock;
         let since = info
             .since
             .map(|t| t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()));
@@ -53,7 +52,7 @@ pub async fn status(
             "holder": info.holder,
             "sinceUnixSeconds": since,
             "generation": info.generation,
-            "retriggerPending": pending,
+            "retriggerPending": status.retrigger_pending,
         });
     }
     if json {

@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use leasehold_functions::start::StartPolicy;
-use leasehold_lock::{LeaseDuration, LeaseOptions, StorageAccount};
+use leasehold_lock::{LeaseDuration, LeaseOptions};
 use leasehold_runtime::{ConsumerOptions, RunnerOptions};
+use leasehold_storage::StorageAccount;
 use serde::Deserialize;
 
 /// One setting as users see it: its environment name and the default the README and

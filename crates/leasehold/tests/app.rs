@@ -836,7 +836,7 @@ async fn start_answers_503_when_the_queue_is_unreachable() {
     let closed = free_port();
     let nowhere = format!(
         "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={};BlobEndpoint=http://127.0.0.1:{closed}/devstoreaccount1;QueueEndpoint=http://127.0.0.1:{closed}/devstoreaccount1;",
-        leasehold_lock::EMULATOR_KEY
+        leasehold_storage::EMULATOR_KEY
     );
     let app = env
         .start(
@@ -857,7 +857,7 @@ async fn start_answers_503_when_the_queue_is_unreachable() {
         body["error"].as_str().unwrap().contains("cannot be reached"),
         "{body}"
     );
-    assert!(!body.to_string().contains(leasehold_lock::EMULATOR_KEY));
+    assert!(!body.to_string().contains(leasehold_storage::EMULATOR_KEY));
     app.stop().await;
 }
 

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use leasehold_lock::azure::AzureBlobStore;
-use leasehold_lock::{LeaseDuration, LeaseLock, LeaseOptions, OpCounters, OpCounts};
+use leasehold_lock::{LeaseDuration, LeaseLock, LeaseOptions, Op, OpCounters, OpCounts};
 use leasehold_runtime::{
-    AzureQueue, Consumer, ConsumerOptions, Delivery, Logic, LogicError, Outcome, RecordRunner, RunContext,
-    RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
+    AzureMarkers, AzureQueue, Consumer, ConsumerOptions, Delivery, Logic, LogicError, MarkerSet, MarkerStore,
+    Outcome, RecordRunner, RunContext, RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
+    record_status,
 };
 use leasehold_test_support::{Azurite, eventually, unique_name};
 use tokio::time::Instant;
@@ -148,7 +149,18 @@ fn runner(setup: &Setup, logic: Arc<dyn Logic>, fencing: bool) -> RecordRunner {
         setup.counters.clone(),
     ));
     let lock = LeaseLock::new(store, lease_options(fencing)).unwrap();
-    RecordRunner::new(lock, setup.queue.clone(), logic, RunnerOptions::default())
+    let markers = Arc::new(AzureMarkers::new(
+        &account,
+        &setup.container,
+        setup.counters.clone(),
+    ));
+    RecordRunner::new(
+        lock,
+        markers,
+        setup.queue.clone(),
+        logic,
+        RunnerOptions::default(),
+    )
 }
 
 fn consumer_options() -> ConsumerOptions {
@@ -211,6 +223,40 @@ fn counted(setup: &Setup, since: &OpCounts) -> OpCounts {
 /// Round trips per trigger, queue operations included, once the queue, container and record
 /// exist: uncontended 6 (8 with fencing); a trigger during a run 6 for the first (it makes the
 /// second acquire a marker's creator owes) and 5 for the rest.
+/// Markers on Azurite: the first set on a container that does not exist yet creates it; a
+/// marker is created once (whoever creates it knows), read, and taken once; the runner's status
+/// reads it beside the lease.
+#[tokio::test]
+async fn markers_are_created_once_and_taken_once() {
+    let account = Azurite::shared().account();
+    let counters = OpCounters::new();
+    let container = unique_name("markers");
+    let markers = AzureMarkers::new(&account, &container, counters.clone());
+    let message = TriggerMessage::parse("acct", "m").unwrap();
+    let key = message.key();
+    assert!(!markers.is_set(&key).await.unwrap(), "no container yet: not set");
+    assert_eq!(markers.set(&key).await.unwrap(), MarkerSet::Created);
+    let counts = counters.snapshot();
+    assert_eq!(
+        (counts.get(Op::FlagPut), counts.get(Op::ContainerCreate)),
+        (2, 1),
+        "the first set creates the container and is sent once more: {counts}"
+    );
+    assert_eq!(markers.set(&key).await.unwrap(), MarkerSet::AlreadySet);
+    assert!(markers.is_set(&key).await.unwrap());
+
+    let store = Arc::new(AzureBlobStore::new(&account, &container, counters.clone()));
+    let lock = LeaseLock::new(store, lease_options(true)).unwrap();
+    let status = record_status(&lock, &markers, &message.scope, &message.record_id)
+        .await
+        .unwrap();
+    assert!(status.retrigger_pending && !status.lock.held, "{status:?}");
+
+    assert!(markers.take(&key).await.unwrap());
+    assert!(!markers.take(&key).await.unwrap());
+    assert!(!markers.is_set(&key).await.unwrap());
+}
+
 #[tokio::test]
 async fn round_trips_per_trigger() {
     for fencing in [false, true] {

@@ -9,8 +9,9 @@ use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{LeaseLock, LeaseOptions, LeaseStore, OpCounters, RetryOptions};
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Error, Field, Logic, LogicError, MemoryQueue, Outcome,
-    PoisonMessage, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue,
+    Consumer, ConsumerOptions, Delivery, Error, Field, Logic, LogicError, MemoryMarkers, MemoryQueue,
+    Outcome, PoisonMessage, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
+    TriggerQueue,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -58,6 +59,7 @@ impl Logic for TestLogic {
 
 struct World {
     store: Arc<MemoryStore>,
+    markers: Arc<MemoryMarkers>,
     queue: Arc<MemoryQueue>,
     poison: Arc<MemoryQueue>,
 }
@@ -66,6 +68,7 @@ fn world() -> World {
     let counters = OpCounters::new();
     World {
         store: Arc::new(MemoryStore::with_counters(counters.clone())),
+        markers: Arc::new(MemoryMarkers::with_counters(counters.clone())),
         queue: Arc::new(MemoryQueue::new("triggers", counters.clone())),
         poison: Arc::new(MemoryQueue::new("triggers-poison", counters)),
     }
@@ -83,7 +86,13 @@ fn lock(world: &World) -> LeaseLock {
 }
 
 fn runner(world: &World, logic: Arc<dyn Logic>, options: RunnerOptions) -> RecordRunner {
-    RecordRunner::new(lock(world), world.queue.clone(), logic, options)
+    RecordRunner::new(
+        lock(world),
+        world.markers.clone(),
+        world.queue.clone(),
+        logic,
+        options,
+    )
 }
 
 fn delivery(record: &str, dequeue_count: u32) -> Delivery {

@@ -10,13 +10,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, Metadata, Op,
+    BlobProperties, ETag, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
     OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
 };
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Enqueued, Error, Logic, LogicError, MemoryQueue, Outcome,
-    PoisonMessage, Received, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
-    TriggerQueue, marker_blob_name,
+    Consumer, ConsumerOptions, Delivery, Enqueued, Error, Logic, LogicError, MarkerSet, MarkerStore,
+    MemoryMarkers, MemoryQueue, Outcome, PoisonMessage, Received, RecordRunner, RunContext, RunnerOptions,
+    TriggerKind, TriggerMessage, TriggerQueue,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -39,6 +39,7 @@ enum Act {
 #[derive(Debug, Default)]
 struct Scripted {
     store: MemoryStore,
+    markers: MemoryMarkers,
     queue: Option<Arc<MemoryQueue>>,
     script: Mutex<HashMap<Op, Vec<Act>>>,
     always: Mutex<HashMap<Op, Act>>,
@@ -140,14 +141,21 @@ impl LeaseStore for Scripted {
         )
         .await
     }
-    async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut> {
-        self.call(Op::FlagPut, self.store.put_flag(blob)).await
+    fn counters(&self) -> &OpCounters {
+        &self.counters
     }
-    async fn delete_flag(&self, blob: &str) -> StoreResult<bool> {
-        self.call(Op::FlagDelete, self.store.delete_flag(blob)).await
+}
+
+#[async_trait]
+impl MarkerStore for Scripted {
+    async fn set(&self, key: &LockKey) -> StoreResult<MarkerSet> {
+        self.call(Op::FlagPut, self.markers.set(key)).await
     }
-    async fn flag_exists(&self, blob: &str) -> StoreResult<bool> {
-        self.store.flag_exists(blob).await
+    async fn take(&self, key: &LockKey) -> StoreResult<bool> {
+        self.call(Op::FlagDelete, self.markers.take(key)).await
+    }
+    async fn is_set(&self, key: &LockKey) -> StoreResult<bool> {
+        self.markers.is_set(key).await
     }
     fn counters(&self) -> &OpCounters {
         &self.counters
@@ -258,7 +266,7 @@ fn lock_on(store: &Arc<Scripted>) -> LeaseLock {
 }
 
 fn runner_on(store: &Arc<Scripted>, logic: Arc<dyn Logic>, options: RunnerOptions) -> RecordRunner {
-    RecordRunner::new(lock_on(store), store.clone(), logic, options)
+    RecordRunner::new(lock_on(store), store.clone(), store.clone(), logic, options)
 }
 
 /// A scripted store, a logic of `duration` ending with `end`, and a runner with default options.
@@ -349,10 +357,8 @@ async fn held(store: &Arc<Scripted>) -> bool {
 
 async fn marker_set(store: &Scripted) -> bool {
     store
-        .store
-        .flag_exists(&marker_blob_name(
-            &TriggerMessage::parse("acct", "r").unwrap().key(),
-        ))
+        .markers
+        .is_set(&TriggerMessage::parse("acct", "r").unwrap().key())
         .await
         .unwrap()
 }
@@ -813,7 +819,7 @@ async fn a_redelivered_trigger_trusts_a_holder_only_under_a_watchdog() {
 #[tokio::test(start_paused = true)]
 async fn a_sweep_runs_once_the_lease_is_free_and_only_a_second_one_asks_the_marker() {
     let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
-    let marker = marker_blob_name(&TriggerMessage::parse("acct", "r").unwrap().key());
+    let marker = TriggerMessage::parse("acct", "r").unwrap().key();
     let sweep = |given_up: u32, dequeue_count: u32| {
         let mut message = TriggerMessage::parse("acct", "r")
             .unwrap()
@@ -836,7 +842,7 @@ async fn a_sweep_runs_once_the_lease_is_free_and_only_a_second_one_asks_the_mark
         ),
         "{first:?}"
     );
-    store.store.put_flag(&marker).await.unwrap();
+    store.markers.set(&marker).await.unwrap();
     let marked = runner.handle(&sweep(1, 1), &CancellationToken::new()).await;
     assert!(
         matches!(
@@ -855,7 +861,7 @@ async fn a_sweep_runs_once_the_lease_is_free_and_only_a_second_one_asks_the_mark
     assert_eq!(none, Outcome::Coalesced, "no marker: nothing to run");
     assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
     // ...but it runs for one, and when redelivered (an earlier delivery may have consumed it).
-    store.store.put_flag(&marker).await.unwrap();
+    store.markers.set(&marker).await.unwrap();
     let marked = runner.handle(&sweep(2, 1), &CancellationToken::new()).await;
     assert!(matches!(marked, Outcome::Completed { .. }), "{marked:?}");
     let again = runner.handle(&sweep(2, 2), &CancellationToken::new()).await;
@@ -882,9 +888,9 @@ async fn giving_up_a_holder_that_consumed_the_marker_still_honours_what_coalesce
     // The marker a coalesced trigger set was consumed by the holder, which then died.
     dead_holder(&store).await;
     let accepted = Instant::now();
-    let marker = marker_blob_name(&TriggerMessage::parse("acct", "r").unwrap().key());
-    store.store.put_flag(&marker).await.unwrap();
-    store.store.delete_flag(&marker).await.unwrap();
+    let marker = TriggerMessage::parse("acct", "r").unwrap().key();
+    store.markers.set(&marker).await.unwrap();
+    store.markers.take(&marker).await.unwrap();
     let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
     store
         .queue()
@@ -1135,10 +1141,8 @@ async fn an_ambiguous_marker_delete_runs_rather_than_stands_down() {
     let logic = Script::new(Duration::from_secs(1), End::Succeed);
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
     store
-        .store
-        .put_flag(&marker_blob_name(
-            &TriggerMessage::parse("acct", "r").unwrap().key(),
-        ))
+        .markers
+        .set(&TriggerMessage::parse("acct", "r").unwrap().key())
         .await
         .unwrap();
     let mut message = TriggerMessage::parse("acct", "r")
@@ -1170,7 +1174,13 @@ async fn the_runner_retries_storage_calls_as_the_lock_options_say() {
         ..LeaseOptions::default()
     };
     let lock = LeaseLock::new(store.clone() as Arc<dyn LeaseStore>, options).unwrap();
-    let runner = RecordRunner::new(lock, store.clone(), logic.clone(), RunnerOptions::default());
+    let runner = RecordRunner::new(
+        lock,
+        store.clone(),
+        store.clone(),
+        logic.clone(),
+        RunnerOptions::default(),
+    );
     let poison = MemoryQueue::new("poison", OpCounters::new());
     store.then(Op::QueuePut, &[Act::Refuse(StoreErrorKind::Transient)]);
     let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;

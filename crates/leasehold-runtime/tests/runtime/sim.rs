@@ -35,13 +35,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, FlagPut, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey,
-    Metadata, Op, OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
+    BlobProperties, ETag, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
+    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
 };
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MemoryQueue, Outcome, PoisonMessage,
-    ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
-    TriggerQueue,
+    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet, MarkerStore, MemoryMarkers,
+    MemoryQueue, Outcome, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions,
+    TriggerKind, TriggerMessage, TriggerQueue,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -376,6 +376,7 @@ pub struct World {
     rng: Mutex<SmallRng>,
     faults: AtomicBool,
     blob: Arc<MemoryStore>,
+    markers: Arc<MemoryMarkers>,
     queue: Arc<MemoryQueue>,
     journal: Mutex<Journal>,
     epoch: Instant,
@@ -543,6 +544,10 @@ impl Node {
         self.world.blob.clone()
     }
 
+    fn markers(&self) -> Arc<MemoryMarkers> {
+        self.world.markers.clone()
+    }
+
     fn queue(&self) -> Arc<MemoryQueue> {
         self.world.queue.clone()
     }
@@ -617,23 +622,27 @@ impl LeaseStore for Node {
         )
         .await
     }
-    async fn put_flag(&self, blob: &str) -> StoreResult<FlagPut> {
-        let (b, n) = (self.blob(), blob.to_string());
-        self.call(Op::FlagPut, Box::pin(async move { b.put_flag(&n).await }))
+    fn counters(&self) -> &OpCounters {
+        &self.counters
+    }
+}
+
+#[async_trait]
+impl MarkerStore for Node {
+    async fn set(&self, key: &LockKey) -> StoreResult<MarkerSet> {
+        let (m, k) = (self.markers(), key.clone());
+        self.call(Op::FlagPut, Box::pin(async move { m.set(&k).await }))
             .await
     }
-    async fn delete_flag(&self, blob: &str) -> StoreResult<bool> {
-        let (b, n) = (self.blob(), blob.to_string());
-        self.call(Op::FlagDelete, Box::pin(async move { b.delete_flag(&n).await }))
+    async fn take(&self, key: &LockKey) -> StoreResult<bool> {
+        let (m, k) = (self.markers(), key.clone());
+        self.call(Op::FlagDelete, Box::pin(async move { m.take(&k).await }))
             .await
     }
-    async fn flag_exists(&self, blob: &str) -> StoreResult<bool> {
-        let (b, n) = (self.blob(), blob.to_string());
-        self.call(
-            Op::BlobProperties,
-            Box::pin(async move { b.flag_exists(&n).await }),
-        )
-        .await
+    async fn is_set(&self, key: &LockKey) -> StoreResult<bool> {
+        let (m, k) = (self.markers(), key.clone());
+        self.call(Op::BlobProperties, Box::pin(async move { m.is_set(&k).await }))
+            .await
     }
     fn counters(&self) -> &OpCounters {
         &self.counters
@@ -1098,6 +1107,7 @@ impl Sim {
             lease_options(&self.plan, (machine as u64) << 8 | generation),
         )
         .unwrap();
+        let markers: Arc<dyn MarkerStore> = Arc::new(node.clone());
         let queue: Arc<dyn TriggerQueue> = Arc::new(node);
         let runner_options = RunnerOptions {
             run_timeout: RUN_TIMEOUT,
@@ -1112,7 +1122,7 @@ impl Sim {
             killed: killed.clone(),
             machine,
         });
-        let runner = RecordRunner::new(lock, queue, logic, runner_options);
+        let runner = RecordRunner::new(lock, markers, queue, logic, runner_options);
         let poison: Arc<dyn TriggerQueue> = Arc::new(PoisonSink(self.world.clone(), self.counters.clone()));
         let task = match self.plan.mode {
             Mode::Standalone => {
@@ -1196,6 +1206,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         faults: AtomicBool::new(plan.faulty),
         // Storage's clock runs fast: its leases end early by the workers' clocks.
         blob: Arc::new(MemoryStore::new().with_clock_rate(1.0 + plan.skew)),
+        markers: Arc::new(MemoryMarkers::new()),
         queue: Arc::new(MemoryQueue::new("sim", OpCounters::new())),
         journal: Mutex::default(),
         epoch,

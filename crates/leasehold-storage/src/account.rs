@@ -7,7 +7,13 @@ use std::fmt;
 
 use azure_storage::{CloudLocation, ConnectionString, EndpointProtocol, StorageCredentials};
 
-use crate::error::{Error, Result};
+/// A connection string that cannot be used, and why (never quoting a value: values may be
+/// secrets).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidConnectionString(String);
+
+type Result<T> = std::result::Result<T, InvalidConnectionString>;
 
 /// Azurite's well-known development account. Not a secret: it is published by Microsoft.
 pub const EMULATOR_ACCOUNT: &str = "devstoreaccount1";
@@ -41,10 +47,10 @@ impl StorageAccount {
     pub fn from_connection_string(text: &str) -> Result<Self> {
         let text = text.trim();
         if text.is_empty() {
-            return Err(Error::Config("the connection string is empty".into()));
+            return Err(InvalidConnectionString("the connection string is empty".into()));
         }
         let cs = ConnectionString::new(text).map_err(|_| {
-            Error::Config(
+            InvalidConnectionString(
                 "not a storage connection string: expected Key=Value pairs separated by ';' \
                  (e.g. UseDevelopmentStorage=true, or AccountName=...;AccountKey=...)"
                     .into(),
@@ -62,18 +68,19 @@ impl StorageAccount {
         }
 
         let credentials = if let Some(sas) = cs.sas {
-            StorageCredentials::sas_token(sas)
-                .map_err(|_| Error::Config("SharedAccessSignature is not a valid SAS token".into()))?
+            StorageCredentials::sas_token(sas).map_err(|_| {
+                InvalidConnectionString("SharedAccessSignature is not a valid SAS token".into())
+            })?
         } else {
             match (cs.account_name, cs.account_key) {
                 (Some(name), Some(key)) => StorageCredentials::access_key(name.to_string(), key.to_string()),
                 (Some(_), None) => {
-                    return Err(Error::Config(
+                    return Err(InvalidConnectionString(
                         "AccountName is set but neither AccountKey nor SharedAccessSignature is".into(),
                     ));
                 }
                 _ => {
-                    return Err(Error::Config(
+                    return Err(InvalidConnectionString(
                         "no credentials: set AccountName and AccountKey, or SharedAccessSignature".into(),
                     ));
                 }
@@ -88,7 +95,7 @@ impl StorageAccount {
             (Some(name), _) => name.to_string(),
             (None, Some(endpoint)) => account_from_endpoint(endpoint)?,
             (None, None) => {
-                return Err(Error::Config(
+                return Err(InvalidConnectionString(
                     "set AccountName, or BlobEndpoint and QueueEndpoint".into(),
                 ));
             }
@@ -98,7 +105,7 @@ impl StorageAccount {
             match explicit {
                 Some(uri) => {
                     url::Url::parse(uri)
-                        .map_err(|_| Error::Config(format!("{service}Endpoint is not a URL")))?;
+                        .map_err(|_| InvalidConnectionString(format!("{service}Endpoint is not a URL")))?;
                     Ok(CloudLocation::Custom {
                         account: account.clone(),
                         uri: uri.trim_end_matches('/').to_string(),
@@ -194,17 +201,18 @@ fn endpoint(location: &CloudLocation, service: &str) -> String {
 }
 
 fn url_host(uri: &str) -> Result<String> {
-    let url =
-        url::Url::parse(uri).map_err(|_| Error::Config("DevelopmentStorageProxyUri is not a URL".into()))?;
+    let url = url::Url::parse(uri)
+        .map_err(|_| InvalidConnectionString("DevelopmentStorageProxyUri is not a URL".into()))?;
     url.host_str()
         .map(str::to_string)
-        .ok_or_else(|| Error::Config("DevelopmentStorageProxyUri has no host".into()))
+        .ok_or_else(|| InvalidConnectionString("DevelopmentStorageProxyUri has no host".into()))
 }
 
 /// `https://acct.blob.core.windows.net` → `acct`; `http://127.0.0.1:10000/devstoreaccount1` →
 /// `devstoreaccount1` (path-style, as Azurite uses).
 fn account_from_endpoint(endpoint: &str) -> Result<String> {
-    let url = url::Url::parse(endpoint).map_err(|_| Error::Config("BlobEndpoint is not a URL".into()))?;
+    let url =
+        url::Url::parse(endpoint).map_err(|_| InvalidConnectionString("BlobEndpoint is not a URL".into()))?;
     if let Some(first) = url
         .path_segments()
         .and_then(|mut s| s.next())
@@ -216,7 +224,7 @@ fn account_from_endpoint(endpoint: &str) -> Result<String> {
         .and_then(|h| h.split('.').next())
         .map(str::to_string)
         .ok_or_else(|| {
-            Error::Config("cannot tell the account name from BlobEndpoint; set AccountName".into())
+            InvalidConnectionString("cannot tell the account name from BlobEndpoint; set AccountName".into())
         })
 }
 

@@ -48,7 +48,7 @@ impl RetryOptions {
         }
     }
 
-    pub(crate) fn backoff(&self) -> ExponentialBuilder {
+    fn backoff(&self) -> ExponentialBuilder {
         let builder = ExponentialBuilder::default()
             .with_min_delay(self.min_delay)
             .with_max_delay(self.max_delay)

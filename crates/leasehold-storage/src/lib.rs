@@ -1,0 +1,12 @@
+#![doc = include_str!("../README.md")]
+
+mod account;
+pub mod azure;
+mod counters;
+mod error;
+mod retry;
+
+pub use account::{EMULATOR_ACCOUNT, EMULATOR_KEY, InvalidConnectionString, StorageAccount};
+pub use counters::{Op, OpCounters, OpCounts};
+pub use error::{StoreError, StoreErrorKind, StoreResult, redact};
+pub use retry::RetryOptions;
