@@ -7,6 +7,8 @@ mod lock;
 pub mod memory;
 mod shared;
 mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use error::{Error, Result};
 pub use key::{LockKey, MAX_KEY_LEN};

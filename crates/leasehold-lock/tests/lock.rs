@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
+use leasehold_lock::testing::{Effect, FaultyStore, Interceptor};
 use leasehold_lock::{
-    BlobProperties, ETag, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
-    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
+    LeaseDuration, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op, OpCounters, RetryOptions,
+    StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
 };
 use leasehold_test_support::{Azurite, unique_name};
 
@@ -638,7 +639,7 @@ mod memory {
             fail_renewals: true.into(),
             ..Flaky::over(inner.clone())
         });
-        let lock = LeaseLock::new(flaky, fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         let start = tokio::time::Instant::now();
         let guard = lock.try_acquire(&key("flaky")).await.unwrap().unwrap();
         tokio::time::timeout(Duration::from_secs(60), guard.lost().cancelled())
@@ -662,7 +663,7 @@ mod memory {
             fail_releases: 100.into(),
             ..Flaky::over(inner.clone())
         });
-        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         let guard = lock.try_acquire(&key("sticky")).await.unwrap().unwrap();
         let err = guard.release().await.unwrap_err();
         assert!(err.to_string().contains("lease release"), "{err}");
@@ -689,7 +690,7 @@ mod memory {
             fail_acquires: 2.into(),
             ..Flaky::over(inner.clone())
         });
-        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         let guard = lock
             .try_acquire(&key("retry"))
             .await
@@ -718,7 +719,7 @@ mod memory {
             fail_renewals: true.into(),
             ..Flaky::over(Arc::new(MemoryStore::new()))
         });
-        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         let start = tokio::time::Instant::now();
         let guard = lock.try_acquire(&key("pace")).await.unwrap().unwrap();
         tokio::time::timeout(Duration::from_secs(30), guard.lost().cancelled())
@@ -741,7 +742,7 @@ mod memory {
     #[tokio::test(start_paused = true)]
     async fn a_failed_acquire_at_first_use_is_an_error() {
         let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
-        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         // The first acquire finds no blob (the memory store answers 404); the second fails.
         flaky.inject(Op::LeaseAcquire, StoreErrorKind::NotFound);
         flaky.inject(Op::LeaseAcquire, StoreErrorKind::Rejected);
@@ -758,7 +759,7 @@ mod memory {
     async fn acquire_waits_for_held_or_breaking_and_fails_fast_otherwise() {
         let inner = Arc::new(MemoryStore::new());
         let flaky = Arc::new(Flaky::over(inner.clone()));
-        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         let k = key("wait");
         lock.try_acquire(&k)
             .await
@@ -780,7 +781,7 @@ mod memory {
         assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
 
         // Held by someone else: tries again with growing pauses until the timeout, then says so.
-        let other = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let other = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         let before = inner.counters().snapshot();
         let start = tokio::time::Instant::now();
         let err = other.acquire(&k, Duration::from_secs(5)).await.unwrap_err();
@@ -812,7 +813,7 @@ mod memory {
     #[tokio::test(start_paused = true)]
     async fn inspect_does_not_mistake_a_failure_for_a_free_key() {
         let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
-        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         let guard = lock.try_acquire(&key("seen")).await.unwrap().unwrap();
         flaky.inject(Op::BlobProperties, StoreErrorKind::Rejected);
         let err = lock.inspect(&key("seen")).await.unwrap_err();
@@ -827,7 +828,7 @@ mod memory {
     async fn a_refused_first_acquire_creates_nothing() {
         let inner = Arc::new(MemoryStore::new());
         let flaky = Arc::new(Flaky::over(inner.clone()));
-        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         flaky.inject(Op::LeaseAcquire, StoreErrorKind::Rejected);
         let err = lock.try_acquire(&key("refused")).await.unwrap_err();
         assert_refused(&err);
@@ -839,7 +840,7 @@ mod memory {
     #[tokio::test(start_paused = true)]
     async fn break_lock_errors() {
         let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
-        let lock = LeaseLock::new(flaky.clone(), fast_options()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
         lock.break_lock(&key("never-used"), "test").await.unwrap();
         flaky.inject(Op::LeaseBreak, StoreErrorKind::Rejected);
         let err = lock.break_lock(&key("never-used"), "test").await.unwrap_err();
@@ -856,7 +857,7 @@ mod memory {
             fencing: true,
             ..fast_options()
         };
-        let lock = LeaseLock::new(flaky.clone(), options.clone()).unwrap();
+        let lock = LeaseLock::new(Flaky::store(&flaky), options.clone()).unwrap();
         let k = key("fence");
         flaky.inject(Op::BlobSetMetadata, StoreErrorKind::LeaseLost);
         let err = lock.try_acquire(&k).await.unwrap_err();
@@ -923,87 +924,61 @@ mod memory {
         StoreError::new(StoreErrorKind::Transient, op, "injected").with_status(503, Some("ServerBusy".into()))
     }
 
-    #[async_trait]
-    impl LeaseStore for Flaky {
-        async fn create_container(&self) -> StoreResult<()> {
-            self.inner.create_container().await
+    impl Flaky {
+        /// The lock's store: every request goes through these rules to the memory store.
+        fn store(flaky: &Arc<Flaky>) -> Arc<dyn LeaseStore> {
+            Arc::new(FaultyStore::new(flaky.inner.clone(), flaky.clone()))
         }
-        async fn create_blob(&self, blob: &str) -> StoreResult<()> {
-            self.inner.create_blob(blob).await
-        }
-        async fn acquire_lease(
-            &self,
-            blob: &str,
-            lease: LeaseId,
-            duration: LeaseDuration,
-        ) -> StoreResult<()> {
-            if self.inner.counters().snapshot().get(Op::LeaseAcquire) > 1_000 {
-                // Tries back to back would spin with time paused: let time move instead, so
-                // the test fails on its counts.
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            self.injected(Op::LeaseAcquire)?;
-            let exists = self.inner.properties(blob).await.is_ok();
-            if exists
-                && self
-                    .fail_acquires
-                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                    .is_ok()
-            {
-                return Err(transient(Op::LeaseAcquire));
-            }
-            self.inner.acquire_lease(blob, lease, duration).await
-        }
-        async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()> {
-            let sent = {
-                let mut renewals = self.renewals.lock().unwrap();
-                renewals.push(tokio::time::Instant::now());
-                renewals.len()
-            };
-            if sent > 100 {
-                // A renewer retrying back to back would spin with time paused; let time move
-                // so the test ends (and fails on the count) instead of hanging.
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            self.injected(Op::LeaseRenew)?;
-            if self.fail_renewals.load(Ordering::SeqCst) {
-                return Err(transient(Op::LeaseRenew));
-            }
-            self.inner.renew_lease(blob, lease).await
-        }
-        async fn release_lease(
-            &self,
-            blob: &str,
-            lease: LeaseId,
-            if_match: Option<&ETag>,
-        ) -> StoreResult<()> {
-            if self
-                .fail_releases
+
+        fn take_one(counter: &AtomicUsize) -> bool {
+            counter
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
                 .is_ok()
-            {
-                return Err(transient(Op::LeaseRelease));
+        }
+    }
+
+    #[async_trait]
+    impl Interceptor for Flaky {
+        async fn call<T: Send + 'static>(&self, op: Op, blob: &str, effect: Effect<T>) -> StoreResult<T> {
+            match op {
+                Op::LeaseAcquire => {
+                    if self.inner.counters().snapshot().get(Op::LeaseAcquire) > 1_000 {
+                        // Tries back to back would spin with time paused: let time move
+                        // instead, so the test fails on its counts.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    self.injected(op)?;
+                    let exists = self.inner.properties(blob).await.is_ok();
+                    if exists && Flaky::take_one(&self.fail_acquires) {
+                        return Err(transient(op));
+                    }
+                }
+                Op::LeaseRenew => {
+                    let sent = {
+                        let mut renewals = self.renewals.lock().unwrap();
+                        renewals.push(tokio::time::Instant::now());
+                        renewals.len()
+                    };
+                    if sent > 100 {
+                        // A renewer retrying back to back would spin with time paused; let
+                        // time move so the test ends (and fails on the count) instead of hanging.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    self.injected(op)?;
+                    if self.fail_renewals.load(Ordering::SeqCst) {
+                        return Err(transient(op));
+                    }
+                }
+                Op::LeaseRelease => {
+                    if Flaky::take_one(&self.fail_releases) {
+                        return Err(transient(op));
+                    }
+                }
+                _ => self.injected(op)?,
             }
-            self.inner.release_lease(blob, lease, if_match).await
+            effect.await
         }
-        async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()> {
-            self.injected(Op::LeaseBreak)?;
-            self.inner.break_lease(blob, period).await
-        }
-        async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
-            self.injected(Op::BlobProperties)?;
-            self.inner.properties(blob).await
-        }
-        async fn set_metadata(
-            &self,
-            blob: &str,
-            lease: Option<LeaseId>,
-            if_match: Option<&ETag>,
-            metadata: &Metadata,
-        ) -> StoreResult<ETag> {
-            self.injected(Op::BlobSetMetadata)?;
-            self.inner.set_metadata(blob, lease, if_match, metadata).await
-        }
+
         fn counters(&self) -> &OpCounters {
             self.inner.counters()
         }

@@ -7,6 +7,8 @@ mod message;
 pub mod queue;
 mod record;
 mod runner;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod watchdog;
 
 pub use consumer::{Consumer, ConsumerOptions, PoisonMessage, poison_queue_name};

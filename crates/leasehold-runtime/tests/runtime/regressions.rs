@@ -10,13 +10,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
-    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
+    LeaseLock, LeaseOptions, LeaseStore, Op, OpCounters, RetryOptions, StoreError, StoreErrorKind,
+    StoreResult,
 };
+use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Enqueued, Error, Logic, LogicError, MarkerSet, MarkerStore,
-    MemoryMarkers, MemoryQueue, Outcome, PoisonMessage, Received, RecordRunner, RunContext, RunnerOptions,
-    TriggerKind, TriggerMessage, TriggerQueue,
+    Consumer, ConsumerOptions, Delivery, Error, Logic, LogicError, MarkerStore, MemoryMarkers, MemoryQueue,
+    Outcome, PoisonMessage, Received, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
+    TriggerQueue,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -34,39 +35,19 @@ enum Act {
     SlowAnswer(Duration),
 }
 
-/// The in-memory store and queue, with scripted acts for chosen calls: `script[op]` is consumed
-/// one act per call; `always[op]` applies once the script for `op` is used up.
+/// Scripted acts for chosen calls: `script[op]` is consumed one act per call; `always[op]`
+/// applies once the script for `op` is used up. Every request of a [`Scripted`] fixture goes
+/// through these rules.
 #[derive(Debug, Default)]
-struct Scripted {
-    store: MemoryStore,
-    markers: MemoryMarkers,
-    queue: Option<Arc<MemoryQueue>>,
+struct Rules {
     script: Mutex<HashMap<Op, Vec<Act>>>,
     always: Mutex<HashMap<Op, Act>>,
     counters: OpCounters,
 }
 
-impl Scripted {
-    fn new() -> Arc<Self> {
-        Arc::new(Self {
-            queue: Some(Arc::new(MemoryQueue::new("triggers", OpCounters::new()))),
-            ..Self::default()
-        })
-    }
-
-    fn then(&self, op: Op, acts: &[Act]) {
-        self.script.lock().unwrap().entry(op).or_default().extend(acts);
-    }
-
-    fn always(&self, op: Op, act: Act) {
-        self.always.lock().unwrap().insert(op, act);
-    }
-
-    fn queue(&self) -> &Arc<MemoryQueue> {
-        self.queue.as_ref().unwrap()
-    }
-
-    async fn call<T>(&self, op: Op, f: impl std::future::Future<Output = StoreResult<T>>) -> StoreResult<T> {
+#[async_trait]
+impl Interceptor for Rules {
+    async fn call<T: Send + 'static>(&self, op: Op, _target: &str, effect: Effect<T>) -> StoreResult<T> {
         self.counters.record(op);
         if self.counters.snapshot().get(op) > 10_000 {
             // Something calls back to back (a retry loop with no pause). With time paused that
@@ -81,120 +62,78 @@ impl Scripted {
             }
         };
         match act {
-            None => f.await,
+            None => effect.await,
             Some(Act::Slow(d)) => {
                 tokio::time::sleep(d).await;
-                f.await
+                effect.await
             }
             Some(Act::Refuse(kind)) => Err(StoreError::new(kind, op, "scripted").with_status(409, None)),
             Some(Act::LoseAnswer) => {
-                let _ = f.await;
+                let _ = effect.await;
                 Err(StoreError::timeout(op, Duration::from_secs(10)))
             }
             Some(Act::SlowAnswer(d)) => {
-                let result = f.await;
+                let result = effect.await;
                 tokio::time::sleep(d).await;
                 result
             }
         }
     }
-}
 
-#[async_trait]
-impl LeaseStore for Scripted {
-    async fn create_container(&self) -> StoreResult<()> {
-        self.call(Op::ContainerCreate, self.store.create_container())
-            .await
-    }
-    async fn create_blob(&self, blob: &str) -> StoreResult<()> {
-        self.call(Op::BlobCreate, self.store.create_blob(blob)).await
-    }
-    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
-        self.call(Op::LeaseAcquire, self.store.acquire_lease(blob, lease, duration))
-            .await
-    }
-    async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()> {
-        self.call(Op::LeaseRenew, self.store.renew_lease(blob, lease))
-            .await
-    }
-    async fn release_lease(&self, blob: &str, lease: LeaseId, if_match: Option<&ETag>) -> StoreResult<()> {
-        self.call(Op::LeaseRelease, self.store.release_lease(blob, lease, if_match))
-            .await
-    }
-    async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()> {
-        self.call(Op::LeaseBreak, self.store.break_lease(blob, period))
-            .await
-    }
-    async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
-        self.call(Op::BlobProperties, self.store.properties(blob)).await
-    }
-    async fn set_metadata(
-        &self,
-        blob: &str,
-        lease: Option<LeaseId>,
-        if_match: Option<&ETag>,
-        metadata: &Metadata,
-    ) -> StoreResult<ETag> {
-        self.call(
-            Op::BlobSetMetadata,
-            self.store.set_metadata(blob, lease, if_match, metadata),
-        )
-        .await
-    }
     fn counters(&self) -> &OpCounters {
         &self.counters
     }
 }
 
-#[async_trait]
-impl MarkerStore for Scripted {
-    async fn set(&self, key: &LockKey) -> StoreResult<MarkerSet> {
-        self.call(Op::FlagPut, self.markers.set(key)).await
-    }
-    async fn take(&self, key: &LockKey) -> StoreResult<bool> {
-        self.call(Op::FlagDelete, self.markers.take(key)).await
-    }
-    async fn is_set(&self, key: &LockKey) -> StoreResult<bool> {
-        self.markers.is_set(key).await
-    }
-    fn counters(&self) -> &OpCounters {
-        &self.counters
-    }
+/// The in-memory lease store, markers and queue, each seen through the same scripted [`Rules`]
+/// (`lease_store`, `marker_store`, `trigger_queue`) or directly (the fields, for a test's own
+/// set-up and checks).
+#[derive(Debug)]
+struct Scripted {
+    store: Arc<MemoryStore>,
+    markers: Arc<MemoryMarkers>,
+    queue: Arc<MemoryQueue>,
+    rules: Arc<Rules>,
 }
 
-#[async_trait]
-impl TriggerQueue for Scripted {
-    fn name(&self) -> &str {
-        "triggers"
+impl Scripted {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            store: Arc::new(MemoryStore::new()),
+            markers: Arc::new(MemoryMarkers::new()),
+            queue: Arc::new(MemoryQueue::new("triggers", OpCounters::new())),
+            rules: Arc::default(),
+        })
     }
-    async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
-        self.call(Op::QueuePut, self.queue().put(body, delay)).await
+
+    fn then(&self, op: Op, acts: &[Act]) {
+        self.rules
+            .script
+            .lock()
+            .unwrap()
+            .entry(op)
+            .or_default()
+            .extend(acts);
     }
-    async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
-        self.call(Op::QueueGet, self.queue().get(max, visibility)).await
+
+    fn always(&self, op: Op, act: Act) {
+        self.rules.always.lock().unwrap().insert(op, act);
     }
-    async fn delete(&self, id: &str, pop_receipt: &str) -> StoreResult<()> {
-        self.call(Op::QueueDelete, self.queue().delete(id, pop_receipt))
-            .await
+
+    fn queue(&self) -> &Arc<MemoryQueue> {
+        &self.queue
     }
-    async fn set_visibility(
-        &self,
-        id: &str,
-        receipt: &str,
-        body: &str,
-        visibility: Duration,
-    ) -> StoreResult<String> {
-        self.call(
-            Op::QueueUpdate,
-            self.queue().set_visibility(id, receipt, body, visibility),
-        )
-        .await
+
+    fn lease_store(&self) -> Arc<dyn LeaseStore> {
+        Arc::new(FaultyStore::new(self.store.clone(), self.rules.clone()))
     }
-    async fn approximate_len(&self) -> StoreResult<u64> {
-        self.queue().approximate_len().await
+
+    fn marker_store(&self) -> Arc<dyn MarkerStore> {
+        Arc::new(FaultyMarkers::new(self.markers.clone(), self.rules.clone()))
     }
-    fn counters(&self) -> &OpCounters {
-        &self.counters
+
+    fn trigger_queue(&self) -> Arc<dyn TriggerQueue> {
+        Arc::new(FaultyQueue::new(self.queue.clone(), self.rules.clone()))
     }
 }
 
@@ -262,11 +201,17 @@ fn lock_on(store: &Arc<Scripted>) -> LeaseLock {
         },
         ..LeaseOptions::default()
     };
-    LeaseLock::new(store.clone() as Arc<dyn LeaseStore>, options).unwrap()
+    LeaseLock::new(store.lease_store(), options).unwrap()
 }
 
 fn runner_on(store: &Arc<Scripted>, logic: Arc<dyn Logic>, options: RunnerOptions) -> RecordRunner {
-    RecordRunner::new(lock_on(store), store.clone(), store.clone(), logic, options)
+    RecordRunner::new(
+        lock_on(store),
+        store.marker_store(),
+        store.trigger_queue(),
+        logic,
+        options,
+    )
 }
 
 /// A scripted store, a logic of `duration` ending with `end`, and a runner with default options.
@@ -617,10 +562,10 @@ async fn a_panicking_logic_fails_its_run_and_nothing_unwinds() {
     assert!(!held(&store).await, "released");
     let (consumer, taken) = consumer_with_one_trigger(&store, runner).await;
     consumer.process(taken[0].clone(), CancellationToken::new()).await;
-    let updates = store.counters.snapshot().get(Op::QueueUpdate);
+    let updates = store.rules.counters.snapshot().get(Op::QueueUpdate);
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(
-        store.counters.snapshot().get(Op::QueueUpdate),
+        store.rules.counters.snapshot().get(Op::QueueUpdate),
         updates,
         "no visibility renewer left running"
     );
@@ -955,7 +900,7 @@ async fn visibility_renewal_rides_out_transient_failures_and_gives_up_in_time() 
     task.await.unwrap();
     assert!(store.queue().bodies().is_empty());
     // Every 10 s, and the failed one again a second later: 10, 20 (failed), 21, 31, 41, 51 s.
-    assert_eq!(store.counters.snapshot().get(Op::QueueUpdate), 6);
+    assert_eq!(store.rules.counters.snapshot().get(Op::QueueUpdate), 6);
 
     // Renewals that keep failing are retried every second until 2 s before the message would
     // surface (at 40 s), then given up; the run goes on.
@@ -966,7 +911,7 @@ async fn visibility_renewal_rides_out_transient_failures_and_gives_up_in_time() 
         consumer_with_one_trigger(&store, runner_on(&store, logic.clone(), RunnerOptions::default())).await;
     consumer.process(taken[0].clone(), CancellationToken::new()).await;
     // Tries at 10 s, 11 s, ... 38 s: 29 of them.
-    assert_eq!(store.counters.snapshot().get(Op::QueueUpdate), 29);
+    assert_eq!(store.rules.counters.snapshot().get(Op::QueueUpdate), 29);
     assert_eq!(logic.cancelled.load(Ordering::SeqCst), 0, "the run went on");
 }
 
@@ -1173,11 +1118,11 @@ async fn the_runner_retries_storage_calls_as_the_lock_options_say() {
         retry: RetryOptions::none(),
         ..LeaseOptions::default()
     };
-    let lock = LeaseLock::new(store.clone() as Arc<dyn LeaseStore>, options).unwrap();
+    let lock = LeaseLock::new(store.lease_store(), options).unwrap();
     let runner = RecordRunner::new(
         lock,
-        store.clone(),
-        store.clone(),
+        store.marker_store(),
+        store.trigger_queue(),
         logic.clone(),
         RunnerOptions::default(),
     );
@@ -1210,8 +1155,8 @@ async fn a_watchdog_found_taken_is_not_pushed_again() {
     let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     // Renewals at 10, 20 and 30 s: only the first tried to push the watchdog.
-    assert_eq!(store.counters.snapshot().get(Op::LeaseRenew), 3);
-    assert_eq!(store.counters.snapshot().get(Op::QueueUpdate), 1);
+    assert_eq!(store.rules.counters.snapshot().get(Op::LeaseRenew), 3);
+    assert_eq!(store.rules.counters.snapshot().get(Op::QueueUpdate), 1);
 }
 
 /// An update of the message's visibility (standalone) or of the watchdog (Functions) that is in

@@ -35,11 +35,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{
-    BlobProperties, ETag, LeaseDuration, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op,
-    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
+    LeaseDuration, LeaseLock, LeaseOptions, LeaseStore, LockKey, Op, OpCounters, RetryOptions, StoreError,
+    StoreErrorKind, StoreResult,
 };
+use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet, MarkerStore, MemoryMarkers,
+    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerStore, MemoryMarkers,
     MemoryQueue, Outcome, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions,
     TriggerKind, TriggerMessage, TriggerQueue,
 };
@@ -47,8 +48,6 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-
-type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -446,18 +445,8 @@ impl Node {
         }
     }
 
-    /// One request: `effect` is what storage does when the request lands.
-    async fn call<T: Send + 'static>(&self, op: Op, effect: BoxFuture<StoreResult<T>>) -> StoreResult<T> {
-        self.call_with(op, effect, true).await
-    }
-
     /// `late`: whether a request that got no answer may still land afterwards.
-    async fn call_with<T: Send + 'static>(
-        &self,
-        op: Op,
-        effect: BoxFuture<StoreResult<T>>,
-        late: bool,
-    ) -> StoreResult<T> {
+    async fn call_with<T: Send + 'static>(&self, op: Op, effect: Effect<T>, late: bool) -> StoreResult<T> {
         self.pend_if_dead().await;
         self.counters.record(op);
         let world = &self.world;
@@ -490,6 +479,7 @@ impl Node {
             );
         }
         let result = effect.await;
+        let took = self.note_taken(op, &result);
         self.crash_if_aimed_at(op).await;
         if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
             println!(
@@ -504,6 +494,11 @@ impl Node {
         if world.chance(0.01) {
             // Took effect; the answer was lost (the caller retries after its late window).
             world.count(|c| c.transient_errors += 1);
+            if took {
+                // What the get took stays hidden for a whole visibility period, owned by nobody.
+                let now = Instant::now();
+                world.journal.lock().unwrap().lost_gets.push(now);
+            }
             return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
         }
         result
@@ -540,181 +535,51 @@ impl Node {
         }
     }
 
-    fn blob(&self) -> Arc<MemoryStore> {
-        self.world.blob.clone()
-    }
-
-    fn markers(&self) -> Arc<MemoryMarkers> {
-        self.world.markers.clone()
-    }
-
-    fn queue(&self) -> Arc<MemoryQueue> {
-        self.world.queue.clone()
-    }
-}
-
-#[async_trait]
-impl LeaseStore for Node {
-    async fn create_container(&self) -> StoreResult<()> {
-        let b = self.blob();
-        self.call(
-            Op::ContainerCreate,
-            Box::pin(async move { b.create_container().await }),
-        )
-        .await
-    }
-    async fn create_blob(&self, blob: &str) -> StoreResult<()> {
-        let (b, n) = (self.blob(), blob.to_string());
-        self.call(Op::BlobCreate, Box::pin(async move { b.create_blob(&n).await }))
-            .await
-    }
-    async fn acquire_lease(&self, blob: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
-        let (b, n) = (self.blob(), blob.to_string());
-        self.call(
-            Op::LeaseAcquire,
-            Box::pin(async move { b.acquire_lease(&n, lease, duration).await }),
-        )
-        .await
-    }
-    async fn renew_lease(&self, blob: &str, lease: LeaseId) -> StoreResult<()> {
-        let (b, n) = (self.blob(), blob.to_string());
-        self.call(
-            Op::LeaseRenew,
-            Box::pin(async move { b.renew_lease(&n, lease).await }),
-        )
-        .await
-    }
-    async fn release_lease(&self, blob: &str, lease: LeaseId, if_match: Option<&ETag>) -> StoreResult<()> {
-        let (b, n, m) = (self.blob(), blob.to_string(), if_match.cloned());
-        self.call(
-            Op::LeaseRelease,
-            Box::pin(async move { b.release_lease(&n, lease, m.as_ref()).await }),
-        )
-        .await
-    }
-    async fn break_lease(&self, blob: &str, period: Duration) -> StoreResult<()> {
-        let (b, n) = (self.blob(), blob.to_string());
-        self.call(
-            Op::LeaseBreak,
-            Box::pin(async move { b.break_lease(&n, period).await }),
-        )
-        .await
-    }
-    async fn properties(&self, blob: &str) -> StoreResult<BlobProperties> {
-        let (b, n) = (self.blob(), blob.to_string());
-        self.call(
-            Op::BlobProperties,
-            Box::pin(async move { b.properties(&n).await }),
-        )
-        .await
-    }
-    async fn set_metadata(
-        &self,
-        blob: &str,
-        lease: Option<LeaseId>,
-        if_match: Option<&ETag>,
-        metadata: &Metadata,
-    ) -> StoreResult<ETag> {
-        let (b, n, m, md) = (self.blob(), blob.to_string(), if_match.cloned(), metadata.clone());
-        self.call(
-            Op::BlobSetMetadata,
-            Box::pin(async move { b.set_metadata(&n, lease, m.as_ref(), &md).await }),
-        )
-        .await
-    }
-    fn counters(&self) -> &OpCounters {
-        &self.counters
-    }
-}
-
-#[async_trait]
-impl MarkerStore for Node {
-    async fn set(&self, key: &LockKey) -> StoreResult<MarkerSet> {
-        let (m, k) = (self.markers(), key.clone());
-        self.call(Op::FlagPut, Box::pin(async move { m.set(&k).await }))
-            .await
-    }
-    async fn take(&self, key: &LockKey) -> StoreResult<bool> {
-        let (m, k) = (self.markers(), key.clone());
-        self.call(Op::FlagDelete, Box::pin(async move { m.take(&k).await }))
-            .await
-    }
-    async fn is_set(&self, key: &LockKey) -> StoreResult<bool> {
-        let (m, k) = (self.markers(), key.clone());
-        self.call(Op::BlobProperties, Box::pin(async move { m.is_set(&k).await }))
-            .await
-    }
-    fn counters(&self) -> &OpCounters {
-        &self.counters
-    }
-}
-
-#[async_trait]
-impl TriggerQueue for Node {
-    fn name(&self) -> &str {
-        "sim"
-    }
-    async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
-        let (q, b) = (self.queue(), body.to_string());
-        self.call(Op::QueuePut, Box::pin(async move { q.put(&b, delay).await }))
-            .await
-    }
-    async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
-        let world = self.world.clone();
-        let q = self.queue();
-        let took = Arc::new(AtomicBool::new(false));
-        let took2 = took.clone();
-        let effect = Box::pin(async move {
-            let taken = q.get(max, visibility).await?;
-            took2.store(!taken.is_empty(), Ordering::SeqCst);
-            // A trigger arrives when a worker first receives it.
-            let now = Instant::now();
-            let mut j = world.journal.lock().unwrap();
-            for m in &taken {
-                if let Ok(t) = TriggerMessage::decode(&m.body) {
-                    if t.kind == TriggerKind::Trigger && m.dequeue_count == 1 {
-                        j.arrivals.push((t.record_id.to_string(), now));
-                    }
+    /// A queue get landed: a trigger arrives when a worker first receives it. Says whether the
+    /// get took messages.
+    fn note_taken<T: 'static>(&self, op: Op, result: &StoreResult<T>) -> bool {
+        if op != Op::QueueGet {
+            return false;
+        }
+        let Some(Ok(taken)) = (result as &dyn std::any::Any).downcast_ref::<StoreResult<Vec<Received>>>()
+        else {
+            return false;
+        };
+        let now = Instant::now();
+        let mut j = self.world.journal.lock().unwrap();
+        for m in taken {
+            if let Ok(t) = TriggerMessage::decode(&m.body) {
+                if t.kind == TriggerKind::Trigger && m.dequeue_count == 1 {
+                    j.arrivals.push((t.record_id.to_string(), now));
                 }
             }
-            Ok(taken)
-        });
-        // A get that took messages but whose answer was lost hides them for a whole visibility
-        // period without an owner (no late landings for gets: the same, only later).
-        let answered = self.call_with(Op::QueueGet, effect, false).await;
-        if answered.is_err() && took.load(Ordering::SeqCst) {
-            let now = Instant::now();
-            self.world.journal.lock().unwrap().lost_gets.push(now);
         }
-        answered
+        !taken.is_empty()
     }
-    async fn delete(&self, id: &str, pop_receipt: &str) -> StoreResult<()> {
-        let (q, i, r) = (self.queue(), id.to_string(), pop_receipt.to_string());
-        self.call(Op::QueueDelete, Box::pin(async move { q.delete(&i, &r).await }))
-            .await
-    }
-    async fn set_visibility(
-        &self,
-        id: &str,
-        receipt: &str,
-        body: &str,
-        visibility: Duration,
-    ) -> StoreResult<String> {
-        let (q, i, r, b) = (
-            self.queue(),
-            id.to_string(),
-            receipt.to_string(),
-            body.to_string(),
-        );
-        self.call(
-            Op::QueueUpdate,
-            Box::pin(async move { q.set_visibility(&i, &r, &b, visibility).await }),
+
+    /// The lock store, marker store and queue of this node: every request through it.
+    fn stores(&self) -> (Arc<dyn LeaseStore>, Arc<dyn MarkerStore>, Arc<dyn TriggerQueue>) {
+        let world = &self.world;
+        (
+            Arc::new(FaultyStore::new(world.blob.clone(), self.clone())),
+            Arc::new(FaultyMarkers::new(world.markers.clone(), self.clone())),
+            Arc::new(FaultyQueue::new(world.queue.clone(), self.clone())),
         )
-        .await
     }
-    async fn approximate_len(&self) -> StoreResult<u64> {
-        self.world.queue.approximate_len().await
+}
+
+#[async_trait]
+impl Interceptor for Node {
+    async fn call<T: Send + 'static>(&self, op: Op, _target: &str, effect: Effect<T>) -> StoreResult<T> {
+        if op == Op::QueuePeek {
+            // Only operators' tools look at the queue's length: no faults, not counted.
+            return effect.await;
+        }
+        // No late landings for gets: a get whose answer is lost already hides what it took for
+        // a whole visibility period without an owner (see `note_taken`); late, it is the same.
+        self.call_with(op, effect, op != Op::QueueGet).await
     }
+
     fn counters(&self) -> &OpCounters {
         &self.counters
     }
@@ -1101,14 +966,12 @@ impl Sim {
             counters: self.counters.clone(),
             aimable: Some(generation),
         };
-        let store: Arc<dyn LeaseStore> = Arc::new(node.clone());
+        let (store, markers, queue) = node.stores();
         let lock = LeaseLock::new(
             store,
             lease_options(&self.plan, (machine as u64) << 8 | generation),
         )
         .unwrap();
-        let markers: Arc<dyn MarkerStore> = Arc::new(node.clone());
-        let queue: Arc<dyn TriggerQueue> = Arc::new(node);
         let runner_options = RunnerOptions {
             run_timeout: RUN_TIMEOUT,
             stop_grace: STOP_GRACE,
@@ -1158,16 +1021,17 @@ impl Sim {
     fn start_host(&self, machine: usize) -> Host {
         let alive = Arc::new(AtomicBool::new(true));
         let killed = CancellationToken::new();
-        let node = Arc::new(Node {
+        let node = Node {
             world: self.world.clone(),
             machine,
             alive: alive.clone(),
             counters: self.counters.clone(),
             aimable: None,
-        });
+        };
+        let (_, _, queue) = node.stores();
         let task = tokio::spawn(host(
             self.world.clone(),
-            node,
+            queue,
             self.slots[machine].clone(),
             killed.clone(),
         ));
@@ -1463,7 +1327,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
 /// `visibilityTimeout` when the invocation fails (including when the handler is dead or stopping),
 /// and poisons without asking the handler when the `maxDequeueCount`-th invocation fails (or a
 /// message arrives past it, after a host crash).
-async fn host(world: Arc<World>, queue: Arc<Node>, slot: Slot, killed: CancellationToken) {
+async fn host(world: Arc<World>, queue: Arc<dyn TriggerQueue>, slot: Slot, killed: CancellationToken) {
     loop {
         let batch = queue.get(16, HOST_VISIBILITY).await.unwrap_or_default();
         if batch.is_empty() {
