@@ -128,6 +128,15 @@ fn err(kind: StoreErrorKind, op: Op, status: u16, code: &str) -> StoreError {
     StoreError::new(kind, op, "").with_status(status, Some(code.to_string()))
 }
 
+/// What Azure answers a renew or release naming a lease id that does not hold the blob.
+fn not_ours(lease: &Lease, op: Op) -> StoreError {
+    let code = match lease {
+        Lease::Active { .. } => "LeaseIdMismatchWithLeaseOperation",
+        _ => "LeaseNotPresentWithLeaseOperation",
+    };
+    err(StoreErrorKind::LeaseLost, op, 409, code)
+}
+
 fn not_found(state: &State, op: Op) -> StoreError {
     if state.container_exists {
         err(StoreErrorKind::NotFound, op, 404, "BlobNotFound")
@@ -252,18 +261,7 @@ impl LeaseStore for MemoryStore {
                     };
                     Ok(())
                 }
-                Lease::Active { .. } => Err(err(
-                    StoreErrorKind::LeaseLost,
-                    op,
-                    409,
-                    "LeaseIdMismatchWithLeaseOperation",
-                )),
-                _ => Err(err(
-                    StoreErrorKind::LeaseLost,
-                    op,
-                    409,
-                    "LeaseNotPresentWithLeaseOperation",
-                )),
+                ref other => Err(not_ours(other, op)),
             }
         })
     }
@@ -288,18 +286,7 @@ impl LeaseStore for MemoryStore {
                     blob.expired = None;
                     Ok(())
                 }
-                Lease::Active { .. } => Err(err(
-                    StoreErrorKind::LeaseLost,
-                    op,
-                    409,
-                    "LeaseIdMismatchWithLeaseOperation",
-                )),
-                _ => Err(err(
-                    StoreErrorKind::LeaseLost,
-                    op,
-                    409,
-                    "LeaseNotPresentWithLeaseOperation",
-                )),
+                ref other => Err(not_ours(other, op)),
             }
         })
     }
