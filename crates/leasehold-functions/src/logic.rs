@@ -519,8 +519,8 @@ pub struct DemoLogic {
 #[async_trait]
 impl Logic for DemoLogic {
     async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
-        tracing::info!(scope = %ctx.scope, record = %ctx.record_id, fencing_token = ?ctx.fencing_token,
-            "demo logic: working on the record for {:?}", self.duration);
+        // Record and fencing token are the fields of the delivery's span.
+        tracing::info!("demo logic: working on the record for {:?}", self.duration);
         tokio::select! {
             biased;
             _ = ctx.cancel.cancelled() => Err(Error::DemoCancelled.into()),

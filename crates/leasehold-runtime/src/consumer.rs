@@ -16,6 +16,7 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 use crate::error::Error;
 use crate::message::TriggerMessage;
@@ -207,8 +208,14 @@ impl Consumer {
         tracing::info!("consumer stopped");
     }
 
-    /// Handles one taken message from start to acknowledgement (or not).
+    /// Handles one taken message from start to acknowledgement (or not), in a span naming the
+    /// message (its delivery's span, with the record, nests inside).
     pub async fn process(&self, received: Received, cancel: CancellationToken) {
+        let span = tracing::info_span!("message", id = %received.id, dequeue_count = received.dequeue_count);
+        self.process_message(received, cancel).instrument(span).await
+    }
+
+    async fn process_message(&self, received: Received, cancel: CancellationToken) {
         let message = match TriggerMessage::decode(&received.body) {
             Ok(m) => m,
             Err(e) => {
@@ -236,13 +243,16 @@ impl Consumer {
         // it stops when this delivery ends, however it ends.
         let receipt = Arc::new(std::sync::Mutex::new(received.pop_receipt.clone()));
         let stop_renewing = CancellationToken::new();
-        let mut renewer = AbortOnDrop(tokio::spawn(keep_hidden(
-            self.queue().clone(),
-            received.clone(),
-            receipt.clone(),
-            self.options.clone(),
-            stop_renewing.clone(),
-        )));
+        let mut renewer = AbortOnDrop(tokio::spawn(
+            keep_hidden(
+                self.queue().clone(),
+                received.clone(),
+                receipt.clone(),
+                self.options.clone(),
+                stop_renewing.clone(),
+            )
+            .instrument(tracing::Span::current()),
+        ));
         let outcome = self.runner.handle(&delivery, &cancel).await;
         // Stop renewing, but let an update in flight finish: cut off, it could land and change
         // the receipt without our knowing, and the delete below would then miss.
@@ -344,7 +354,7 @@ async fn keep_hidden(
                 next = Instant::now() + Duration::from_secs(1);
             }
             Err(e) => {
-                tracing::warn!(error = %e, message = %received.id,
+                tracing::warn!(error = %e,
                     "message visibility can no longer be renewed: it will be delivered again, and that delivery looks again once this run's lease has expired");
                 return;
             }

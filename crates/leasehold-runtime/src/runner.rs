@@ -8,6 +8,7 @@ use leasehold_lock::{LeaseGuard, LeaseId, LeaseLock, LockKey, StoreError, StoreE
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::consumer::PoisonMessage;
 use crate::error::{Error, LogicError};
@@ -111,6 +112,20 @@ impl Delivery {
         self.message
             .prior_attempts
             .saturating_add(self.dequeue_count.max(1))
+    }
+
+    /// The span every event of this delivery is logged in: scope, record, message kind, attempt,
+    /// and (once the lease is granted with fencing on) the fencing token.
+    pub fn span(&self) -> tracing::Span {
+        let message = &self.message;
+        tracing::info_span!(
+            "delivery",
+            scope = %message.scope,
+            record = %message.record_id,
+            kind = ?message.kind,
+            attempt = self.attempts(),
+            fencing_token = tracing::field::Empty,
+        )
     }
 
     /// The kind of the message that looks again for this delivery when it may not trust a held
@@ -312,11 +327,15 @@ impl RecordRunner {
     /// (the standalone [`crate::Consumer`]): the message itself is the carrier. `cancel` stops a
     /// run from outside (shutdown); the trigger is then not acknowledged.
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
-        let outcome = self
-            .handle_key(&delivery.message.key(), delivery, cancel, None)
-            .await;
-        self.log(delivery, &outcome);
-        outcome
+        async {
+            let outcome = self
+                .handle_key(&delivery.message.key(), delivery, cancel, None)
+                .await;
+            log(&outcome);
+            outcome
+        }
+        .instrument(delivery.span())
+        .await
     }
 
     /// Handles one delivery whose message someone else keeps hidden, for longer than a lease,
@@ -332,9 +351,13 @@ impl RecordRunner {
         poison: &dyn TriggerQueue,
         cancel: &CancellationToken,
     ) -> Outcome {
-        let outcome = self.handle_watched_inner(delivery, poison, cancel).await;
-        self.log(delivery, &outcome);
-        outcome
+        async {
+            let outcome = self.handle_watched_inner(delivery, poison, cancel).await;
+            log(&outcome);
+            outcome
+        }
+        .instrument(delivery.span())
+        .await
     }
 
     async fn handle_watched_inner(
@@ -454,34 +477,6 @@ impl RecordRunner {
     fn watchdog_visibility(&self) -> Duration {
         let lease = self.lock.options();
         lease.duration.as_duration() + lease.renew_every + WATCHDOG_MARGIN
-    }
-
-    fn log(&self, delivery: &Delivery, outcome: &Outcome) {
-        let msg = &delivery.message;
-        let attempt = delivery.attempts();
-        match outcome {
-            Outcome::Completed {
-                fencing_token,
-                retriggered,
-                run_time,
-            } => tracing::info!(
-                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
-                fencing_token = ?fencing_token, outcome = "completed", retriggered, run_ms = run_time.as_millis() as u64,
-                "record run completed"
-            ),
-            Outcome::Failed { error, retriggered } => tracing::warn!(
-                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
-                outcome = "failed", retriggered, reason = %error, "record run failed; trigger will be retried"
-            ),
-            Outcome::Retrying { error, after } => tracing::warn!(
-                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
-                outcome = "retrying", retry_in = ?after, reason = %error, "record run failed; retry queued"
-            ),
-            other => tracing::info!(
-                scope = %msg.scope, record = %msg.record_id, kind = ?msg.kind, attempt,
-                outcome = other.name(), "trigger handled without a run"
-            ),
-        }
     }
 
     /// Whether this delivery may set the marker and leave when it finds the lease held.
@@ -621,6 +616,9 @@ impl RecordRunner {
             }
         }
         let token = guard.get().fencing_token();
+        if let Some(token) = token {
+            tracing::Span::current().record("fencing_token", token);
+        }
         let run_cancel = cancel.child_token();
         let ctx = RunContext {
             scope: delivery.message.scope.clone(),
@@ -698,7 +696,10 @@ impl RecordRunner {
             return RunEnd::stopped(Error::LeaseLostBeforeRun);
         }
         let logic = self.logic.clone();
-        let mut task = AbortOnDrop(tokio::spawn(async move { logic.run(ctx).await }));
+        // The logic's own events belong to the delivery too.
+        let mut task = AbortOnDrop(tokio::spawn(
+            async move { logic.run(ctx).await }.instrument(tracing::Span::current()),
+        ));
         // Biased: a lost lease or a cancellation wins over a result that is ready at the same
         // moment, so a result produced after the lease was lost is never acknowledged.
         let stopped = tokio::select! {
@@ -786,6 +787,36 @@ impl RecordRunner {
             .run("enqueue", || self.queue.put(&body, delay))
             .await
             .map(drop)
+    }
+}
+
+/// The one event of a delivery's outcome; which record, attempt and fencing token it was are the
+/// fields of the delivery's span ([`Delivery::span`]).
+fn log(outcome: &Outcome) {
+    match outcome {
+        Outcome::Completed {
+            retriggered,
+            run_time,
+            ..
+        } => tracing::info!(
+            outcome = "completed",
+            retriggered,
+            run_ms = run_time.as_millis() as u64,
+            "record run completed"
+        ),
+        Outcome::Failed { error, retriggered } => tracing::warn!(
+            outcome = "failed",
+            retriggered,
+            reason = %error,
+            "record run failed; trigger will be retried"
+        ),
+        Outcome::Retrying { error, after } => tracing::warn!(
+            outcome = "retrying",
+            retry_in = ?after,
+            reason = %error,
+            "record run failed; retry queued"
+        ),
+        other => tracing::info!(outcome = other.name(), "trigger handled without a run"),
     }
 }
 

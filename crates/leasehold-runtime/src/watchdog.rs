@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::message::TriggerMessage;
 use crate::queue::TriggerQueue;
@@ -129,7 +130,9 @@ impl Watchdog {
                         Err(e) => tracing::warn!(error = %e, "could not push the watchdog ahead"),
                     }
                 }
-            }),
+            }
+            // Its events belong to the delivery it follows.
+            .instrument(tracing::Span::current())),
             stop,
         )
     }

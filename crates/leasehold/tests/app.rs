@@ -691,7 +691,8 @@ async fn custom_handler_speaks_the_host_protocol() {
     assert!(poisoned.body.contains("not a trigger"), "{poisoned:?}");
     // Unknown function.
     assert_eq!(invoke("Nope", json!({})).await.0, 404);
-    // JSON logs, one line per record outcome.
+    // JSON logs, one line per record outcome, in the delivery's span (record, attempt, fencing
+    // token) instead of repeating them on each event.
     terminate(&child);
     assert!(child.wait().await.unwrap().success());
     let log = env.log("handler");
@@ -700,10 +701,19 @@ async fn custom_handler_speaks_the_host_protocol() {
         .find(|l| l.contains("record run completed"))
         .expect("an outcome line");
     let parsed: Value = serde_json::from_str(outcome_line).expect("JSON log line");
-    assert_eq!(parsed["record"], RECORD);
-    assert!(
-        parsed.get("fencing_token").is_some() && parsed.get("run_ms").is_some(),
+    let span = &parsed["span"];
+    assert_eq!(
+        (&span["name"], &span["record"], &span["scope"], &span["attempt"]),
+        (&json!("delivery"), &json!(RECORD), &json!("account"), &json!(1)),
         "{parsed}"
+    );
+    assert!(
+        span["fencing_token"].as_u64().is_some() && parsed.get("run_ms").is_some(),
+        "{parsed}"
+    );
+    assert!(
+        parsed.get("record").is_none(),
+        "not repeated on the event: {parsed}"
     );
 }
 
