@@ -28,14 +28,14 @@ pub enum NoRecord {
 }
 
 /// Whether a JSON object is a RemoteExecutionContext (rather than a plain `{recordId}` body).
-pub fn looks_like_context(object: &Map<String, Value>) -> bool {
+pub(crate) fn looks_like_context(object: &Map<String, Value>) -> bool {
     object.contains_key("PrimaryEntityId")
         || object.contains_key("PrimaryEntityName")
         || object.contains_key("MessageName")
 }
 
 /// Looks up `key` in a WCF key/value list (or a plain JSON object, which some tools send).
-pub fn lookup<'a>(collection: Option<&'a Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn lookup<'a>(collection: Option<&'a Value>, key: &str) -> Option<&'a Value> {
     match collection? {
         Value::Array(items) => items
             .iter()
@@ -60,7 +60,7 @@ fn guid_of(value: Option<&Value>) -> Option<Uuid> {
 }
 
 /// The record a context is about: (scope, record id), or why it names none.
-pub fn record_of(context: &Value) -> Result<(Scope, RecordId), NoRecord> {
+pub(crate) fn record_of(context: &Value) -> Result<(Scope, RecordId), NoRecord> {
     let name = context.get("PrimaryEntityName").and_then(Value::as_str);
     let target = lookup(context.get("InputParameters"), "Target");
     let name = name

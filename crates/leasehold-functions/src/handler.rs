@@ -29,11 +29,11 @@ pub const QUEUE_OUT: &str = "message";
 pub const QUEUE_IN: &str = "trigger";
 
 /// The dequeue count assumed when the host's `DequeueCount` is missing or unreadable.
-pub const REDELIVERY_DEQUEUE_COUNT: u64 = 2;
+pub(crate) const REDELIVERY_DEQUEUE_COUNT: u64 = 2;
 
 /// The HTTP request inside a Start invocation.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct HostHttpRequest {
+pub(crate) struct HostHttpRequest {
     pub method: String,
     pub headers: Vec<(String, String)>,
     pub query: Vec<(String, String)>,
@@ -41,7 +41,7 @@ pub struct HostHttpRequest {
 }
 
 /// Reads `Data.req` of a Start invocation.
-pub fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, Error> {
+pub(crate) fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, Error> {
     let req = payload
         .get("Data")
         .and_then(|d| d.get(HTTP_IN))
@@ -84,7 +84,7 @@ pub fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, Error> 
 /// The answer to a Start invocation: the caller's HTTP response in `Outputs.res` (status and
 /// JSON body), and the trigger in the queue output when there is one. The host's own status is
 /// always 200, so a 4xx for the caller does not count as a failed invocation.
-pub fn http_invocation_response(
+pub(crate) fn http_invocation_response(
     status: u16,
     body: &Value,
     enqueue: Option<&TriggerMessage>,
@@ -109,7 +109,7 @@ pub fn http_invocation_response(
 
 /// A Worker invocation: the trigger and its delivery count.
 #[derive(Debug, Clone, PartialEq)]
-pub struct QueueInvocation {
+pub(crate) struct QueueInvocation {
     /// The message as read; `Err` with the reason if it is not a trigger.
     pub message: Result<TriggerMessage, DecodeError>,
     pub raw: String,
@@ -118,7 +118,7 @@ pub struct QueueInvocation {
 }
 
 /// Reads `Data.trigger` and `Metadata` of a Worker invocation.
-pub fn parse_queue_invocation(payload: &Value) -> Result<QueueInvocation, Error> {
+pub(crate) fn parse_queue_invocation(payload: &Value) -> Result<QueueInvocation, Error> {
     let data = payload
         .get("Data")
         .and_then(|d| d.get(QUEUE_IN))
@@ -167,7 +167,7 @@ fn read_trigger(value: &Value) -> Result<TriggerMessage, DecodeError> {
 }
 
 /// The answer to a successful Worker invocation (the host deletes the message).
-pub fn queue_invocation_done(outcome: &str, logs: Vec<String>) -> Value {
+pub(crate) fn queue_invocation_done(outcome: &str, logs: Vec<String>) -> Value {
     json!({ "Outputs": {}, "Logs": logs, "ReturnValue": { "outcome": outcome } })
 }
 

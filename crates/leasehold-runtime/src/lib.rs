@@ -4,7 +4,7 @@ mod consumer;
 mod error;
 mod markers;
 mod message;
-pub mod queue;
+mod queue;
 mod record;
 mod runner;
 #[cfg(feature = "testing")]
