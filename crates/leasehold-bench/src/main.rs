@@ -788,7 +788,7 @@ fn machine() -> String {
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() -> Result<()> {
     let config = parse_args()?;
-    let azurite = Azurite::start().map_err(anyhow::Error::msg)?;
+    let azurite = Azurite::start()?;
     let started = Instant::now();
     let now = time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339)?;
     let mut report = String::new();

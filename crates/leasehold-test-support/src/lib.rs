@@ -25,7 +25,25 @@ pub struct Azurite {
     _child: Mutex<Child>,
 }
 
-static AZURITE: OnceLock<Result<Azurite, String>> = OnceLock::new();
+static AZURITE: OnceLock<Result<Azurite, AzuriteUnavailable>> = OnceLock::new();
+
+/// Why Azurite could not be started, with what to do about it.
+#[derive(Debug, Clone)]
+pub struct AzuriteUnavailable(String);
+
+impl std::fmt::Display for AzuriteUnavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for AzuriteUnavailable {}
+
+impl From<String> for AzuriteUnavailable {
+    fn from(text: String) -> Self {
+        Self(text)
+    }
+}
 
 impl Azurite {
     /// The Azurite of this test binary, started on first call.
@@ -46,13 +64,14 @@ impl Azurite {
     }
 
     /// Starts a new Azurite; it exits when this process does.
-    pub fn start() -> Result<Azurite, String> {
+    pub fn start() -> Result<Azurite, AzuriteUnavailable> {
         let exe = Self::executable();
         if !exe.exists() {
             return Err(format!(
                 "Azurite is not installed at {}. Install it with: {INSTALL_HINT}",
                 exe.display()
-            ));
+            )
+            .into());
         }
         let mut last_error = String::new();
         // Free ports are found by binding port 0; another process may take one before Azurite
@@ -113,9 +132,7 @@ impl Azurite {
             let _ = child.kill();
             last_error = std::fs::read_to_string(workdir.join("azurite.log")).unwrap_or_default();
         }
-        Err(format!(
-            "Azurite did not start listening within 30 s. Its log:\n{last_error}"
-        ))
+        Err(format!("Azurite did not start listening within 30 s. Its log:\n{last_error}").into())
     }
 
     /// A connection string with explicit endpoints, as a user would set `AzureWebJobsStorage`.
