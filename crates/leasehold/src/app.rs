@@ -58,6 +58,19 @@ pub(crate) struct Wiring {
     pub(crate) markers: Arc<dyn MarkerStore>,
 }
 
+impl Wiring {
+    /// The record runner over this wiring's lock, markers and trigger queue.
+    fn runner(&self, logic: Arc<dyn Logic>, settings: &Settings) -> RecordRunner {
+        RecordRunner::new(
+            self.lock.clone(),
+            self.markers.clone(),
+            self.queue.clone(),
+            logic,
+            settings.runner.clone(),
+        )
+    }
+}
+
 pub(crate) fn wire(settings: &Settings) -> Result<Wiring> {
     let counters = OpCounters::new();
     let store = Arc::new(AzureBlobStore::new(
@@ -148,13 +161,7 @@ impl Application {
         let wiring = wire(&settings)?;
         let logic = logic(&settings, false, supervisor)?;
         let shutdown = CancellationToken::new();
-        let runner = RecordRunner::new(
-            wiring.lock,
-            wiring.markers,
-            wiring.queue.clone(),
-            logic,
-            settings.runner.clone(),
-        );
+        let runner = wiring.runner(logic, &settings);
         let app = App {
             policy: settings.policy.clone(),
             queue: wiring.queue,
@@ -201,13 +208,7 @@ impl Application {
             })?;
         let addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
-        let runner = RecordRunner::new(
-            wiring.lock,
-            wiring.markers,
-            wiring.queue.clone(),
-            logic,
-            settings.runner.clone(),
-        );
+        let runner = wiring.runner(logic, &settings);
         let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
         let app = App {
             policy: settings.policy.clone(),
