@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use async_trait::async_trait;
 use leasehold_lock::{LeaseLock, LockInfo, LockKey};
 use leasehold_storage::azure::BlobContainer;
-use leasehold_storage::{Op, OpCounters, StorageAccount, StoreResult};
+use leasehold_storage::{Op, OpCounters, StorageAccount, StoreError};
 
 use crate::error::Error;
 use crate::record::{RecordId, Scope, record_key};
@@ -33,14 +33,14 @@ pub enum MarkerSet {
 pub trait MarkerStore: Send + Sync + fmt::Debug + 'static {
     /// Sets the marker of `key` unless it is set (`If-None-Match: *`): whoever creates it knows
     /// it did.
-    async fn set(&self, key: &LockKey) -> StoreResult<MarkerSet>;
+    async fn set(&self, key: &LockKey) -> Result<MarkerSet, StoreError>;
 
     /// Clears the marker of `key`: `true` if it was set.
-    async fn take(&self, key: &LockKey) -> StoreResult<bool>;
+    async fn take(&self, key: &LockKey) -> Result<bool, StoreError>;
 
     /// Whether the marker of `key` is set (a read for status displays; the protocol never reads
     /// a marker without taking it).
-    async fn is_set(&self, key: &LockKey) -> StoreResult<bool>;
+    async fn is_set(&self, key: &LockKey) -> Result<bool, StoreError>;
 
     /// The round-trip counters this store records into.
     fn counters(&self) -> &OpCounters;
@@ -68,7 +68,7 @@ impl AzureMarkers {
 
 #[async_trait]
 impl MarkerStore for AzureMarkers {
-    async fn set(&self, key: &LockKey) -> StoreResult<MarkerSet> {
+    async fn set(&self, key: &LockKey) -> Result<MarkerSet, StoreError> {
         let created = self
             .container
             .put_empty_if_absent(&blob_name(key), Op::FlagPut)
@@ -80,13 +80,13 @@ impl MarkerStore for AzureMarkers {
         })
     }
 
-    async fn take(&self, key: &LockKey) -> StoreResult<bool> {
+    async fn take(&self, key: &LockKey) -> Result<bool, StoreError> {
         self.container
             .delete_if_present(&blob_name(key), Op::FlagDelete)
             .await
     }
 
-    async fn is_set(&self, key: &LockKey) -> StoreResult<bool> {
+    async fn is_set(&self, key: &LockKey) -> Result<bool, StoreError> {
         self.container.exists(&blob_name(key)).await
     }
 
@@ -116,7 +116,7 @@ impl MemoryMarkers {
         }
     }
 
-    fn with<T>(&self, op: Op, f: impl FnOnce(&mut HashSet<LockKey>) -> T) -> StoreResult<T> {
+    fn with<T>(&self, op: Op, f: impl FnOnce(&mut HashSet<LockKey>) -> T) -> Result<T, StoreError> {
         self.counters.record(op);
         Ok(f(&mut self.set.lock().expect("marker set mutex")))
     }
@@ -124,7 +124,7 @@ impl MemoryMarkers {
 
 #[async_trait]
 impl MarkerStore for MemoryMarkers {
-    async fn set(&self, key: &LockKey) -> StoreResult<MarkerSet> {
+    async fn set(&self, key: &LockKey) -> Result<MarkerSet, StoreError> {
         self.with(Op::FlagPut, |set| {
             if set.insert(key.clone()) {
                 MarkerSet::Created
@@ -134,11 +134,11 @@ impl MarkerStore for MemoryMarkers {
         })
     }
 
-    async fn take(&self, key: &LockKey) -> StoreResult<bool> {
+    async fn take(&self, key: &LockKey) -> Result<bool, StoreError> {
         self.with(Op::FlagDelete, |set| set.remove(key))
     }
 
-    async fn is_set(&self, key: &LockKey) -> StoreResult<bool> {
+    async fn is_set(&self, key: &LockKey) -> Result<bool, StoreError> {
         self.with(Op::BlobProperties, |set| set.contains(key))
     }
 
