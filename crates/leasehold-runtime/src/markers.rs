@@ -202,5 +202,11 @@ mod tests {
             (2, 2, 2)
         );
         assert_eq!(blob_name(&key), "retrigger/acct/r");
+
+        // Counters handed in are the ones recorded into (shared with the lock and the queue).
+        let shared = OpCounters::new();
+        let markers = MemoryMarkers::with_counters(shared.clone());
+        markers.set(&key).await.unwrap();
+        assert_eq!(shared.snapshot().get(Op::FlagPut), 1);
     }
 }

@@ -242,6 +242,11 @@ async fn markers_are_created_once_and_taken_once() {
         (2, 1),
         "the first set creates the container and is sent once more: {counts}"
     );
+    assert_eq!(
+        markers.counters().snapshot(),
+        counters.snapshot(),
+        "the store records into the counters it was given"
+    );
     assert_eq!(markers.set(&key).await.unwrap(), MarkerSet::AlreadySet);
     assert!(markers.is_set(&key).await.unwrap());
 
