@@ -93,23 +93,23 @@ pub(crate) fn decide(
         }
     }
     let (scope, record_id) = record_of(context)?;
-    if let Some(user) = guid_of(context.get("InitiatingUserId")) {
-        if policy.integration_user_ids.contains(&user) {
-            return Ok(Decision::Ignore {
-                scope,
-                record_id,
-                reason: IgnoreReason::IntegrationUser(user),
-            });
-        }
+    if let Some(user) = guid_of(context.get("InitiatingUserId"))
+        && policy.integration_user_ids.contains(&user)
+    {
+        return Ok(Decision::Ignore {
+            scope,
+            record_id,
+            reason: IgnoreReason::IntegrationUser(user),
+        });
     }
-    if let (Some(max), Some(depth)) = (policy.max_depth, context.get("Depth").and_then(Value::as_u64)) {
-        if depth > max {
-            return Ok(Decision::Ignore {
-                scope,
-                record_id,
-                reason: IgnoreReason::TooDeep { depth, max },
-            });
-        }
+    if let (Some(max), Some(depth)) = (policy.max_depth, context.get("Depth").and_then(Value::as_u64))
+        && depth > max
+    {
+        return Ok(Decision::Ignore {
+            scope,
+            record_id,
+            reason: IgnoreReason::TooDeep { depth, max },
+        });
     }
     let mut message = TriggerMessage::new(scope, record_id);
     message.correlation_id = context

@@ -218,15 +218,15 @@ fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Reje
     if !req.method.eq_ignore_ascii_case("POST") {
         return Err(Rejection::MethodNotAllowed(req.method.to_string()));
     }
-    if req.check_key {
-        if let Some(expected) = &policy.api_key {
-            let presented = req
-                .header("x-functions-key")
-                .or_else(|| req.query("code"))
-                .unwrap_or("");
-            if !bool::from(presented.as_bytes().ct_eq(expected.expose().as_bytes())) {
-                return Err(Rejection::WrongKey);
-            }
+    if req.check_key
+        && let Some(expected) = &policy.api_key
+    {
+        let presented = req
+            .header("x-functions-key")
+            .or_else(|| req.query("code"))
+            .unwrap_or("");
+        if !bool::from(presented.as_bytes().ct_eq(expected.expose().as_bytes())) {
+            return Err(Rejection::WrongKey);
         }
     }
     if let Some(ct) = req.header("content-type") {

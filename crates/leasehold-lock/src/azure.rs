@@ -1,11 +1,16 @@
 //! [`LeaseStore`] on Azure Blob Storage (and Azurite), on the shared request path of
 //! `leasehold-storage` (counted, timed and classified round trips; no SDK retries).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use azure_core::request_options::{IfMatchCondition, Metadata as AzureMetadata};
-use azure_storage_blobs::prelude::BlobClient;
+use azure_core::http::Etag;
+use azure_storage_blob::BlobClient;
+use azure_storage_blob::models::{
+    BlobClientAcquireLeaseOptions, BlobClientBreakLeaseOptions, BlobClientGetPropertiesResultHeaders,
+    BlobClientReleaseLeaseOptions, BlobClientSetMetadataOptions, LeaseState as AzureLeaseState,
+};
 use leasehold_storage::azure::BlobContainer;
 use leasehold_storage::{Op, OpCounters, StorageAccount, StoreResult};
 
@@ -50,22 +55,23 @@ impl AzureBlobStore {
     }
 }
 
-fn to_azure_metadata(metadata: &Metadata) -> AzureMetadata {
-    let mut m = AzureMetadata::new();
-    for (k, v) in metadata {
-        m.insert(k.clone(), v.clone());
+fn lease_state(state: Option<AzureLeaseState>) -> LeaseState {
+    match state {
+        Some(AzureLeaseState::Leased) => LeaseState::Leased,
+        Some(AzureLeaseState::Expired) => LeaseState::Expired,
+        Some(AzureLeaseState::Breaking) => LeaseState::Breaking,
+        Some(AzureLeaseState::Broken) => LeaseState::Broken,
+        Some(AzureLeaseState::Available) | None => LeaseState::Available,
     }
-    m
 }
 
-fn lease_state(state: Option<&azure_core::LeaseState>) -> LeaseState {
-    match state {
-        Some(azure_core::LeaseState::Leased) => LeaseState::Leased,
-        Some(azure_core::LeaseState::Expired) => LeaseState::Expired,
-        Some(azure_core::LeaseState::Breaking) => LeaseState::Breaking,
-        Some(azure_core::LeaseState::Broken) => LeaseState::Broken,
-        Some(azure_core::LeaseState::Available) | None => LeaseState::Available,
-    }
+/// An answer the service gave that does not read as its documentation says.
+fn malformed(op: Op, what: &str) -> leasehold_storage::StoreError {
+    leasehold_storage::StoreError::new(
+        leasehold_storage::StoreErrorKind::Transient,
+        op,
+        format!("unreadable answer: {what}"),
+    )
 }
 
 #[async_trait]
@@ -84,43 +90,38 @@ impl LeaseStore for AzureBlobStore {
     }
 
     async fn acquire_lease(&self, name: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
-        let fut = self
-            .blob(name)
-            .acquire_lease(duration.as_duration())
-            .proposed_lease_id(azure_core::request_options::LeaseId::from(lease.0))
-            .into_future();
-        self.call(Op::LeaseAcquire, fut).await.map(|_| ())
+        let blob = self.blob(name);
+        let options = BlobClientAcquireLeaseOptions {
+            proposed_lease_id: Some(lease.to_string()),
+            ..Default::default()
+        };
+        let fut = blob.acquire_lease(i32::from(duration.secs()), Some(options));
+        self.call(Op::LeaseAcquire, fut).await.map(drop)
     }
 
     async fn renew_lease(&self, name: &str, lease: LeaseId) -> StoreResult<()> {
-        let fut = self
-            .blob(name)
-            .blob_lease_client(azure_core::request_options::LeaseId::from(lease.0))
-            .renew()
-            .into_future();
-        self.call(Op::LeaseRenew, fut).await.map(|_| ())
+        let blob = self.blob(name);
+        let fut = blob.renew_lease(lease.to_string(), None);
+        self.call(Op::LeaseRenew, fut).await.map(drop)
     }
 
     async fn release_lease(&self, name: &str, lease: LeaseId, if_match: Option<&ETag>) -> StoreResult<()> {
-        let mut builder = self
-            .blob(name)
-            .blob_lease_client(azure_core::request_options::LeaseId::from(lease.0))
-            .release();
-        if let Some(tag) = if_match {
-            builder = builder.if_match(IfMatchCondition::Match(tag.0.clone()));
-        }
-        self.call(Op::LeaseRelease, builder.into_future())
-            .await
-            .map(|_| ())
+        let blob = self.blob(name);
+        let options = BlobClientReleaseLeaseOptions {
+            if_match: if_match.map(|tag| Etag::from(tag.0.clone())),
+            ..Default::default()
+        };
+        let fut = blob.release_lease(lease.to_string(), Some(options));
+        self.call(Op::LeaseRelease, fut).await.map(drop)
     }
 
     async fn break_lease(&self, name: &str, period: Duration) -> StoreResult<()> {
-        let fut = self
-            .blob(name)
-            .break_lease()
-            .lease_break_period(period)
-            .into_future();
-        match self.call(Op::LeaseBreak, fut).await {
+        let blob = self.blob(name);
+        let options = BlobClientBreakLeaseOptions {
+            break_period: Some(i32::try_from(period.as_secs()).unwrap_or(60).min(60)),
+            ..Default::default()
+        };
+        match self.call(Op::LeaseBreak, blob.break_lease(Some(options))).await {
             Ok(_) => Ok(()),
             Err(e) if e.code() == Some("LeaseNotPresentWithLeaseOperation") => Ok(()),
             Err(e) => Err(e),
@@ -128,14 +129,22 @@ impl LeaseStore for AzureBlobStore {
     }
 
     async fn properties(&self, name: &str) -> StoreResult<BlobProperties> {
-        let props = self
-            .call(Op::BlobProperties, self.blob(name).get_properties().into_future())
-            .await?;
-        let blob = props.blob;
+        let blob = self.blob(name);
+        let op = Op::BlobProperties;
+        let response = self.call(op, blob.get_properties(None)).await?;
+        let etag = response
+            .etag()
+            .ok()
+            .flatten()
+            .ok_or_else(|| malformed(op, "no ETag"))?;
         Ok(BlobProperties {
-            lease_state: lease_state(blob.properties.lease_state.as_ref()),
-            metadata: blob.metadata.unwrap_or_default().into_iter().collect(),
-            etag: ETag(blob.properties.etag.to_string()),
+            lease_state: lease_state(response.lease_state().map_err(|_| malformed(op, "lease state"))?),
+            metadata: response
+                .metadata()
+                .map_err(|_| malformed(op, "metadata"))?
+                .into_iter()
+                .collect(),
+            etag: ETag(etag.to_string()),
         })
     }
 
@@ -146,18 +155,20 @@ impl LeaseStore for AzureBlobStore {
         if_match: Option<&ETag>,
         metadata: &Metadata,
     ) -> StoreResult<ETag> {
-        let mut builder = self
-            .blob(name)
-            .set_metadata()
-            .metadata(to_azure_metadata(metadata));
-        if let Some(lease) = lease {
-            builder = builder.lease_id(azure_core::request_options::LeaseId::from(lease.0));
-        }
-        if let Some(tag) = if_match {
-            builder = builder.if_match(IfMatchCondition::Match(tag.0.clone()));
-        }
-        let response = self.call(Op::BlobSetMetadata, builder.into_future()).await?;
-        Ok(ETag(response.etag))
+        let blob = self.blob(name);
+        let op = Op::BlobSetMetadata;
+        let metadata: HashMap<String, String> = metadata.clone().into_iter().collect();
+        let options = BlobClientSetMetadataOptions {
+            lease_id: lease.map(|l| l.to_string()),
+            if_match: if_match.map(|tag| Etag::from(tag.0.clone())),
+            ..Default::default()
+        };
+        let response = self.call(op, blob.set_metadata(&metadata, Some(options))).await?;
+        let etag = response
+            .headers()
+            .get_optional_str(&azure_core::http::headers::ETAG)
+            .ok_or_else(|| malformed(op, "no ETag"))?;
+        Ok(ETag(etag.to_string()))
     }
 
     fn counters(&self) -> &OpCounters {

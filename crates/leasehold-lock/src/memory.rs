@@ -108,16 +108,15 @@ impl MemoryStore {
                 expires,
                 duration,
             } = blob.lease
+                && expires <= now
             {
-                if expires <= now {
-                    blob.lease = Lease::None;
-                    blob.expired = Some((id, duration));
-                }
+                blob.lease = Lease::None;
+                blob.expired = Some((id, duration));
             }
-            if let Lease::Breaking { until, .. } = blob.lease {
-                if until <= now {
-                    blob.lease = Lease::Broken;
-                }
+            if let Lease::Breaking { until, .. } = blob.lease
+                && until <= now
+            {
+                blob.lease = Lease::Broken;
             }
         }
         f(&mut state, now)
@@ -272,10 +271,10 @@ impl LeaseStore for MemoryStore {
             let Some(blob) = s.blobs.get_mut(name) else {
                 return Err(not_found(s, op));
             };
-            if let Some(tag) = if_match {
-                if tag.0 != blob.etag.to_string() {
-                    return Err(err(StoreErrorKind::ConditionNotMet, op, 412, "ConditionNotMet"));
-                }
+            if let Some(tag) = if_match
+                && tag.0 != blob.etag.to_string()
+            {
+                return Err(err(StoreErrorKind::ConditionNotMet, op, 412, "ConditionNotMet"));
             }
             match blob.lease {
                 Lease::Active { id, .. } | Lease::Breaking { id, .. } if id == lease => {
@@ -340,10 +339,10 @@ impl LeaseStore for MemoryStore {
             let Some(blob) = s.blobs.get_mut(name) else {
                 return Err(not_found(s, op));
             };
-            if let Some(tag) = if_match {
-                if tag.0 != blob.etag.to_string() {
-                    return Err(err(StoreErrorKind::ConditionNotMet, op, 412, "ConditionNotMet"));
-                }
+            if let Some(tag) = if_match
+                && tag.0 != blob.etag.to_string()
+            {
+                return Err(err(StoreErrorKind::ConditionNotMet, op, 412, "ConditionNotMet"));
             }
             match (blob.lease.clone(), lease) {
                 (Lease::Active { id, .. }, Some(given)) if id == given => {}

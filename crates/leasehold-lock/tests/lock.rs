@@ -12,7 +12,7 @@ use leasehold_lock::{
     LeaseDuration, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op, OpCounters, RetryOptions,
     StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
 };
-use leasehold_test_support::{Azurite, unique_name};
+use leasehold_test_support::{Azurite, CountingProxy, unique_name};
 
 fn key(k: &str) -> LockKey {
     LockKey::new(k).unwrap()
@@ -337,6 +337,42 @@ mod azurite {
             &unique_name("locks"),
             OpCounters::new(),
         ))
+    }
+
+    /// A store's requests share one connection pool: a few connections carry hundreds of
+    /// requests (the legacy SDK this replaced opened a connection per request).
+    #[tokio::test]
+    async fn connections_are_reused() {
+        let azurite = Azurite::shared();
+        let proxy = CountingProxy::start(azurite.blob_port);
+        let account = leasehold_lock::StorageAccount::emulator(&azurite.host, proxy.port, azurite.queue_port);
+        let counters = OpCounters::new();
+        let store = Arc::new(AzureBlobStore::new(
+            &account,
+            &unique_name("pool"),
+            counters.clone(),
+        ));
+        let options = LeaseOptions {
+            fencing: false,
+            ..fast_options()
+        };
+        let lock = LeaseLock::new(store, options).unwrap();
+        let k = key("pooled");
+        for _ in 0..250 {
+            let guard = lock.try_acquire(&k).await.unwrap().expect("free");
+            guard.release().await.unwrap();
+        }
+        let requests = counters.snapshot().total();
+        let connections = proxy.connections();
+        println!(
+            "{requests} requests over {connections} connections ({:.1} connections per 1,000 requests)",
+            connections as f64 * 1000.0 / requests as f64
+        );
+        assert!(requests >= 500, "{requests}");
+        assert!(
+            connections <= 4,
+            "{connections} connections for {requests} requests: connections are not reused"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

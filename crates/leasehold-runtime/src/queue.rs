@@ -5,13 +5,19 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use azure_storage_queues::{QueueClient, QueueServiceClientBuilder};
-use leasehold_storage::azure::{DEFAULT_REQUEST_TIMEOUT, no_sdk_retries, send};
-use leasehold_storage::{Op, OpCounters, StorageAccount, StoreError, StoreErrorKind, StoreResult};
+use azure_core::http::headers::HeaderName;
+use azure_core::http::{RequestContent, XmlFormat};
+use azure_storage_queue::models::{
+    QueueClientGetPropertiesResultHeaders, QueueClientReceiveMessagesOptions, QueueClientSendMessageOptions,
+    QueueClientUpdateMessageOptions, QueueMessage,
+};
+use azure_storage_queue::{QueueClient, QueueClientOptions};
+use leasehold_storage::azure::{DEFAULT_REQUEST_TIMEOUT, client_options, send};
+use leasehold_storage::{Op, OpCounters, Service, StorageAccount, StoreError, StoreErrorKind, StoreResult};
 use tokio::time::Instant;
 
 /// A message taken from the queue (invisible to others until its visibility timeout passes).
@@ -225,26 +231,58 @@ impl TriggerQueue for MemoryQueue {
     }
 }
 
-/// An Azure Storage queue (or Azurite's) through `azure_storage_queues` 0.21. The SDK's retries
-/// are off; callers retry transient errors.
-#[derive(Debug, Clone)]
+/// An Azure Storage queue (or Azurite's) through `azure_storage_queue` 1.x, on the shared
+/// request path (counted, timed, classified; no SDK retries: callers retry transient errors).
+#[derive(Clone)]
 pub struct AzureQueue {
-    client: QueueClient,
+    client: Arc<QueueClient>,
+    name: String,
     counters: OpCounters,
     request_timeout: Duration,
 }
 
+impl fmt::Debug for AzureQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AzureQueue").field("name", &self.name).finish()
+    }
+}
+
+/// The header an update answers with the message's new pop receipt in.
+const POP_RECEIPT: HeaderName = HeaderName::from_static("x-ms-popreceipt");
+
+fn message(body: &str) -> azure_core::Result<RequestContent<QueueMessage, XmlFormat>> {
+    QueueMessage {
+        message_text: Some(body.to_string()),
+    }
+    .try_into()
+}
+
+/// Whole seconds for a visibility timeout; a non-zero delay is at least a second (the
+/// service's unit).
+fn seconds(d: Duration, at_least_one: bool) -> i32 {
+    let secs = i32::try_from(d.as_secs()).unwrap_or(i32::MAX);
+    if at_least_one { secs.max(1) } else { secs }
+}
+
+fn malformed(op: Op, what: &str) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Transient,
+        op,
+        format!("unreadable answer: {what}"),
+    )
+}
+
 impl AzureQueue {
     pub fn new(account: &StorageAccount, queue: &str, counters: OpCounters) -> Self {
-        let client = QueueServiceClientBuilder::with_location(
-            account.queue_location().clone(),
-            account.credentials().clone(),
-        )
-        .retry(no_sdk_retries())
-        .build()
-        .queue_client(queue);
+        let options = QueueClientOptions {
+            client_options: client_options(account),
+            ..Default::default()
+        };
+        let client = QueueClient::new(account.url(Service::Queue, queue), None, Some(options))
+            .expect("a queue URL under a valid endpoint");
         Self {
-            client,
+            client: Arc::new(client),
+            name: queue.to_string(),
             counters,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
         }
@@ -256,10 +294,7 @@ impl AzureQueue {
 
     /// Creates the queue; an existing one is success.
     pub async fn create(&self) -> StoreResult<()> {
-        match self
-            .call(Op::QueueCreate, self.client.create().into_future())
-            .await
-        {
+        match self.call(Op::QueueCreate, self.client.create(None)).await {
             Ok(_) => Ok(()),
             Err(e) if e.code() == Some("QueueAlreadyExists") => Ok(()),
             Err(e) => Err(e),
@@ -270,47 +305,69 @@ impl AzureQueue {
 #[async_trait]
 impl TriggerQueue for AzureQueue {
     fn name(&self) -> &str {
-        self.client.queue_name()
+        &self.name
     }
 
     async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
-        let attempt = || {
-            let mut builder = self.client.put_message(body.to_string());
-            if !delay.is_zero() {
-                builder = builder.visibility_timeout(delay.max(Duration::from_secs(1)));
-            }
-            self.call(Op::QueuePut, builder.into_future())
+        let op = Op::QueuePut;
+        let attempt = || async {
+            let options = QueueClientSendMessageOptions {
+                visibility_timeout: (!delay.is_zero()).then(|| seconds(delay, true)),
+                ..Default::default()
+            };
+            let content =
+                message(body).map_err(|e| StoreError::new(StoreErrorKind::Rejected, op, e.to_string()))?;
+            self.call(op, async {
+                self.client
+                    .send_message(content, Some(options))
+                    .await?
+                    .into_model()
+            })
+            .await
         };
-        let response = match attempt().await {
+        let sent = match attempt().await {
             Err(e) if e.code() == Some("QueueNotFound") => {
                 self.create().await?;
                 attempt().await?
             }
             other => other?,
         };
+        let sent = sent
+            .items
+            .and_then(|items| items.into_iter().next())
+            .ok_or_else(|| malformed(op, "no message"))?;
         Ok(Enqueued {
-            id: response.queue_message.message_id,
-            pop_receipt: response.queue_message.pop_receipt,
+            id: sent.message_id.ok_or_else(|| malformed(op, "no message id"))?,
+            pop_receipt: sent.pop_receipt.ok_or_else(|| malformed(op, "no pop receipt"))?,
         })
     }
 
     async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
-        let builder = self
-            .client
-            .get_messages()
-            .number_of_messages(max.clamp(1, 32) as u8)
-            .visibility_timeout(visibility.max(Duration::from_secs(1)));
-        match self.call(Op::QueueGet, builder.into_future()).await {
-            Ok(response) => Ok(response
-                .messages
+        let op = Op::QueueGet;
+        let options = QueueClientReceiveMessagesOptions {
+            number_of_messages: Some(max.clamp(1, 32) as i32),
+            visibility_timeout: Some(seconds(visibility, true)),
+            ..Default::default()
+        };
+        let answer = self
+            .call(op, async {
+                self.client.receive_messages(Some(options)).await?.into_model()
+            })
+            .await;
+        match answer {
+            Ok(received) => received
+                .items
+                .unwrap_or_default()
                 .into_iter()
-                .map(|m| Received {
-                    id: m.message_id,
-                    pop_receipt: m.pop_receipt,
-                    dequeue_count: u32::try_from(m.dequeue_count).unwrap_or(u32::MAX),
-                    body: m.message_text,
+                .map(|m| {
+                    Ok(Received {
+                        id: m.message_id.ok_or_else(|| malformed(op, "no message id"))?,
+                        pop_receipt: m.pop_receipt.ok_or_else(|| malformed(op, "no pop receipt"))?,
+                        dequeue_count: u32::try_from(m.dequeue_count.unwrap_or(1)).unwrap_or(u32::MAX),
+                        body: m.message_text.unwrap_or_default(),
+                    })
                 })
-                .collect()),
+                .collect(),
             // No queue yet means no messages yet.
             Err(e) if e.code() == Some("QueueNotFound") => Ok(Vec::new()),
             Err(e) => Err(e),
@@ -318,9 +375,8 @@ impl TriggerQueue for AzureQueue {
     }
 
     async fn delete(&self, id: &str, pop_receipt: &str) -> StoreResult<()> {
-        let receipt = azure_storage_queues::PopReceipt::new(id, pop_receipt);
-        let fut = self.client.pop_receipt_client(receipt).delete().into_future();
-        self.call(Op::QueueDelete, fut).await.map(|_| ())
+        let fut = self.client.delete_message(id, pop_receipt, None);
+        self.call(Op::QueueDelete, fut).await.map(drop)
     }
 
     async fn set_visibility(
@@ -330,21 +386,32 @@ impl TriggerQueue for AzureQueue {
         body: &str,
         visibility: Duration,
     ) -> StoreResult<String> {
-        let receipt = azure_storage_queues::PopReceipt::new(id, pop_receipt);
+        let op = Op::QueueUpdate;
+        let options = QueueClientUpdateMessageOptions {
+            queue_message: Some(
+                message(body).map_err(|e| StoreError::new(StoreErrorKind::Rejected, op, e.to_string()))?,
+            ),
+            ..Default::default()
+        };
         let fut = self
             .client
-            .pop_receipt_client(receipt)
-            .update(body.to_string(), visibility)
-            .into_future();
-        self.call(Op::QueueUpdate, fut).await.map(|r| r.pop_receipt)
+            .update_message(id, pop_receipt, seconds(visibility, false), Some(options));
+        let response = self.call(op, fut).await?;
+        response
+            .headers()
+            .get_optional_str(&POP_RECEIPT)
+            .map(str::to_string)
+            .ok_or_else(|| malformed(op, "no pop receipt"))
     }
 
     async fn approximate_len(&self) -> StoreResult<u64> {
-        match self
-            .call(Op::QueuePeek, self.client.get_metadata().into_future())
-            .await
-        {
-            Ok(r) => Ok(r.approximate_messages_count as u64),
+        let op = Op::QueuePeek;
+        match self.call(op, self.client.get_properties(None)).await {
+            Ok(r) => Ok(r
+                .approximate_messages_count()
+                .map_err(|_| malformed(op, "message count"))?
+                .unwrap_or(0)
+                .max(0) as u64),
             Err(e) if e.code() == Some("QueueNotFound") => Ok(0),
             Err(e) => Err(e),
         }

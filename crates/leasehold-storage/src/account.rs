@@ -3,9 +3,17 @@
 //! an `EndpointSuffix` or explicit `BlobEndpoint`/`QueueEndpoint`, and `SharedAccessSignature`.
 //! Error messages name what is wrong, never a value (values may be secrets).
 
+use std::collections::HashMap;
 use std::fmt;
 
-use azure_storage::{CloudLocation, ConnectionString, EndpointProtocol, StorageCredentials};
+use base64::Engine;
+use url::Url;
+
+/// Azurite's well-known development account. Not a secret: it is published by Microsoft.
+pub const EMULATOR_ACCOUNT: &str = "devstoreaccount1";
+/// Azurite's well-known development key (public, documented by Microsoft).
+pub const EMULATOR_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
 /// A connection string that cannot be used, and why (never quoting a value: values may be
 /// secrets).
@@ -15,19 +23,26 @@ pub struct InvalidConnectionString(String);
 
 type Result<T> = std::result::Result<T, InvalidConnectionString>;
 
-/// Azurite's well-known development account. Not a secret: it is published by Microsoft.
-pub const EMULATOR_ACCOUNT: &str = "devstoreaccount1";
-/// Azurite's well-known development key (public, documented by Microsoft).
-pub const EMULATOR_KEY: &str =
-    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+fn invalid(reason: impl Into<String>) -> InvalidConnectionString {
+    InvalidConnectionString(reason.into())
+}
+
+/// How requests to the account are authorised.
+#[derive(Clone)]
+pub(crate) enum Credential {
+    /// Shared Key: every request signed with the account key (base64, as in the portal).
+    Key(String),
+    /// A shared access signature: its query parameters added to every request.
+    Sas(Vec<(String, String)>),
+}
 
 /// Where a storage account is and how to sign requests to it.
 #[derive(Clone)]
 pub struct StorageAccount {
     account: String,
-    credentials: StorageCredentials,
-    blob: CloudLocation,
-    queue: CloudLocation,
+    credential: Credential,
+    blob: Url,
+    queue: Url,
     emulator: bool,
 }
 
@@ -44,87 +59,89 @@ impl fmt::Debug for StorageAccount {
 
 impl StorageAccount {
     /// Parses a connection string. `UseDevelopmentStorage=true` means Azurite on its default ports.
+    /// Setting names are matched without regard to case, as the Azure SDKs do.
     pub fn from_connection_string(text: &str) -> Result<Self> {
         let text = text.trim();
         if text.is_empty() {
-            return Err(InvalidConnectionString("the connection string is empty".into()));
+            return Err(invalid("the connection string is empty"));
         }
-        let cs = ConnectionString::new(text).map_err(|_| {
-            InvalidConnectionString(
-                "not a storage connection string: expected Key=Value pairs separated by ';' \
-                 (e.g. UseDevelopmentStorage=true, or AccountName=...;AccountKey=...)"
-                    .into(),
-            )
-        })?;
-        if cs.use_development_storage == Some(true) {
-            let (host, blob_port, queue_port) = match cs.development_storage_proxy_uri {
-                Some(uri) => {
-                    let url = url_host(uri)?;
-                    (url, 10000, 10001)
-                }
-                None => ("127.0.0.1".to_string(), 10000, 10001),
+        let mut settings: HashMap<String, &str> = HashMap::new();
+        for part in text.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some((name, value)) = part.split_once('=') else {
+                return Err(invalid(
+                    "not a storage connection string: expected Key=Value pairs separated by ';' \
+                     (e.g. UseDevelopmentStorage=true, or AccountName=...;AccountKey=...)",
+                ));
             };
-            return Ok(Self::emulator(&host, blob_port, queue_port));
+            settings.insert(name.trim().to_ascii_lowercase(), value.trim());
+        }
+        let get = |name: &str| {
+            settings
+                .get(&name.to_ascii_lowercase())
+                .copied()
+                .filter(|v| !v.is_empty())
+        };
+
+        if get("UseDevelopmentStorage").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+            let host = match get("DevelopmentStorageProxyUri") {
+                Some(uri) => url_host(uri)?,
+                None => "127.0.0.1".to_string(),
+            };
+            return Ok(Self::emulator(&host, 10000, 10001));
         }
 
-        let credentials = if let Some(sas) = cs.sas {
-            StorageCredentials::sas_token(sas).map_err(|_| {
-                InvalidConnectionString("SharedAccessSignature is not a valid SAS token".into())
-            })?
+        let credential = if let Some(sas) = get("SharedAccessSignature") {
+            let sas = sas.trim_start_matches('?');
+            let pairs: Vec<(String, String)> = url::form_urlencoded::parse(sas.as_bytes())
+                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                .collect();
+            if !pairs.iter().any(|(k, _)| k == "sig") {
+                return Err(invalid("SharedAccessSignature is not a valid SAS token (no sig)"));
+            }
+            Credential::Sas(pairs)
         } else {
-            match (cs.account_name, cs.account_key) {
-                (Some(name), Some(key)) => StorageCredentials::access_key(name.to_string(), key.to_string()),
+            match (get("AccountName"), get("AccountKey")) {
+                (Some(_), Some(key)) => {
+                    base64::engine::general_purpose::STANDARD
+                        .decode(key)
+                        .map_err(|_| invalid("AccountKey is not base64"))?;
+                    Credential::Key(key.to_string())
+                }
                 (Some(_), None) => {
-                    return Err(InvalidConnectionString(
-                        "AccountName is set but neither AccountKey nor SharedAccessSignature is".into(),
+                    return Err(invalid(
+                        "AccountName is set but neither AccountKey nor SharedAccessSignature is",
                     ));
                 }
                 _ => {
-                    return Err(InvalidConnectionString(
-                        "no credentials: set AccountName and AccountKey, or SharedAccessSignature".into(),
+                    return Err(invalid(
+                        "no credentials: set AccountName and AccountKey, or SharedAccessSignature",
                     ));
                 }
             }
         };
 
-        let protocol = match cs.default_endpoints_protocol {
-            Some(EndpointProtocol::Http) => "http",
+        let protocol = match get("DefaultEndpointsProtocol") {
+            Some(p) if p.eq_ignore_ascii_case("http") => "http",
             _ => "https",
         };
-        let account = match (cs.account_name, cs.blob_endpoint.or(cs.queue_endpoint)) {
+        let account = match (get("AccountName"), get("BlobEndpoint").or(get("QueueEndpoint"))) {
             (Some(name), _) => name.to_string(),
             (None, Some(endpoint)) => account_from_endpoint(endpoint)?,
-            (None, None) => {
-                return Err(InvalidConnectionString(
-                    "set AccountName, or BlobEndpoint and QueueEndpoint".into(),
-                ));
-            }
+            (None, None) => return Err(invalid("set AccountName, or BlobEndpoint and QueueEndpoint")),
         };
-        let suffix = cs.endpoint_suffix.unwrap_or("core.windows.net");
-        let location = |explicit: Option<&str>, service: &str| -> Result<CloudLocation> {
-            match explicit {
-                Some(uri) => {
-                    url::Url::parse(uri)
-                        .map_err(|_| InvalidConnectionString(format!("{service}Endpoint is not a URL")))?;
-                    Ok(CloudLocation::Custom {
-                        account: account.clone(),
-                        uri: uri.trim_end_matches('/').to_string(),
-                    })
-                }
-                None if suffix == "core.windows.net" && protocol == "https" => Ok(CloudLocation::Public {
-                    account: account.clone(),
-                }),
-                None => Ok(CloudLocation::Custom {
-                    account: account.clone(),
-                    uri: format!("{protocol}://{account}.{}.{suffix}", service.to_ascii_lowercase()),
-                }),
-            }
+        let suffix = get("EndpointSuffix").unwrap_or("core.windows.net");
+        let location = |explicit: Option<&str>, service: &str| -> Result<Url> {
+            let text = match explicit {
+                Some(uri) => uri.trim_end_matches('/').to_string(),
+                None => format!("{protocol}://{account}.{}.{suffix}", service.to_ascii_lowercase()),
+            };
+            Url::parse(&text).map_err(|_| invalid(format!("{service}Endpoint is not a URL")))
         };
-        let blob = location(cs.blob_endpoint, "Blob")?;
-        let queue = location(cs.queue_endpoint, "Queue")?;
+        let blob = location(get("BlobEndpoint"), "Blob")?;
+        let queue = location(get("QueueEndpoint"), "Queue")?;
         Ok(Self {
             account,
-            credentials,
+            credential,
             blob,
             queue,
             emulator: false,
@@ -134,16 +151,12 @@ impl StorageAccount {
     /// Azurite (or the legacy emulator) at `host` on the given ports, with the well-known account.
     pub fn emulator(host: &str, blob_port: u16, queue_port: u16) -> Self {
         let account = EMULATOR_ACCOUNT.to_string();
+        let url =
+            |port: u16| Url::parse(&format!("http://{host}:{port}/{account}")).expect("an emulator URL");
         Self {
-            credentials: StorageCredentials::access_key(account.clone(), EMULATOR_KEY.to_string()),
-            blob: CloudLocation::Custom {
-                account: account.clone(),
-                uri: format!("http://{host}:{blob_port}/{account}"),
-            },
-            queue: CloudLocation::Custom {
-                account: account.clone(),
-                uri: format!("http://{host}:{queue_port}/{account}"),
-            },
+            credential: Credential::Key(EMULATOR_KEY.to_string()),
+            blob: url(blob_port),
+            queue: url(queue_port),
             account,
             emulator: true,
         }
@@ -163,16 +176,8 @@ impl StorageAccount {
         &self.account
     }
 
-    pub fn credentials(&self) -> &StorageCredentials {
-        &self.credentials
-    }
-
-    pub fn blob_location(&self) -> &CloudLocation {
-        &self.blob
-    }
-
-    pub fn queue_location(&self) -> &CloudLocation {
-        &self.queue
+    pub(crate) fn credential(&self) -> &Credential {
+        &self.credential
     }
 
     /// Whether this is the emulator (Azurite).
@@ -182,37 +187,47 @@ impl StorageAccount {
 
     /// The blob endpoint URL (no secrets in it).
     pub fn blob_endpoint(&self) -> String {
-        endpoint(&self.blob, "blob")
+        self.blob.as_str().trim_end_matches('/').to_string()
     }
 
     /// The queue endpoint URL (no secrets in it).
     pub fn queue_endpoint(&self) -> String {
-        endpoint(&self.queue, "queue")
+        self.queue.as_str().trim_end_matches('/').to_string()
+    }
+
+    /// The URL of `path` (a container, a queue) under the blob or queue endpoint.
+    pub fn url(&self, service: Service, path: &str) -> Url {
+        let base = match service {
+            Service::Blob => &self.blob,
+            Service::Queue => &self.queue,
+        };
+        let mut url = base.clone();
+        url.path_segments_mut()
+            .expect("storage endpoints are base URLs")
+            .pop_if_empty()
+            .push(path);
+        url
     }
 }
 
-fn endpoint(location: &CloudLocation, service: &str) -> String {
-    match location {
-        CloudLocation::Public { account } => format!("https://{account}.{service}.core.windows.net"),
-        CloudLocation::China { account } => format!("https://{account}.{service}.core.chinacloudapi.cn"),
-        CloudLocation::Emulator { address, port } => format!("http://{address}:{port}/{EMULATOR_ACCOUNT}"),
-        CloudLocation::Custom { uri, .. } => uri.clone(),
-    }
+/// A storage service of the account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    Blob,
+    Queue,
 }
 
 fn url_host(uri: &str) -> Result<String> {
-    let url = url::Url::parse(uri)
-        .map_err(|_| InvalidConnectionString("DevelopmentStorageProxyUri is not a URL".into()))?;
+    let url = Url::parse(uri).map_err(|_| invalid("DevelopmentStorageProxyUri is not a URL"))?;
     url.host_str()
         .map(str::to_string)
-        .ok_or_else(|| InvalidConnectionString("DevelopmentStorageProxyUri has no host".into()))
+        .ok_or_else(|| invalid("DevelopmentStorageProxyUri has no host"))
 }
 
 /// `https://acct.blob.core.windows.net` → `acct`; `http://127.0.0.1:10000/devstoreaccount1` →
 /// `devstoreaccount1` (path-style, as Azurite uses).
 fn account_from_endpoint(endpoint: &str) -> Result<String> {
-    let url =
-        url::Url::parse(endpoint).map_err(|_| InvalidConnectionString("BlobEndpoint is not a URL".into()))?;
+    let url = Url::parse(endpoint).map_err(|_| invalid("BlobEndpoint is not a URL"))?;
     if let Some(first) = url
         .path_segments()
         .and_then(|mut s| s.next())
@@ -223,9 +238,7 @@ fn account_from_endpoint(endpoint: &str) -> Result<String> {
     url.host_str()
         .and_then(|h| h.split('.').next())
         .map(str::to_string)
-        .ok_or_else(|| {
-            InvalidConnectionString("cannot tell the account name from BlobEndpoint; set AccountName".into())
-        })
+        .ok_or_else(|| invalid("cannot tell the account name from BlobEndpoint; set AccountName"))
 }
 
 #[cfg(test)]
@@ -263,6 +276,10 @@ mod tests {
         assert_eq!(a.account(), "devstoreaccount1");
         assert_eq!(a.blob_endpoint(), "http://127.0.0.1:41000/devstoreaccount1");
         assert_eq!(a.queue_endpoint(), "http://127.0.0.1:41001/devstoreaccount1");
+        assert_eq!(
+            a.url(Service::Blob, "locks").as_str(),
+            "http://127.0.0.1:41000/devstoreaccount1/locks"
+        );
     }
 
     #[test]
@@ -275,6 +292,10 @@ mod tests {
         assert_eq!(a.account(), "acct");
         assert_eq!(a.blob_endpoint(), "https://acct.blob.core.windows.net");
         assert!(!format!("{a:?}").contains("SECRETSIG"));
+        assert_eq!(
+            a.url(Service::Queue, "triggers").as_str(),
+            "https://acct.queue.core.windows.net/triggers"
+        );
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The one request path to Azure Storage (and Azurite) through the `azure_storage_*` 0.21 crates:
+//! The one request path to Azure Storage (and Azurite) through the official `azure_storage_blob`
+//! and `azure_storage_queue` 1.x crates:
 //! [`send`] counts every round trip, bounds it in time and classifies its error, for blobs and
 //! queues alike; [`BlobContainer`] is a container as the lock and the retrigger markers use it.
 //!
@@ -6,23 +7,48 @@
 //! [`crate::RetryOptions`], so every request sent is one counted round trip and retries are visible.
 
 use std::future::Future;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use azure_core::RetryOptions as AzureRetryOptions;
 use azure_core::error::ErrorKind as AzureErrorKind;
-use azure_core::request_options::IfMatchCondition;
-use azure_storage_blobs::prelude::{BlobClient, ClientBuilder, ContainerClient};
+use azure_core::http::{ClientOptions, RetryOptions as AzureRetryOptions, Transport};
+use azure_storage_blob::models::BlobClientUploadOptions;
+use azure_storage_blob::{BlobClient, BlobContainerClient, BlobContainerClientOptions};
 
-use crate::account::StorageAccount;
+use crate::account::{Service, StorageAccount};
 use crate::counters::{Op, OpCounters};
 use crate::error::{StoreError, StoreErrorKind, StoreResult};
 
 /// Default limit on one round trip before it counts as a transient failure.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The SDK's retry policy for every client: none (see the module docs).
-pub fn no_sdk_retries() -> AzureRetryOptions {
-    AzureRetryOptions::none()
+/// How long a pooled connection may sit idle before it is closed: below Azurite's keep-alive
+/// (Node's default, 5 s; Azure's own is minutes), so a connection is never reused just as the
+/// server closes it.
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// The one HTTP client of the process: every blob and queue client shares its connection pool,
+/// so a trigger's 6–10 requests reuse connections instead of opening one each.
+pub fn http_client() -> &'static reqwest::Client {
+    static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        reqwest::Client::builder()
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build()
+            .expect("an HTTP client with default TLS settings builds")
+    })
+}
+
+/// Client options for every storage client: the shared HTTP client, no SDK retries (callers
+/// retry transient errors with [`crate::RetryOptions`], so each call is one counted round trip),
+/// and the account's authorisation.
+pub fn client_options(account: &StorageAccount) -> ClientOptions {
+    ClientOptions {
+        retry: AzureRetryOptions::none(),
+        transport: Some(Transport::new(Arc::new(http_client().clone()))),
+        per_try_policies: vec![crate::auth::policy(account.account(), account.credential())],
+        ..Default::default()
+    }
 }
 
 /// Sends one SDK request for any storage service: counts it, bounds it in time and maps its
@@ -45,13 +71,18 @@ pub async fn send<T>(
 /// storage error code and a redacted message are kept.
 fn map_error(op: Op, e: &azure_core::Error) -> StoreError {
     match e.kind() {
-        AzureErrorKind::HttpResponse { status, error_code } => {
+        AzureErrorKind::HttpResponse {
+            status, error_code, ..
+        } => {
             let status = u16::from(*status);
-            let code = error_code.clone();
+            // Without an `x-ms-error-code` the SDK puts the status number in its place.
+            let code = error_code.clone().filter(|c| c.parse::<u16>().is_err());
             let kind = classify(status, code.as_deref());
             StoreError::new(kind, op, "").with_status(status, code)
         }
-        AzureErrorKind::Io => StoreError::new(StoreErrorKind::Transient, op, format!("connection: {e}")),
+        AzureErrorKind::Io | AzureErrorKind::Connection => {
+            StoreError::new(StoreErrorKind::Transient, op, format!("connection: {e}"))
+        }
         AzureErrorKind::Credential => {
             StoreError::new(StoreErrorKind::Rejected, op, "credentials were refused")
         }
@@ -78,22 +109,32 @@ fn classify(status: u16, code: Option<&str>) -> StoreErrorKind {
 
 /// One blob container: its requests go through [`send`], and one that finds the container
 /// missing creates it and is sent once more (the only case where a call costs two round trips).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct BlobContainer {
-    client: ContainerClient,
+    client: Arc<BlobContainerClient>,
     counters: OpCounters,
     request_timeout: Duration,
+}
+
+impl std::fmt::Debug for BlobContainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobContainer")
+            .field("name", &self.name())
+            .finish()
+    }
 }
 
 impl BlobContainer {
     /// The container `name` in `account`, recording round trips into `counters`.
     pub fn new(account: &StorageAccount, name: &str, counters: OpCounters) -> Self {
-        let client =
-            ClientBuilder::with_location(account.blob_location().clone(), account.credentials().clone())
-                .retry(no_sdk_retries())
-                .container_client(name);
+        let options = BlobContainerClientOptions {
+            client_options: client_options(account),
+            ..Default::default()
+        };
+        let client = BlobContainerClient::new(account.url(Service::Blob, name), None, Some(options))
+            .expect("a container URL under a valid endpoint");
         Self {
-            client,
+            client: Arc::new(client),
             counters,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
         }
@@ -106,7 +147,11 @@ impl BlobContainer {
     }
 
     pub fn name(&self) -> &str {
-        self.client.container_name()
+        self.client
+            .url()
+            .path_segments()
+            .and_then(|mut s| s.next_back())
+            .unwrap_or_default()
     }
 
     pub fn counters(&self) -> &OpCounters {
@@ -125,10 +170,7 @@ impl BlobContainer {
 
     /// Creates the container; an existing one is success.
     pub async fn create(&self) -> StoreResult<()> {
-        match self
-            .call(Op::ContainerCreate, self.client.create().into_future())
-            .await
-        {
+        match self.call(Op::ContainerCreate, self.client.create(None)).await {
             Ok(_) => Ok(()),
             Err(e) if e.code() == Some("ContainerAlreadyExists") => Ok(()),
             Err(e) => Err(e),
@@ -156,10 +198,10 @@ impl BlobContainer {
     pub async fn put_empty_if_absent(&self, name: &str, op: Op) -> StoreResult<bool> {
         let blob = self.blob(name);
         let attempt = || {
-            let fut = blob
-                .put_block_blob(Vec::<u8>::new())
-                .if_match(IfMatchCondition::NotMatch("*".into()))
-                .into_future();
+            let fut = blob.upload(
+                azure_core::Bytes::new().into(),
+                Some(BlobClientUploadOptions::default().if_not_exists()),
+            );
             async move {
                 match self.call(op, fut).await {
                     Ok(_) => Ok(true),
@@ -174,7 +216,7 @@ impl BlobContainer {
 
     /// Deletes a blob: `true` if it existed, `false` if not.
     pub async fn delete_if_present(&self, name: &str, op: Op) -> StoreResult<bool> {
-        match self.call(op, self.blob(name).delete().into_future()).await {
+        match self.call(op, self.blob(name).delete(None)).await {
             Ok(_) => Ok(true),
             Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(false),
             Err(e) => Err(e),
@@ -184,7 +226,7 @@ impl BlobContainer {
     /// Whether a blob exists (one properties request).
     pub async fn exists(&self, name: &str) -> StoreResult<bool> {
         match self
-            .call(Op::BlobProperties, self.blob(name).get_properties().into_future())
+            .call(Op::BlobProperties, self.blob(name).get_properties(None))
             .await
         {
             Ok(_) => Ok(true),

@@ -1,12 +1,13 @@
 #![doc = include_str!("../README.md")]
 
 mod account;
+mod auth;
 pub mod azure;
 mod counters;
 mod error;
 mod retry;
 
-pub use account::{EMULATOR_ACCOUNT, EMULATOR_KEY, InvalidConnectionString, StorageAccount};
+pub use account::{EMULATOR_ACCOUNT, EMULATOR_KEY, InvalidConnectionString, Service, StorageAccount};
 pub use counters::{Op, OpCounters, OpCounts};
 pub use error::{StoreError, StoreErrorKind, StoreResult, redact};
 pub use retry::RetryOptions;

@@ -208,3 +208,47 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A TCP proxy on a free port in front of `127.0.0.1:<target>` that counts the connections it
+/// accepts: how a test sees whether clients reuse connections. Each connection is relayed by two
+/// threads until either side closes; the listener lives as long as the test process.
+#[derive(Debug, Clone)]
+pub struct CountingProxy {
+    pub port: u16,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CountingProxy {
+    pub fn start(target: u16) -> CountingProxy {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = TcpListener::bind(("127.0.0.1", 0)).expect("binding the proxy");
+        let port = listener.local_addr().expect("proxy address").port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = accepted.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                counter.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = TcpStream::connect(("127.0.0.1", target)) else {
+                    continue;
+                };
+                let relay = |mut from: TcpStream, mut to: TcpStream| {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    })
+                };
+                if let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) {
+                    relay(client, server);
+                    relay(s2, c2);
+                }
+            }
+        });
+        CountingProxy { port, accepted }
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}

@@ -114,7 +114,7 @@ pub struct Plan {
 impl Plan {
     pub fn from_seed(seed: u64) -> Self {
         let mut rng = SmallRng::seed_from_u64(seed ^ 0x5eed);
-        let mode = if seed % 2 == 0 {
+        let mode = if seed.is_multiple_of(2) {
             Mode::Standalone
         } else {
             Mode::FunctionsHost
@@ -198,7 +198,7 @@ impl Plan {
             machines,
             triggers,
             faults,
-            fencing: seed % 3 != 0,
+            fencing: !seed.is_multiple_of(3),
             skew,
             bad_record,
             safety_margin: None,
@@ -548,10 +548,11 @@ impl Node {
         let now = Instant::now();
         let mut j = self.world.journal.lock().unwrap();
         for m in taken {
-            if let Ok(t) = TriggerMessage::decode(&m.body) {
-                if t.kind == TriggerKind::Trigger && m.dequeue_count == 1 {
-                    j.arrivals.push((t.record_id.to_string(), now));
-                }
+            if let Ok(t) = TriggerMessage::decode(&m.body)
+                && t.kind == TriggerKind::Trigger
+                && m.dequeue_count == 1
+            {
+                j.arrivals.push((t.record_id.to_string(), now));
             }
         }
         !taken.is_empty()
@@ -1462,13 +1463,13 @@ fn check(plan: &Plan, world: &World) -> Report {
                     w[1].machine
                 )));
             }
-            if let (Some(a), Some(b)) = (w[0].token, w[1].token) {
-                if b <= a {
-                    violations.push(Violation::Fencing(format!(
-                        "{record}: token {b} at t={:.3}s after token {a}",
-                        at(w[1].start)
-                    )));
-                }
+            if let (Some(a), Some(b)) = (w[0].token, w[1].token)
+                && b <= a
+            {
+                violations.push(Violation::Fencing(format!(
+                    "{record}: token {b} at t={:.3}s after token {a}",
+                    at(w[1].start)
+                )));
             }
         }
     }
