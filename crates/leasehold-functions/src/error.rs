@@ -20,9 +20,6 @@ pub enum Error {
     /// `LEASEHOLD_LOGIC_URL` is not http or https.
     #[error("the URL must be http or https, not {0}")]
     UnsupportedScheme(String),
-    /// The HTTP client for the logic URL could not be built.
-    #[error("HTTP client: {0}")]
-    HttpClient(reqwest::Error),
     /// The supervisor of a logic command could not be started.
     #[error("could not start the logic supervisor {}: {error}", program.display())]
     Spawn { program: PathBuf, error: std::io::Error },

@@ -456,6 +456,7 @@ mod supervisor {
 pub struct UrlLogic {
     url: reqwest::Url,
     client: reqwest::Client,
+    timeout: Duration,
 }
 
 impl UrlLogic {
@@ -464,11 +465,10 @@ impl UrlLogic {
         if !matches!(url.scheme(), "http" | "https") {
             return Err(Error::UnsupportedScheme(url.scheme().to_string()));
         }
-        let client = reqwest::Client::builder()
-            .timeout(timeout)
-            .build()
-            .map_err(Error::HttpClient)?;
-        Ok(Self { url, client })
+        // The process's one HTTP client (its pool shared with storage); the time limit is per
+        // request.
+        let client = leasehold_storage::azure::http_client().clone();
+        Ok(Self { url, client, timeout })
     }
 }
 
@@ -481,7 +481,11 @@ impl Logic for UrlLogic {
             "fencingToken": ctx.fencing_token,
             "attempt": ctx.attempt,
         });
-        let mut request = self.client.post(self.url.clone()).json(&body);
+        let mut request = self
+            .client
+            .post(self.url.clone())
+            .timeout(self.timeout)
+            .json(&body);
         if let Some(token) = ctx.fencing_token {
             request = request.header("x-leasehold-fencing-token", token.to_string());
         }

@@ -72,13 +72,19 @@ pub async fn send<T>(
 fn map_error(op: Op, e: &azure_core::Error) -> StoreError {
     match e.kind() {
         AzureErrorKind::HttpResponse {
-            status, error_code, ..
+            status,
+            error_code,
+            raw_response,
         } => {
             let status = u16::from(*status);
             // Without an `x-ms-error-code` the SDK puts the status number in its place.
             let code = error_code.clone().filter(|c| c.parse::<u16>().is_err());
             let kind = classify(status, code.as_deref());
-            StoreError::new(kind, op, "").with_status(status, code)
+            let message = raw_response
+                .as_ref()
+                .and_then(|r| service_message(r.body().as_ref()))
+                .unwrap_or_default();
+            StoreError::new(kind, op, message).with_status(status, code)
         }
         AzureErrorKind::Io | AzureErrorKind::Connection => {
             StoreError::new(StoreErrorKind::Transient, op, format!("connection: {e}"))
@@ -88,6 +94,17 @@ fn map_error(op: Op, e: &azure_core::Error) -> StoreError {
         }
         _ => StoreError::new(StoreErrorKind::Transient, op, e.to_string()),
     }
+}
+
+/// The first line of the service's `<Message>` (what went wrong, in its words: "The API version
+/// … is not supported by Azurite", "Server failed to authenticate the request"); later lines hold
+/// request ids and, for authentication failures, details that are kept out of logs.
+fn service_message(body: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(body).ok()?;
+    let start = text.find("<Message>")? + "<Message>".len();
+    let end = start + text[start..].find("</Message>")?;
+    let first = text[start..end].lines().next()?.trim();
+    (!first.is_empty()).then(|| first.chars().take(300).collect())
 }
 
 fn classify(status: u16, code: Option<&str>) -> StoreErrorKind {
@@ -239,6 +256,19 @@ impl BlobContainer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_services_own_words_are_kept_to_their_first_line() {
+        let body = br#"<?xml version="1.0" encoding="utf-8"?><Error><Code>AuthenticationFailed</Code><Message>Server failed to authenticate the request.
+RequestId:8c1b
+Time:2026-11-22T17:00:00Z</Message><AuthenticationErrorDetail>The MAC signature found in the HTTP request 'c2lnbmF0dXJl' is not the same</AuthenticationErrorDetail></Error>"#;
+        assert_eq!(
+            service_message(body).as_deref(),
+            Some("Server failed to authenticate the request.")
+        );
+        assert_eq!(service_message(b"not xml"), None);
+        assert_eq!(service_message(b"<Message></Message>"), None);
+    }
 
     #[test]
     fn storage_answers_are_classified() {
