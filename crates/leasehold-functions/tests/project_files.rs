@@ -60,6 +60,14 @@ fn host_json_runs_the_custom_handler_with_consistent_queue_settings() {
         queues["maxDequeueCount"], 5,
         "matches LEASEHOLD_MAX_DEQUEUE_COUNT's default"
     );
+    // An instance runs at most batchSize + newBatchThreshold deliveries at once. Each is a
+    // record's logic (a process, minutes long) on an instance of 1–2 vCPUs (FC1 2 GB, EP1 1
+    // vCPU), and a host that dies hides everything it dequeued for 10 minutes: keep it small.
+    let concurrent = queues["batchSize"].as_u64().unwrap() + queues["newBatchThreshold"].as_u64().unwrap();
+    assert!(
+        concurrent <= 8,
+        "{concurrent} concurrent runs per instance is too many for long logic on 1–2 vCPUs"
+    );
     assert_eq!(
         host["functionTimeout"], "00:10:00",
         "the default run limit (9 min) must stay inside it"
