@@ -194,3 +194,36 @@ fn infrastructure_sets_every_setting_for_every_environment() {
         assert_eq!(given["environmentName"]["value"], env);
     }
 }
+
+/// The Kubernetes manifest: the Start key is required (a missing secret must not mean an open
+/// endpoint), the pod is locked down, and a disruption budget keeps Start up through drains.
+#[test]
+fn the_kubernetes_manifest_requires_the_start_key_and_locks_the_pod_down() {
+    let text = std::fs::read_to_string(format!(
+        "{}/../../deploy/keda/leasehold.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
+    let key = text
+        .lines()
+        .skip_while(|l| !l.contains("name: LEASEHOLD_API_KEY"))
+        .nth(1)
+        .expect("LEASEHOLD_API_KEY comes from a secret");
+    assert!(
+        key.contains("secretKeyRef") && !key.contains("optional"),
+        "the Start key must be required: {key}"
+    );
+    for required in [
+        "runAsNonRoot: true",
+        "readOnlyRootFilesystem: true",
+        "allowPrivilegeEscalation: false",
+        "drop: [\"ALL\"]",
+        "kind: PodDisruptionBudget",
+        "type: azure-queue",
+    ] {
+        assert!(
+            text.contains(required),
+            "deploy/keda/leasehold.yaml lacks {required:?}"
+        );
+    }
+}
