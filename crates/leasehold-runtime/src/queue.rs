@@ -278,8 +278,12 @@ impl AzureQueue {
             client_options: client_options(account),
             ..Default::default()
         };
-        let client = QueueClient::new(account.url(Service::Queue, queue), None, Some(options))
-            .expect("a queue URL under a valid endpoint");
+        let client = QueueClient::new(
+            account.url(Service::Queue, queue),
+            account.token_credential(),
+            Some(options),
+        )
+        .expect("a queue URL under a valid endpoint");
         Self {
             client: Arc::new(client),
             name: queue.to_string(),

@@ -5,6 +5,9 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
+
+use azure_core::credentials::TokenCredential;
 
 use base64::Engine;
 use url::Url;
@@ -34,6 +37,9 @@ pub(crate) enum Credential {
     Key(String),
     /// A shared access signature: its query parameters added to every request.
     Sas(Vec<(String, String)>),
+    /// An Entra ID identity: a bearer token on every request, fetched and refreshed before it
+    /// expires by the SDK (https only).
+    Token(Arc<dyn TokenCredential>),
 }
 
 /// Where a storage account is and how to sign requests to it.
@@ -180,6 +186,53 @@ impl StorageAccount {
         &self.credential
     }
 
+    /// The Entra ID credential requests carry, when the account is reached by identity.
+    pub fn token_credential(&self) -> Option<Arc<dyn TokenCredential>> {
+        match &self.credential {
+            Credential::Token(credential) => Some(credential.clone()),
+            _ => None,
+        }
+    }
+
+    /// Identity-based access with the settings Azure Functions users know, read through `get`
+    /// under `prefix` (`AzureWebJobsStorage`):
+    ///
+    /// - `<prefix>__accountName`, or `<prefix>__blobServiceUri` and `<prefix>__queueServiceUri`
+    ///   (https; default `https://<account>.<service>.core.windows.net`);
+    /// - `<prefix>__credential`: `managedidentity` for the app's managed identity; unset, the
+    ///   identity is found where the process runs: workload identity on Kubernetes
+    ///   (`AZURE_FEDERATED_TOKEN_FILE`), a managed identity in Azure (`IDENTITY_ENDPOINT`,
+    ///   `MSI_ENDPOINT` or the instance metadata service), else the developer's Azure CLI login;
+    /// - `<prefix>__clientId`: a user-assigned identity's client id.
+    ///
+    /// `None` when none of them is set.
+    pub fn from_identity_settings(
+        prefix: &str,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Option<std::result::Result<Self, InvalidIdentitySettings>> {
+        let setting = |name: &str| {
+            get(&format!("{prefix}__{name}"))
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        let (name, blob, queue) = (
+            setting("accountName"),
+            setting("blobServiceUri"),
+            setting("queueServiceUri"),
+        );
+        if name.is_none() && blob.is_none() && queue.is_none() {
+            return None;
+        }
+        Some(identity_account(
+            prefix,
+            name,
+            blob,
+            queue,
+            setting("credential"),
+            setting("clientId"),
+        ))
+    }
+
     /// Whether this is the emulator (Azurite).
     pub fn is_emulator(&self) -> bool {
         self.emulator || self.account == EMULATOR_ACCOUNT
@@ -207,6 +260,104 @@ impl StorageAccount {
             .pop_if_empty()
             .push(path);
         url
+    }
+}
+
+/// Identity-based storage settings that cannot be used, and why (naming the setting).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidIdentitySettings(String);
+
+fn identity_account(
+    prefix: &str,
+    name: Option<String>,
+    blob: Option<String>,
+    queue: Option<String>,
+    credential: Option<String>,
+    client_id: Option<String>,
+) -> std::result::Result<StorageAccount, InvalidIdentitySettings> {
+    let wrong = |text: String| InvalidIdentitySettings(text);
+    let account = match (&name, &blob) {
+        (Some(name), _) => name.clone(),
+        (None, Some(uri)) => account_from_endpoint(uri).map_err(|_| {
+            wrong(format!(
+                "{prefix}__blobServiceUri: cannot tell the account name; set {prefix}__accountName"
+            ))
+        })?,
+        (None, None) => {
+            return Err(wrong(format!(
+                "set {prefix}__accountName or {prefix}__blobServiceUri"
+            )));
+        }
+    };
+    let uri = |explicit: Option<String>, setting: &str, service: &str| {
+        let text = explicit.unwrap_or_else(|| format!("https://{account}.{service}.core.windows.net"));
+        let url = Url::parse(text.trim_end_matches('/'))
+            .map_err(|_| wrong(format!("{prefix}__{setting} is not a URL")))?;
+        if url.scheme() != "https" {
+            return Err(wrong(format!(
+                "{prefix}__{setting} must be https: tokens are never sent in the clear"
+            )));
+        }
+        Ok(url)
+    };
+    let blob = uri(blob, "blobServiceUri", "blob")?;
+    let queue = uri(queue, "queueServiceUri", "queue")?;
+    let credential = identity_credential(prefix, credential.as_deref(), client_id)?;
+    Ok(StorageAccount {
+        account,
+        credential: Credential::Token(credential),
+        blob,
+        queue,
+        emulator: false,
+    })
+}
+
+fn identity_credential(
+    prefix: &str,
+    kind: Option<&str>,
+    client_id: Option<String>,
+) -> std::result::Result<Arc<dyn TokenCredential>, InvalidIdentitySettings> {
+    use azure_identity::{
+        AzureCliCredential, ManagedIdentityCredential, ManagedIdentityCredentialOptions, UserAssignedId,
+        WorkloadIdentityCredential, WorkloadIdentityCredentialOptions,
+    };
+    let failed = |what: &str, e: azure_core::Error| InvalidIdentitySettings(format!("{what}: {e}"));
+    let managed = |client_id: Option<String>| -> std::result::Result<Arc<dyn TokenCredential>, _> {
+        let options = ManagedIdentityCredentialOptions {
+            user_assigned_id: client_id.map(UserAssignedId::ClientId),
+            ..Default::default()
+        };
+        Ok(
+            ManagedIdentityCredential::new(Some(options)).map_err(|e| failed("managed identity", e))?
+                as Arc<dyn TokenCredential>,
+        )
+    };
+    match kind {
+        Some(k) if k.eq_ignore_ascii_case("managedidentity") => managed(client_id),
+        Some(_) => Err(InvalidIdentitySettings(format!(
+            "{prefix}__credential: only managedidentity is understood (or leave it unset to use the identity where this runs)"
+        ))),
+        None if std::env::var_os("AZURE_FEDERATED_TOKEN_FILE").is_some() => {
+            let options = WorkloadIdentityCredentialOptions {
+                client_id,
+                ..Default::default()
+            };
+            Ok(
+                WorkloadIdentityCredential::new(Some(options)).map_err(|e| failed("workload identity", e))?
+                    as Arc<dyn TokenCredential>,
+            )
+        }
+        None if ["IDENTITY_ENDPOINT", "MSI_ENDPOINT"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some()) =>
+        {
+            managed(client_id)
+        }
+        None => Ok(
+            AzureCliCredential::new(None).map_err(|e| failed("Azure CLI login", e))?
+                as Arc<dyn TokenCredential>,
+        ),
     }
 }
 
@@ -314,5 +465,85 @@ mod tests {
         }
         let a = StorageAccount::from_connection_string("AccountName=a;AccountKey=TOPSECRETKEY").unwrap();
         assert!(!format!("{a:?}").contains("TOPSECRET"));
+    }
+
+    fn identity(
+        pairs: &[(&str, &str)],
+    ) -> Option<std::result::Result<StorageAccount, InvalidIdentitySettings>> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        StorageAccount::from_identity_settings("AzureWebJobsStorage", |name| map.get(name).cloned())
+    }
+
+    #[test]
+    fn identity_settings_name_the_account_and_the_https_endpoints() {
+        assert!(
+            identity(&[]).is_none(),
+            "no identity settings: not identity-based"
+        );
+        let a = identity(&[
+            ("AzureWebJobsStorage__accountName", "prodacct"),
+            ("AzureWebJobsStorage__credential", "managedidentity"),
+            (
+                "AzureWebJobsStorage__clientId",
+                "7d3c2b1a-0f9e-4d8c-8b7a-6f5e4d3c2b1a",
+            ),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(a.account(), "prodacct");
+        assert_eq!(a.blob_endpoint(), "https://prodacct.blob.core.windows.net");
+        assert_eq!(a.queue_endpoint(), "https://prodacct.queue.core.windows.net");
+        assert!(a.token_credential().is_some());
+        let custom = identity(&[
+            (
+                "AzureWebJobsStorage__blobServiceUri",
+                "https://127.0.0.1:41000/devstoreaccount1",
+            ),
+            (
+                "AzureWebJobsStorage__queueServiceUri",
+                "https://127.0.0.1:41001/devstoreaccount1",
+            ),
+            ("AzureWebJobsStorage__credential", "ManagedIdentity"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(custom.account(), "devstoreaccount1");
+        assert_eq!(
+            custom.queue_endpoint(),
+            "https://127.0.0.1:41001/devstoreaccount1"
+        );
+    }
+
+    #[test]
+    fn identity_settings_that_cannot_work_are_refused_by_name() {
+        for (pairs, expect) in [
+            (
+                vec![(
+                    "AzureWebJobsStorage__blobServiceUri",
+                    "http://127.0.0.1:10000/devstoreaccount1",
+                )],
+                "AzureWebJobsStorage__blobServiceUri must be https",
+            ),
+            (
+                vec![
+                    ("AzureWebJobsStorage__accountName", "a"),
+                    ("AzureWebJobsStorage__credential", "clientsecret"),
+                ],
+                "AzureWebJobsStorage__credential",
+            ),
+            (
+                vec![(
+                    "AzureWebJobsStorage__queueServiceUri",
+                    "https://a.queue.core.windows.net",
+                )],
+                "set AzureWebJobsStorage__accountName",
+            ),
+        ] {
+            let e = identity(&pairs).unwrap().map(drop).unwrap_err().to_string();
+            assert!(e.contains(expect), "{pairs:?}: {e}");
+        }
     }
 }

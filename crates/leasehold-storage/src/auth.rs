@@ -15,14 +15,16 @@ use azure_core::time::{OffsetDateTime, to_rfc7231};
 
 use crate::account::Credential;
 
-/// The policy that authorises requests with `credential` for `account`.
-pub(crate) fn policy(account: &str, credential: &Credential) -> Arc<dyn Policy> {
+/// The policy that authorises requests with `credential` for `account`; none for a token
+/// credential, which the SDK's own bearer-token policy serves.
+pub(crate) fn policy(account: &str, credential: &Credential) -> Option<Arc<dyn Policy>> {
     match credential {
-        Credential::Key(key) => Arc::new(SharedKey {
+        Credential::Key(key) => Some(Arc::new(SharedKey {
             account: account.to_string(),
             key: Secret::new(key.clone()),
-        }),
-        Credential::Sas(pairs) => Arc::new(Sas { pairs: pairs.clone() }),
+        })),
+        Credential::Sas(pairs) => Some(Arc::new(Sas { pairs: pairs.clone() })),
+        Credential::Token(_) => None,
     }
 }
 

@@ -46,7 +46,9 @@ pub fn client_options(account: &StorageAccount) -> ClientOptions {
     ClientOptions {
         retry: AzureRetryOptions::none(),
         transport: Some(Transport::new(Arc::new(http_client().clone()))),
-        per_try_policies: vec![crate::auth::policy(account.account(), account.credential())],
+        per_try_policies: crate::auth::policy(account.account(), account.credential())
+            .into_iter()
+            .collect(),
         ..Default::default()
     }
 }
@@ -148,8 +150,12 @@ impl BlobContainer {
             client_options: client_options(account),
             ..Default::default()
         };
-        let client = BlobContainerClient::new(account.url(Service::Blob, name), None, Some(options))
-            .expect("a container URL under a valid endpoint");
+        let client = BlobContainerClient::new(
+            account.url(Service::Blob, name),
+            account.token_credential(),
+            Some(options),
+        )
+        .expect("a container URL under a valid endpoint");
         Self {
             client: Arc::new(client),
             counters,

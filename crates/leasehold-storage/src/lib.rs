@@ -7,7 +7,9 @@ mod counters;
 mod error;
 mod retry;
 
-pub use account::{EMULATOR_ACCOUNT, EMULATOR_KEY, InvalidConnectionString, Service, StorageAccount};
+pub use account::{
+    EMULATOR_ACCOUNT, EMULATOR_KEY, InvalidConnectionString, InvalidIdentitySettings, Service, StorageAccount,
+};
 pub use counters::{Op, OpCounters, OpCounts};
 pub use error::{StoreError, StoreErrorKind, StoreResult, redact};
 pub use retry::RetryOptions;

@@ -22,6 +22,9 @@ pub struct Azurite {
     pub host: String,
     pub blob_port: u16,
     pub queue_port: u16,
+    /// With [`Azurite::start_oauth`]: the certificate authority its HTTPS certificate is signed
+    /// by (PEM), for clients to trust (`SSL_CERT_FILE`).
+    pub ca_file: Option<PathBuf>,
     _child: Mutex<Child>,
 }
 
@@ -65,6 +68,63 @@ impl Azurite {
 
     /// Starts a new Azurite; it exits when this process does.
     pub fn start() -> Result<Azurite, AzuriteUnavailable> {
+        Self::spawn(Vec::new(), None)
+    }
+
+    /// Starts a new Azurite that checks Entra ID bearer tokens (`--oauth basic`: issuer,
+    /// audience and lifetime are checked, the signature is not), over HTTPS with a certificate
+    /// made now for 127.0.0.1 and signed by a certificate authority made now
+    /// ([`Azurite::ca_file`]). Shared Key requests are still accepted.
+    pub fn start_oauth() -> Result<Azurite, AzuriteUnavailable> {
+        let dir = std::env::temp_dir().join(format!(
+            "leasehold-azurite-tls-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let (ca, cert, key) = tls_files().map_err(|e| format!("making a test certificate: {e}"))?;
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text)
+                .map(|_| path)
+                .map_err(|e| format!("writing {name}: {e}"))
+        };
+        let (ca, cert, key) = (
+            write("ca.pem", &ca)?,
+            write("cert.pem", &cert)?,
+            write("key.pem", &key)?,
+        );
+        let args = vec![
+            "--oauth".to_string(),
+            "basic".to_string(),
+            "--cert".to_string(),
+            cert.display().to_string(),
+            "--key".to_string(),
+            key.display().to_string(),
+        ];
+        Self::spawn(args, Some(ca))
+    }
+
+    /// The blob service URL of this Azurite (`http` or, with OAuth, `https`).
+    pub fn blob_uri(&self) -> String {
+        self.uri(self.blob_port)
+    }
+
+    /// The queue service URL of this Azurite.
+    pub fn queue_uri(&self) -> String {
+        self.uri(self.queue_port)
+    }
+
+    fn uri(&self, port: u16) -> String {
+        let scheme = if self.ca_file.is_some() { "https" } else { "http" };
+        format!(
+            "{scheme}://{}:{port}/{}",
+            self.host,
+            leasehold_storage::EMULATOR_ACCOUNT
+        )
+    }
+
+    fn spawn(extra_args: Vec<String>, ca_file: Option<PathBuf>) -> Result<Azurite, AzuriteUnavailable> {
         let exe = Self::executable();
         if !exe.exists() {
             return Err(format!(
@@ -109,6 +169,7 @@ impl Azurite {
                 .args(["--blobPort", &blob_port.to_string()])
                 .args(["--queuePort", &queue_port.to_string()])
                 .args(["--tablePort", &table_port.to_string()])
+                .args(&extra_args)
                 .current_dir(&workdir)
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().map_err(|e| e.to_string())?)
@@ -126,6 +187,7 @@ impl Azurite {
                     host: "127.0.0.1".into(),
                     blob_port,
                     queue_port,
+                    ca_file: ca_file.clone(),
                     _child: Mutex::new(child),
                 });
             }
@@ -251,4 +313,120 @@ impl CountingProxy {
     pub fn connections(&self) -> usize {
         self.accepted.load(std::sync::atomic::Ordering::SeqCst)
     }
+}
+
+/// A certificate authority, and a certificate for 127.0.0.1 and localhost signed by it: (CA
+/// certificate, certificate, key), all PEM.
+fn tls_files() -> Result<(String, String, String), rcgen::Error> {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "leasehold test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+    let key = KeyPair::generate()?;
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?
+        .signed_by(&key, &ca)?;
+    Ok((ca.pem(), cert.pem(), key.serialize_pem()))
+}
+
+/// A local endpoint that answers like the App Service managed-identity endpoint
+/// (`IDENTITY_ENDPOINT` with the `X-IDENTITY-HEADER` secret `IDENTITY_HEADER`): each request gets
+/// a fresh bearer token for Azure Storage that expires after `lifetime`, in the form Azurite's
+/// `--oauth basic` accepts. Counts the tokens it issued; a request without the secret gets 401.
+#[derive(Debug, Clone)]
+pub struct IdentityEndpoint {
+    pub port: u16,
+    pub secret: String,
+    issued: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl IdentityEndpoint {
+    pub fn start(lifetime: Duration) -> IdentityEndpoint {
+        use std::io::{BufRead, BufReader, Write};
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = TcpListener::bind(("127.0.0.1", 0)).expect("binding the identity endpoint");
+        let port = listener.local_addr().expect("identity endpoint address").port();
+        let secret = uuid::Uuid::new_v4().simple().to_string();
+        let issued = Arc::new(AtomicUsize::new(0));
+        let (expected, counter) = (secret.clone(), issued.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let mut reader = BufReader::new(match stream.try_clone() {
+                    Ok(s) => s,
+                    Err(_) => continue,
+                });
+                let mut authorised = false;
+                let mut line = String::new();
+                while reader.read_line(&mut line).is_ok_and(|n| n > 0) {
+                    let header = line.trim_end().to_string();
+                    line.clear();
+                    if header.is_empty() {
+                        break;
+                    }
+                    if let Some((name, value)) = header.split_once(':') {
+                        authorised |=
+                            name.trim().eq_ignore_ascii_case("x-identity-header") && value.trim() == expected;
+                    }
+                }
+                let (status, body) = if authorised {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    let expires = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .expect("after the epoch")
+                        + lifetime;
+                    let token = storage_token(expires.as_secs());
+                    (
+                        "200 OK",
+                        format!(
+                            r#"{{"access_token":"{token}","expires_on":"{}","resource":"https://storage.azure.com","token_type":"Bearer","client_id":"00000000-0000-0000-0000-000000000001"}}"#,
+                            expires.as_secs()
+                        ),
+                    )
+                } else {
+                    (
+                        "401 Unauthorized",
+                        r#"{"error":"missing or wrong X-IDENTITY-HEADER"}"#.to_string(),
+                    )
+                };
+                let mut stream = reader.into_inner();
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        IdentityEndpoint { port, secret, issued }
+    }
+
+    /// `IDENTITY_ENDPOINT`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/msi/token", self.port)
+    }
+
+    /// Tokens issued so far.
+    pub fn issued(&self) -> usize {
+        self.issued.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// An unsigned JWT with the claims Azurite checks: issuer, audience, issued/not-before/expiry.
+fn storage_token(expires: u64) -> String {
+    use base64::Engine;
+    let b64 = |text: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text);
+    let now = expires.saturating_sub(3600).max(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after the epoch")
+            .as_secs()
+            - 60,
+    );
+    let header = b64(r#"{"alg":"RS256","typ":"JWT"}"#);
+    let claims = b64(&format!(
+        r#"{{"aud":"https://storage.azure.com","iss":"https://sts.windows.net/72f988bf-86f1-41af-91ab-2d7cd011db47/","iat":{now},"nbf":{now},"exp":{expires},"oid":"00000000-0000-0000-0000-000000000002","tid":"72f988bf-86f1-41af-91ab-2d7cd011db47"}}"#
+    ));
+    format!("{header}.{claims}.{}", b64("not-signed"))
 }

@@ -27,6 +27,11 @@ const fn setting(name: &'static str, default: Option<&'static str>) -> SettingIn
 /// Every setting, in the order the README lists them.
 pub const SETTINGS: &[SettingInfo] = &[
     setting("AzureWebJobsStorage", None),
+    setting("AzureWebJobsStorage__accountName", None),
+    setting("AzureWebJobsStorage__blobServiceUri", None),
+    setting("AzureWebJobsStorage__queueServiceUri", None),
+    setting("AzureWebJobsStorage__credential", None),
+    setting("AzureWebJobsStorage__clientId", None),
     setting("LEASEHOLD_QUEUE", Some("leasehold-triggers")),
     setting("LEASEHOLD_CONTAINER", Some("leasehold-locks")),
     setting("LEASEHOLD_LOGIC_COMMAND", None),
@@ -54,6 +59,16 @@ pub const SETTINGS: &[SettingInfo] = &[
 struct Raw {
     #[serde(rename = "azurewebjobsstorage")]
     storage: Option<String>,
+    #[serde(rename = "azurewebjobsstorage__accountname")]
+    storage_account_name: Option<String>,
+    #[serde(rename = "azurewebjobsstorage__blobserviceuri")]
+    storage_blob_service_uri: Option<String>,
+    #[serde(rename = "azurewebjobsstorage__queueserviceuri")]
+    storage_queue_service_uri: Option<String>,
+    #[serde(rename = "azurewebjobsstorage__credential")]
+    storage_credential: Option<String>,
+    #[serde(rename = "azurewebjobsstorage__clientid")]
+    storage_client_id: Option<String>,
     leasehold_queue: Option<String>,
     leasehold_container: Option<String>,
     leasehold_logic_command: Option<String>,
@@ -187,11 +202,29 @@ impl Settings {
     }
 
     fn from_raw(raw: Raw) -> Result<Self> {
-        let storage = raw.storage.as_deref().map(str::trim).filter(|s| !s.is_empty()).ok_or_else(|| {
-            anyhow::anyhow!("AzureWebJobsStorage is not set: set it to a storage connection string (UseDevelopmentStorage=true for Azurite)")
-        })?;
-        let account = StorageAccount::from_connection_string(storage)
-            .map_err(|e| anyhow::anyhow!("AzureWebJobsStorage: {e}"))?;
+        let account = match raw.storage.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+            Some(connection_string) => StorageAccount::from_connection_string(connection_string)
+                .map_err(|e| anyhow::anyhow!("AzureWebJobsStorage: {e}"))?,
+            None => {
+                let identity = |name: &str| match name {
+                    "AzureWebJobsStorage__accountName" => raw.storage_account_name.clone(),
+                    "AzureWebJobsStorage__blobServiceUri" => raw.storage_blob_service_uri.clone(),
+                    "AzureWebJobsStorage__queueServiceUri" => raw.storage_queue_service_uri.clone(),
+                    "AzureWebJobsStorage__credential" => raw.storage_credential.clone(),
+                    "AzureWebJobsStorage__clientId" => raw.storage_client_id.clone(),
+                    _ => None,
+                };
+                StorageAccount::from_identity_settings("AzureWebJobsStorage", identity)
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "AzureWebJobsStorage is not set: set it to a storage connection string \
+                             (UseDevelopmentStorage=true for Azurite), or set AzureWebJobsStorage__accountName \
+                             for identity-based access"
+                        )
+                    })?
+                    .map_err(anyhow::Error::new)?
+            }
+        };
 
         let logic = match (
             raw.leasehold_logic_command.filter(|s| !s.trim().is_empty()),
