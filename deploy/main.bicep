@@ -2,6 +2,19 @@
 // Storage account (trigger queue, poison queue, lock container), Application Insights on a Log
 // Analytics workspace, and a Linux Function App running `leasehold handler` as a custom handler.
 //
+// Plans and storage access:
+//   FC1 (Flex Consumption, the default): the host and the handler reach storage with the app's
+//       managed identity (AzureWebJobsStorage__accountName + __credential), the package lives in
+//       a deployment container read with that identity, and the storage account refuses shared
+//       keys. Runtime `custom` (functionAppConfig.runtime).
+//   EP1-EP3 (Elastic Premium): identity for AzureWebJobsStorage too; the plan's content share
+//       (Azure Files: WEBSITE_CONTENTAZUREFILECONNECTIONSTRING, WEBSITE_CONTENTSHARE) needs the
+//       account key, so shared keys stay allowed; run from package.
+//   Y1 (Linux Consumption): legacy (retired 30 September 2028), connection string with the key.
+// The app's identity gets Storage Blob Data Owner (leases, markers, the host's own blobs, the
+// deployment container) and Storage Queue Data Contributor (triggers, poison, watchdogs) on the
+// account.
+//
 // Deploy: scripts/deploy.sh <dev|test|prod> (prints the az commands with --dry-run).
 
 targetScope = 'resourceGroup'
@@ -17,9 +30,18 @@ param namePrefix string
 
 param location string = resourceGroup().location
 
-@description('Hosting plan: Y1 (Linux Consumption) or EP1-EP3 (Elastic Premium: always ready, VNet, longer runs). Flex Consumption does not run custom handlers.')
-@allowed(['Y1', 'EP1', 'EP2', 'EP3'])
-param planSku string = 'Y1'
+@description('Hosting plan: FC1 (Flex Consumption: scales to zero, identity-only storage), EP1-EP3 (Elastic Premium: always ready), or Y1 (Linux Consumption, legacy: retired 30 September 2028).')
+@allowed(['FC1', 'EP1', 'EP2', 'EP3', 'Y1'])
+param planSku string = 'FC1'
+
+@description('Flex Consumption: memory per instance in MB.')
+@allowed([512, 2048, 4096])
+param instanceMemoryMB int = 2048
+
+@description('Flex Consumption: the most instances the app scales out to.')
+@minValue(1)
+@maxValue(1000)
+param maximumInstanceCount int = 40
 
 @description('Storage redundancy.')
 @allowed(['Standard_LRS', 'Standard_ZRS', 'Standard_GRS'])
@@ -58,7 +80,15 @@ param runTimeoutSeconds string = '540'
 
 var suffix = '${namePrefix}${environmentName}'
 var storageName = toLower('${take(namePrefix, 11)}${environmentName}st${take(uniqueString(resourceGroup().id), 6)}')
+var isFlex = planSku == 'FC1'
 var isConsumption = planSku == 'Y1'
+var isPremium = startsWith(planSku, 'EP')
+// Identity-based AzureWebJobsStorage everywhere but the legacy plan.
+var useIdentity = !isConsumption
+// Shared keys only where a plan needs them: Y1 (connection string) and EP (its content share).
+var allowSharedKey = !isFlex
+var deploymentContainerName = 'app-package'
+var contentShareName = toLower('func-${suffix}')
 
 resource storage 'Microsoft.Storage/storageAccounts@2023-05-01' = {
   name: storageName
@@ -69,8 +99,8 @@ resource storage 'Microsoft.Storage/storageAccounts@2023-05-01' = {
     minimumTlsVersion: 'TLS1_2'
     supportsHttpsTrafficOnly: true
     allowBlobPublicAccess: false
-    // The handler binary authenticates with the account key (see README, "Storage access").
-    allowSharedKeyAccess: true
+    allowSharedKeyAccess: allowSharedKey
+    defaultToOAuthAuthentication: useIdentity
   }
 }
 
@@ -82,6 +112,13 @@ resource blobService 'Microsoft.Storage/storageAccounts/blobServices@2023-05-01'
 resource lockContainer 'Microsoft.Storage/storageAccounts/blobServices/containers@2023-05-01' = {
   parent: blobService
   name: containerName
+  properties: { publicAccess: 'None' }
+}
+
+// Flex Consumption reads the app's package from here, with the app's identity.
+resource deploymentContainer 'Microsoft.Storage/storageAccounts/blobServices/containers@2023-05-01' = if (isFlex) {
+  parent: blobService
+  name: deploymentContainerName
   properties: { publicAccess: 'None' }
 }
 
@@ -119,17 +156,49 @@ resource insights 'Microsoft.Insights/components@2020-02-02' = {
   }
 }
 
-resource plan 'Microsoft.Web/serverfarms@2023-12-01' = {
+resource plan 'Microsoft.Web/serverfarms@2024-04-01' = {
   name: 'plan-${suffix}'
   location: location
-  sku: isConsumption ? { name: 'Y1', tier: 'Dynamic' } : { name: planSku, tier: 'ElasticPremium' }
-  kind: isConsumption ? 'functionapp' : 'elastic'
+  sku: isFlex
+    ? { name: 'FC1', tier: 'FlexConsumption' }
+    : isConsumption ? { name: 'Y1', tier: 'Dynamic' } : { name: planSku, tier: 'ElasticPremium' }
+  kind: isPremium ? 'elastic' : 'functionapp'
   properties: { reserved: true }
 }
 
-var storageConnection = 'DefaultEndpointsProtocol=https;AccountName=${storage.name};EndpointSuffix=${environment().suffixes.storage};AccountKey=${storage.listKeys().keys[0].value}'
+// Only read where a plan needs the key (Y1's AzureWebJobsStorage, EP's content share).
+var storageConnection = allowSharedKey
+  ? 'DefaultEndpointsProtocol=https;AccountName=${storage.name};EndpointSuffix=${environment().suffixes.storage};AccountKey=${storage.listKeys().keys[0].value}'
+  : ''
 
-resource app 'Microsoft.Web/sites@2023-12-01' = {
+// How the host and the handler reach storage: the same settings serve both.
+var storageSettings = useIdentity
+  ? [
+      { name: 'AzureWebJobsStorage__accountName', value: storage.name }
+      { name: 'AzureWebJobsStorage__credential', value: 'managedidentity' }
+    ]
+  : [
+      { name: 'AzureWebJobsStorage', value: storageConnection }
+    ]
+
+// The language worker and the package: Flex states both in functionAppConfig instead.
+var planSettings = isFlex
+  ? []
+  : concat(
+      [
+        { name: 'FUNCTIONS_EXTENSION_VERSION', value: '~4' }
+        { name: 'FUNCTIONS_WORKER_RUNTIME', value: 'custom' }
+        { name: 'WEBSITE_RUN_FROM_PACKAGE', value: '1' }
+      ],
+      isPremium
+        ? [
+            { name: 'WEBSITE_CONTENTAZUREFILECONNECTIONSTRING', value: storageConnection }
+            { name: 'WEBSITE_CONTENTSHARE', value: contentShareName }
+          ]
+        : []
+    )
+
+resource app 'Microsoft.Web/sites@2024-04-01' = {
   name: 'func-${suffix}'
   location: location
   kind: 'functionapp,linux'
@@ -138,15 +207,28 @@ resource app 'Microsoft.Web/sites@2023-12-01' = {
     serverFarmId: plan.id
     reserved: true
     httpsOnly: true
+    functionAppConfig: isFlex
+      ? {
+          deployment: {
+            storage: {
+              type: 'blobContainer'
+              value: '${storage.properties.primaryEndpoints.blob}${deploymentContainerName}'
+              authentication: { type: 'SystemAssignedIdentity' }
+            }
+          }
+          scaleAndConcurrency: {
+            instanceMemoryMB: instanceMemoryMB
+            maximumInstanceCount: maximumInstanceCount
+          }
+          runtime: { name: 'custom', version: '1.0' }
+        }
+      : null
     siteConfig: {
       minTlsVersion: '1.2'
       ftpsState: 'Disabled'
       http20Enabled: true
-      appSettings: [
-        { name: 'FUNCTIONS_EXTENSION_VERSION', value: '~4' }
-        { name: 'FUNCTIONS_WORKER_RUNTIME', value: 'custom' }
+      appSettings: concat(planSettings, storageSettings, [
         { name: 'APPLICATIONINSIGHTS_CONNECTION_STRING', value: insights.properties.ConnectionString }
-        { name: 'AzureWebJobsStorage', value: storageConnection }
         { name: 'LEASEHOLD_QUEUE', value: queueName }
         { name: 'LEASEHOLD_CONTAINER', value: containerName }
         { name: 'LEASEHOLD_LOGIC_COMMAND', value: logicCommand }
@@ -168,11 +250,29 @@ resource app 'Microsoft.Web/sites@2023-12-01' = {
         { name: 'LEASEHOLD_MAX_DEQUEUE_COUNT', value: '' }
         { name: 'LEASEHOLD_POLL_MAX_SECONDS', value: '' }
         { name: 'LEASEHOLD_SHUTDOWN_GRACE_SECONDS', value: '' }
-      ]
+      ])
     }
   }
-  dependsOn: [lockContainer, triggerQueue, poisonQueue]
+  dependsOn: [lockContainer, triggerQueue, poisonQueue, deploymentContainer]
 }
+
+// The roles the app's identity needs on the account (built-in role ids).
+var storageRoles = {
+  blobDataOwner: 'b7e6dc6d-f1e8-4753-8033-0f276bb0955b'
+  queueDataContributor: '974c5e8b-45b9-4653-ba55-5f855dd0fb88'
+}
+
+resource roleAssignments 'Microsoft.Authorization/roleAssignments@2022-04-01' = [
+  for role in items(storageRoles): if (useIdentity) {
+    name: guid(storage.id, app.id, role.value)
+    scope: storage
+    properties: {
+      roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', role.value)
+      principalId: app.identity.principalId
+      principalType: 'ServicePrincipal'
+    }
+  }
+]
 
 output functionAppName string = app.name
 output storageAccountName string = storage.name

@@ -49,5 +49,13 @@ plan=$(scripts/deploy.sh prod --dry-run)
 for expect in "az group create" "az deployment group create" "deploy/parameters/prod.json" "config-zip"; do
   echo "$plan" | grep -q -- "$expect" || { echo "check-package: deploy.sh --dry-run lacks '$expect'" >&2; exit 1; }
 done
-echo "deploy.sh --dry-run ok"
+# Every plan the template offers deploys the same way, with the plan passed to the template.
+for sku in FC1 EP1 Y1; do
+  plan=$(scripts/deploy.sh dev --plan "$sku" --dry-run)
+  for expect in "planSku=$sku" "deploy/parameters/dev.json" "config-zip"; do
+    echo "$plan" | grep -q -- "$expect" || { echo "check-package: deploy.sh dev --plan $sku --dry-run lacks '$expect'" >&2; exit 1; }
+  done
+done
+scripts/deploy.sh dev --plan B1 --dry-run >/dev/null 2>&1 && { echo "check-package: deploy.sh accepted an unknown plan" >&2; exit 1; }
+echo "deploy.sh --dry-run ok (prod; dev on FC1, EP1 and Y1)"
 echo "check-package: all checks passed"

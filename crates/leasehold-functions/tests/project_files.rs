@@ -227,3 +227,43 @@ fn the_kubernetes_manifest_requires_the_start_key_and_locks_the_pod_down() {
         );
     }
 }
+
+/// The template offers Flex Consumption (the default, identity only), Elastic Premium (prod) and
+/// Linux Consumption (legacy), each with what it needs. Checked as text: Bicep itself cannot be
+/// compiled here (see the README for what only Azure can check).
+#[test]
+fn the_template_offers_flex_premium_and_legacy_consumption_with_identity() {
+    let root = leasehold_test_support::workspace_root();
+    let bicep = std::fs::read_to_string(root.join("deploy/main.bicep")).unwrap();
+    for required in [
+        "@allowed(['FC1', 'EP1', 'EP2', 'EP3', 'Y1'])",
+        "param planSku string = 'FC1'",
+        // Flex: runtime and package in functionAppConfig, package read with the app's identity,
+        // no shared keys on the account.
+        "runtime: { name: 'custom', version: '1.0' }",
+        "authentication: { type: 'SystemAssignedIdentity' }",
+        "var allowSharedKey = !isFlex",
+        "allowSharedKeyAccess: allowSharedKey",
+        // The host and the handler by identity, with the Functions setting names.
+        "{ name: 'AzureWebJobsStorage__accountName', value: storage.name }",
+        "{ name: 'AzureWebJobsStorage__credential', value: 'managedidentity' }",
+        // Premium's content share and run from package.
+        "{ name: 'WEBSITE_CONTENTAZUREFILECONNECTIONSTRING', value: storageConnection }",
+        "{ name: 'WEBSITE_CONTENTSHARE', value: contentShareName }",
+        "{ name: 'WEBSITE_RUN_FROM_PACKAGE', value: '1' }",
+        // The identity's roles on the account: blob data owner, queue data contributor.
+        "blobDataOwner: 'b7e6dc6d-f1e8-4753-8033-0f276bb0955b'",
+        "queueDataContributor: '974c5e8b-45b9-4653-ba55-5f855dd0fb88'",
+        "principalId: app.identity.principalId",
+    ] {
+        assert!(bicep.contains(required), "deploy/main.bicep lacks {required:?}");
+    }
+    // dev and test take the default (FC1); prod runs always-ready on Elastic Premium.
+    for env in ["dev", "test"] {
+        assert!(read(&format!("deploy/parameters/{env}.json"))["parameters"]["planSku"].is_null());
+    }
+    assert_eq!(
+        read("deploy/parameters/prod.json")["parameters"]["planSku"]["value"],
+        "EP1"
+    );
+}
