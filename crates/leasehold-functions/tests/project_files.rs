@@ -213,6 +213,7 @@ fn the_kubernetes_manifest_requires_the_start_key_and_locks_the_pod_down() {
         key.contains("secretKeyRef") && !key.contains("optional"),
         "the Start key must be required: {key}"
     );
+    assert!(!text.contains("AccountKey="), "no account key in the manifest");
     for required in [
         "runAsNonRoot: true",
         "readOnlyRootFilesystem: true",
@@ -220,6 +221,10 @@ fn the_kubernetes_manifest_requires_the_start_key_and_locks_the_pod_down() {
         "drop: [\"ALL\"]",
         "kind: PodDisruptionBudget",
         "type: azure-queue",
+        // Workload identity for leasehold and for KEDA, no key.
+        "azure.workload.identity/use: \"true\"",
+        "name: AzureWebJobsStorage__accountName",
+        "provider: azure-workload",
     ] {
         assert!(
             text.contains(required),
