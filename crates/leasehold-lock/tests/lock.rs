@@ -339,6 +339,37 @@ mod azurite {
         ))
     }
 
+    /// A connection string with a SAS (no key) works as well as one with the key: every
+    /// request carries the signature's parameters.
+    #[tokio::test]
+    async fn a_sas_connection_string_works() {
+        let azurite = Azurite::shared();
+        let account =
+            leasehold_lock::StorageAccount::from_connection_string(&azurite.sas_connection_string()).unwrap();
+        let store = Arc::new(AzureBlobStore::new(
+            &account,
+            &unique_name("sas"),
+            OpCounters::new(),
+        ));
+        let lock = LeaseLock::new(store, fast_options()).unwrap();
+        let guard = lock.try_acquire(&key("sas")).await.unwrap().expect("free");
+        assert_eq!(guard.fencing_token(), Some(1));
+        guard.release().await.unwrap();
+
+        // And a SAS signed with another key is refused, naming the operation.
+        let forged = azurite.sas_connection_string().replace("sig=", "sig=AAAA");
+        let account = leasehold_lock::StorageAccount::from_connection_string(&forged).unwrap();
+        let store = Arc::new(AzureBlobStore::new(
+            &account,
+            &unique_name("sas"),
+            OpCounters::new(),
+        ));
+        let lock = LeaseLock::new(store, fast_options()).unwrap();
+        let e = lock.try_acquire(&key("sas")).await.unwrap_err().to_string();
+        assert!(e.contains("403"), "{e}");
+        assert!(!e.contains("sig="), "{e}");
+    }
+
     /// A store's requests share one connection pool: a few connections carry hundreds of
     /// requests (the legacy SDK this replaced opened a connection per request).
     #[tokio::test]

@@ -206,6 +206,66 @@ impl Azurite {
         StorageAccount::from_connection_string(&self.connection_string())
             .expect("emulator connection string parses")
     }
+
+    /// A connection string with explicit endpoints and an account SAS (blob and queue; service,
+    /// container and object; every permission; an hour) signed here with the emulator's key, as
+    /// a user would paste from the portal.
+    pub fn sas_connection_string(&self) -> String {
+        use base64::Engine;
+        use hmac::Mac;
+        let expiry = std::time::SystemTime::now() + Duration::from_secs(3600);
+        let expiry = httpdate_iso(expiry);
+        let (version, permissions) = ("2021-08-06", "rwdlacup");
+        let to_sign = format!(
+            "{account}\n{permissions}\nbq\nsco\n\n{expiry}\n\nhttps,http\n{version}\n\n",
+            account = leasehold_storage::EMULATOR_ACCOUNT
+        );
+        let key = base64::engine::general_purpose::STANDARD
+            .decode(leasehold_storage::EMULATOR_KEY)
+            .expect("the emulator key is base64");
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&key).expect("any key length");
+        mac.update(to_sign.as_bytes());
+        let signature = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+        let sas: String = url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("sv", version)
+            .append_pair("ss", "bq")
+            .append_pair("srt", "sco")
+            .append_pair("sp", permissions)
+            .append_pair("se", &expiry)
+            .append_pair("spr", "https,http")
+            .append_pair("sig", &signature)
+            .finish();
+        format!(
+            "BlobEndpoint={};QueueEndpoint={};SharedAccessSignature={sas}",
+            self.blob_uri(),
+            self.queue_uri()
+        )
+    }
+}
+
+/// `YYYY-MM-DDThh:mm:ssZ` (UTC), as a SAS's expiry is written.
+fn httpdate_iso(at: std::time::SystemTime) -> String {
+    let secs = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_secs() as i64;
+    let (days, rest) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
 }
 
 /// A name no other test uses: `prefix-<12 hex>`; valid for containers and queues (3–63
