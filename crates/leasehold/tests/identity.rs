@@ -17,18 +17,23 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
+/// Where one `leasehold serve` writes: its log, and the file its logic appends runs to.
+struct Files {
+    log: std::path::PathBuf,
+    runs: std::path::PathBuf,
+}
+
 /// `leasehold serve` with only identity settings, its tokens from `identity` (presenting
-/// `secret`); returns the process, its port, its log and the file its logic writes runs to.
-async fn serve(
-    azurite: &Azurite,
-    identity: &IdentityEndpoint,
-    secret: &str,
-) -> (tokio::process::Child, u16, std::path::PathBuf, std::path::PathBuf) {
+/// `secret`), logging to a fresh directory.
+fn serve_command(azurite: &Azurite, identity: &IdentityEndpoint, secret: &str) -> (Command, Files) {
     let dir = std::env::temp_dir().join(unique_name("leasehold-identity"));
     std::fs::create_dir_all(&dir).unwrap();
-    let (log, runs) = (dir.join("serve.log"), dir.join("runs.log"));
-    let queue = unique_name("triggers");
-    let child = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+    let files = Files {
+        log: dir.join("serve.log"),
+        runs: dir.join("runs.log"),
+    };
+    let mut command = Command::new(env!("CARGO_BIN_EXE_leasehold"));
+    command
         .arg("serve")
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
@@ -38,7 +43,7 @@ async fn serve(
         .env("IDENTITY_ENDPOINT", identity.url())
         .env("IDENTITY_HEADER", secret)
         .env("SSL_CERT_FILE", azurite.ca_file.as_ref().unwrap())
-        .env("LEASEHOLD_QUEUE", &queue)
+        .env("LEASEHOLD_QUEUE", unique_name("triggers"))
         .env("LEASEHOLD_CONTAINER", unique_name("locks"))
         .env("LEASEHOLD_LEASE_SECONDS", "15")
         .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
@@ -47,16 +52,25 @@ async fn serve(
             "LEASEHOLD_LOGIC_COMMAND",
             format!(
                 "sleep 12; echo \"$LEASEHOLD_RECORD_ID $LEASEHOLD_FENCING_TOKEN\" >> {}",
-                runs.display()
+                files.runs.display()
             ),
         )
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::from(std::fs::File::create(&files.log).unwrap()))
+        .kill_on_drop(true);
+    (command, files)
+}
+
+/// Starts [`serve_command`] and waits for the port it logs.
+async fn serve(
+    azurite: &Azurite,
+    identity: &IdentityEndpoint,
+    secret: &str,
+) -> (tokio::process::Child, u16, std::path::PathBuf, std::path::PathBuf) {
+    let (mut command, Files { log, runs }) = serve_command(azurite, identity, secret);
+    let child = command.spawn().unwrap();
     let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
         let text = read(&log);
         let at = text.find("addr=127.0.0.1:")? + "addr=127.0.0.1:".len();
@@ -128,27 +142,8 @@ async fn serve_runs_a_record_with_only_identity_settings_and_refreshes_tokens_du
 async fn without_a_token_serve_stops_at_start_up_and_says_why() {
     let azurite = Azurite::start_oauth().expect("an Azurite checking bearer tokens over HTTPS");
     let identity = IdentityEndpoint::start(Duration::from_secs(60));
-    let dir = std::env::temp_dir().join(unique_name("leasehold-identity"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let log = dir.join("serve.log");
-    let status = Command::new(env!("CARGO_BIN_EXE_leasehold"))
-        .arg("serve")
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("AzureWebJobsStorage__blobServiceUri", azurite.blob_uri())
-        .env("AzureWebJobsStorage__queueServiceUri", azurite.queue_uri())
-        .env("AzureWebJobsStorage__credential", "managedidentity")
-        .env("IDENTITY_ENDPOINT", identity.url())
-        .env("IDENTITY_HEADER", "not-the-secret")
-        .env("SSL_CERT_FILE", azurite.ca_file.as_ref().unwrap())
-        .env("LEASEHOLD_QUEUE", unique_name("triggers"))
-        .env("LEASEHOLD_PORT", "0")
-        .env("LEASEHOLD_DEMO_SECONDS", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
-        .kill_on_drop(true)
-        .status();
+    let (mut command, Files { log, .. }) = serve_command(&azurite, &identity, "not-the-secret");
+    let status = command.status();
     let status = tokio::time::timeout(Duration::from_secs(60), status)
         .await
         .expect("serve exits")
