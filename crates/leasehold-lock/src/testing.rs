@@ -53,14 +53,6 @@ impl<I: Interceptor> FaultyStore<I> {
         Self { inner, interceptor }
     }
 
-    pub fn interceptor(&self) -> &I {
-        &self.interceptor
-    }
-
-    pub fn inner(&self) -> &Arc<dyn LeaseStore> {
-        &self.inner
-    }
-
     async fn send<T, F, Fut>(&self, op: Op, blob: &str, request: F) -> StoreResult<T>
     where
         T: Send + 'static,
