@@ -16,7 +16,7 @@ pub use error::{Error, LogicError};
 pub use markers::{
     AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, record_status,
 };
-pub use message::{DecodeError, TriggerKind, TriggerMessage};
+pub use message::{DecodeError, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage};
 pub use queue::{AzureQueue, Enqueued, MemoryQueue, Received, TriggerQueue};
 pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId, Scope, record_key};
 #[cfg(feature = "testing")]

@@ -65,6 +65,11 @@ pub struct TriggerMessage {
     pub correlation_id: Option<String>,
 }
 
+/// Longest correlation id a trigger carries, in bytes. Dataverse's and the Functions host's are
+/// GUIDs (36 characters); Start refuses longer ones, so a trigger message stays small and its
+/// poison entry always fits the queue's 64 KiB limit.
+pub const MAX_CORRELATION_ID_LEN: usize = 128;
+
 fn is_zero(n: &u32) -> bool {
     *n == 0
 }
