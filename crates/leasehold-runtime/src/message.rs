@@ -55,9 +55,10 @@ pub struct TriggerMessage {
     /// being copied. A delivery that only looked (and found a run in progress) does not count.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub prior_attempts: u32,
-    /// How many times this trigger's chain was given up (a sweep carries its origin's count + 1):
-    /// the sweep of a chain given up twice runs only if the marker is set, so logic that always
-    /// fails does not cycle through the poison queue for ever.
+    /// How many times this trigger's chain was given up (a sweep carries its origin's count + 1,
+    /// its rechecks, watchdogs and retries keep it; a retrigger starts a new chain at 0): the
+    /// sweep of a chain given up twice — a sweep that kept failing — runs only if the marker is
+    /// set, so logic that always fails does not cycle through the poison queue for ever.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub given_up: u32,
     /// Correlation id from the source (Dataverse `CorrelationId`, or one Start made up).
@@ -108,11 +109,27 @@ impl TriggerMessage {
         record_key(&self.scope, &self.record_id)
     }
 
-    /// A follow-up of `self` of another kind, keeping its identity.
+    /// A follow-up of `self` of another kind that carries on the same chain of deliveries (a
+    /// recheck, a watchdog, a retry): it keeps the record, the correlation id and the chain's
+    /// give-up count ([`given_up`](Self::given_up)), with `prior_attempts` failed deliveries.
     pub fn follow_up(&self, kind: TriggerKind, prior_attempts: u32) -> Self {
         Self {
             kind,
             prior_attempts,
+            ..self.clone()
+        }
+    }
+
+    /// The retrigger a holder enqueues for triggers that coalesced onto its run: a new chain
+    /// for the same record. It stands for fresh events, not for the holder's own delivery, so it
+    /// starts with no failed attempts and a give-up count of 0 — a sweep's chain that ran
+    /// passes nothing of its failures on, and its retrigger, if given up, gets a sweep that
+    /// runs whatever the marker says.
+    pub fn retrigger(&self) -> Self {
+        Self {
+            kind: TriggerKind::Retrigger,
+            prior_attempts: 0,
+            given_up: 0,
             ..self.clone()
         }
     }

@@ -742,7 +742,7 @@ impl RecordRunner {
         if !was_set? && !retried {
             return Ok(false);
         }
-        let retrigger = delivery.message.follow_up(TriggerKind::Retrigger, 0);
+        let retrigger = delivery.message.retrigger();
         self.enqueue(&retrigger, Duration::ZERO).await?;
         Ok(true)
     }

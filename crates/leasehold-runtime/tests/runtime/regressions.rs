@@ -1228,3 +1228,105 @@ async fn every_delivery_logs_its_outcome_with_the_record() {
         assert!(line.contains(field), "{field} missing from {line}");
     }
 }
+
+/// Logic that fails every run after `duration` (a record whose logic is broken for a while).
+struct Failing(Duration);
+
+#[async_trait]
+impl Logic for Failing {
+    async fn run(&self, _ctx: RunContext) -> Result<(), LogicError> {
+        tokio::time::sleep(self.0).await;
+        Err(LogicError::new("the record's logic is broken"))
+    }
+}
+
+/// Takes the one message on the queue as a new delivery (dequeue count `dequeue_count`).
+async fn take_only(store: &Scripted, dequeue_count: u32) -> Delivery {
+    let taken = store.queue().get(8, Duration::from_secs(600)).await.unwrap();
+    assert_eq!(taken.len(), 1, "{taken:?}");
+    store
+        .queue()
+        .delete(&taken[0].id, &taken[0].pop_receipt)
+        .await
+        .unwrap();
+    Delivery {
+        message: TriggerMessage::decode(&taken[0].body).unwrap(),
+        dequeue_count,
+    }
+}
+
+/// Issue 16, item 1 (loss): a sweep's *successful* run hands the triggers that coalesced onto it
+/// on as a fresh chain. Before the fix its retrigger R carried the sweep's `given_up = 1`; when
+/// R's own chain (fresh events) was given up with T2 coalesced onto its last run and the holder
+/// had consumed T2's marker without enqueueing a retrigger, the sweep it got was `given_up = 2`,
+/// which runs only for a set marker: it stood down, and T2 was in no run and no poison entry.
+#[tokio::test(start_paused = true)]
+async fn a_sweeps_successful_run_hands_coalesced_triggers_on_as_a_fresh_chain() {
+    let store = Scripted::new();
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let marker = TriggerMessage::parse("acct", "r").unwrap().key();
+    let ok = Script::new(Duration::from_secs(8), End::Succeed);
+    let runs_ok = runner_on(&store, ok.clone(), RunnerOptions::default());
+    let runs_broken = runner_on(&store, Arc::new(Failing(Duration::from_secs(8))), RunnerOptions::default());
+
+    // S1, the sweep of a trigger given up once, runs and succeeds; T1 coalesces during it.
+    let mut s1 = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .follow_up(TriggerKind::Sweep, 0);
+    s1.given_up = 1;
+    let sweep = tokio::spawn({
+        let runner = runs_ok.clone();
+        async move {
+            let delivery = Delivery {
+                message: s1,
+                dequeue_count: 1,
+            };
+            runner
+                .handle(&delivery, &CancellationToken::new())
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    store.markers.set(&marker).await.unwrap(); // T1
+    let outcome = sweep.await.unwrap();
+    assert!(
+        matches!(outcome, Outcome::Completed { retriggered: true, .. }),
+        "{outcome:?}"
+    );
+    let r = take_only(&store, 5).await;
+    assert_eq!(
+        (r.message.kind, r.message.given_up, r.message.prior_attempts),
+        (TriggerKind::Retrigger, 0, 0),
+        "the retrigger of a sweep that ran is a fresh chain"
+    );
+
+    // R's chain fails up to its last attempt (delivery 5 of 5, under the Functions host); T2
+    // coalesces during that run; the holder consumes T2's marker after its release, and its
+    // retrigger put fails through every retry.
+    store.then(Op::QueuePut, &[Act::Slow(Duration::ZERO)]); // the watchdog's put
+    store.then(Op::QueuePut, &[Act::Refuse(StoreErrorKind::Transient); 5]); // the retrigger's
+    let last = tokio::spawn({
+        let runner = runs_broken.clone();
+        async move {
+            runner
+                .handle_watched(&r, &poison, &CancellationToken::new())
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    store.markers.set(&marker).await.unwrap(); // T2
+    let t2 = Instant::now();
+    let outcome = last.await.unwrap();
+    assert!(matches!(outcome, Outcome::Poisoned { .. }), "{outcome:?}");
+    assert!(!marker_set(&store).await, "the holder consumed T2's marker");
+
+    // The chain's sweep must run whatever the marker says: T2 is honoured.
+    let sweep = take_only(&store, 1).await;
+    assert_eq!(
+        (sweep.message.kind, sweep.message.given_up),
+        (TriggerKind::Sweep, 1)
+    );
+    let outcome = runs_ok.handle(&sweep, &CancellationToken::new()).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(ok.starts.lock().unwrap().iter().any(|s| *s > t2), "T2 was run");
+}
