@@ -1267,7 +1267,11 @@ async fn a_sweeps_successful_run_hands_coalesced_triggers_on_as_a_fresh_chain() 
     let marker = TriggerMessage::parse("acct", "r").unwrap().key();
     let ok = Script::new(Duration::from_secs(8), End::Succeed);
     let runs_ok = runner_on(&store, ok.clone(), RunnerOptions::default());
-    let runs_broken = runner_on(&store, Arc::new(Failing(Duration::from_secs(8))), RunnerOptions::default());
+    let runs_broken = runner_on(
+        &store,
+        Arc::new(Failing(Duration::from_secs(8))),
+        RunnerOptions::default(),
+    );
 
     // S1, the sweep of a trigger given up once, runs and succeeds; T1 coalesces during it.
     let mut s1 = TriggerMessage::parse("acct", "r")
@@ -1281,16 +1285,20 @@ async fn a_sweeps_successful_run_hands_coalesced_triggers_on_as_a_fresh_chain() 
                 message: s1,
                 dequeue_count: 1,
             };
-            runner
-                .handle(&delivery, &CancellationToken::new())
-                .await
+            runner.handle(&delivery, &CancellationToken::new()).await
         }
     });
     tokio::time::sleep(Duration::from_secs(4)).await;
     store.markers.set(&marker).await.unwrap(); // T1
     let outcome = sweep.await.unwrap();
     assert!(
-        matches!(outcome, Outcome::Completed { retriggered: true, .. }),
+        matches!(
+            outcome,
+            Outcome::Completed {
+                retriggered: true,
+                ..
+            }
+        ),
         "{outcome:?}"
     );
     let r = take_only(&store, 5).await;

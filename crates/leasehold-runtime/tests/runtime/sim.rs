@@ -1475,8 +1475,12 @@ fn check(plan: &Plan, world: &World) -> Report {
     }
 
     // (2) Nothing lost: each accepted trigger is served by a completed run that started after
-    // it, or was given up visibly. A trigger whose representative (a retrigger) was given up
-    // while the record's logic kept failing counts as given up visibly too.
+    // it, or was given up visibly: its own poison entry, or — the one documented exception —
+    // it relied on a sweep's chain that kept failing and was given up in turn (its conditional
+    // sweep may then stand down). That is: a poison entry of a sweep's chain (P1, `given_up`
+    // >= 1) after the trigger, following a give-up of the record (P0) with no completed run of
+    // the record in between, so the chain P1 gave up really was a sweep's that never ran to
+    // success, not fresh triggers after one (issue 16, item 1).
     let poisoned_ids: HashSet<&str> = j
         .poisoned
         .iter()
@@ -1487,15 +1491,19 @@ fn check(plan: &Plan, world: &World) -> Report {
         let served = by_record
             .get(record.as_str())
             .is_some_and(|runs| runs.iter().any(|r| r.start > *t && r.completed));
-        // Or it relied on a sweep (a chain given up once already) that was given up in turn
-        // while the record's logic kept failing: then it went to the poison queue with it.
+        let runs = by_record.get(record.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+        let failing_sweep_chain = |p1: Instant| {
+            j.poisoned.iter().any(|(_, pr, p0, _)| {
+                pr == record && *p0 < p1 && !runs.iter().any(|r| r.completed && r.start > *p0 && r.start < p1)
+            })
+        };
         let given_up = poisoned_ids.contains(corr.as_str())
             || bad.is_some_and(|(r, _, to)| {
                 r == record
                     && *to > *t
-                    && j.poisoned
-                        .iter()
-                        .any(|(_, pr, pt, chain)| pr == record && *pt > *t && *chain >= 1)
+                    && j.poisoned.iter().any(|(_, pr, p1, chain)| {
+                        pr == record && *p1 > *t && *chain >= 1 && failing_sweep_chain(*p1)
+                    })
             });
         if !served && !given_up {
             violations.push(Violation::Lost(format!(
