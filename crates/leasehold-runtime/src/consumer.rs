@@ -11,7 +11,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -20,6 +19,7 @@ use tracing::Instrument;
 
 use crate::error::Error;
 use crate::message::TriggerMessage;
+use crate::poison::PoisonMessage;
 use crate::queue::{Received, TriggerQueue};
 use crate::runner::{Delivery, Outcome, RecordRunner};
 
@@ -69,51 +69,6 @@ impl Default for ConsumerOptions {
             poll_max: Duration::from_secs(2),
             shutdown_grace: Duration::from_secs(30),
         }
-    }
-}
-
-/// What the poison queue holds: the trigger and why it was given up (the text of the
-/// [`Error`] that gave it up, for operators).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PoisonMessage {
-    /// The original message body as it was on the queue.
-    pub body: String,
-    /// The trigger, when the body could be read.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub trigger: Option<TriggerMessage>,
-    reason: String,
-    pub dequeue_count: u32,
-}
-
-impl PoisonMessage {
-    /// The entry for a message given up because of `error`.
-    pub fn new(body: String, trigger: Option<TriggerMessage>, error: &Error, dequeue_count: u32) -> Self {
-        Self {
-            body,
-            trigger,
-            reason: error.to_string(),
-            dequeue_count,
-        }
-    }
-
-    /// Why the message was given up.
-    pub fn reason(&self) -> &str {
-        &self.reason
-    }
-
-    /// The poison queue's wire form: base64 of the JSON, like trigger messages, so tools reading
-    /// either queue decode alike.
-    pub fn encode(&self) -> String {
-        let json = serde_json::to_string(self).expect("a poison message always serialises");
-        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, json)
-    }
-
-    /// Reads the wire form back (for operators' tools and tests).
-    pub fn decode(body: &str) -> Result<Self, crate::DecodeError> {
-        let bytes = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, body.trim())
-            .map_err(|_| crate::DecodeError::new("poison message is not base64"))?;
-        serde_json::from_slice(&bytes).map_err(|e| crate::DecodeError::new(format!("poison message: {e}")))
     }
 }
 

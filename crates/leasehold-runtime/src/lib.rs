@@ -4,6 +4,7 @@ mod consumer;
 mod error;
 mod markers;
 mod message;
+mod poison;
 mod queue;
 mod record;
 mod runner;
@@ -11,13 +12,14 @@ mod runner;
 pub mod testing;
 mod watchdog;
 
-pub use consumer::{Consumer, ConsumerOptions, PoisonMessage, poison_queue_name};
+pub use consumer::{Consumer, ConsumerOptions, poison_queue_name};
 pub use error::{Error, LogicError};
 pub use markers::{
     AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, record_status,
 };
 pub use message::{DecodeError, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage};
-pub use queue::{AzureQueue, Enqueued, MemoryQueue, Received, TriggerQueue};
+pub use poison::PoisonMessage;
+pub use queue::{AzureQueue, Enqueued, MAX_MESSAGE_BYTES, MemoryQueue, Received, TriggerQueue};
 pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId, Scope, record_key};
 #[cfg(feature = "testing")]
 pub use runner::ProtocolVariant;

@@ -61,8 +61,14 @@ pub struct TriggerMessage {
     /// set, so logic that always fails does not cycle through the poison queue for ever.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub given_up: u32,
-    /// Correlation id from the source (Dataverse `CorrelationId`, or one Start made up).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Correlation id from the source (Dataverse `CorrelationId`, or one Start made up). Start
+    /// refuses one over [`MAX_CORRELATION_ID_LEN`] bytes; a longer one in a message another tool
+    /// put is cut to that length when read (it only names the event in logs).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "bounded_correlation_id"
+    )]
     pub correlation_id: Option<String>,
 }
 
@@ -70,6 +76,23 @@ pub struct TriggerMessage {
 /// GUIDs (36 characters); Start refuses longer ones, so a trigger message stays small and its
 /// poison entry always fits the queue's 64 KiB limit.
 pub const MAX_CORRELATION_ID_LEN: usize = 128;
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+pub(crate) fn truncate_to(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+fn bounded_correlation_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let id = Option::<String>::deserialize(d)?;
+    Ok(id.map(|id| truncate_to(&id, MAX_CORRELATION_ID_LEN).to_string()))
+}
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
@@ -194,6 +217,19 @@ mod tests {
             TriggerMessage::parse("account", "8f9c1d2e-0000-4000-8000-000000000001").unwrap()
         );
         assert_eq!(m.key().as_str(), "account/8f9c1d2e-0000-4000-8000-000000000001");
+    }
+
+    /// A correlation id longer than Start accepts, in a message another tool put, is cut when
+    /// read: the trigger stays a trigger, and whatever is built from it stays small.
+    #[test]
+    fn reads_an_overlong_correlation_id_cut_to_the_limit() {
+        let long = "é".repeat(30_000);
+        let body = format!(r#"{{"scope":"account","recordId":"42","correlationId":"{long}"}}"#);
+        let m = TriggerMessage::decode(&body).unwrap();
+        let id = m.correlation_id.as_deref().unwrap();
+        assert!(id.len() <= MAX_CORRELATION_ID_LEN && id.len() >= MAX_CORRELATION_ID_LEN - 1);
+        assert!(long.starts_with(id));
+        assert!(m.encode().len() < 1024, "{}", m.encode().len());
     }
 
     #[test]

@@ -129,6 +129,20 @@ impl MemoryQueue {
     }
 }
 
+/// Largest message text a queue accepts, in bytes (Azure Storage's limit, which Azurite
+/// enforces too; the text here is the base64 wire form).
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// What Azure answers a message over [`MAX_MESSAGE_BYTES`].
+fn too_large(op: Op, len: usize) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Rejected,
+        op,
+        format!("message of {len} bytes is over the queue's limit of {MAX_MESSAGE_BYTES}"),
+    )
+    .with_status(413, Some("RequestBodyTooLarge".into()))
+}
+
 fn receipt_mismatch(op: Op) -> StoreError {
     StoreError::new(StoreErrorKind::NotFound, op, "").with_status(404, Some("MessageNotFound".into()))
 }
@@ -141,6 +155,9 @@ impl TriggerQueue for MemoryQueue {
 
     async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
         self.with(Op::QueuePut, |s, now| {
+            if body.len() > MAX_MESSAGE_BYTES {
+                return Err(too_large(Op::QueuePut, body.len()));
+            }
             s.next_id += 1;
             let id = format!("m{}", s.next_id);
             let pop_receipt = format!("p{}", s.next_id);
@@ -204,6 +221,9 @@ impl TriggerQueue for MemoryQueue {
         visibility: Duration,
     ) -> StoreResult<String> {
         self.with(Op::QueueUpdate, |s, now| {
+            if body.len() > MAX_MESSAGE_BYTES {
+                return Err(too_large(Op::QueueUpdate, body.len()));
+            }
             s.next_id += 1;
             let fresh = format!("u{}", s.next_id);
             match s

@@ -10,10 +10,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::consumer::PoisonMessage;
 use crate::error::{Error, LogicError};
 use crate::markers::{MarkerSet, MarkerStore, RecordStatus, record_status};
-use crate::message::{TriggerKind, TriggerMessage};
+use crate::message::{TriggerKind, TriggerMessage, truncate_to};
+use crate::poison::PoisonMessage;
 use crate::queue::TriggerQueue;
 use crate::record::{RecordId, Scope};
 use crate::watchdog::Watchdog;
@@ -251,7 +251,7 @@ impl Outcome {
 /// acknowledged: the holder reads it, or the holder's carrier runs the record.
 ///
 /// **Giving up.** A trigger given up after too many failed deliveries goes to the poison queue
-/// with its reason, *after* a sweep message is queued: the poisoned trigger's earlier holder may
+/// with its reason, and then a sweep message is queued: the poisoned trigger's earlier holder may
 /// have died with triggers coalesced onto it (having consumed their marker, even), so the sweep
 /// runs the record once more when the lease is free, whatever the marker says. Only a sweep's own
 /// chain, given up again, gets a sweep that asks the marker first, so the cycle ends.
@@ -431,27 +431,54 @@ impl RecordRunner {
         }
     }
 
-    /// Gives a trigger up: queues a sweep (so triggers that coalesced onto a holder of it are
-    /// still honoured), then writes the poison entry. The caller deletes the message only if
+    /// Gives a trigger up: writes its poison entry, then queues a sweep (so triggers that
+    /// coalesced onto a holder of it are still honoured). The caller deletes the message only if
     /// this succeeds.
+    ///
+    /// The entry goes first: if the sweep's put fails after it, the message is given up again
+    /// later and its entry is written twice, while a poison write that fails leaves no sweep
+    /// behind for the next give-up to double. An entry storage refuses for what it is (413 or
+    /// 400: [`PoisonMessage::encode`] always fits the queue, so only a malformed request gets
+    /// here) would be refused on every retry: that refusal is final, logged with the record and
+    /// the reason, and the give-up goes on without the entry.
     pub async fn give_up(&self, poison: &dyn TriggerQueue, entry: &PoisonMessage) -> Result<(), StoreError> {
+        let body = entry.encode();
+        let (scope, record) = match &entry.trigger {
+            Some(t) => (Some(t.scope.as_str()), Some(t.record_id.as_str())),
+            None => (None, None),
+        };
+        let reason = truncate_to(entry.reason(), 1024);
+        match self
+            .options_retry()
+            .run("write poison", || poison.put(&body, Duration::ZERO))
+            .await
+        {
+            Ok(_) => tracing::error!(
+                scope,
+                record,
+                dequeue_count = entry.dequeue_count,
+                reason,
+                poison_queue = poison.name(),
+                "trigger moved to the poison queue"
+            ),
+            Err(e) if e.kind() == StoreErrorKind::Rejected && matches!(e.status(), Some(400 | 413)) => {
+                tracing::error!(
+                    scope,
+                    record,
+                    dequeue_count = entry.dequeue_count,
+                    reason,
+                    poison_queue = poison.name(),
+                    error = %e,
+                    "the poison queue refused the entry for good; the trigger is given up without one (this log line is its only record)"
+                )
+            }
+            Err(e) => return Err(e),
+        }
         if let Some(trigger) = &entry.trigger {
             let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
             sweep.given_up = trigger.given_up.saturating_add(1);
             self.enqueue(&sweep, Duration::ZERO).await?;
         }
-        let body = entry.encode();
-        self.options_retry()
-            .run("write poison", || poison.put(&body, Duration::ZERO))
-            .await?;
-        tracing::error!(
-            scope = entry.trigger.as_ref().map(|t| t.scope.as_str()),
-            record = entry.trigger.as_ref().map(|t| t.record_id.as_str()),
-            dequeue_count = entry.dequeue_count,
-            reason = entry.reason(),
-            poison_queue = poison.name(),
-            "trigger moved to the poison queue"
-        );
         Ok(())
     }
 

@@ -29,6 +29,8 @@ enum Act {
     Slow(Duration),
     /// Refuse with this kind of error (nothing happens).
     Refuse(StoreErrorKind),
+    /// Refuse with this kind of error and HTTP status (nothing happens).
+    RefuseWith(StoreErrorKind, u16),
     /// Do it, then lose the answer (the caller sees a time-out).
     LoseAnswer,
     /// Do it at once, but answer only after this long.
@@ -68,6 +70,9 @@ impl Interceptor for Rules {
                 effect.await
             }
             Some(Act::Refuse(kind)) => Err(StoreError::new(kind, op, "scripted").with_status(409, None)),
+            Some(Act::RefuseWith(kind, status)) => {
+                Err(StoreError::new(kind, op, "scripted").with_status(status, None))
+            }
             Some(Act::LoseAnswer) => {
                 let _ = effect.await;
                 Err(StoreError::timeout(op, Duration::from_secs(10)))
@@ -1337,4 +1342,109 @@ async fn a_sweeps_successful_run_hands_coalesced_triggers_on_as_a_fresh_chain() 
     let outcome = runs_ok.handle(&sweep, &CancellationToken::new()).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     assert!(ok.starts.lock().unwrap().iter().any(|s| *s > t2), "T2 was run");
+}
+
+/// Issue 16, item 2: a trigger whose correlation id is far longer than Start accepts (another
+/// tool put it) and whose logic keeps failing. Before the fix its poison entry held the body and
+/// the decoded trigger, three times over the queue's 64 KiB: the write was refused, the message
+/// kept for a retry, and every retry queued one more sweep — runs for ever, poison queue empty.
+/// Now it is given up once, with one entry and one sweep.
+#[tokio::test(start_paused = true)]
+async fn an_oversized_trigger_is_given_up_once_with_one_entry_and_one_sweep() {
+    let store = Scripted::new();
+    let runner = runner_on(
+        &store,
+        Arc::new(Failing(Duration::from_secs(1))),
+        RunnerOptions::default(),
+    );
+    let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
+    let mut trigger = TriggerMessage::parse("acct", "r").unwrap();
+    trigger.correlation_id = Some("c".repeat(30_000));
+    let wire = trigger.encode();
+    assert!(wire.len() > 40_000 && wire.len() < leasehold_runtime::MAX_MESSAGE_BYTES);
+    store.queue().put(&wire, Duration::ZERO).await.unwrap();
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        tokio::spawn(async move { consumer.run(shutdown).await })
+    };
+    // Five failed deliveries, the give-up, the sweep's own five and its give-up: well within
+    // ten minutes. Then nothing may be left running.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    shutdown.cancel();
+    task.await.unwrap();
+    let entries: Vec<PoisonMessage> = poison
+        .bodies()
+        .iter()
+        .map(|b| PoisonMessage::decode(b).unwrap())
+        .collect();
+    let chains: Vec<u32> = entries
+        .iter()
+        .map(|e| e.trigger.as_ref().unwrap().given_up)
+        .collect();
+    assert_eq!(chains, [0, 1], "the trigger, then its sweep's chain");
+    assert!(
+        entries.iter().all(|e| e.reason().contains("gave up")),
+        "{:?}",
+        entries[0].reason()
+    );
+    assert!(
+        store.queue().bodies().is_empty(),
+        "nothing left to run: {:?}",
+        messages(&store)
+    );
+}
+
+/// Issue 16, item 2: the poison entry is written before the sweep is queued, so a poison queue
+/// that cannot be written leaves no sweep behind — before the fix every failed attempt to give
+/// the trigger up queued one more sweep. An entry the queue refuses for what it is (413) is
+/// final: the give-up goes on, with the sweep, instead of being retried for ever.
+#[tokio::test(start_paused = true)]
+async fn a_poison_write_that_fails_leaves_no_sweep_and_a_refused_one_is_final() {
+    let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let poison_rules = Arc::new(Rules::default());
+    let poison_queue = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let poison = FaultyQueue::new(poison_queue.clone(), poison_rules.clone());
+    let trigger = TriggerMessage::parse("acct", "r").unwrap();
+    let error = Error::GaveUp {
+        deliveries: 5,
+        max: 5,
+        last: None,
+    };
+    let entry = PoisonMessage::new(trigger.encode(), Some(trigger.clone()), &error, 5);
+
+    // The poison queue is down through every retry: an error, and no sweep.
+    poison_rules
+        .always
+        .lock()
+        .unwrap()
+        .insert(Op::QueuePut, Act::Refuse(StoreErrorKind::Transient));
+    for _ in 0..3 {
+        let result = runner.give_up(&poison, &entry).await;
+        assert!(result.is_err(), "{result:?}");
+    }
+    assert!(messages(&store).is_empty(), "no sweep: {:?}", messages(&store));
+
+    // Refused as too large: final. The sweep is queued and the give-up succeeds.
+    poison_rules
+        .always
+        .lock()
+        .unwrap()
+        .insert(Op::QueuePut, Act::RefuseWith(StoreErrorKind::Rejected, 413));
+    runner.give_up(&poison, &entry).await.unwrap();
+    assert_eq!(
+        messages(&store)
+            .iter()
+            .map(|m| (m.kind, m.given_up))
+            .collect::<Vec<_>>(),
+        [(TriggerKind::Sweep, 1)]
+    );
+    assert!(poison_queue.bodies().is_empty());
+
+    // Reachable again: the entry is written, then the sweep.
+    poison_rules.always.lock().unwrap().clear();
+    runner.give_up(&poison, &entry).await.unwrap();
+    assert_eq!(poison_queue.bodies().len(), 1);
+    assert_eq!(messages(&store).len(), 2);
 }
