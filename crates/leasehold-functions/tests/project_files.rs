@@ -56,9 +56,20 @@ fn host_json_runs_the_custom_handler_with_consistent_queue_settings() {
         queues["messageEncoding"], "base64",
         "the trigger message wire format is base64"
     );
-    assert_eq!(
-        queues["maxDequeueCount"], 5,
-        "matches LEASEHOLD_MAX_DEQUEUE_COUNT's default"
+    // The handler counts deliveries and gives a trigger up itself, with its reason and a sweep
+    // (LEASEHOLD_MAX_DEQUEUE_COUNT, default 5). The host's own limit counts every failed
+    // invocation, those of a handler that was down too, and poisons with no reason and no sweep:
+    // it must never act first while the handler could. 100 invocations, `visibilityTimeout`
+    // apart, let a handler be down for over 8 minutes (a bad deploy) first.
+    let host_limit = queues["maxDequeueCount"].as_u64().unwrap();
+    let retry_secs: u64 = queues["visibilityTimeout"]
+        .as_str()
+        .unwrap()
+        .split(':')
+        .fold(0, |acc, part| acc * 60 + part.parse::<u64>().unwrap());
+    assert!(
+        host_limit >= 20 * 5 && host_limit * retry_secs >= 8 * 60,
+        "host.json maxDequeueCount {host_limit} (every {retry_secs} s) would poison before the handler's limit of 5 could act"
     );
     // An instance runs at most batchSize + newBatchThreshold deliveries at once. Each is a
     // record's logic (a process, minutes long) on an instance of 1–2 vCPUs (FC1 2 GB, EP1 1

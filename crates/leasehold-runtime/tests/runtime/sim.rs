@@ -109,6 +109,11 @@ pub struct Plan {
     pub bad_record: Option<(usize, Duration, Duration)>,
     /// Overrides the lease's safety margin (to show the simulation catches a short one).
     pub safety_margin: Option<Duration>,
+    /// The poison queue cannot be written from this instant for this long.
+    pub poison_outage: Option<(Duration, Duration)>,
+    /// Triggers (by index) put by another tool with a 30,000-character correlation id, far over
+    /// what Start accepts: their message is near the queue's 64 KiB limit.
+    pub oversized: Vec<usize>,
 }
 
 impl Plan {
@@ -190,6 +195,28 @@ impl Plan {
                 faults.push((at(&mut rng), fault));
             }
         }
+        // Drawn after everything above, so the plans of earlier versions stay what they were.
+        let (mut poison_outage, mut oversized) = (None, Vec::new());
+        if faulty {
+            if mode == Mode::FunctionsHost && rng.random_bool(0.1) {
+                // The handler crash-loops (a bad deploy): down for minutes while its host keeps
+                // taking messages and failing their invocations.
+                let fault = Fault::Crash {
+                    machine: rng.random_range(0..machines),
+                    restart_after: Duration::from_millis(rng.random_range(60_000..300_000)),
+                };
+                faults.push((Duration::from_millis(rng.random_range(0..100_000)), fault));
+            }
+            if rng.random_bool(0.1) {
+                let from = Duration::from_millis(rng.random_range(0..100_000));
+                let length = Duration::from_millis(rng.random_range(10_000..120_000));
+                poison_outage = Some((from, length));
+            }
+            if rng.random_bool(0.1) {
+                let n = triggers.len();
+                oversized = (0..n).filter(|_| rng.random_bool(0.3)).collect();
+            }
+        }
         faults.sort();
         Self {
             seed,
@@ -202,6 +229,8 @@ impl Plan {
             skew,
             bad_record,
             safety_margin: None,
+            poison_outage,
+            oversized,
         }
     }
 }
@@ -216,8 +245,32 @@ const VISIBILITY: Duration = Duration::from_secs(40);
 /// The Functions host: message visibility, `visibilityTimeout` after a failed invocation,
 /// `maxDequeueCount`, polling interval.
 const HOST_VISIBILITY: Duration = Duration::from_secs(600);
-const HOST_RETRY_VISIBILITY: Duration = Duration::from_secs(5);
-const HOST_MAX_DEQUEUE: u32 = 5;
+/// The handler's delay before a failed run's retry (the runner's `retry_delay`).
+const RETRY_DELAY: Duration = Duration::from_secs(5);
+
+/// The queue settings of the project's own `host.json`, which the emulated host obeys:
+/// `visibilityTimeout` (delay before a failed invocation's message is visible again) and
+/// `maxDequeueCount` (the host poisons a message, with no reason and no sweep, once that many
+/// invocations failed).
+struct HostQueueSettings {
+    retry_visibility: Duration,
+    max_dequeue: u32,
+}
+
+static HOST_JSON: std::sync::LazyLock<HostQueueSettings> = std::sync::LazyLock::new(|| {
+    let host: serde_json::Value =
+        serde_json::from_str(include_str!("../../../../host.json")).expect("host.json is JSON");
+    let queues = &host["extensions"]["queues"];
+    let visibility = queues["visibilityTimeout"].as_str().expect("visibilityTimeout");
+    let secs: Vec<u64> = visibility
+        .split(':')
+        .map(|p| p.parse().expect("hh:mm:ss"))
+        .collect();
+    HostQueueSettings {
+        retry_visibility: Duration::from_secs(secs[0] * 3600 + secs[1] * 60 + secs[2]),
+        max_dequeue: queues["maxDequeueCount"].as_u64().expect("maxDequeueCount") as u32,
+    }
+});
 const HOST_POLL: Duration = Duration::from_secs(2);
 const MAX_ATTEMPTS: u32 = 5;
 const RUN_TIMEOUT: Duration = Duration::from_secs(120);
@@ -253,6 +306,10 @@ pub struct FaultCounts {
     pub rechecks: u64,
     pub watchdog_retries: u64,
     pub aimed_crashes: u64,
+    pub crash_loops: u64,
+    pub oversized_triggers: u64,
+    pub poison_write_failures: u64,
+    pub host_poisoned: u64,
 }
 
 impl FaultCounts {
@@ -303,6 +360,22 @@ impl FaultCounts {
                 "crashes right after a chosen request took effect",
                 self.aimed_crashes,
             ),
+            (
+                "handlers down 60-300 s while their host delivers (crash loop)",
+                self.crash_loops,
+            ),
+            (
+                "triggers with a 30,000-character correlation id (near 64 KiB)",
+                self.oversized_triggers,
+            ),
+            (
+                "poison writes refused (outage, or an entry over 64 KiB)",
+                self.poison_write_failures,
+            ),
+            (
+                "messages the host poisoned itself (no reason, no sweep)",
+                self.host_poisoned,
+            ),
         ]
     }
 
@@ -333,6 +406,10 @@ impl FaultCounts {
             rechecks: v[17],
             watchdog_retries: v[18],
             aimed_crashes: v[19],
+            crash_loops: v[20],
+            oversized_triggers: v[21],
+            poison_write_failures: v[22],
+            host_poisoned: v[23],
         };
     }
 }
@@ -366,6 +443,8 @@ struct Journal {
     lost_gets: Vec<Instant>,
     /// Poison entries: correlation id, record, time, how often its chain was given up before.
     poisoned: Vec<(Option<String>, String, Instant, u32)>,
+    /// Messages the host poisoned itself: record, time.
+    host_poisoned: Vec<(String, Instant)>,
     violations: Vec<Violation>,
     counts: FaultCounts,
 }
@@ -391,6 +470,8 @@ pub struct World {
     current_worker: Mutex<HashMap<usize, u64>>,
     /// Aimed crashes that fired, for the fault loop to carry out.
     crash_now: tokio::sync::mpsc::UnboundedSender<Fault>,
+    /// The poison queue answers every write with a 503 in this window.
+    poison_outage: Option<(Instant, Instant)>,
 }
 
 impl World {
@@ -586,7 +667,8 @@ impl Interceptor for Node {
     }
 }
 
-/// Poison queue that records what lands in it.
+/// Poison queue that records what lands in it. Like a real queue it refuses an entry over 64 KiB
+/// (413), and during the plan's poison outage it answers every write with a 503.
 struct PoisonSink(Arc<World>, OpCounters);
 
 impl std::fmt::Debug for PoisonSink {
@@ -595,14 +677,33 @@ impl std::fmt::Debug for PoisonSink {
     }
 }
 
+/// The sim's correlation ids are `t<index>`; an oversized one continues after a `~`.
+fn trigger_name(correlation_id: Option<String>) -> Option<String> {
+    correlation_id.map(|c| c.split('~').next().unwrap_or_default().to_string())
+}
+
 impl PoisonSink {
+    /// An entry the handler wrote: the trigger and its reason.
     fn record(world: &World, trigger: Option<TriggerMessage>) {
         let mut j = world.journal.lock().unwrap();
         j.counts.poisoned += 1;
         let (corr, record, given_up) = trigger.map_or((None, String::new(), 0), |t| {
-            (t.correlation_id, t.record_id.to_string(), t.given_up)
+            (
+                trigger_name(t.correlation_id),
+                t.record_id.to_string(),
+                t.given_up,
+            )
         });
         j.poisoned.push((corr, record, Instant::now(), given_up));
+    }
+
+    /// A message the host poisoned itself (its `maxDequeueCount` invocations failed): no
+    /// reason and no sweep, so it excuses nothing — a trigger it carried counts as lost.
+    fn record_by_host(world: &World, message: TriggerMessage) {
+        let mut j = world.journal.lock().unwrap();
+        j.counts.host_poisoned += 1;
+        j.host_poisoned
+            .push((message.record_id.to_string(), Instant::now()));
     }
 }
 
@@ -612,8 +713,26 @@ impl TriggerQueue for PoisonSink {
         "sim-poison"
     }
     async fn put(&self, body: &str, _delay: Duration) -> StoreResult<Enqueued> {
+        let world = &self.0;
+        if world
+            .poison_outage
+            .is_some_and(|(from, to)| (from..to).contains(&Instant::now()))
+        {
+            world.count(|c| c.poison_write_failures += 1);
+            return Err(
+                StoreError::new(StoreErrorKind::Transient, Op::QueuePut, "poison queue outage")
+                    .with_status(503, None),
+            );
+        }
+        if body.len() > leasehold_runtime::MAX_MESSAGE_BYTES {
+            world.count(|c| c.poison_write_failures += 1);
+            return Err(
+                StoreError::new(StoreErrorKind::Rejected, Op::QueuePut, "entry over 64 KiB")
+                    .with_status(413, Some("RequestBodyTooLarge".into())),
+            );
+        }
         let entry = PoisonMessage::decode(body).expect("poison entries decode");
-        PoisonSink::record(&self.0, entry.trigger);
+        PoisonSink::record(world, entry.trigger);
         Ok(Enqueued {
             id: String::new(),
             pop_receipt: String::new(),
@@ -977,7 +1096,7 @@ impl Sim {
             run_timeout: RUN_TIMEOUT,
             stop_grace: STOP_GRACE,
             max_attempts: MAX_ATTEMPTS,
-            retry_delay: HOST_RETRY_VISIBILITY,
+            retry_delay: RETRY_DELAY,
             variant: self.variant,
             ..RunnerOptions::default()
         };
@@ -987,7 +1106,11 @@ impl Sim {
             machine,
         });
         let runner = RecordRunner::new(lock, markers, queue, logic, runner_options);
-        let poison: Arc<dyn TriggerQueue> = Arc::new(PoisonSink(self.world.clone(), self.counters.clone()));
+        // The poison queue is reached like any queue: delays, failures, partitions, late landings.
+        let poison: Arc<dyn TriggerQueue> = Arc::new(FaultyQueue::new(
+            Arc::new(PoisonSink(self.world.clone(), self.counters.clone())),
+            node.clone(),
+        ));
         let task = match self.plan.mode {
             Mode::Standalone => {
                 let options = ConsumerOptions {
@@ -1084,6 +1207,9 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         crash_armed: Mutex::default(),
         current_worker: Mutex::default(),
         crash_now,
+        poison_outage: plan
+            .poison_outage
+            .map(|(from, length)| (epoch + from, epoch + from + length)),
     });
     if plan.skew > 0.0 {
         world.count(|c| c.skewed_clock += 1);
@@ -1105,11 +1231,17 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     let injector = {
         let world = world.clone();
         let triggers = plan.triggers.clone();
+        let oversized = plan.oversized.clone();
         tokio::spawn(async move {
             for (i, (at, record)) in triggers.into_iter().enumerate() {
                 tokio::time::sleep_until(world.epoch + at).await;
                 let mut msg = TriggerMessage::parse("sim", &format!("r{record}")).unwrap();
                 msg.correlation_id = Some(format!("t{i}"));
+                if oversized.contains(&i) {
+                    // Put by another tool, not Start: a correlation id Start would refuse.
+                    msg.correlation_id = Some(format!("t{i}~{}", "x".repeat(30_000)));
+                    world.count(|c| c.oversized_triggers += 1);
+                }
                 world.queue.put(&msg.encode(), Duration::ZERO).await.unwrap();
                 world.journal.lock().unwrap().accepted.push((
                     format!("t{i}"),
@@ -1199,6 +1331,9 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
                     world.count(|c| c.host_deaths += 1);
                 } else {
                     world.count(|c| c.process_crashes += 1);
+                    if restart_after >= Duration::from_secs(60) {
+                        world.count(|c| c.crash_loops += 1);
+                    }
                 }
                 world
                     .journal
@@ -1352,8 +1487,8 @@ async fn host(world: Arc<World>, queue: Arc<dyn TriggerQueue>, slot: Slot, kille
                         world.at(Instant::now())
                     );
                 }
-                if m.dequeue_count > HOST_MAX_DEQUEUE {
-                    PoisonSink::record(&world, Some(message));
+                if m.dequeue_count > HOST_JSON.max_dequeue {
+                    PoisonSink::record_by_host(&world, message);
                     let _ = queue.delete(&m.id, &m.pop_receipt).await;
                     return;
                 }
@@ -1405,13 +1540,14 @@ async fn host(world: Arc<World>, queue: Arc<dyn TriggerQueue>, slot: Slot, kille
                 };
                 if acknowledged {
                     let _ = retry.run("host delete", || queue.delete(&m.id, &receipt)).await;
-                } else if m.dequeue_count >= HOST_MAX_DEQUEUE {
+                } else if m.dequeue_count >= HOST_JSON.max_dequeue {
                     // Like the real host: the last allowed invocation failed, so the message
                     // goes to the poison queue now, without the handler being asked.
-                    PoisonSink::record(&world, Some(delivery.message.clone()));
+                    PoisonSink::record_by_host(&world, delivery.message.clone());
                     let _ = retry.run("host poison", || queue.delete(&m.id, &receipt)).await;
                 } else {
-                    let visible = || queue.set_visibility(&m.id, &receipt, &m.body, HOST_RETRY_VISIBILITY);
+                    let visible =
+                        || queue.set_visibility(&m.id, &receipt, &m.body, HOST_JSON.retry_visibility);
                     let _ = retry.run("host retry", visible).await;
                 }
             });
