@@ -452,6 +452,10 @@ mod supervisor {
 /// POSTs `{"scope", "recordId", "fencingToken", "attempt"}` to a URL per record (the fencing
 /// token also as the `x-leasehold-fencing-token` header). Any 2xx is success. On cancellation the
 /// request is abandoned (the connection is closed).
+///
+/// Redirects are not followed: a 3xx is a failed run naming the status and the `Location`. A
+/// followed 301/302/303 would turn the POST into a body-less GET, whose 2xx would count as a
+/// completed run although the logic never saw the record.
 #[derive(Debug, Clone)]
 pub struct UrlLogic {
     url: reqwest::Url,
@@ -465,9 +469,14 @@ impl UrlLogic {
         if !matches!(url.scheme(), "http" | "https") {
             return Err(Error::UnsupportedScheme(url.scheme().to_string()));
         }
-        // The process's one HTTP client (its pool shared with storage); the time limit is per
-        // request.
-        let client = leasehold_storage::azure::http_client().clone();
+        // A client of its own, not storage's shared one: storage follows redirects (the
+        // default policy), the logic must not. Idle connections are closed as storage's are,
+        // before a server's usual 5 s keep-alive ends them; the time limit is per request.
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_idle_timeout(leasehold_storage::azure::POOL_IDLE_TIMEOUT)
+            .build()
+            .map_err(|e| Error::HttpClient(e.without_url()))?;
         Ok(Self { url, client, timeout })
     }
 }
@@ -504,6 +513,22 @@ impl Logic for UrlLogic {
         if status.is_success() {
             return Ok(());
         }
+        if status.is_redirection() {
+            let location = response
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .map(|l| match l.to_str().ok().and_then(|l| self.url.join(l).ok()) {
+                    Some(to) => shown(&to),
+                    None => "an unreadable Location".to_string(),
+                })
+                .unwrap_or_else(|| "no Location".to_string());
+            return Err(Error::Redirected {
+                target,
+                status,
+                location,
+            }
+            .into());
+        }
         let text = response.text().await.unwrap_or_default();
         Err(Error::Refused {
             target,
@@ -512,6 +537,18 @@ impl Logic for UrlLogic {
         }
         .into())
     }
+}
+
+/// A URL as errors show it: scheme, host, port and path; not its user info, query or fragment,
+/// which may hold a key.
+fn shown(url: &reqwest::Url) -> String {
+    let port = url.port().map(|p| format!(":{p}")).unwrap_or_default();
+    format!(
+        "{}://{}{port}{}",
+        url.scheme(),
+        url.host_str().unwrap_or(""),
+        url.path()
+    )
 }
 
 /// For local runs: logs the record and waits a few seconds (honouring cancellation).
