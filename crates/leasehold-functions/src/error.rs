@@ -46,6 +46,19 @@ pub enum Error {
         status: reqwest::StatusCode,
         body: String,
     },
+    /// The logic URL answered a redirect, which is not followed (a POST would become a GET).
+    /// `location` is where it pointed, without its query string.
+    #[error(
+        "logic URL {target} answered {status} (to {location}); redirects are not followed: configure the final URL"
+    )]
+    Redirected {
+        target: String,
+        status: reqwest::StatusCode,
+        location: String,
+    },
+    /// The HTTP client of the logic URL could not be built.
+    #[error("building the HTTP client of the logic URL: {0}")]
+    HttpClient(reqwest::Error),
     /// The demo logic was cancelled.
     #[error("demo logic cancelled")]
     DemoCancelled,

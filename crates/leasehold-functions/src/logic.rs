@@ -36,6 +36,117 @@ const STDERR_DRAIN: Duration = Duration::from_secs(1);
 #[cfg(unix)]
 const STDERR_TAIL: usize = 2048;
 
+/// The setting naming, comma-separated, the worker's environment variables a logic command gets
+/// beyond [`COMMAND_BASE_ENV`] (read by [`CommandEnv::from_worker`]).
+pub const LOGIC_ENV_SETTING: &str = "LEASEHOLD_LOGIC_ENV";
+
+/// The worker's environment variables every logic command gets (those that are set): what a
+/// script needs to find programs, use a home and temporary directory, and read and write text,
+/// and nothing that grants access to anything.
+pub const COMMAND_BASE_ENV: &[&str] = &[
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "TZ",
+    "TMPDIR",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+];
+
+/// The part of the worker's environment a logic command gets: [`COMMAND_BASE_ENV`] and the names
+/// the user allowed, with their values when it was made (start-up). Nothing else of the worker's
+/// environment reaches the command (or its supervisor): not the storage connection string, not
+/// Start's key, not the platform's identity endpoints and secrets.
+#[derive(Clone, Default)]
+pub struct CommandEnv {
+    vars: Vec<(OsString, OsString)>,
+}
+
+impl std::fmt::Debug for CommandEnv {
+    /// Names only: the values may be secrets the user chose to pass on.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.vars.iter().map(|(name, _)| name))
+            .finish()
+    }
+}
+
+impl CommandEnv {
+    /// From this process's environment, with the names [`LOGIC_ENV_SETTING`]
+    /// (`LEASEHOLD_LOGIC_ENV`) lists allowed (see [`from_vars`](Self::from_vars)).
+    pub fn from_worker() -> Self {
+        let allowed = std::env::var_os(LOGIC_ENV_SETTING).unwrap_or_default();
+        Self::from_vars(std::env::vars_os(), allowed.to_string_lossy().split([',', ';']))
+    }
+
+    /// From `worker` (a worker's environment): the [`COMMAND_BASE_ENV`] variables and those
+    /// named in `allowed` that are set. Logs a warning, naming the variable and never its value,
+    /// for an allowed name that looks like a secret (it is passed on: the user asked for it) and
+    /// for one that is not set.
+    pub fn from_vars<V, K, W, A, N>(worker: V, allowed: A) -> Self
+    where
+        V: IntoIterator<Item = (K, W)>,
+        K: Into<OsString>,
+        W: Into<OsString>,
+        A: IntoIterator<Item = N>,
+        N: AsRef<str>,
+    {
+        let worker: Vec<(OsString, OsString)> =
+            worker.into_iter().map(|(k, v)| (k.into(), v.into())).collect();
+        let mut names: Vec<String> = COMMAND_BASE_ENV.iter().map(|n| n.to_string()).collect();
+        for name in allowed {
+            let name = name.as_ref().trim();
+            if name.is_empty() || names.iter().any(|n| n == name) {
+                continue;
+            }
+            if !worker.iter().any(|(k, _)| k == name) {
+                tracing::warn!(
+                    variable = name,
+                    "{LOGIC_ENV_SETTING} names {name}, which is not set: the logic command will not get it"
+                );
+            } else if looks_secret(name) {
+                tracing::warn!(
+                    variable = name,
+                    "{LOGIC_ENV_SETTING} passes {name} on to the logic command; it looks like a secret"
+                );
+            }
+            names.push(name.to_string());
+        }
+        let vars = worker
+            .into_iter()
+            .filter(|(k, _)| names.iter().any(|n| k == n.as_str()))
+            .collect();
+        Self { vars }
+    }
+}
+
+/// Whether a variable's name suggests a credential (for the warning of [`CommandEnv::from_vars`]).
+fn looks_secret(name: &str) -> bool {
+    let name = name.to_ascii_uppercase();
+    name.starts_with("AZUREWEBJOBS")
+        || name.starts_with("APPSETTING_")
+        || [
+            "KEY",
+            "SECRET",
+            "PASSWORD",
+            "PASSWD",
+            "TOKEN",
+            "CREDENTIAL",
+            "CONNECTIONSTRING",
+            "CONNECTION_STRING",
+            "IDENTITY_HEADER",
+        ]
+        .iter()
+        .any(|word| name.contains(word))
+}
+
 /// The executable that supervises a logic command: `<program> <args…> --grace-ms <N> -- sh -c
 /// <command>` must behave as [`supervise`] (the `leasehold` binary's hidden `supervise`
 /// subcommand does).
@@ -69,6 +180,10 @@ impl Supervisor {
 /// `LEASEHOLD_FENCING_TOKEN` (empty when fencing is off) and `LEASEHOLD_ATTEMPT` in its
 /// environment. Exit 0 is success.
 ///
+/// The command does not inherit the worker's environment: it gets the run's variables and a
+/// [`CommandEnv`] (by default [`CommandEnv::from_worker`]: the base variables and those
+/// `LEASEHOLD_LOGIC_ENV` names), so the worker's secrets stay with the worker.
+///
 /// The command runs in a process group of its own under a supervising process (see
 /// [`Supervisor`] and [`supervise`]), so every process it starts is stopped with it:
 /// - on cancellation the whole group gets SIGTERM, then SIGKILL after the grace (5 s by default);
@@ -87,16 +202,26 @@ pub struct CommandLogic {
     command: String,
     supervisor: Supervisor,
     grace: Duration,
+    env: CommandEnv,
 }
 
 #[cfg(unix)]
 impl CommandLogic {
+    /// A command with [`CommandEnv::from_worker`] (read now: its warnings are start-up's).
     pub fn new(command: impl Into<String>, supervisor: Supervisor) -> Self {
         Self {
             command: command.into(),
             supervisor,
             grace: TERMINATE_GRACE,
+            env: CommandEnv::from_worker(),
         }
+    }
+
+    /// The worker variables the command gets besides the run's (instead of
+    /// [`CommandEnv::from_worker`]).
+    pub fn with_env(mut self, env: CommandEnv) -> Self {
+        self.env = env;
+        self
     }
 
     /// How long a cancelled command gets between SIGTERM and SIGKILL (default 5 s). Keep it
@@ -158,6 +283,9 @@ impl Logic for CommandLogic {
             .arg("sh")
             .arg("-c")
             .arg(&self.command)
+            // The supervisor passes its environment on to the command: both get only this.
+            .env_clear()
+            .envs(self.env.vars.iter().map(|(k, v)| (k, v)))
             .env("LEASEHOLD_SCOPE", ctx.scope.as_str())
             .env("LEASEHOLD_RECORD_ID", ctx.record_id.as_str())
             .env(
@@ -452,6 +580,10 @@ mod supervisor {
 /// POSTs `{"scope", "recordId", "fencingToken", "attempt"}` to a URL per record (the fencing
 /// token also as the `x-leasehold-fencing-token` header). Any 2xx is success. On cancellation the
 /// request is abandoned (the connection is closed).
+///
+/// Redirects are not followed: a 3xx is a failed run naming the status and the `Location`. A
+/// followed 301/302/303 would turn the POST into a body-less GET, whose 2xx would count as a
+/// completed run although the logic never saw the record.
 #[derive(Debug, Clone)]
 pub struct UrlLogic {
     url: reqwest::Url,
@@ -465,9 +597,14 @@ impl UrlLogic {
         if !matches!(url.scheme(), "http" | "https") {
             return Err(Error::UnsupportedScheme(url.scheme().to_string()));
         }
-        // The process's one HTTP client (its pool shared with storage); the time limit is per
-        // request.
-        let client = leasehold_storage::azure::http_client().clone();
+        // A client of its own, not storage's shared one: storage follows redirects (the
+        // default policy), the logic must not. Idle connections are closed as storage's are,
+        // before a server's usual 5 s keep-alive ends them; the time limit is per request.
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_idle_timeout(leasehold_storage::azure::POOL_IDLE_TIMEOUT)
+            .build()
+            .map_err(|e| Error::HttpClient(e.without_url()))?;
         Ok(Self { url, client, timeout })
     }
 }
@@ -504,6 +641,22 @@ impl Logic for UrlLogic {
         if status.is_success() {
             return Ok(());
         }
+        if status.is_redirection() {
+            let location = response
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .map(|l| match l.to_str().ok().and_then(|l| self.url.join(l).ok()) {
+                    Some(to) => shown(&to),
+                    None => "an unreadable Location".to_string(),
+                })
+                .unwrap_or_else(|| "no Location".to_string());
+            return Err(Error::Redirected {
+                target,
+                status,
+                location,
+            }
+            .into());
+        }
         let text = response.text().await.unwrap_or_default();
         Err(Error::Refused {
             target,
@@ -512,6 +665,18 @@ impl Logic for UrlLogic {
         }
         .into())
     }
+}
+
+/// A URL as errors show it: scheme, host, port and path; not its user info, query or fragment,
+/// which may hold a key.
+fn shown(url: &reqwest::Url) -> String {
+    let port = url.port().map(|p| format!(":{p}")).unwrap_or_default();
+    format!(
+        "{}://{}{port}{}",
+        url.scheme(),
+        url.host_str().unwrap_or(""),
+        url.path()
+    )
 }
 
 /// For local runs: logs the record and waits a few seconds (honouring cancellation).
@@ -530,5 +695,32 @@ impl Logic for DemoLogic {
             _ = ctx.cancel.cancelled() => Err(Error::DemoCancelled.into()),
             _ = tokio::time::sleep(self.duration) => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_command_env_holds_the_base_and_the_allowed_names_and_shows_no_value() {
+        let worker = [
+            ("PATH", "/usr/bin"),
+            ("AzureWebJobsStorage", "AccountKey=SECRET"),
+            ("LEASEHOLD_API_KEY", "SECRET"),
+            ("CRM_URL", "https://crm"),
+            ("CRM_CLIENT_SECRET", "allowed-SECRET"),
+        ];
+        let env = CommandEnv::from_vars(worker, [" CRM_URL", "CRM_CLIENT_SECRET ", "", "PATH"]);
+        let names: Vec<_> = env.vars.iter().map(|(k, _)| k.to_str().unwrap()).collect();
+        assert_eq!(names, ["PATH", "CRM_URL", "CRM_CLIENT_SECRET"]);
+        let shown = format!("{env:?}");
+        assert!(
+            shown.contains("CRM_CLIENT_SECRET") && !shown.contains("allowed-SECRET"),
+            "{shown}"
+        );
+
+        assert!(looks_secret("CRM_CLIENT_SECRET") && looks_secret("AzureWebJobsStorage__accountName"));
+        assert!(!looks_secret("CRM_URL") && !looks_secret("REPORT_DIR"));
     }
 }

@@ -92,3 +92,51 @@ async fn url_logic_posts_the_record_and_the_status_counts() {
 
     assert!(UrlLogic::new("ftp://x", Duration::from_secs(1)).is_err());
 }
+
+/// A 3xx is a failed run naming the status and where it pointed, and is not followed: a
+/// 301/302/303 followed would turn the POST into a GET, and the GET's 2xx would count as a run.
+#[tokio::test]
+async fn url_logic_does_not_follow_redirects() {
+    let target_hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let hits = target_hits.clone();
+    let app = Router::new()
+        .route(
+            "/moved",
+            post(|| async {
+                (
+                    StatusCode::FOUND,
+                    [(axum::http::header::LOCATION, "/elsewhere?sig=SECRET")],
+                    "",
+                )
+            }),
+        )
+        .route(
+            "/elsewhere",
+            axum::routing::any(move || {
+                let hits = hits.clone();
+                async move {
+                    hits.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    (StatusCode::OK, "done")
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let logic = UrlLogic::new(&format!("http://{addr}/moved"), Duration::from_secs(30)).unwrap();
+    let err = logic.run(ctx("42", Some(9))).await.unwrap_err().to_string();
+    assert!(
+        err.contains("302") && err.contains(&format!("http://{addr}/elsewhere")),
+        "the error names the status and the Location: {err}"
+    );
+    assert!(
+        !err.contains("SECRET"),
+        "the Location's query string leaked: {err}"
+    );
+    assert_eq!(
+        target_hits.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the redirect target was requested"
+    );
+}

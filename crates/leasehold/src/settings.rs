@@ -35,6 +35,8 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_QUEUE", Some("leasehold-triggers")),
     setting("LEASEHOLD_CONTAINER", Some("leasehold-locks")),
     setting("LEASEHOLD_LOGIC_COMMAND", None),
+    // Read where the command's environment is made (`CommandEnv::from_worker`).
+    setting("LEASEHOLD_LOGIC_ENV", None),
     setting("LEASEHOLD_LOGIC_URL", None),
     setting("LEASEHOLD_DEMO_SECONDS", None),
     setting("LEASEHOLD_API_KEY", None),

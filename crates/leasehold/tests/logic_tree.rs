@@ -452,3 +452,90 @@ async fn a_worker_shutting_down_leaves_no_process_of_its_logic_running() {
         serve.log()
     );
 }
+
+/// The logic command gets the run's variables, a small base (PATH…) and the worker variables
+/// `LEASEHOLD_LOGIC_ENV` names, nothing else of the worker's environment: not the storage
+/// connection string, not Start's key, not any other secret. A listed secret is passed on, with
+/// a warning at start-up naming it (never its value).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_gets_the_run_variables_and_the_allow_list_not_the_workers_secrets() {
+    let tree = Tree::new();
+    let out = tree.file("env.txt");
+    let api_key = "start-key-SECRET-1";
+    // Written in full before it appears: `eventually` never reads half of it.
+    let logic = format!("env > {0}.tmp && mv {0}.tmp {0}", out.display());
+    let serve = Serve::start(
+        &tree.dir,
+        &logic,
+        &[
+            ("LEASEHOLD_API_KEY", api_key),
+            ("WORKER_SECRET", "worker-SECRET-2"),
+            ("APPSETTING_AzureWebJobsStorage", "mirrored-SECRET-3"),
+            ("REPORT_DIR", "/srv/reports"),
+            ("PARTNER_API_TOKEN", "partner-token-4"),
+            (
+                "LEASEHOLD_LOGIC_ENV",
+                "REPORT_DIR, PARTNER_API_TOKEN,NOT_SET_ANYWHERE",
+            ),
+        ],
+    )
+    .await;
+    let r = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{}/api/start", serve.port))
+        .header("x-functions-key", api_key)
+        .json(&serde_json::json!({"scope": "account", "recordId": tree.record}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    let env = eventually(
+        Duration::from_secs(30),
+        "the command to write its environment",
+        || async { std::fs::read_to_string(&out).ok() },
+    )
+    .await;
+    let vars: std::collections::BTreeMap<&str, &str> =
+        env.lines().filter_map(|l| l.split_once('=')).collect();
+
+    let connection_string = Azurite::shared().connection_string();
+    let account_key = connection_string
+        .split(';')
+        .find_map(|p| p.strip_prefix("AccountKey="))
+        .unwrap();
+    for secret in [api_key, "worker-SECRET-2", "mirrored-SECRET-3", account_key] {
+        assert!(
+            !env.contains(secret),
+            "a worker secret reached the command:\n{env}"
+        );
+    }
+    for name in [
+        "AzureWebJobsStorage",
+        "LEASEHOLD_API_KEY",
+        "LEASEHOLD_LOGIC_COMMAND",
+        "LEASEHOLD_QUEUE",
+        "RUST_LOG",
+    ] {
+        assert!(!vars.contains_key(name), "{name} reached the command:\n{env}");
+    }
+    assert_eq!(vars.get("LEASEHOLD_SCOPE"), Some(&"account"));
+    assert_eq!(vars.get("LEASEHOLD_RECORD_ID"), Some(&tree.record.as_str()));
+    assert!(
+        vars.get("LEASEHOLD_FENCING_TOKEN")
+            .is_some_and(|t| t.parse::<u64>().is_ok()),
+        "{env}"
+    );
+    assert_eq!(vars.get("LEASEHOLD_ATTEMPT"), Some(&"1"));
+    assert_eq!(vars.get("PATH").copied(), std::env::var("PATH").ok().as_deref());
+    assert_eq!(vars.get("REPORT_DIR"), Some(&"/srv/reports"));
+    assert_eq!(vars.get("PARTNER_API_TOKEN"), Some(&"partner-token-4"));
+
+    let log = serve.log();
+    assert!(
+        log.contains("PARTNER_API_TOKEN") && !log.contains("partner-token-4"),
+        "a listed secret is named in a warning, its value never:\n{log}"
+    );
+    assert!(
+        log.contains("NOT_SET_ANYWHERE"),
+        "a listed name that is not set is reported:\n{log}"
+    );
+}
