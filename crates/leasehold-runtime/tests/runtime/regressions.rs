@@ -1448,3 +1448,39 @@ async fn a_poison_write_that_fails_leaves_no_sweep_and_a_refused_one_is_final() 
     assert_eq!(poison_queue.bodies().len(), 1);
     assert_eq!(messages(&store).len(), 2);
 }
+
+/// Issue 16 (the proof's gaps): a release that fails through all its retries. The lease stays
+/// until it expires, and a trigger that arrives meanwhile coalesces onto it — onto a holder
+/// that will never read the marker. So the run must not be acknowledged: its own message comes
+/// back once the lease has expired, runs, and its post-release check honours that trigger.
+#[tokio::test(start_paused = true)]
+async fn a_run_whose_release_failed_is_not_acknowledged_and_its_redelivery_honours_what_coalesced() {
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    store.then(Op::LeaseRelease, &[Act::Refuse(StoreErrorKind::Transient); 5]);
+    let first = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    assert!(
+        matches!(&first, Outcome::Failed { error, .. } if error.is_storage()),
+        "{first:?}"
+    );
+    assert!(!first.acknowledge(), "a run whose release failed must come back");
+    assert!(held(&store).await, "the lease stays until it expires");
+
+    // A trigger arrives while the lease is still active: it coalesces onto it.
+    let coalesced = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    assert_eq!(coalesced, Outcome::Coalesced);
+    let arrived = Instant::now();
+
+    // The unacknowledged message comes back after its visibility (40 s): the lease has expired.
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    let again = standalone(&runner, TriggerKind::Trigger, 2, 0).await;
+    assert!(
+        matches!(again, Outcome::Completed { retriggered: true, .. }),
+        "{again:?}"
+    );
+    let retrigger = take_only(&store, 1).await;
+    assert_eq!(retrigger.message.kind, TriggerKind::Retrigger);
+    let last = runner.handle(&retrigger, &CancellationToken::new()).await;
+    assert!(matches!(last, Outcome::Completed { .. }), "{last:?}");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 3);
+    assert!(logic.starts.lock().unwrap()[2] > arrived);
+}
