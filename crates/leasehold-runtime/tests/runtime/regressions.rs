@@ -1474,7 +1474,13 @@ async fn a_run_whose_release_failed_is_not_acknowledged_and_its_redelivery_honou
     tokio::time::sleep(Duration::from_secs(40)).await;
     let again = standalone(&runner, TriggerKind::Trigger, 2, 0).await;
     assert!(
-        matches!(again, Outcome::Completed { retriggered: true, .. }),
+        matches!(
+            again,
+            Outcome::Completed {
+                retriggered: true,
+                ..
+            }
+        ),
         "{again:?}"
     );
     let retrigger = take_only(&store, 1).await;

@@ -131,6 +131,9 @@ pub struct Plan {
     pub bad_record: Option<(usize, Duration, Duration)>,
     /// Overrides the lease's safety margin (to show the simulation catches a short one).
     pub safety_margin: Option<Duration>,
+    /// Share of the bad record's runs in its window that succeed anyway (0: none), so a sweep can
+    /// run to success between two failing chains.
+    pub bad_record_spares: f64,
     /// The poison queue cannot be written from this instant for this long.
     pub poison_outage: Option<(Duration, Duration)>,
     /// Triggers (by index) put by another tool with a 30,000-character correlation id, far over
@@ -218,7 +221,7 @@ impl Plan {
             }
         }
         // Drawn after everything above, so the plans of earlier versions stay what they were.
-        let (mut poison_outage, mut oversized) = (None, Vec::new());
+        let (mut poison_outage, mut oversized, mut bad_record_spares) = (None, Vec::new(), 0.0);
         if faulty {
             if mode == Mode::FunctionsHost && rng.random_bool(0.1) {
                 // The handler crash-loops (a bad deploy): down for minutes while its host keeps
@@ -245,6 +248,30 @@ impl Plan {
                 };
                 faults.push((Duration::from_millis(rng.random_range(0..100_000)), fault));
             }
+            if let Some((record, from, _)) = bad_record
+                && rng.random_bool(0.5)
+            {
+                // Flaky rather than broken, for longer: some runs succeed (a sweep can run to
+                // success between two failing chains), events keep coming, and queue puts fail
+                // for a while on each machine (a holder that consumed the marker cannot hand it
+                // on).
+                bad_record_spares = 0.3;
+                let to = from + Duration::from_millis(rng.random_range(120_000..240_000));
+                bad_record = Some((record, from, to));
+                let span = (to - from).as_millis() as u64;
+                for _ in 0..12 {
+                    triggers.push((from + Duration::from_millis(rng.random_range(0..span)), record));
+                }
+                triggers.sort();
+                for machine in 0..machines {
+                    let fault = Fault::FailOp {
+                        machine,
+                        op: Op::QueuePut,
+                        length: Duration::from_millis(rng.random_range(10_000..40_000)),
+                    };
+                    faults.push((from + Duration::from_millis(rng.random_range(0..span)), fault));
+                }
+            }
             if rng.random_bool(0.25) {
                 let fault = Fault::FailOp {
                     machine: rng.random_range(0..machines),
@@ -268,6 +295,7 @@ impl Plan {
             safety_margin: None,
             poison_outage,
             oversized,
+            bad_record_spares,
         }
     }
 }
@@ -537,6 +565,7 @@ pub struct World {
     /// Per machine: storage unreachable until this instant.
     partitioned_until: Mutex<HashMap<usize, Instant>>,
     bad_record: Option<(String, Instant, Instant)>,
+    bad_record_spares: f64,
     /// Per machine: the worker was stopped (its logic dies within the supervisor's second).
     dead_at: Mutex<HashMap<usize, Instant>>,
     /// Per machine: an aimed crash waiting for its request (see [`Fault::CrashAfter`]).
@@ -980,7 +1009,13 @@ impl Logic for SimLogic {
         let bad = world
             .bad_record
             .as_ref()
-            .is_some_and(|(r, from, to)| *r == ctx.record_id.as_str() && now >= *from && now < *to);
+            .is_some_and(|(r, from, to)| *r == ctx.record_id.as_str() && now >= *from && now < *to)
+            && (world.bad_record_spares == 0.0
+                || !world
+                    .logic_rng
+                    .lock()
+                    .unwrap()
+                    .random_bool(world.bad_record_spares));
         let index = {
             let mut j = world.journal.lock().unwrap();
             j.runs.push(RunRecord {
@@ -1377,6 +1412,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         epoch,
         logic_rng: Mutex::new(SmallRng::seed_from_u64(plan.seed.rotate_left(17))),
         partitioned_until: Mutex::default(),
+        bad_record_spares: plan.bad_record_spares,
         bad_record: plan
             .bad_record
             .map(|(r, from, to)| (format!("r{r}"), epoch + from, epoch + to)),
