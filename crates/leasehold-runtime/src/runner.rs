@@ -396,7 +396,7 @@ impl RecordRunner {
             Outcome::Rechecking { after } => {
                 // Leave the watchdog in place as the look again; this delivery did not fail.
                 let again = msg.follow_up(delivery.continuation_kind(), attempts - 1);
-                if let Err(e) = watchdog.rearm(&again, after).await {
+                if let Err(e) = self.rearm_or_put(&watchdog, &again, after).await {
                     tracing::warn!(error = %e, "could not reschedule the watchdog; it surfaces when its visibility lapses");
                 }
                 Outcome::Rechecking { after }
@@ -416,10 +416,8 @@ impl RecordRunner {
             Outcome::Failed { error, retriggered } => {
                 let retry = msg.follow_up(TriggerKind::Watchdog, attempts);
                 let after = self.options.retry_delay;
-                match watchdog.rearm(&retry, after).await {
+                match self.rearm_or_put(&watchdog, &retry, after).await {
                     Ok(()) => Outcome::Retrying { error, after },
-                    // Taken by someone already (it surfaced during the run): it carries the retry.
-                    Err(e) if e.kind() == StoreErrorKind::NotFound => Outcome::Retrying { error, after },
                     // The host retries its message (and the watchdog may surface too).
                     Err(_) => Outcome::Failed { error, retriggered },
                 }
@@ -492,6 +490,27 @@ impl RecordRunner {
         match self.give_up(poison, &entry).await {
             Ok(()) => Outcome::Poisoned { error },
             Err(e) => storage_failed("give the trigger up", e),
+        }
+    }
+
+    /// Turns the watchdog into `message`, visible after `after`. If the watchdog is gone — it
+    /// surfaced during this delivery (which outlived its visibility without a grant) and was
+    /// taken — its taker cannot stand for what this delivery may still leave behind: one of our
+    /// acquires that timed out may land after the taker looked, leaving a lease that nobody
+    /// renews and onto which a trigger may coalesce. So the message is put afresh. At worst one
+    /// run more; without it, a lost trigger.
+    async fn rearm_or_put(
+        &self,
+        watchdog: &Watchdog,
+        message: &TriggerMessage,
+        after: Duration,
+    ) -> Result<(), StoreError> {
+        match watchdog.rearm(message, after).await {
+            Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                tracing::debug!("the watchdog was taken during the delivery; its follow-up is put afresh");
+                self.enqueue(message, after).await
+            }
+            other => other,
         }
     }
 
@@ -657,11 +676,11 @@ impl RecordRunner {
         let started = Instant::now();
         let end = self.run_logic(ctx, guard.get(), &run_cancel, cancel).await;
         let run_time = started.elapsed();
-        if end.abandoned {
-            // The logic may still be running: releasing would let another holder start beside
-            // it. Let the lease lapse instead (dropping a `Held` abandons it); the message
-            // comes back after it has.
-            drop(guard);
+        if let Some(task) = end.still_running {
+            // The logic is still running: releasing would let another holder start beside it.
+            // Keep the lease renewed until the task has really ended, then release it; the
+            // message comes back meanwhile and finds the lease held.
+            keep_until_ended(guard, task);
             return Outcome::Failed {
                 error: end.result.expect_err("an abandoned run failed"),
                 retriggered: false,
@@ -724,34 +743,33 @@ impl RecordRunner {
         }
         let logic = self.logic.clone();
         // The logic's own events belong to the delivery too.
-        let mut task = AbortOnDrop(tokio::spawn(
+        let mut task = AbortOnDrop(Some(tokio::spawn(
             async move { logic.run(ctx).await }.instrument(tracing::Span::current()),
-        ));
+        )));
         // Biased: a lost lease or a cancellation wins over a result that is ready at the same
         // moment, so a result produced after the lease was lost is never acknowledged.
         let stopped = tokio::select! {
             biased;
             _ = lost.cancelled() => Error::LeaseLost,
             _ = outer.cancelled() => Error::Cancelled,
-            joined = &mut task.0 => return RunEnd { result: logic_result(joined), abandoned: false },
+            joined = task.handle() => return RunEnd { result: logic_result(joined), still_running: None },
             _ = tokio::time::sleep(self.options.run_timeout) => Error::TimedOut(self.options.run_timeout),
         };
         run_cancel.cancel();
-        if tokio::time::timeout(self.options.stop_grace, &mut task.0)
+        if tokio::time::timeout(self.options.stop_grace, task.handle())
             .await
             .is_ok()
         {
             return RunEnd::stopped(stopped);
         }
-        task.0.abort();
         tracing::error!(grace = ?self.options.stop_grace,
-            "logic did not stop within its grace period; abandoned, its lease left to lapse");
+            "logic did not stop within its grace period; abandoned: its lease is kept until it has ended");
         RunEnd {
             result: Err(Error::Abandoned {
                 stopped: Box::new(stopped),
                 grace: self.options.stop_grace,
             }),
-            abandoned: true,
+            still_running: Some(task.keep()),
         }
     }
 
@@ -862,17 +880,60 @@ enum MarkerFirst {
 /// How a run ended.
 struct RunEnd {
     result: Result<(), Error>,
-    /// The logic did not stop within its grace: it may still be running.
-    abandoned: bool,
+    /// The logic did not stop within its grace: its task, still running.
+    still_running: Option<JoinHandle<Result<(), LogicError>>>,
 }
 
 impl RunEnd {
     fn stopped(error: Error) -> Self {
         Self {
             result: Err(error),
-            abandoned: false,
+            still_running: None,
         }
     }
+}
+
+/// How often a lease kept for logic that will not stop says so.
+const STILL_RUNNING_EVERY: Duration = Duration::from_secs(60);
+
+/// Keeps an abandoned run's lease renewed until its logic's task has really ended, then
+/// releases it (or, if the lease was lost meanwhile, lets it go): so nothing else runs the record
+/// while the logic may still be acting on it.
+///
+/// The task is not aborted. Aborting drops the logic's future at its next `.await`, but work it
+/// awaits elsewhere — a `spawn_blocking` closure, a spawned task, a thread — goes on after that
+/// and nobody can observe it; awaited, it keeps the future alive, so the task ends only when
+/// that work has. Logic that never ends keeps its record held for as long as the process lives
+/// (said once a minute): exclusivity is the promise; a stuck record is visible, and a restart
+/// frees it once the lease lapses, the stuck logic gone with the process.
+fn keep_until_ended(guard: Held, mut task: JoinHandle<Result<(), LogicError>>) {
+    let span = tracing::Span::current();
+    let mut guard = guard;
+    let guard = guard.0.take().expect("held until released or abandoned");
+    tokio::spawn(
+        async move {
+            let since = Instant::now();
+            loop {
+                tokio::select! {
+                    _ = &mut task => break,
+                    _ = tokio::time::sleep(STILL_RUNNING_EVERY) => tracing::error!(
+                        running_for_s = since.elapsed().as_secs(),
+                        lease_kept = !guard.lost().is_cancelled(),
+                        "abandoned logic is still running; its lease is kept renewed so nothing runs beside it"
+                    ),
+                }
+            }
+            if guard.lost().is_cancelled() {
+                guard.abandon();
+                tracing::warn!("abandoned logic has ended; its lease was lost meanwhile");
+            } else if let Err(e) = guard.release().await {
+                tracing::warn!(error = %e, "abandoned logic has ended; releasing its lease failed, it lapses");
+            } else {
+                tracing::info!("abandoned logic has ended; its lease is released");
+            }
+        }
+        .instrument(span),
+    );
 }
 
 /// The lease of a delivery in progress. If the delivery is dropped before it decides (its
@@ -902,12 +963,26 @@ impl Drop for Held {
     }
 }
 
-/// Aborts the logic's task if the run is dropped (its handler went away).
-struct AbortOnDrop(JoinHandle<Result<(), LogicError>>);
+/// Aborts the logic's task if the run is dropped (its handler went away), unless it was handed
+/// on with [`keep`](Self::keep).
+struct AbortOnDrop(Option<JoinHandle<Result<(), LogicError>>>);
+
+impl AbortOnDrop {
+    fn handle(&mut self) -> &mut JoinHandle<Result<(), LogicError>> {
+        self.0.as_mut().expect("kept only once")
+    }
+
+    /// The task, no longer aborted on drop.
+    fn keep(mut self) -> JoinHandle<Result<(), LogicError>> {
+        self.0.take().expect("kept only once")
+    }
+}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        self.0.abort();
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
     }
 }
 

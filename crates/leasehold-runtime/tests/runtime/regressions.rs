@@ -33,6 +33,8 @@ enum Act {
     RefuseWith(StoreErrorKind, u16),
     /// Do it, then lose the answer (the caller sees a time-out).
     LoseAnswer,
+    /// Wait this long, do it, then lose the answer (a request that timed out and landed).
+    SlowLoseAnswer(Duration),
     /// Do it at once, but answer only after this long.
     SlowAnswer(Duration),
 }
@@ -74,6 +76,11 @@ impl Interceptor for Rules {
                 Err(StoreError::new(kind, op, "scripted").with_status(status, None))
             }
             Some(Act::LoseAnswer) => {
+                let _ = effect.await;
+                Err(StoreError::timeout(op, Duration::from_secs(10)))
+            }
+            Some(Act::SlowLoseAnswer(d)) => {
+                tokio::time::sleep(d).await;
                 let _ = effect.await;
                 Err(StoreError::timeout(op, Duration::from_secs(10)))
             }
@@ -577,12 +584,40 @@ async fn a_panicking_logic_fails_its_run_and_nothing_unwinds() {
     assert_eq!(store.queue().bodies().len(), 1, "handed back for a retry");
 }
 
-/// Logic that does not stop within its grace is abandoned, and its lease is left to lapse rather
-/// than released: releasing would let the next holder start beside it.
+/// Logic that does not stop within its grace is abandoned, and its lease is kept renewed until
+/// the logic has really ended, then released: releasing (or letting it lapse) while it runs would
+/// let the next holder start beside it. Here the logic's work runs in a task of its own that it
+/// awaits, as `spawn_blocking` work would: aborting the logic's future would not stop that work.
+/// Before the fix the lease lapsed 30 s after the abandonment and a redelivery ran the record
+/// while the first run's work still went on (issue 16, the protocol's own notes).
 #[tokio::test(start_paused = true)]
-async fn logic_that_will_not_stop_keeps_its_lease_until_it_lapses() {
+async fn logic_that_will_not_stop_keeps_its_lease_until_it_has_ended() {
+    struct Detached {
+        ended: Arc<Mutex<Option<Instant>>>,
+        runs: AtomicUsize,
+    }
+    #[async_trait]
+    impl Logic for Detached {
+        async fn run(&self, _ctx: RunContext) -> Result<(), LogicError> {
+            if self.runs.fetch_add(1, Ordering::SeqCst) > 0 {
+                return Ok(());
+            }
+            let ended = self.ended.clone();
+            // Ignores cancellation; dropping this future would not stop the work.
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(200)).await;
+                *ended.lock().unwrap() = Some(Instant::now());
+            })
+            .await
+            .unwrap();
+            Ok(())
+        }
+    }
     let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1000), End::Stubborn);
+    let logic = Arc::new(Detached {
+        ended: Arc::default(),
+        runs: 0.into(),
+    });
     let options = RunnerOptions {
         run_timeout: Duration::from_secs(60),
         ..RunnerOptions::default()
@@ -599,9 +634,20 @@ async fn logic_that_will_not_stop_keeps_its_lease_until_it_lapses() {
         ),
         "{outcome:?}"
     );
-    assert!(held(&store).await, "the lease stays until it lapses");
-    tokio::time::sleep(Duration::from_secs(31)).await;
-    assert!(!held(&store).await, "then it lapses");
+    assert!(!outcome.acknowledge());
+    // Well past the lease's 30 s, the work still runs: the lease is kept, the redelivery waits.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(held(&store).await, "kept renewed while the logic runs");
+    let again = standalone(&runner, TriggerKind::Trigger, 2, 0).await;
+    assert!(matches!(again, Outcome::Rechecking { .. }), "{again:?}");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+    // Once the work has ended the lease is released, and the record runs again.
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    let ended = logic.ended.lock().unwrap().expect("the work ended");
+    assert!(!held(&store).await, "released once the logic ended");
+    let last = standalone(&runner, TriggerKind::Recheck, 1, 1).await;
+    assert!(matches!(last, Outcome::Completed { .. }), "{last:?}");
+    assert!(Instant::now() >= ended);
 }
 
 /// The lease's safety margin leaves room for the stop grace: logic told of a lost lease is gone
@@ -1489,4 +1535,56 @@ async fn a_run_whose_release_failed_is_not_acknowledged_and_its_redelivery_honou
     assert!(matches!(last, Outcome::Completed { .. }), "{last:?}");
     assert_eq!(logic.runs.load(Ordering::SeqCst), 3);
     assert!(logic.starts.lock().unwrap()[2] > arrived);
+}
+
+/// Found by the simulation (seed 2771, once it aimed lost answers at single steps): a watched
+/// delivery whose acquires all time out — and land — outlives its watchdog, which surfaces and is
+/// taken (its taker looks, then ends). The delivery's lease, left by an acquire that landed, is
+/// renewed by nobody; a trigger that comes then coalesces onto it. Before the fix the delivery
+/// found its watchdog gone and trusted the taker to carry its retry, though the taker had looked
+/// before that lease existed: nothing ran the record again. Now the retry is put afresh.
+#[tokio::test(start_paused = true)]
+async fn a_delivery_that_outlived_its_watchdog_puts_its_retry_afresh() {
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let first = standalone(&runner, TriggerKind::Trigger, 1, 0).await; // the lock blob exists
+    assert!(matches!(first, Outcome::Completed { .. }), "{first:?}");
+    // Five acquires, each answered after 10 s with a time-out, each having landed.
+    store.then(
+        Op::LeaseAcquire,
+        &[Act::SlowLoseAnswer(Duration::from_secs(10)); 5],
+    );
+    let delivery = tokio::spawn({
+        let runner = runner.clone();
+        async move {
+            let d = delivery(TriggerKind::Trigger, 1, 0);
+            runner
+                .handle_watched(&d, &poison, &CancellationToken::new())
+                .await
+        }
+    });
+    // The watchdog surfaces 45 s after it was put, and another host takes it (and ends).
+    tokio::time::sleep(Duration::from_secs(46)).await;
+    let watchdog = take_only(&store, 1).await;
+    assert_eq!(watchdog.message.kind, TriggerKind::Watchdog);
+    let outcome = delivery.await.unwrap();
+    assert!(
+        matches!(&outcome, Outcome::Retrying { error, .. } if error.is_storage()),
+        "{outcome:?}"
+    );
+    assert!(
+        held(&store).await,
+        "an acquire that landed holds the lease; nobody renews it"
+    );
+    // A trigger now relies on that lease.
+    let t = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    assert_eq!(t, Outcome::Coalesced);
+    let arrived = Instant::now();
+    // The delivery's retry is on the queue: once the lease lapsed it runs, covering the trigger.
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    let retry = take_only(&store, 1).await;
+    assert_eq!(retry.message.kind, TriggerKind::Watchdog);
+    let ran = runner.handle(&retry, &CancellationToken::new()).await;
+    assert!(matches!(ran, Outcome::Completed { .. }), "{ran:?}");
+    assert!(logic.starts.lock().unwrap().iter().any(|s| *s > arrived));
 }

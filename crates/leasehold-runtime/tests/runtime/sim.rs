@@ -375,6 +375,7 @@ pub struct FaultCounts {
     pub oversized_triggers: u64,
     pub poison_write_failures: u64,
     pub host_poisoned: u64,
+    pub detached_logic: u64,
     /// Per retried step ([`RETRIED_STEPS`]): aimed lost answers that fired.
     pub lost_answers: [u64; 6],
     /// Per retried step: requests failed by an outage of that step.
@@ -452,6 +453,10 @@ impl FaultCounts {
                 "messages the host poisoned itself (no reason, no sweep)",
                 self.host_poisoned,
             ),
+            (
+                "in-process logic whose work ignores cancellation and outlives its future",
+                self.detached_logic,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -505,6 +510,7 @@ impl FaultCounts {
             oversized_triggers: v[21],
             poison_write_failures: v[22],
             host_poisoned: v[23],
+            detached_logic: v[24],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
         };
@@ -519,6 +525,12 @@ struct RunRecord {
     start: Instant,
     end: Option<Instant>,
     completed: bool,
+    /// When the runner told the logic to stop (its cancellation fired), if it did.
+    told: Option<Instant>,
+    /// How long this logic takes to stop once told (0: at once).
+    slow_stop: Duration,
+    /// In-process logic whose work ignores cancellation and outlives its future.
+    detached: bool,
 }
 
 #[derive(Debug, Default)]
@@ -987,12 +999,82 @@ impl Drop for ActiveRun {
     }
 }
 
+impl SimLogic {
+    /// The run's work goes on in a task of its own until `duration` has passed or its worker
+    /// died; the logic awaits it and ignores cancellation (noting when it was told). The run
+    /// ends when the work does, whatever happens to this future.
+    async fn run_detached(
+        &self,
+        ctx: &RunContext,
+        index: usize,
+        duration: Duration,
+        mut run: ActiveRun,
+    ) -> Result<(), LogicError> {
+        let world = self.world.clone();
+        world.count(|c| c.detached_logic += 1);
+        // The work, not this future, ends the run.
+        run.done = true;
+        run.returned = true;
+        std::mem::forget(run);
+        let killed = self.killed.clone();
+        let machine = self.machine;
+        let work = tokio::spawn({
+            let world = world.clone();
+            async move {
+                let completed = tokio::select! {
+                    biased;
+                    _ = killed.cancelled() => false,
+                    _ = tokio::time::sleep(duration) => true,
+                };
+                let mut j = world.journal.lock().unwrap();
+                let end = if completed {
+                    Instant::now()
+                } else {
+                    // In-process: it dies with its worker.
+                    world
+                        .dead_at
+                        .lock()
+                        .unwrap()
+                        .get(&machine)
+                        .copied()
+                        .unwrap_or_else(Instant::now)
+                };
+                let r = &mut j.runs[index];
+                if r.end.is_none() {
+                    r.end = Some(end);
+                    r.completed = completed && r.told.is_none();
+                }
+            }
+        });
+        let mut work = std::pin::pin!(work);
+        tokio::select! {
+            _ = &mut work => {}
+            _ = ctx.cancel.cancelled() => {
+                {
+                    let mut j = world.journal.lock().unwrap();
+                    let r = &mut j.runs[index];
+                    r.told = Some(Instant::now());
+                    // Stops when its work is done: a stop that takes the rest of the work.
+                    r.slow_stop = (r.start + duration).saturating_duration_since(Instant::now());
+                }
+                let _ = (&mut work).await;
+            }
+        }
+        let told = world.journal.lock().unwrap().runs[index].told.is_some();
+        if told {
+            Err(LogicError::new("cancelled"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
 #[async_trait]
 impl Logic for SimLogic {
     async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
         let world = &self.world;
         let faults = world.faults.load(Ordering::SeqCst);
-        let (duration, fails, panics, slow_stop) = {
+        let (duration, fails, panics, slow_stop, detached) = {
             let mut rng = world.logic_rng.lock().unwrap();
             let d = match rng.random_range(0..100) {
                 0..2 if faults => rng.random_range(125_000..160_000),
@@ -1003,7 +1085,16 @@ impl Logic for SimLogic {
             let panics = faults && rng.random_bool(0.01);
             let slow = faults && rng.random_bool(0.1);
             let slow_stop = slow.then(|| Duration::from_millis(rng.random_range(0..9_000)));
-            (Duration::from_millis(d), fails, panics, slow_stop)
+            // In-process logic whose work runs elsewhere (a spawned task, `spawn_blocking`) and
+            // ignores cancellation: dropping its future would not stop the work.
+            let detached = slow && rng.random_bool(0.2);
+            // Half of them run past their time limit: told to stop with their lease intact.
+            let d = if detached && rng.random_bool(0.5) {
+                rng.random_range(125_000..160_000)
+            } else {
+                d
+            };
+            (Duration::from_millis(d), fails, panics, slow_stop, detached)
         };
         let now = Instant::now();
         let bad = world
@@ -1025,6 +1116,9 @@ impl Logic for SimLogic {
                 start: now,
                 end: None,
                 completed: false,
+                told: None,
+                slow_stop: slow_stop.unwrap_or_default(),
+                detached,
             });
             j.runs.len() - 1
         };
@@ -1036,6 +1130,9 @@ impl Logic for SimLogic {
         };
         if duration > RUN_TIMEOUT {
             world.count(|c| c.time_limits += 1);
+        }
+        if detached {
+            return self.run_detached(&ctx, index, duration, run).await;
         }
         tokio::select! {
             biased;
@@ -1051,6 +1148,7 @@ impl Logic for SimLogic {
                 std::future::pending().await
             }
             _ = ctx.cancel.cancelled() => {
+                world.journal.lock().unwrap().runs[index].told = Some(Instant::now());
                 if let Some(stop) = slow_stop {
                     world.count(|c| c.slow_stops += 1);
                     tokio::time::sleep(stop).await;
@@ -1190,11 +1288,17 @@ pub const SEED_REAL_TIME_LIMIT: Duration = Duration::from_secs(5);
 /// within `limit` of real time. A stuck seed's thread is left behind (it cannot be stopped
 /// from outside); the test that ran it fails, and the process ends with the test run.
 pub fn run_seed_bounded(seed: u64, variant: ProtocolVariant, limit: Duration) -> Report {
+    run_plan_bounded(Plan::from_seed(seed), variant, limit)
+}
+
+/// [`run_plan`] within `limit` of real time, as [`run_seed_bounded`].
+pub fn run_plan_bounded(plan: Plan, variant: ProtocolVariant, limit: Duration) -> Report {
+    let seed = plan.seed;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name(format!("sim-seed-{seed}"))
         .spawn(move || {
-            let _ = tx.send(run_seed(seed, variant));
+            let _ = tx.send(run_plan(plan, variant));
         })
         .expect("spawn a simulation thread");
     match rx.recv_timeout(limit) {
@@ -1833,9 +1937,21 @@ fn check(plan: &Plan, world: &World) -> Report {
 
     // (1) Exclusive: runs of a record never overlap (a dead worker's logic counts until its
     // supervisor killed it); fencing tokens rise in run order.
+    // The one exception, documented: in-process logic that ignores cancellation keeps running
+    // after its lease was lost (its holder cut off from storage, a renewal with no answer, an
+    // operator's break) — it was told before its time limit — and nothing can stop it: the
+    // runner keeps the lease only while it can renew it. Told at its time limit, its lease was
+    // intact and must be kept until it has ended.
+    let lease_lost_under = |r: &RunRecord, _end: Instant| {
+        r.told
+            .is_some_and(|told| told + Duration::from_millis(50) < r.start + RUN_TIMEOUT)
+    };
     for (record, runs) in &by_record {
         for w in runs.windows(2) {
             let end = w[0].end.unwrap_or(Instant::now());
+            if end > w[1].start && w[0].detached && lease_lost_under(w[0], end) {
+                continue;
+            }
             if end > w[1].start {
                 violations.push(Violation::Overlap(format!(
                     "{record}: run from t={:.3}s (machine {}) still running at t={:.3}s when another started (machine {})",
@@ -2005,16 +2121,26 @@ fn check(plan: &Plan, world: &World) -> Report {
         }
     }
 
-    // (5) Bounded run time: no run outlives its time limit plus its stop grace; a run under a
-    // broken lease is stopped within a renewal interval plus its grace and is not acknowledged.
+    // (5) Bounded run time: a run is told to stop at its time limit, and ends within its stop
+    // grace of being told — or, logic slow to stop, when it has stopped (the runner keeps its
+    // lease until then, so nothing runs beside it: invariant 1 holds that); a run under a broken
+    // lease is told within a renewal interval, ends likewise, and is not acknowledged.
+    let stops_by = |r: &RunRecord, told: Instant| told + STOP_GRACE.max(r.slow_stop) + Duration::from_secs(1);
     for r in &j.runs {
         let Some(end) = r.end else { continue };
-        if end - r.start > RUN_TIMEOUT + STOP_GRACE + Duration::from_secs(1) {
+        if end - r.start <= RUN_TIMEOUT + STOP_GRACE + Duration::from_secs(1) {
+            continue;
+        }
+        let in_time = r.told.is_some_and(|told| {
+            told <= r.start + RUN_TIMEOUT + Duration::from_secs(1) && end <= stops_by(r, told)
+        });
+        if !in_time {
             violations.push(Violation::RunTime(format!(
-                "{}: run from t={:.3}s lasted {:.3}s",
+                "{}: run from t={:.3}s lasted {:.3}s (told to stop at {:?})",
                 r.record,
                 at(r.start),
-                (end - r.start).as_secs_f64()
+                (end - r.start).as_secs_f64(),
+                r.told.map(at)
             )));
         }
     }
@@ -2031,8 +2157,11 @@ fn check(plan: &Plan, world: &World) -> Report {
             if end <= *t {
                 continue;
             }
-            let stopped_by = *t + RENEW_EVERY + STOP_GRACE + Duration::from_secs(2);
-            if end > stopped_by || (r.completed && end > *t + RENEW_EVERY + Duration::from_secs(1)) {
+            let told_by = *t + RENEW_EVERY + Duration::from_secs(2);
+            let stopped_in_time = end <= told_by + STOP_GRACE
+                || r.told
+                    .is_some_and(|told| told <= told_by && end <= stops_by(r, told));
+            if !stopped_in_time || (r.completed && end > *t + RENEW_EVERY + Duration::from_secs(1)) {
                 violations.push(Violation::RunTime(format!(
                     "{record}: lease broken at t={:.3}s, run from t={:.3}s ended at t={:.3}s (completed: {})",
                     at(*t),
