@@ -71,7 +71,11 @@ impl InProcess {
     async fn stop(self) -> Duration {
         let from = Instant::now();
         self.stop.cancel();
-        self.task.await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("the application did not stop within 30 s")
+            .unwrap()
+            .unwrap();
         from.elapsed()
     }
 }
