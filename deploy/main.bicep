@@ -241,9 +241,15 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         { name: 'LEASEHOLD_FENCING', value: fencing }
         { name: 'LEASEHOLD_RUN_TIMEOUT_SECONDS', value: runTimeoutSeconds }
         { name: 'LEASEHOLD_LOG_FORMAT', value: 'json' }
+        // The handler's HTTP limits (its only client is the host, on loopback): the defaults.
+        { name: 'LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS', value: '' }
+        { name: 'LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS', value: '' }
+        { name: 'LEASEHOLD_HTTP_SHUTDOWN_SECONDS', value: '' }
+        { name: 'LEASEHOLD_HTTP_MAX_CONNECTIONS', value: '' }
         // Standalone-only settings: unused under the Functions host (the host polls the queue and
         // checks function keys), set empty so every environment states every setting.
         { name: 'LEASEHOLD_API_KEY', value: '' }
+        { name: 'LEASEHOLD_INSECURE_NO_START_KEY', value: '' }
         { name: 'LEASEHOLD_PORT', value: '' }
         { name: 'LEASEHOLD_BIND', value: '' }
         { name: 'LEASEHOLD_CONCURRENCY', value: '' }

@@ -11,7 +11,9 @@ use uuid::Uuid;
 
 use leasehold_runtime::{InvalidName, RecordId, Scope, TriggerMessage};
 
-use crate::start::{Decision, IgnoreReason, Rejection, StartPolicy, org_allowed};
+use crate::start::{
+    Decision, DepthProblem, IgnoreReason, Rejection, StartPolicy, correlation_id, org_allowed,
+};
 
 /// Why a Dataverse context names no record.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -76,10 +78,25 @@ pub(crate) fn record_of(context: &Value) -> Result<(Scope, RecordId), NoRecord> 
     Ok((scope, id))
 }
 
+/// The context's `Depth`: `None` when absent, refused when it is not a whole number (a number,
+/// or a string of digits).
+fn depth_of(context: &Value) -> Result<Option<u64>, Rejection> {
+    let unreadable = || Rejection::UnreadableDepth(DepthProblem::NotAWholeNumber);
+    match context.get("Depth") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n.as_u64().map(Some).ok_or_else(unreadable),
+        Some(Value::String(s)) => s.trim().parse().map(Some).map_err(|_| unreadable()),
+        Some(_) => Err(unreadable()),
+    }
+}
+
+/// Decides on a Dataverse context; `header_correlation_id` (already checked) is used when the
+/// context carries no `CorrelationId`.
 pub(crate) fn decide(
     policy: &StartPolicy,
     org_header: Option<&str>,
     context: &Value,
+    header_correlation_id: Option<String>,
 ) -> Result<Decision, Rejection> {
     if !policy.allowed_organizations.is_empty() {
         let names: Vec<&str> = ["OrganizationId", "OrganizationName"]
@@ -93,6 +110,8 @@ pub(crate) fn decide(
         }
     }
     let (scope, record_id) = record_of(context)?;
+    let depth = depth_of(context)?;
+    let correlation_id = correlation_id("CorrelationId", context.get("CorrelationId"))?;
     if let Some(user) = guid_of(context.get("InitiatingUserId"))
         && policy.integration_user_ids.contains(&user)
     {
@@ -102,19 +121,18 @@ pub(crate) fn decide(
             reason: IgnoreReason::IntegrationUser(user),
         });
     }
-    if let (Some(max), Some(depth)) = (policy.max_depth, context.get("Depth").and_then(Value::as_u64))
-        && depth > max
-    {
-        return Ok(Decision::Ignore {
-            scope,
-            record_id,
-            reason: IgnoreReason::TooDeep { depth, max },
-        });
+    if let Some(max) = policy.max_depth {
+        // Loop protection is on: an event that does not say how deep it is is not let through.
+        let depth = depth.ok_or(Rejection::UnreadableDepth(DepthProblem::Missing))?;
+        if depth > max {
+            return Ok(Decision::Ignore {
+                scope,
+                record_id,
+                reason: IgnoreReason::TooDeep { depth, max },
+            });
+        }
     }
     let mut message = TriggerMessage::new(scope, record_id);
-    message.correlation_id = context
-        .get("CorrelationId")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    message.correlation_id = correlation_id.or(header_correlation_id);
     Ok(Decision::Enqueue(message))
 }

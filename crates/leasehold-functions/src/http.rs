@@ -9,6 +9,7 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::StatusCode;
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use leasehold_lock::RetryOptions;
@@ -18,7 +19,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::handler::{self, START_FUNCTION, WORKER_FUNCTION};
-use crate::start::{Decision, MAX_BODY_BYTES, StartPolicy, StartRequest, decide};
+use crate::start::{Decision, MAX_BODY_BYTES, Rejection, StartPolicy, StartRequest, check_head, decide};
 
 /// Largest custom-handler invocation accepted (a Start body plus the host's envelope).
 const MAX_INVOCATION_BYTES: usize = 2 * MAX_BODY_BYTES + 64 * 1024;
@@ -36,6 +37,9 @@ pub struct App {
     pub wake: Option<Arc<Notify>>,
     /// Fires on shutdown: in-flight Worker invocations are cancelled and answered as failures.
     pub shutdown: CancellationToken,
+    /// How long a request body may take to arrive, all of it (`LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS`):
+    /// a client sending slowly is answered 408 and its connection closed.
+    pub body_timeout: Duration,
 }
 
 /// `POST /api/start` and `GET /healthz` for `leasehold serve`.
@@ -55,7 +59,7 @@ pub fn handler_router(app: App) -> Router {
     Router::new()
         .route("/", get(|| async { "leasehold custom handler ready" }))
         .route("/{function}", post(invoke))
-        .layer(DefaultBodyLimit::max(MAX_INVOCATION_BYTES))
+        .layer(DefaultBodyLimit::disable())
         .with_state(Arc::new(app))
 }
 
@@ -66,27 +70,68 @@ fn json_response(status: u16, body: Value) -> Response {
 
 async fn standalone_start(State(app): State<Arc<App>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    // Read one byte past the limit, so an oversize body gets Start's own 413 with a JSON reason.
-    let bytes = match axum::body::to_bytes(Body::new(body), MAX_BODY_BYTES + 1).await {
+    let mut request = start_request(&parts);
+    // Method, key, content type and declared length first: a client without the key is answered
+    // without a byte of its body being read.
+    if let Err(rejection) = check_head(&app.policy, &request) {
+        return refuse(rejection);
+    }
+    let bytes = match read_body(body, MAX_BODY_BYTES, app.body_timeout).await {
         Ok(b) => b,
-        Err(_) => Bytes::from(vec![b' '; MAX_BODY_BYTES + 1]),
+        Err(rejection) => return refuse(rejection),
     };
+    request.body = &bytes;
+    let decision = decide(&app.policy, &request);
+    let (status, body) = carry_out(&app, &decision).await;
+    json_response(status, body)
+}
+
+/// The head of a standalone request as Start reads it (the body is filled in once read).
+fn start_request(parts: &Parts) -> StartRequest<'_> {
     let headers = parts
         .headers
         .iter()
         .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str().to_string(), v.to_string())))
         .collect();
-    let query = parts.uri.query().map(url_pairs).unwrap_or_default();
-    let request = StartRequest {
+    StartRequest {
         method: parts.method.as_str(),
         headers,
-        query,
-        body: &bytes,
+        query: parts.uri.query().map(url_pairs).unwrap_or_default(),
+        body: &[],
         check_key: true,
-    };
-    let decision = decide(&app.policy, &request);
-    let (status, body) = carry_out(&app, &decision).await;
-    json_response(status, body)
+    }
+}
+
+/// Answers a refusal (logged as Start logs every decision).
+fn refuse(rejection: Rejection) -> Response {
+    let decision = Decision::Reject(rejection);
+    log_decision(&decision);
+    let (status, body) = decision.response();
+    let mut response = json_response(status, body);
+    if status == 408 {
+        // The rest of a late body is not read: the connection cannot carry another request.
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    response
+}
+
+/// Reads a body of at most `limit` bytes, all of it within `deadline` (however it trickles in).
+async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes, Rejection> {
+    match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            let e = e.into_inner();
+            if e.is::<http_body_util::LengthLimitError>() {
+                Err(Rejection::BodyTooLarge(limit + 1))
+            } else {
+                Err(Rejection::BodyUnreadable(e.to_string()))
+            }
+        }
+        Err(_) => Err(Rejection::BodyTimeout(deadline.as_secs())),
+    }
 }
 
 fn url_pairs(query: &str) -> Vec<(String, String)> {
@@ -140,7 +185,11 @@ fn log_decision(decision: &Decision) {
     }
 }
 
-async fn invoke(State(app): State<Arc<App>>, Path(function): Path<String>, body: Bytes) -> Response {
+async fn invoke(State(app): State<Arc<App>>, Path(function): Path<String>, request: Request) -> Response {
+    let body = match read_body(request.into_body(), MAX_INVOCATION_BYTES, app.body_timeout).await {
+        Ok(b) => b,
+        Err(rejection) => return refuse(rejection),
+    };
     let payload: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return json_response(400, json!({ "error": format!("invocation is not JSON: {e}") })),

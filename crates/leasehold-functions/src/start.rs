@@ -5,10 +5,11 @@
 //! decides; the callers (standalone endpoint, custom handler) enqueue and answer.
 
 use serde_json::Value;
-use subtle::ConstantTimeEq;
+use sha2::{Digest, Sha256};
+use subtle::{Choice, ConstantTimeEq};
 use uuid::Uuid;
 
-use leasehold_runtime::{Field, InvalidName, RecordId, Scope, TriggerMessage};
+use leasehold_runtime::{Field, InvalidName, MAX_CORRELATION_ID_LEN, RecordId, Scope, TriggerMessage};
 
 use crate::dataverse::NoRecord;
 
@@ -95,6 +96,9 @@ impl StartRequest<'_> {
     }
 }
 
+/// The header a caller (or the Functions host) names its correlation id in.
+const CORRELATION_HEADER: &str = "x-ms-correlation-request-id";
+
 /// Start's decision.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {
@@ -144,6 +148,47 @@ pub enum Rejection {
     /// A Dataverse context that names no record.
     #[error(transparent)]
     NoRecord(#[from] NoRecord),
+    /// A correlation id Start will not carry: the header `x-ms-correlation-request-id`, the
+    /// body's `correlationId` or the Dataverse `CorrelationId`.
+    #[error("{field} {problem}")]
+    InvalidCorrelationId {
+        field: &'static str,
+        problem: CorrelationIdProblem,
+    },
+    /// A Dataverse `Depth` that is not a whole number, or none while `LEASEHOLD_MAX_DEPTH` is set:
+    /// loop protection cannot be applied, so the event is refused rather than let through.
+    #[error("{0}")]
+    UnreadableDepth(DepthProblem),
+    /// The body did not arrive within the body-read deadline.
+    #[error("the body did not arrive within {0} s")]
+    BodyTimeout(u64),
+    /// The body could not be read (the connection failed while it was being sent).
+    #[error("the body could not be read: {0}")]
+    BodyUnreadable(String),
+}
+
+/// What is wrong with a correlation id.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CorrelationIdProblem {
+    #[error("is {0} bytes, over the limit of {MAX_CORRELATION_ID_LEN}")]
+    TooLong(usize),
+    /// Anything but `!` to `~` (no spaces, no control characters, no non-ASCII): it is logged
+    /// and carried in every message of the trigger.
+    #[error("may hold only visible ASCII characters (! to ~)")]
+    NotVisibleAscii,
+    #[error("must be a string")]
+    NotAString,
+}
+
+/// What is wrong with a Dataverse `Depth`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DepthProblem {
+    #[error("Depth must be a whole number (Dataverse sends one): loop protection cannot be applied")]
+    NotAWholeNumber,
+    #[error("Depth is missing: LEASEHOLD_MAX_DEPTH is set, so a Dataverse body must carry it")]
+    Missing,
 }
 
 impl Rejection {
@@ -161,7 +206,11 @@ impl Rejection {
             | Rejection::NotAString(_)
             | Rejection::MissingRecordId
             | Rejection::InvalidName(_)
-            | Rejection::NoRecord(_) => 400,
+            | Rejection::NoRecord(_)
+            | Rejection::InvalidCorrelationId { .. }
+            | Rejection::UnreadableDepth(_)
+            | Rejection::BodyUnreadable(_) => 400,
+            Rejection::BodyTimeout(_) => 408,
         }
     }
 }
@@ -214,20 +263,20 @@ pub fn decide(policy: &StartPolicy, req: &StartRequest<'_>) -> Decision {
     }
 }
 
-fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Rejection> {
+/// The checks that need only the request head (method, key, content type, declared length).
+/// The standalone endpoint runs them before it reads the body, so a client without the key
+/// cannot make it read (and hold) a body; [`decide`] runs them too.
+pub fn check_head(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<(), Rejection> {
     if !req.method.eq_ignore_ascii_case("POST") {
         return Err(Rejection::MethodNotAllowed(req.method.to_string()));
     }
     if req.check_key
         && let Some(expected) = &policy.api_key
+        && !bool::from(
+            key_matches(expected, req.header("x-functions-key")) | key_matches(expected, req.query("code")),
+        )
     {
-        let presented = req
-            .header("x-functions-key")
-            .or_else(|| req.query("code"))
-            .unwrap_or("");
-        if !bool::from(presented.as_bytes().ct_eq(expected.expose().as_bytes())) {
-            return Err(Rejection::WrongKey);
-        }
+        return Err(Rejection::WrongKey);
     }
     if let Some(ct) = req.header("content-type") {
         let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
@@ -236,6 +285,58 @@ fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Reje
             return Err(Rejection::UnsupportedContentType(mime));
         }
     }
+    if let Some(length) = req
+        .header("content-length")
+        .and_then(|l| l.trim().parse::<usize>().ok())
+        && length > MAX_BODY_BYTES
+    {
+        return Err(Rejection::BodyTooLarge(length));
+    }
+    Ok(())
+}
+
+/// Whether `presented` is the key. SHA-256 digests of both are compared in constant time, so
+/// neither the time taken nor anything else tells how much of the key, or how long a key, a
+/// guess got right.
+fn key_matches(expected: &Secret, presented: Option<&str>) -> Choice {
+    let Some(presented) = presented else {
+        return Choice::from(0);
+    };
+    let presented = Sha256::digest(presented.as_bytes());
+    let expected = Sha256::digest(expected.expose().as_bytes());
+    presented.as_slice().ct_eq(expected.as_slice())
+}
+
+/// A correlation id as Start carries it: `None` when absent or empty, refused when it is over
+/// [`MAX_CORRELATION_ID_LEN`] bytes or holds anything but visible ASCII (it is logged, and
+/// carried in every message of the trigger and in its poison entry).
+pub(crate) fn correlation_id(
+    field: &'static str,
+    value: Option<&Value>,
+) -> Result<Option<String>, Rejection> {
+    let refuse = |problem| Rejection::InvalidCorrelationId { field, problem };
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => checked_correlation_id(field, s),
+        Some(_) => Err(refuse(CorrelationIdProblem::NotAString)),
+    }
+}
+
+fn checked_correlation_id(field: &'static str, value: &str) -> Result<Option<String>, Rejection> {
+    let refuse = |problem| Rejection::InvalidCorrelationId { field, problem };
+    if value.is_empty() {
+        Ok(None)
+    } else if value.len() > MAX_CORRELATION_ID_LEN {
+        Err(refuse(CorrelationIdProblem::TooLong(value.len())))
+    } else if !value.bytes().all(|b| b.is_ascii_graphic()) {
+        Err(refuse(CorrelationIdProblem::NotVisibleAscii))
+    } else {
+        Ok(Some(value.to_string()))
+    }
+}
+
+fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Rejection> {
+    check_head(policy, req)?;
     if req.body.len() > MAX_BODY_BYTES {
         return Err(Rejection::BodyTooLarge(req.body.len()));
     }
@@ -247,8 +348,17 @@ fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Reje
     let Some(object) = body.as_object() else {
         return Err(Rejection::NotAnObject);
     };
+    let from_header = match req.header(CORRELATION_HEADER) {
+        Some(h) => checked_correlation_id(CORRELATION_HEADER, h)?,
+        None => None,
+    };
     if crate::dataverse::looks_like_context(object) {
-        return crate::dataverse::decide(policy, req.header("x-ms-dynamics-organization"), &body);
+        return crate::dataverse::decide(
+            policy,
+            req.header("x-ms-dynamics-organization"),
+            &body,
+            from_header,
+        );
     }
 
     if !policy.allowed_organizations.is_empty() {
@@ -268,11 +378,11 @@ fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Reje
         Some(Value::String(s)) => RecordId::parse(s)?,
         Some(_) => return Err(Rejection::NotAString(Field::RecordId)),
     };
+    // Both are checked when both are sent (the header wins): a bad one is refused, not ignored.
+    let from_body = correlation_id("correlationId", object.get("correlationId"))?;
     let mut message = TriggerMessage::new(scope, record_id);
-    message.correlation_id = req
-        .header("x-ms-correlation-request-id")
-        .or_else(|| object.get("correlationId").and_then(Value::as_str))
-        .map(str::to_string)
+    message.correlation_id = from_header
+        .or(from_body)
         .or_else(|| Some(Uuid::new_v4().to_string()));
     Ok(Decision::Enqueue(message))
 }
@@ -510,5 +620,204 @@ mod tests {
         ));
         let (_, body) = decide(&p, &req(vec![], vec![])).response();
         assert!(!body.to_string().contains("s3cret"));
+        // Either place may carry it: a wrong header does not spoil a right `code`, nor the reverse.
+        assert!(matches!(
+            decide(
+                &p,
+                &req(
+                    vec![("x-functions-key".into(), "wrong".into())],
+                    vec![("code".into(), "s3cret".into())]
+                )
+            ),
+            Decision::Enqueue(_)
+        ));
+        assert!(matches!(
+            decide(
+                &p,
+                &req(
+                    vec![("x-functions-key".into(), "s3cret".into())],
+                    vec![("code".into(), "wrong".into())]
+                )
+            ),
+            Decision::Enqueue(_)
+        ));
+        for wrong in ["s3cret ", "S3CRET", "s3cret\0", "", "s3cret-and-more"] {
+            assert!(
+                matches!(
+                    decide(&p, &req(vec![("x-functions-key".into(), wrong.into())], vec![])),
+                    Decision::Reject(Rejection::WrongKey)
+                ),
+                "{wrong:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_head_is_checked_before_the_body_is_read() {
+        let p = StartPolicy {
+            api_key: Some("s3cret".into()),
+            ..StartPolicy::default()
+        };
+        let head = |headers: Vec<(&str, &str)>| StartRequest {
+            method: "POST",
+            headers: headers
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            check_key: true,
+            ..StartRequest::default()
+        };
+        assert_eq!(
+            check_head(&p, &head(vec![("content-length", "400000")])),
+            Err(Rejection::WrongKey)
+        );
+        assert_eq!(
+            check_head(
+                &p,
+                &head(vec![
+                    ("x-functions-key", "s3cret"),
+                    ("content-length", "10485760")
+                ])
+            ),
+            Err(Rejection::BodyTooLarge(10_485_760))
+        );
+        assert_eq!(
+            check_head(
+                &p,
+                &head(vec![("x-functions-key", "s3cret"), ("content-length", "40")])
+            ),
+            Ok(())
+        );
+    }
+
+    fn with_header(body: &Value, headers: Vec<(&str, String)>) -> Decision {
+        let text = body.to_string();
+        decide(
+            &StartPolicy::default(),
+            &StartRequest {
+                method: "POST",
+                headers: headers.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                body: text.as_bytes(),
+                ..StartRequest::default()
+            },
+        )
+    }
+
+    /// The 400 a correlation id is refused with, and its text.
+    fn refused_correlation_id(d: &Decision) -> (&'static str, String) {
+        match d {
+            Decision::Reject(r @ Rejection::InvalidCorrelationId { field, .. }) => {
+                assert_eq!(r.status(), 400);
+                (*field, d.response().1["error"].as_str().unwrap().to_string())
+            }
+            other => panic!("expected a refused correlation id, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn correlation_ids_are_held_to_128_visible_ascii_bytes_from_every_source() {
+        let plain = json!({"recordId": "42"});
+        let longest = "c".repeat(MAX_CORRELATION_ID_LEN);
+        let too_long = "c".repeat(MAX_CORRELATION_ID_LEN + 1);
+
+        // The header.
+        let d = with_header(&plain, vec![(CORRELATION_HEADER, longest.clone())]);
+        let Decision::Enqueue(m) = &d else { panic!("{d:?}") };
+        assert_eq!(m.correlation_id.as_deref(), Some(longest.as_str()));
+        let (field, text) = refused_correlation_id(&with_header(
+            &plain,
+            vec![(CORRELATION_HEADER, "x".repeat(48 * 1024))],
+        ));
+        assert_eq!(field, "x-ms-correlation-request-id");
+        assert_eq!(
+            text,
+            "x-ms-correlation-request-id is 49152 bytes, over the limit of 128"
+        );
+        for bad in ["a b", "tab\there", "line\nbreak", "caf\u{e9}", "\u{7f}"] {
+            let (field, text) =
+                refused_correlation_id(&with_header(&plain, vec![(CORRELATION_HEADER, bad.into())]));
+            assert_eq!(field, CORRELATION_HEADER);
+            assert!(text.contains("visible ASCII"), "{text}");
+        }
+
+        // The body's correlationId (checked even when the header wins).
+        let (field, text) = refused_correlation_id(&with_header(
+            &json!({"recordId": "42", "correlationId": too_long}),
+            vec![],
+        ));
+        assert_eq!(field, "correlationId");
+        assert!(text.contains("129 bytes, over the limit of 128"), "{text}");
+        let (field, _) = refused_correlation_id(&with_header(
+            &json!({"recordId": "42", "correlationId": "a\u{0}b"}),
+            vec![(CORRELATION_HEADER, "fine".into())],
+        ));
+        assert_eq!(field, "correlationId");
+        let (_, text) = refused_correlation_id(&with_header(
+            &json!({"recordId": "42", "correlationId": 7}),
+            vec![],
+        ));
+        assert_eq!(text, "correlationId must be a string");
+        // Absent or empty: Start makes one up.
+        for body in [plain.clone(), json!({"recordId": "42", "correlationId": ""})] {
+            let d = with_header(&body, vec![]);
+            let Decision::Enqueue(m) = &d else { panic!("{d:?}") };
+            assert_eq!(m.correlation_id.as_ref().map(String::len), Some(36));
+        }
+
+        // Dataverse's CorrelationId, and the header beside a Dataverse body.
+        let mut context = dataverse("8f9c1d2e-0000-4000-8000-000000000001");
+        context["CorrelationId"] = json!(too_long);
+        let (field, _) = refused_correlation_id(&with_header(&context, vec![]));
+        assert_eq!(field, "CorrelationId");
+        context["CorrelationId"] = json!("9a0c2f1e-6b7d-4c8e-9f0a-1b2c3d4e5f60");
+        let (field, _) = refused_correlation_id(&with_header(
+            &context,
+            vec![(CORRELATION_HEADER, too_long.clone())],
+        ));
+        assert_eq!(field, CORRELATION_HEADER);
+        // A context without one takes the header's.
+        context.as_object_mut().unwrap().remove("CorrelationId");
+        let d = with_header(&context, vec![(CORRELATION_HEADER, "from-header".into())]);
+        let Decision::Enqueue(m) = &d else { panic!("{d:?}") };
+        assert_eq!(m.correlation_id.as_deref(), Some("from-header"));
+    }
+
+    #[test]
+    fn an_unreadable_depth_is_refused_not_let_through() {
+        let refused = |depth: Value| {
+            let mut context = dataverse("8f9c1d2e-0000-4000-8000-000000000001");
+            context["Depth"] = depth;
+            post(&context)
+        };
+        for depth in [json!("deep"), json!(-1), json!(1.5), json!([3]), json!({"n": 3})] {
+            let d = refused(depth.clone());
+            assert!(
+                matches!(&d, Decision::Reject(r @ Rejection::UnreadableDepth(DepthProblem::NotAWholeNumber)) if r.status() == 400),
+                "{depth}: {d:?}"
+            );
+            assert!(d.response().1["error"].as_str().unwrap().contains("Depth"));
+        }
+        // A number sent as text is read.
+        assert!(matches!(
+            refused(json!("3")),
+            Decision::Ignore {
+                reason: IgnoreReason::TooDeep { depth: 3, max: 2 },
+                ..
+            }
+        ));
+        // Missing while LEASEHOLD_MAX_DEPTH is set: refused; without the setting: not needed.
+        let mut context = dataverse("8f9c1d2e-0000-4000-8000-000000000001");
+        context.as_object_mut().unwrap().remove("Depth");
+        assert!(matches!(
+            post(&context),
+            Decision::Reject(Rejection::UnreadableDepth(DepthProblem::Missing))
+        ));
+        assert!(matches!(with_header(&context, vec![]), Decision::Enqueue(_)));
+        // An unreadable one is refused even without the setting: it is not a Dataverse body.
+        context["Depth"] = json!("deep");
+        assert!(matches!(
+            with_header(&context, vec![]),
+            Decision::Reject(Rejection::UnreadableDepth(_))
+        ));
     }
 }

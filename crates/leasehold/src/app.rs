@@ -16,6 +16,7 @@ use leasehold_runtime::{
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::server::{self, HttpOptions};
 use crate::settings::{LogicSetting, Settings};
 
 /// Which long-running mode to build.
@@ -39,6 +40,9 @@ pub struct Application {
     router: axum::Router,
     consumer: Option<Consumer>,
     description: String,
+    http: HttpOptions,
+    /// The connection bound, capped to the descriptors (see [`server::connection_bound`]).
+    max_connections: usize,
 }
 
 impl std::fmt::Debug for Application {
@@ -134,19 +138,36 @@ impl Application {
             stop.cancelled().await;
             shutdown.cancel();
         });
-        let http = axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(self.shutdown.clone().cancelled_owned());
-        let result = match self.consumer {
+        let http = server::serve(
+            self.listener,
+            self.router,
+            &self.http,
+            self.max_connections,
+            self.shutdown.clone(),
+        );
+        match self.consumer {
             Some(consumer) => {
                 let consume = consumer.run(self.shutdown.clone());
-                let (served, ()) = tokio::join!(async { http.await }, consume);
-                served
+                tokio::join!(http, consume);
             }
             None => http.await,
-        };
+        }
         link.abort();
         tracing::info!(mode = %self.description, "stopped");
-        Ok(result?)
+        Ok(())
+    }
+
+    /// The connection bound for `settings`, logged when the descriptor limit lowered it.
+    fn max_connections(settings: &Settings, concurrency: usize) -> usize {
+        let (bound, lowered) = server::connection_bound(
+            settings.http.max_connections,
+            server::descriptor_limit(),
+            concurrency,
+        );
+        if let Some(why) = lowered {
+            tracing::warn!(max_connections = bound, "{why}");
+        }
+        bound
     }
 
     async fn handler(settings: Settings, supervisor: Option<PathBuf>) -> Result<Self> {
@@ -169,8 +190,11 @@ impl Application {
             runner,
             wake: None,
             shutdown: shutdown.clone(),
+            body_timeout: settings.http.body_timeout,
         };
-        tracing::info!(port, queue = %settings.queue, container = %settings.container, "custom handler listening");
+        // The host runs up to its own concurrency of invocations at once (plus its probes).
+        let max_connections = Self::max_connections(&settings, settings.consumer.concurrency);
+        tracing::info!(port, queue = %settings.queue, container = %settings.container, max_connections, "custom handler listening");
         Ok(Self {
             listener,
             port,
@@ -178,6 +202,8 @@ impl Application {
             router: handler_router(app),
             consumer: None,
             description: "custom handler".into(),
+            http: settings.http.clone(),
+            max_connections,
         })
     }
 
@@ -207,6 +233,19 @@ impl Application {
                 )
             })?;
         let addr = listener.local_addr()?;
+        if settings.policy.api_key.is_none() && !addr.ip().is_loopback() {
+            if !settings.insecure_no_start_key {
+                bail!(
+                    "refusing to serve Start on {addr} without a key: LEASEHOLD_BIND={} is not a loopback \
+                     address, so anyone who can reach it could trigger runs. Set LEASEHOLD_API_KEY (callers \
+                     send it as the x-functions-key header or the code query parameter), or bind 127.0.0.1, \
+                     or, if something in front of it authenticates callers, set \
+                     LEASEHOLD_INSECURE_NO_START_KEY=true (or pass `serve --insecure-no-start-key`)",
+                    settings.bind
+                );
+            }
+            tracing::warn!(%addr, "Start is open to anyone who can reach {addr}: no LEASEHOLD_API_KEY, and LEASEHOLD_INSECURE_NO_START_KEY is set");
+        }
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
         let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
@@ -217,9 +256,11 @@ impl Application {
             runner,
             wake: Some(consumer.waker()),
             shutdown: shutdown.clone(),
+            body_timeout: settings.http.body_timeout,
         };
+        let max_connections = Self::max_connections(&settings, settings.consumer.concurrency);
         tracing::info!(%addr, queue = %settings.queue, container = %settings.container,
-            concurrency = settings.consumer.concurrency, "serving POST /api/start and consuming the queue");
+            concurrency = settings.consumer.concurrency, max_connections, "serving POST /api/start and consuming the queue");
         Ok(Self {
             listener,
             port: addr.port(),
@@ -227,6 +268,8 @@ impl Application {
             router: standalone_router(app),
             consumer: Some(consumer),
             description: "standalone".into(),
+            http: settings.http.clone(),
+            max_connections,
         })
     }
 }

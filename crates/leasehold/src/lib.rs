@@ -2,7 +2,9 @@
 
 mod app;
 pub mod ops;
+mod server;
 pub mod settings;
 
 pub use app::{Application, Mode};
+pub use server::{HttpOptions, MAX_HEADER_BYTES};
 pub use settings::{LogicSetting, Settings};

@@ -51,6 +51,11 @@ enum Command {
         /// LEASEHOLD_LOGIC_COMMAND or LEASEHOLD_LOGIC_URL is set.
         #[arg(long)]
         demo: bool,
+        /// Serve Start without a key on a non-loopback address (LEASEHOLD_BIND), which `serve`
+        /// otherwise refuses: anyone who can reach it can trigger runs. Only for when something
+        /// in front of it authenticates callers [env: LEASEHOLD_INSECURE_NO_START_KEY].
+        #[arg(long)]
+        insecure_no_start_key: bool,
     },
     /// Put a trigger for a record on the queue (as Start would).
     Enqueue {
@@ -166,10 +171,17 @@ async fn run(cli: Cli) -> Result<()> {
             return Ok(());
         }
     };
-    let settings = Settings::from_env()?;
+    let mut settings = Settings::from_env()?;
     let mode = match command {
         Command::Handler => Mode::Handler,
-        Command::Serve { port, demo } => Mode::Standalone { port, demo },
+        Command::Serve {
+            port,
+            demo,
+            insecure_no_start_key,
+        } => {
+            settings.insecure_no_start_key |= insecure_no_start_key;
+            Mode::Standalone { port, demo }
+        }
         Command::Enqueue { scope, record_id } => {
             println!("{}", ops::enqueue(&settings, &scope, &record_id).await?);
             return Ok(());

@@ -10,6 +10,8 @@ use leasehold_runtime::{ConsumerOptions, RunnerOptions};
 use leasehold_storage::StorageAccount;
 use serde::Deserialize;
 
+use crate::server::HttpOptions;
+
 /// One setting as users see it: its environment name and the default the README and
 /// `local.settings.example.json` show (`None`: no default). The parsing below takes its defaults
 /// from the libraries' `Default`s; a test checks they are what this table says, and that the
@@ -40,6 +42,7 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_LOGIC_URL", None),
     setting("LEASEHOLD_DEMO_SECONDS", None),
     setting("LEASEHOLD_API_KEY", None),
+    setting("LEASEHOLD_INSECURE_NO_START_KEY", Some("false")),
     setting("LEASEHOLD_ALLOWED_ORGANIZATIONS", None),
     setting("LEASEHOLD_INTEGRATION_USER_IDS", None),
     setting("LEASEHOLD_MAX_DEPTH", None),
@@ -52,6 +55,10 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", Some("30")),
     setting("LEASEHOLD_PORT", Some("7071")),
     setting("LEASEHOLD_BIND", Some("127.0.0.1")),
+    setting("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", Some("10")),
+    setting("LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS", Some("30")),
+    setting("LEASEHOLD_HTTP_SHUTDOWN_SECONDS", Some("10")),
+    setting("LEASEHOLD_HTTP_MAX_CONNECTIONS", Some("1024")),
     setting("LEASEHOLD_LOG_FORMAT", Some("text")),
     setting("FUNCTIONS_CUSTOMHANDLER_PORT", None),
 ];
@@ -76,6 +83,11 @@ struct Raw {
     leasehold_logic_command: Option<String>,
     leasehold_logic_url: Option<String>,
     leasehold_api_key: Option<String>,
+    leasehold_insecure_no_start_key: Option<String>,
+    leasehold_http_header_timeout_seconds: Option<String>,
+    leasehold_http_body_timeout_seconds: Option<String>,
+    leasehold_http_shutdown_seconds: Option<String>,
+    leasehold_http_max_connections: Option<String>,
     leasehold_port: Option<String>,
     leasehold_bind: Option<String>,
     leasehold_concurrency: Option<String>,
@@ -111,6 +123,11 @@ pub struct Settings {
     pub policy: StartPolicy,
     pub port: u16,
     pub bind: String,
+    /// `LEASEHOLD_INSECURE_NO_START_KEY` (or `serve --insecure-no-start-key`): serve Start on a
+    /// non-loopback address without `LEASEHOLD_API_KEY`. Without it, `serve` refuses to.
+    pub insecure_no_start_key: bool,
+    /// Deadlines and the connection bound of the HTTP side (`LEASEHOLD_HTTP_*`).
+    pub http: HttpOptions,
     pub handler_port: Option<u16>,
     pub lease: LeaseOptions,
     pub runner: RunnerOptions,
@@ -354,6 +371,39 @@ impl Settings {
             integration_user_ids,
             max_depth,
         };
+        let http_defaults = HttpOptions::default();
+        let seconds = |name: &str, value: &Option<String>, default: Duration| -> Result<Duration> {
+            let secs = number(name, value, default.as_secs())?;
+            if secs == 0 {
+                bail!("{name} must be at least 1");
+            }
+            Ok(Duration::from_secs(secs))
+        };
+        let http = HttpOptions {
+            header_timeout: seconds(
+                "LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS",
+                &raw.leasehold_http_header_timeout_seconds,
+                http_defaults.header_timeout,
+            )?,
+            body_timeout: seconds(
+                "LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS",
+                &raw.leasehold_http_body_timeout_seconds,
+                http_defaults.body_timeout,
+            )?,
+            shutdown_timeout: seconds(
+                "LEASEHOLD_HTTP_SHUTDOWN_SECONDS",
+                &raw.leasehold_http_shutdown_seconds,
+                http_defaults.shutdown_timeout,
+            )?,
+            max_connections: number(
+                "LEASEHOLD_HTTP_MAX_CONNECTIONS",
+                &raw.leasehold_http_max_connections,
+                http_defaults.max_connections,
+            )?,
+        };
+        if http.max_connections == 0 {
+            bail!("LEASEHOLD_HTTP_MAX_CONNECTIONS must be at least 1");
+        }
         let handler_port = match raw.functions_customhandler_port.or(raw.functions_httpworker_port) {
             Some(p) => Some(number("FUNCTIONS_CUSTOMHANDLER_PORT", &Some(p), 0u16)?),
             None => None,
@@ -369,6 +419,12 @@ impl Settings {
                 .leasehold_bind
                 .filter(|b| !b.trim().is_empty())
                 .unwrap_or_else(|| "127.0.0.1".into()),
+            insecure_no_start_key: flag(
+                "LEASEHOLD_INSECURE_NO_START_KEY",
+                &raw.leasehold_insecure_no_start_key,
+                false,
+            )?,
+            http,
             handler_port,
             lease,
             runner,
@@ -421,6 +477,11 @@ mod tests {
                 "LEASEHOLD_SHUTDOWN_GRACE_SECONDS" => s.consumer.shutdown_grace.as_secs().to_string(),
                 "LEASEHOLD_PORT" => s.port.to_string(),
                 "LEASEHOLD_BIND" => s.bind.clone(),
+                "LEASEHOLD_INSECURE_NO_START_KEY" => s.insecure_no_start_key.to_string(),
+                "LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS" => s.http.header_timeout.as_secs().to_string(),
+                "LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS" => s.http.body_timeout.as_secs().to_string(),
+                "LEASEHOLD_HTTP_SHUTDOWN_SECONDS" => s.http.shutdown_timeout.as_secs().to_string(),
+                "LEASEHOLD_HTTP_MAX_CONNECTIONS" => s.http.max_connections.to_string(),
                 // Read by the command line (clap), whose default is the same text.
                 "LEASEHOLD_LOG_FORMAT" => "text".into(),
                 _ => return None,
@@ -598,6 +659,27 @@ mod tests {
                     ..raw()
                 },
                 "LEASEHOLD_FENCING",
+            ),
+            (
+                Raw {
+                    leasehold_insecure_no_start_key: Some("sure".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_INSECURE_NO_START_KEY",
+            ),
+            (
+                Raw {
+                    leasehold_http_header_timeout_seconds: Some("0".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS must be at least 1",
+            ),
+            (
+                Raw {
+                    leasehold_http_max_connections: Some("0".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_HTTP_MAX_CONNECTIONS must be at least 1",
             ),
             (
                 Raw {

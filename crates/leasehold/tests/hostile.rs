@@ -1,0 +1,470 @@
+//! Hostile clients against `serve`'s HTTP side: half-sent heads, slow bodies, idle connections,
+//! oversized heads, bodies sent without the key, more connections than the bound, slow clients
+//! at shutdown, and a flood under a 1,024-descriptor limit. Each test runs the real application
+//! (in-process on port 0, or the binary where the descriptor limit is the point) against a real
+//! Azurite, with short deadlines so it is quick; raw TCP streams play the hostile clients.
+//!
+//! Also: `serve` refuses to listen on a non-loopback address without a key unless told so.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use leasehold_test_support::{Azurite, eventually, unique_name};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::task::JoinSet;
+
+const KEY: &str = "k3y";
+const RECORD: &str = "8f9c1d2e-0000-4000-8000-000000000001";
+
+/// The application running in this test process.
+struct InProcess {
+    port: u16,
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+fn settings(extra: &[(&str, &str)]) -> anyhow::Result<leasehold::Settings> {
+    let mut vars: std::collections::BTreeMap<String, String> = [
+        (
+            "AzureWebJobsStorage".to_string(),
+            Azurite::shared().connection_string(),
+        ),
+        ("LEASEHOLD_QUEUE".into(), unique_name("triggers")),
+        ("LEASEHOLD_CONTAINER".into(), unique_name("locks")),
+        ("LEASEHOLD_PORT".into(), "0".into()),
+        ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
+        ("LEASEHOLD_DEMO_SECONDS".into(), "1".into()),
+        ("LEASEHOLD_API_KEY".into(), KEY.into()),
+    ]
+    .into_iter()
+    .collect();
+    for (k, v) in extra {
+        vars.insert(k.to_string(), v.to_string());
+    }
+    vars.retain(|_, v| !v.is_empty());
+    leasehold::Settings::from_vars(vars)
+}
+
+async fn build(extra: &[(&str, &str)]) -> anyhow::Result<leasehold::Application> {
+    leasehold::Application::build(
+        settings(extra)?,
+        leasehold::Mode::Standalone {
+            port: None,
+            demo: true,
+        },
+    )
+    .await
+}
+
+async fn start(extra: &[(&str, &str)]) -> InProcess {
+    let app = build(extra).await.unwrap();
+    let port = app.port();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(app.run_until_stopped(stop.clone()));
+    InProcess { port, stop, task }
+}
+
+impl InProcess {
+    /// Stops it as SIGTERM would; returns how long that took.
+    async fn stop(self) -> Duration {
+        let from = Instant::now();
+        self.stop.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("the application did not stop within 30 s")
+            .unwrap()
+            .unwrap();
+        from.elapsed()
+    }
+}
+
+/// A head for `POST /api/start` with `key`, declaring a body of `length` bytes.
+fn head(key: &str, length: usize) -> String {
+    format!(
+        "POST /api/start HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         x-functions-key: {key}\r\nContent-Length: {length}\r\n\r\n"
+    )
+}
+
+async fn connect(port: u16) -> TcpStream {
+    TcpStream::connect(("127.0.0.1", port)).await.unwrap()
+}
+
+/// Reads until the server closes the connection (EOF or reset); `None` if it is still open
+/// after `limit`. Returns what the server sent.
+async fn closed_within(mut stream: TcpStream, limit: Duration) -> Option<String> {
+    let mut received = Vec::new();
+    let read = async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => received.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(limit, read).await.ok()?;
+    Some(String::from_utf8_lossy(&received).into_owned())
+}
+
+/// The status line's code of a raw answer.
+fn status_of(answer: &str) -> Option<u16> {
+    answer.strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()
+}
+
+/// An honest `POST /api/start`: its status and how long the answer took.
+async fn honest_post(port: u16) -> (u16, Duration) {
+    let from = Instant::now();
+    let r = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{port}/api/start"))
+        .header("x-functions-key", KEY)
+        .json(&json!({"scope": "account", "recordId": RECORD}))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), from.elapsed())
+}
+
+/// Hostile connections of three kinds, `n` of each: half-sent heads, bodies that stop after a
+/// few bytes (with the key), and connections that send nothing.
+async fn open_hostile(port: u16, n: usize) -> Vec<(&'static str, TcpStream)> {
+    let mut open = Vec::new();
+    for _ in 0..n {
+        let mut half = connect(port).await;
+        half.write_all(b"POST /api/start HTTP/1.1\r\nHost: 127.0.0.1\r\nx-functi")
+            .await
+            .unwrap();
+        open.push(("half-sent head", half));
+        let mut slow = connect(port).await;
+        slow.write_all(head(KEY, 400_000).as_bytes()).await.unwrap();
+        slow.write_all(b"{\"recordId\": \"").await.unwrap();
+        open.push(("slow body", slow));
+        open.push(("idle", connect(port).await));
+    }
+    open
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_hostile_connections_neither_hold_start_up_nor_stay_open_past_their_deadlines() {
+    let app = start(&[
+        ("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", "2"),
+        ("LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS", "2"),
+    ])
+    .await;
+    let opened = Instant::now();
+    let hostile = open_hostile(app.port, 150).await;
+    println!(
+        "[hostile] {} hostile connections opened in {:?}",
+        hostile.len(),
+        opened.elapsed()
+    );
+
+    let (status, took) = honest_post(app.port).await;
+    println!("[hostile] honest POST among them answered {status} in {took:?}");
+    assert_eq!(status, 202);
+    assert!(took < Duration::from_secs(2), "honest POST took {took:?}");
+
+    // Every hostile connection is closed by its deadline (2 s from when it was opened), with a
+    // margin for 450 connections on 2 cores.
+    let limit =
+        Duration::from_secs(2) + Duration::from_secs(4) - opened.elapsed().min(Duration::from_secs(2));
+    let mut checks = JoinSet::new();
+    for (kind, stream) in hostile {
+        checks.spawn(async move { (kind, closed_within(stream, limit).await) });
+    }
+    let mut slow_bodies_answered_408 = 0;
+    while let Some(done) = checks.join_next().await {
+        let (kind, answer) = done.unwrap();
+        let answer = answer.unwrap_or_else(|| panic!("a {kind} connection is still open after its deadline"));
+        match kind {
+            "slow body" => {
+                assert_eq!(status_of(&answer), Some(408), "{kind}: {answer}");
+                assert!(answer.contains("did not arrive within 2 s"), "{answer}");
+                slow_bodies_answered_408 += 1;
+            }
+            // No request was made: the connection is closed without an answer.
+            _ => assert_eq!(answer, "", "{kind}"),
+        }
+    }
+    assert_eq!(slow_bodies_answered_408, 150);
+    println!(
+        "[hostile] all closed {:?} after they were opened",
+        opened.elapsed()
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_head_is_answered_431_and_a_wrong_key_401_without_the_body_being_read() {
+    let app = start(&[]).await;
+
+    let mut big = connect(app.port).await;
+    let padding = "a".repeat(leasehold::MAX_HEADER_BYTES + 1024);
+    let request = format!("GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nx-padding: {padding}\r\n\r\n");
+    // The server may close before it read all of it; what it answered is what counts.
+    let _ = big.write_all(request.as_bytes()).await;
+    let answer = closed_within(big, Duration::from_secs(5))
+        .await
+        .expect("closed after 431");
+    assert_eq!(status_of(&answer), Some(431), "{answer}");
+
+    // The head says 400 KB follow; none are sent. The key is wrong: 401 at once (the body
+    // deadline is 30 s, so an answer now means the body was never waited for).
+    for key in ["wrong", ""] {
+        let mut stream = connect(app.port).await;
+        stream.write_all(head(key, 400_000).as_bytes()).await.unwrap();
+        let from = Instant::now();
+        let answer = closed_within(stream, Duration::from_secs(5))
+            .await
+            .expect("answered and closed without the body");
+        assert_eq!(status_of(&answer), Some(401), "{answer}");
+        assert!(answer.contains("missing or wrong key"), "{answer}");
+        assert!(!answer.contains(KEY), "the key is never shown: {answer}");
+        println!(
+            "[hostile] wrong key with an unsent body: 401 in {:?}",
+            from.elapsed()
+        );
+    }
+    // A declared length over the limit: 413 from the head alone.
+    let mut stream = connect(app.port).await;
+    stream
+        .write_all(head(KEY, 10 * 1024 * 1024).as_bytes())
+        .await
+        .unwrap();
+    let answer = closed_within(stream, Duration::from_secs(5))
+        .await
+        .expect("answered and closed");
+    assert_eq!(status_of(&answer), Some(413), "{answer}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_connection_bound_clients_wait_until_the_header_deadline_frees_a_slot() {
+    let app = start(&[
+        ("LEASEHOLD_HTTP_MAX_CONNECTIONS", "20"),
+        ("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", "2"),
+    ])
+    .await;
+    let opened = Instant::now();
+    let mut idle = Vec::new();
+    for _ in 0..20 {
+        idle.push(connect(app.port).await);
+    }
+    // The 21st connection: its request is not read while the 20 hold every slot...
+    let mut next = connect(app.port).await;
+    next.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut first = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(800), next.peek(&mut first)).await;
+    assert!(
+        early.is_err(),
+        "connection 21 was answered while 20 connections held every slot"
+    );
+    // ...and is answered once the header deadline closed them (2 s after they were opened).
+    let answer = closed_within(next, Duration::from_secs(5))
+        .await
+        .expect("answered once a slot was free");
+    let waited = opened.elapsed();
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    println!("[hostile] connection 21 of a bound of 20 answered after {waited:?}");
+    assert!(waited >= Duration::from_millis(1500), "{waited:?}");
+    for stream in idle {
+        assert_eq!(
+            closed_within(stream, Duration::from_secs(2)).await.as_deref(),
+            Some("")
+        );
+    }
+    // With the slots free again, an honest POST goes straight through.
+    let (status, took) = honest_post(app.port).await;
+    assert_eq!(status, 202);
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_slow_clients_at_its_deadline() {
+    // Long read deadlines, so only the shutdown deadline can end these connections.
+    let app = start(&[
+        ("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", "60"),
+        ("LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS", "60"),
+        ("LEASEHOLD_HTTP_SHUTDOWN_SECONDS", "1"),
+    ])
+    .await;
+    let hostile = open_hostile(app.port, 5).await;
+    // Let the server take them all before it is told to stop.
+    let (status, _) = honest_post(app.port).await;
+    assert_eq!(status, 202);
+    let took = app.stop().await;
+    println!("[hostile] stopped with 15 slow clients connected in {took:?}");
+    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+    for (kind, stream) in hostile {
+        assert!(
+            closed_within(stream, Duration::from_secs(1)).await.is_some(),
+            "a {kind} connection outlived the shutdown"
+        );
+    }
+}
+
+/// The issue's measurement: under a 1,024-descriptor limit, 1,100 half-sent requests made Start
+/// stop answering and storage calls fail. Now the connection bound keeps descriptors for
+/// storage: the flood is shed by the header deadline, an honest POST is answered and its record
+/// runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_under_a_1024_descriptor_limit_leaves_start_and_storage_working() {
+    let dir = std::env::temp_dir().join(unique_name("leasehold-hostile"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let runs = dir.join("runs.log");
+    let log = dir.join("serve.log");
+    let mut child = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -n 1024 && exec \"$0\" serve")
+        .arg(env!("CARGO_BIN_EXE_leasehold"))
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("AzureWebJobsStorage", Azurite::shared().connection_string())
+        .env("LEASEHOLD_QUEUE", unique_name("triggers"))
+        .env("LEASEHOLD_CONTAINER", unique_name("locks"))
+        .env("LEASEHOLD_PORT", "0")
+        .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
+        .env("LEASEHOLD_API_KEY", KEY)
+        .env("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", "2")
+        .env(
+            "LEASEHOLD_LOGIC_COMMAND",
+            format!("echo \"$LEASEHOLD_RECORD_ID\" >> {}", runs.display()),
+        )
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let at = text.find("addr=127.0.0.1:")? + "addr=127.0.0.1:".len();
+        text[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse::<u16>()
+            .ok()
+    })
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("max_connections=832"),
+        "the bound is capped below 1,024 descriptors: {text}"
+    );
+
+    let mut flood = Vec::new();
+    let flooded = Instant::now();
+    for _ in 0..1100 {
+        let mut s = connect(port).await;
+        s.write_all(b"POST /api/start HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            .await
+            .unwrap();
+        flood.push(s);
+    }
+    println!("[hostile] flood opened in {:?}", flooded.elapsed());
+    let (status, took) = honest_post(port).await;
+    println!("[hostile] 1,100 half-sent requests under ulimit -n 1024: honest POST {status} in {took:?}");
+    assert_eq!(status, 202);
+    // At worst it waited for the flood to be shed by the 2 s header deadline, twice.
+    assert!(took < Duration::from_secs(8), "{took:?}");
+    eventually(Duration::from_secs(30), "the record's run", || async {
+        std::fs::read_to_string(&runs)
+            .unwrap_or_default()
+            .contains(RECORD)
+            .then_some(())
+    })
+    .await;
+    drop(flood);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!text.contains("Too many open files"), "{text}");
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_a_non_loopback_address_without_a_key_unless_told_it_is_insecure() {
+    let open = [("LEASEHOLD_BIND", "0.0.0.0"), ("LEASEHOLD_API_KEY", "")];
+    let e = format!("{:#}", build(&open).await.unwrap_err());
+    assert!(
+        e.contains("LEASEHOLD_API_KEY") && e.contains("LEASEHOLD_INSECURE_NO_START_KEY=true"),
+        "{e}"
+    );
+
+    // Told so explicitly, with a key, or on loopback: it serves.
+    for extra in [
+        &[
+            ("LEASEHOLD_BIND", "0.0.0.0"),
+            ("LEASEHOLD_API_KEY", ""),
+            ("LEASEHOLD_INSECURE_NO_START_KEY", "true"),
+        ][..],
+        &[("LEASEHOLD_BIND", "0.0.0.0")][..],
+        &[("LEASEHOLD_BIND", "127.0.0.1"), ("LEASEHOLD_API_KEY", "")][..],
+    ] {
+        let app = build(extra).await.unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
+        let stop = tokio_util::sync::CancellationToken::new();
+        stop.cancel();
+        app.run_until_stopped(stop).await.unwrap();
+    }
+
+    // The binary: refused with the message and a failing exit; the flag lets it serve.
+    let serve = |flag: Option<&str>| {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"));
+        cmd.arg("serve")
+            .args(flag)
+            .env_clear()
+            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
+            .env("LEASEHOLD_QUEUE", unique_name("triggers"))
+            .env("LEASEHOLD_CONTAINER", unique_name("locks"))
+            .env("LEASEHOLD_BIND", "0.0.0.0")
+            .env("LEASEHOLD_PORT", "0")
+            .env("LEASEHOLD_DEMO_SECONDS", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        cmd
+    };
+    let out = tokio::time::timeout(Duration::from_secs(30), serve(None).output())
+        .await
+        .expect("serve exits at once")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("refusing to serve Start on 0.0.0.0")
+            && stderr.contains("LEASEHOLD_INSECURE_NO_START_KEY=true"),
+        "{stderr}"
+    );
+    let mut child = serve(Some("--insecure-no-start-key")).spawn().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let warned = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut text = Vec::new();
+        let mut buf = [0u8; 1024];
+        while let Ok(n) = stderr.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            text.extend_from_slice(&buf[..n]);
+            if String::from_utf8_lossy(&text).contains("Start is open to anyone") {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(
+        warned.ok(),
+        Some(true),
+        "serve --insecure-no-start-key serves, with a warning"
+    );
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+}
