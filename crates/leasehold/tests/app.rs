@@ -688,7 +688,7 @@ async fn custom_handler_speaks_the_host_protocol() {
         poisoned.reason().contains("not a trigger message"),
         "{poisoned:?}"
     );
-    assert!(poisoned.body.contains("not a trigger"), "{poisoned:?}");
+    assert!(poisoned.body().contains("not a trigger"), "{poisoned:?}");
     // Unknown function.
     assert_eq!(invoke("Nope", json!({})).await.0, 404);
     // JSON logs, one line per record outcome, in the delivery's span (record, attempt, fencing

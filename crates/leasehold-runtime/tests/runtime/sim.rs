@@ -1273,18 +1273,13 @@ impl tracing_subscriber::fmt::time::FormatTime for SimTime {
     }
 }
 
-/// Runs one seed to completion and checks the invariants.
-pub fn run_seed(seed: u64, variant: ProtocolVariant) -> Report {
-    run_plan(Plan::from_seed(seed), variant)
-}
-
 /// Real time one seed may take before it counts as stuck. A seed normally takes a few
 /// milliseconds (none of 10,000 took 0.5 s with the machine loaded); a protocol change that
 /// spins (never lets simulated time move on) or storms would otherwise hang the whole test run
 /// instead of failing it.
 pub const SEED_REAL_TIME_LIMIT: Duration = Duration::from_secs(5);
 
-/// [`run_seed`] on its own thread, reported as [`Violation::Stuck`] when it does not finish
+/// One seed's plan run to completion on its own thread, reported as [`Violation::Stuck`] when it does not finish
 /// within `limit` of real time. A stuck seed's thread is left behind (it cannot be stopped
 /// from outside); the test that ran it fails, and the process ends with the test run.
 pub fn run_seed_bounded(seed: u64, variant: ProtocolVariant, limit: Duration) -> Report {
