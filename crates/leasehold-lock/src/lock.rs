@@ -24,6 +24,10 @@ pub const META_SINCE: &str = "leasehold_since";
 pub const META_SHARERS: &str = "leasehold_sharers";
 /// Metadata name of the shared lease id the member list belongs to.
 pub const META_SHARE_GROUP: &str = "leasehold_share_group";
+/// Metadata name of the fencing generation the shared hold's session was granted (the token its
+/// members share). A joiner inherits the session's token only while the generation is still
+/// this one.
+pub const META_SHARE_GENERATION: &str = "leasehold_share_generation";
 
 /// Prefix of lock blob names inside the container.
 pub const LOCK_PREFIX: &str = "locks/";
@@ -350,12 +354,20 @@ impl LeaseLock {
 
     /// Reads the generation and writes generation + 1 under our lease; returns the new token.
     /// Strictly increasing per key because only the lease holder can write the blob.
+    ///
+    /// The write also drops what a shared hold left (its group, member list and generation):
+    /// that session is over, since we hold the lease. Carried along, it would let a joiner of
+    /// that group who read the blob during our hold take the list for a live session once our
+    /// lease ended, and join it with *our* token instead of founding a session with a new one.
     async fn bump_generation(&self, blob: &str, lease: LeaseId) -> Result<u64> {
         let props = self
             .retry("read fencing generation", || self.store.properties(blob))
             .await?;
         let token = generation_of(&props.metadata) + 1;
         let mut metadata = props.metadata;
+        for shared in [META_SHARERS, META_SHARE_GROUP, META_SHARE_GENERATION] {
+            metadata.remove(shared);
+        }
         metadata.insert(META_GENERATION.into(), token.to_string());
         metadata.insert(META_HOLDER.into(), self.options.holder.clone());
         metadata.insert(META_SINCE.into(), unix_millis_now().to_string());

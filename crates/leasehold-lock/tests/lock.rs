@@ -687,6 +687,121 @@ mod memory {
         other.release().await.unwrap();
     }
 
+    /// A shared session's fencing token is never handed out again once another grant came after
+    /// it. The sequence this pins (item 5 of the review; seen as "shared token 1, exclusive
+    /// token 2, joiner token 2"):
+    ///
+    /// 1. member `a` founds a shared session of group G ("batch"): token 1, and the lock blob's
+    ///    metadata says group G, members `[a]`;
+    /// 2. `a` dies (stops renewing, never leaves): the lease lapses, the metadata still says
+    ///    group G, members `[a]`;
+    /// 3. exclusive holder E acquires: its fencing write makes token 2 — and used to copy the
+    ///    stale group and member list along;
+    /// 4. joiner J of group G reads the blob while E holds it: "held, group G, members `[a]`";
+    /// 5. E's lease ends (released, or lapsed after E died);
+    /// 6. J acquires G (free now) and, trusting the list it read, joins "the session" instead of
+    ///    founding one: it kept the generation it read, E's token 2.
+    ///
+    /// Fencing must rise across every kind of grant: J's token is above E's.
+    #[tokio::test(start_paused = true)]
+    async fn a_joiner_never_reuses_the_token_of_an_exclusive_grant() {
+        for e_ends_by_lapse in [false, true] {
+            let inner = Arc::new(MemoryStore::new());
+            let lock = LeaseLock::new(inner.clone(), fast_options()).unwrap();
+            let gate = Arc::new(ReadGate::default());
+            let joiner = LeaseLock::new(
+                Arc::new(FaultyStore::new(inner.clone(), gate.clone())),
+                fast_options(),
+            )
+            .unwrap();
+            let k = key("shared-then-exclusive");
+            let a = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+            assert_eq!(a.fencing_token(), Some(1));
+            a.abandon();
+            tokio::time::sleep(Duration::from_secs(16)).await;
+            let e = lock.try_acquire(&k).await.unwrap().expect("free after the lapse");
+            assert_eq!(e.fencing_token(), Some(2));
+
+            gate.arm();
+            let j = tokio::spawn({
+                let k = k.clone();
+                async move { joiner.try_acquire_shared(&k, "batch").await }
+            });
+            gate.wait_read().await; // J has read the blob while E holds it
+            if e_ends_by_lapse {
+                e.abandon();
+                tokio::time::sleep(Duration::from_secs(16)).await;
+            } else {
+                e.release().await.unwrap();
+            }
+            gate.open();
+            let j = j.await.unwrap().unwrap().expect("free once E's lease ended");
+            assert!(
+                j.fencing_token() > Some(2),
+                "E ended by {}: shared token 1, exclusive token 2, joiner token {:?}",
+                if e_ends_by_lapse { "lapse" } else { "release" },
+                j.fencing_token()
+            );
+            assert_eq!(
+                lock.inspect(&k).await.unwrap().sharers.len(),
+                1,
+                "the dead member of the lapsed session is not carried into the new one"
+            );
+            j.release().await.unwrap();
+        }
+    }
+
+    /// The same hazard from a writer that advances the generation but leaves the share group's
+    /// metadata in place (an older version of this library holding the key exclusively during
+    /// a rolling upgrade): a joiner inherits a session's token only when the metadata says the
+    /// session was granted that very generation; otherwise it takes a new one.
+    #[tokio::test(start_paused = true)]
+    async fn a_joiner_takes_a_new_token_when_the_generation_moved_on_under_its_group() {
+        let inner = Arc::new(MemoryStore::new());
+        let lock = LeaseLock::new(inner.clone(), fast_options()).unwrap();
+        let gate = Arc::new(ReadGate::default());
+        let joiner = LeaseLock::new(
+            Arc::new(FaultyStore::new(inner.clone(), gate.clone())),
+            fast_options(),
+        )
+        .unwrap();
+        let k = key("shared-then-old-exclusive");
+        let blob = leasehold_lock::lock_blob_name(&k);
+        let a = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(a.fencing_token(), Some(1));
+        a.abandon();
+        tokio::time::sleep(Duration::from_secs(16)).await;
+        // The old exclusive grant: acquire, read, write generation + 1 over the metadata as read.
+        let old = leasehold_lock::LeaseId::random();
+        inner
+            .acquire_lease(&blob, old, fast_options().duration)
+            .await
+            .unwrap();
+        let mut md = inner.properties(&blob).await.unwrap().metadata;
+        md.insert(leasehold_lock::META_GENERATION.into(), "2".into());
+        inner.set_metadata(&blob, Some(old), None, &md).await.unwrap();
+
+        gate.arm();
+        let j = tokio::spawn({
+            let k = k.clone();
+            async move { joiner.try_acquire_shared(&k, "batch").await }
+        });
+        gate.wait_read().await;
+        inner.release_lease(&blob, old, None).await.unwrap();
+        gate.open();
+        let j = j
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("free once the old holder released");
+        assert_eq!(j.fencing_token(), Some(3), "the old exclusive grant had token 2");
+        // Members joining the new session share its token.
+        let m = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(m.fencing_token(), Some(3));
+        m.release().await.unwrap();
+        j.release().await.unwrap();
+    }
+
     /// Takes `k` as soon as it is free; fails after 5 minutes (of paused time).
     async fn eventually_free(lock: &LeaseLock, k: &LockKey) -> leasehold_lock::LeaseGuard {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
@@ -1048,6 +1163,46 @@ mod memory {
 
         fn counters(&self) -> &OpCounters {
             self.inner.counters()
+        }
+    }
+
+    /// Holds the first blob read after `arm` (once it took effect) until `open`: stages "read
+    /// the lock blob, then something happens, then go on".
+    #[derive(Debug, Default)]
+    struct ReadGate {
+        counters: OpCounters,
+        armed: std::sync::atomic::AtomicBool,
+        read: tokio::sync::Notify,
+        go: tokio::sync::Notify,
+    }
+
+    impl ReadGate {
+        fn arm(&self) {
+            self.armed.store(true, Ordering::SeqCst);
+        }
+
+        async fn wait_read(&self) {
+            self.read.notified().await;
+        }
+
+        fn open(&self) {
+            self.go.notify_one();
+        }
+    }
+
+    #[async_trait]
+    impl Interceptor for ReadGate {
+        async fn call<T: Send + 'static>(&self, op: Op, _blob: &str, effect: Effect<T>) -> StoreResult<T> {
+            let result = effect.await;
+            if op == Op::BlobProperties && self.armed.swap(false, Ordering::SeqCst) {
+                self.read.notify_one();
+                self.go.notified().await;
+            }
+            result
+        }
+
+        fn counters(&self) -> &OpCounters {
+            &self.counters
         }
     }
 }
