@@ -96,7 +96,10 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
         // generation that moved on under the group's metadata (a writer that left it behind)
         // means someone else was granted a token since.
         let joining = ours && !list.is_empty() && session_generation(&before.metadata) == Some(token);
-        list.push(member.clone());
+        // A write of ours that landed although its answer was lost already listed us.
+        if !list.contains(&member) {
+            list.push(member.clone());
+        }
         let mut metadata = with_members(&before.metadata, group, &list);
         if !joining {
             holder_metadata(lock.options(), &mut metadata);

@@ -802,6 +802,35 @@ mod memory {
         j.release().await.unwrap();
     }
 
+    /// A join whose write took effect but whose answer was lost lists its member once: the
+    /// retry finds the blob changed (by that very write), reads it again and finds itself
+    /// listed. Listed twice, its one leave would leave it listed, and the key would stay held
+    /// until the lease lapsed.
+    #[tokio::test(start_paused = true)]
+    async fn a_join_whose_answer_was_lost_lists_its_member_once() {
+        let inner = Arc::new(MemoryStore::new());
+        let lose = Arc::new(LoseAnswer::of(Op::BlobSetMetadata));
+        let lock = LeaseLock::new(
+            Arc::new(FaultyStore::new(inner.clone(), lose.clone())),
+            fast_options(),
+        )
+        .unwrap();
+        let k = key("shared-lost-answer");
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(
+            lose.lost.load(Ordering::SeqCst),
+            1,
+            "the join's write lost its answer"
+        );
+        assert_eq!(member.fencing_token(), Some(1));
+        assert_eq!(lock.inspect(&k).await.unwrap().sharers.len(), 1);
+        member.release().await.unwrap();
+        assert!(
+            lock.try_acquire(&k).await.unwrap().is_some(),
+            "free once its only member left"
+        );
+    }
+
     /// Takes `k` as soon as it is free; fails after 5 minutes (of paused time).
     async fn eventually_free(lock: &LeaseLock, k: &LockKey) -> leasehold_lock::LeaseGuard {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
@@ -1197,6 +1226,41 @@ mod memory {
             if op == Op::BlobProperties && self.armed.swap(false, Ordering::SeqCst) {
                 self.read.notify_one();
                 self.go.notified().await;
+            }
+            result
+        }
+
+        fn counters(&self) -> &OpCounters {
+            &self.counters
+        }
+    }
+
+    /// Loses the answer of the first request of kind `op` after it took effect (a time-out: no
+    /// answer came, the request landed).
+    #[derive(Debug)]
+    struct LoseAnswer {
+        counters: OpCounters,
+        op: Op,
+        lost: AtomicUsize,
+    }
+
+    impl LoseAnswer {
+        fn of(op: Op) -> Self {
+            LoseAnswer {
+                counters: OpCounters::new(),
+                op,
+                lost: 0.into(),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Interceptor for LoseAnswer {
+        async fn call<T: Send + 'static>(&self, op: Op, _blob: &str, effect: Effect<T>) -> StoreResult<T> {
+            let result = effect.await;
+            if op == self.op && self.lost.load(Ordering::SeqCst) == 0 {
+                self.lost.store(1, Ordering::SeqCst);
+                return Err(StoreError::timeout(op, Duration::from_secs(10)));
             }
             result
         }
