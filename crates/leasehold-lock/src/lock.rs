@@ -7,6 +7,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use leasehold_storage::{RetryOptions, StoreErrorKind, StoreResult};
 
@@ -641,12 +642,16 @@ async fn renew_loop(
     lost.cancel();
 }
 
-/// Several keys held together (from [`LeaseLock::try_acquire_many`]).
+/// Several keys held together (from [`LeaseLock::try_acquire_many`]). Dropped without
+/// [`release`](Self::release), each key is released in the background, as a dropped
+/// [`LeaseGuard`] is.
 #[derive(Debug)]
 pub struct MultiGuard {
     guards: Vec<LeaseGuard>,
     lost: CancellationToken,
-    watcher: JoinHandle<()>,
+    /// Fires `lost` when a guard's does. Aborted when the hold ends: a dropped guard's `lost`
+    /// never fires, so the watcher would otherwise wait for ever.
+    watcher: AbortOnDropHandle<()>,
 }
 
 impl MultiGuard {
@@ -654,14 +659,14 @@ impl MultiGuard {
         let lost = CancellationToken::new();
         let tokens: Vec<_> = guards.iter().map(LeaseGuard::lost).collect();
         let combined = lost.clone();
-        let watcher = tokio::spawn(async move {
+        let watcher = AbortOnDropHandle::new(tokio::spawn(async move {
             let any = tokens.iter().map(|t| Box::pin(t.cancelled()));
             if tokens.is_empty() {
                 return;
             }
             futures_select_all(any.collect()).await;
             combined.cancel();
-        });
+        }));
         Self {
             guards,
             lost,

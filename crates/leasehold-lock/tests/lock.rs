@@ -660,6 +660,33 @@ mod memory {
         all.release().await.unwrap();
     }
 
+    /// A multi-key hold dropped without `release` leaves no task behind: its watcher (which
+    /// fires the combined lost signal) ends with it, as do the guards' renewers and the
+    /// releases their drops hand to the runtime.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_multi_key_hold_leaves_no_task_behind() {
+        let lock = LeaseLock::new(store(), fast_options()).unwrap();
+        let keys = [key("leak/a"), key("leak/b")];
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let before = metrics.num_alive_tasks();
+        let all = lock.try_acquire_many(&keys).await.unwrap().unwrap();
+        assert_eq!(
+            metrics.num_alive_tasks(),
+            before + 3,
+            "two renewers and a watcher"
+        );
+        let lost = all.lost();
+        drop(all);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(metrics.num_alive_tasks(), before, "a task outlived the hold");
+        assert!(!lost.is_cancelled(), "dropped, not lost");
+        let again = lock.try_acquire_many(&keys).await.unwrap();
+        assert!(again.is_some(), "released on drop");
+        again.unwrap().release().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(metrics.num_alive_tasks(), before, "a task outlived the release");
+    }
+
     /// A shared member that dies without leaving stays in the member list, so the last live
     /// member's leave does not release the key; it is harmless beyond a delay: nobody renews the
     /// lease any more, and the key is free within one lease duration.
