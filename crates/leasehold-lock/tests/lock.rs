@@ -141,6 +141,31 @@ mod scenarios {
         next.release().await.unwrap();
     }
 
+    /// A second break of a lease that is already breaking can shorten the break (to its own
+    /// period), never end it at once: the broken holder is told at its next renewal, and the
+    /// key must stay unavailable until then. (Two operators, or one retrying, break twice.)
+    pub async fn a_second_break_keeps_the_key_unavailable(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let operator = LeaseLock::new(store, fast_options()).unwrap();
+        let k = key("broken-twice");
+        let guard = lock.try_acquire(&k).await.unwrap().unwrap();
+        operator.break_lock(&k, "first").await.unwrap();
+        operator.break_lock(&k, "second").await.unwrap();
+        assert!(
+            operator.try_acquire(&k).await.unwrap().is_none(),
+            "a second break freed the key under its holder"
+        );
+        tokio::time::timeout(Duration::from_secs(10), guard.lost().cancelled())
+            .await
+            .expect("lost at the next renewal");
+        guard.release().await.unwrap();
+        operator
+            .try_acquire(&k)
+            .await
+            .unwrap()
+            .expect("free once released");
+    }
+
     /// Fencing tokens rise across release/re-acquire and across takeover after expiry, and a
     /// stale holder can no longer write the lock blob.
     pub async fn fencing_increases(store: Arc<dyn LeaseStore>) {
@@ -427,6 +452,11 @@ mod azurite {
     }
 
     #[tokio::test]
+    async fn a_second_break_keeps_the_key_unavailable() {
+        scenarios::a_second_break_keeps_the_key_unavailable(store()).await;
+    }
+
+    #[tokio::test]
     async fn shared_holders() {
         scenarios::shared_holders(store()).await;
     }
@@ -504,6 +534,11 @@ mod memory {
     #[tokio::test(start_paused = true)]
     async fn fencing_increases() {
         scenarios::fencing_increases(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_break_keeps_the_key_unavailable() {
+        scenarios::a_second_break_keeps_the_key_unavailable(store()).await;
     }
 
     #[tokio::test(start_paused = true)]
