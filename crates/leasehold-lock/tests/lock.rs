@@ -1143,6 +1143,87 @@ mod memory {
         assert_eq!(guard.fencing_token(), Some(1), "no failed grant counted");
     }
 
+    /// A shared join passes storage's refusals on (a refused read is not a missing blob, a
+    /// refused write is not churn), and rides out churn (the blob changed between its read and
+    /// its write) by reading again after pauses of 10 ms, 20 ms, ...
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_join_reports_refusals_and_rides_out_churn() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        let k = key("shared-join-errors");
+        flaky.inject(Op::BlobProperties, StoreErrorKind::Rejected);
+        assert_refused(&lock.try_acquire_shared(&k, "batch").await.unwrap_err());
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::Rejected);
+        assert_refused(&lock.try_acquire_shared(&k, "batch").await.unwrap_err());
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::ConditionNotMet);
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::LeaseLost);
+        let start = tokio::time::Instant::now();
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap();
+        assert!(member.is_some(), "joined after two rounds of churn");
+        assert_eq!(start.elapsed(), Duration::from_millis(10 + 20));
+    }
+
+    /// A shared member's leave: a refused read or write, or a refused release, is an error; a
+    /// missing blob, a lease already lost and a member joining before the last one's release
+    /// are not (nothing of ours is left to give back, or the key stays held by the newcomer);
+    /// churn is read again after pauses of 10 ms, 20 ms, ...
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_leave_reports_refusals_and_rides_out_churn() {
+        let inner = Arc::new(MemoryStore::new());
+        let flaky = Arc::new(Flaky::over(inner.clone()));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        for (n, (op, kind, refused)) in [
+            (Op::BlobProperties, StoreErrorKind::Rejected, true),
+            (Op::BlobProperties, StoreErrorKind::NotFound, false),
+            (Op::BlobSetMetadata, StoreErrorKind::Rejected, true),
+            (Op::BlobSetMetadata, StoreErrorKind::LeaseLost, false),
+            (Op::LeaseRelease, StoreErrorKind::Rejected, true),
+            (Op::LeaseRelease, StoreErrorKind::ConditionNotMet, false),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let k = key(&format!("shared-leave-errors/{n}"));
+            let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+            flaky.inject(op, kind);
+            let left = member.release().await;
+            if refused {
+                assert_refused(&left.unwrap_err());
+            } else {
+                assert!(left.is_ok(), "{op} answering {kind:?}: {left:?}");
+            }
+        }
+
+        let k = key("shared-leave-churn");
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::ConditionNotMet);
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::ConditionNotMet);
+        let start = tokio::time::Instant::now();
+        member.release().await.unwrap();
+        assert_eq!(start.elapsed(), Duration::from_millis(10 + 20));
+        let next = lock.try_acquire(&k).await.unwrap().expect("left and released");
+        next.release().await.unwrap();
+
+        // A member whose lease is gone (broken and taken) reads once and writes nothing.
+        let k = key("shared-leave-gone");
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        lock.break_lock_after(&k, "test", Duration::ZERO).await.unwrap();
+        let other = lock.try_acquire(&k).await.unwrap().expect("free after the break");
+        let before = inner.counters().snapshot();
+        member.release().await.unwrap();
+        let sent = inner.counters().snapshot().since(&before);
+        assert_eq!(
+            (
+                sent.get(Op::BlobProperties),
+                sent.get(Op::BlobSetMetadata),
+                sent.total()
+            ),
+            (1, 0, 1),
+            "{sent}"
+        );
+        other.release().await.unwrap();
+    }
+
     /// The error is storage's definitive refusal (what the tests inject), passed on as is.
     fn assert_refused(err: &leasehold_lock::Error) {
         assert!(
@@ -1243,6 +1324,7 @@ mod memory {
                     }
                 }
                 Op::LeaseRelease => {
+                    self.injected(op)?;
                     if Flaky::take_one(&self.fail_releases) {
                         return Err(transient(op));
                     }
