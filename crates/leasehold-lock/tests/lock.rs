@@ -671,6 +671,23 @@ mod memory {
         assert!(holder.ends_with(&format!(":{}", std::process::id())), "{holder}");
         assert!(info.since.expect("since written") > before);
         member.release().await.unwrap();
+
+        // The lock's own options: its holder name, and no token without fencing.
+        let lock = LeaseLock::new(
+            store(),
+            LeaseOptions {
+                holder: "batch-runner".into(),
+                fencing: false,
+                ..LeaseOptions::default()
+            },
+        )
+        .unwrap();
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(member.fencing_token(), None);
+        let info = lock.inspect(&k).await.unwrap();
+        assert_eq!(info.holder.as_deref(), Some("batch-runner"));
+        assert_eq!(info.generation, 0);
+        member.release().await.unwrap();
     }
 
     /// A multi-key hold fires its lost signal when any of its leases is lost.
@@ -1024,6 +1041,19 @@ mod memory {
         // With the blob in place, the next try takes the key.
         let guard = lock.try_acquire(&key("first")).await.unwrap();
         assert!(guard.is_some());
+    }
+
+    /// Losing the race for a key's first use (another caller created the blob and took the
+    /// lease between our 404 and our second acquire) is "held", not an error.
+    #[tokio::test(start_paused = true)]
+    async fn losing_the_first_use_race_is_held_not_an_error() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        let winner = lock.try_acquire(&key("race")).await.unwrap().unwrap();
+        // Our first acquire still found no blob; the winner's came next.
+        flaky.inject(Op::LeaseAcquire, StoreErrorKind::NotFound);
+        assert!(lock.try_acquire(&key("race")).await.unwrap().is_none());
+        winner.release().await.unwrap();
     }
 
     /// `acquire` waits while the key is held or its own lease id is being broken, and returns
