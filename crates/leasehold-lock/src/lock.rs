@@ -7,6 +7,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use leasehold_storage::{RetryOptions, StoreErrorKind, StoreResult};
 
@@ -24,6 +25,10 @@ pub const META_SINCE: &str = "leasehold_since";
 pub const META_SHARERS: &str = "leasehold_sharers";
 /// Metadata name of the shared lease id the member list belongs to.
 pub const META_SHARE_GROUP: &str = "leasehold_share_group";
+/// Metadata name of the fencing generation the shared hold's session was granted (the token its
+/// members share). A joiner inherits the session's token only while the generation is still
+/// this one.
+pub const META_SHARE_GENERATION: &str = "leasehold_share_generation";
 
 /// Prefix of lock blob names inside the container.
 pub const LOCK_PREFIX: &str = "locks/";
@@ -350,12 +355,20 @@ impl LeaseLock {
 
     /// Reads the generation and writes generation + 1 under our lease; returns the new token.
     /// Strictly increasing per key because only the lease holder can write the blob.
+    ///
+    /// The write also drops what a shared hold left (its group, member list and generation):
+    /// that session is over, since we hold the lease. Carried along, it would let a joiner of
+    /// that group who read the blob during our hold take the list for a live session once our
+    /// lease ended, and join it with *our* token instead of founding a session with a new one.
     async fn bump_generation(&self, blob: &str, lease: LeaseId) -> Result<u64> {
         let props = self
             .retry("read fencing generation", || self.store.properties(blob))
             .await?;
         let token = generation_of(&props.metadata) + 1;
         let mut metadata = props.metadata;
+        for shared in [META_SHARERS, META_SHARE_GROUP, META_SHARE_GENERATION] {
+            metadata.remove(shared);
+        }
         metadata.insert(META_GENERATION.into(), token.to_string());
         metadata.insert(META_HOLDER.into(), self.options.holder.clone());
         metadata.insert(META_SINCE.into(), unix_millis_now().to_string());
@@ -629,12 +642,16 @@ async fn renew_loop(
     lost.cancel();
 }
 
-/// Several keys held together (from [`LeaseLock::try_acquire_many`]).
+/// Several keys held together (from [`LeaseLock::try_acquire_many`]). Dropped without
+/// [`release`](Self::release), each key is released in the background, as a dropped
+/// [`LeaseGuard`] is.
 #[derive(Debug)]
 pub struct MultiGuard {
     guards: Vec<LeaseGuard>,
     lost: CancellationToken,
-    watcher: JoinHandle<()>,
+    /// Fires `lost` when a guard's does. Aborted when the hold ends: a dropped guard's `lost`
+    /// never fires, so the watcher would otherwise wait for ever.
+    watcher: AbortOnDropHandle<()>,
 }
 
 impl MultiGuard {
@@ -642,14 +659,14 @@ impl MultiGuard {
         let lost = CancellationToken::new();
         let tokens: Vec<_> = guards.iter().map(LeaseGuard::lost).collect();
         let combined = lost.clone();
-        let watcher = tokio::spawn(async move {
+        let watcher = AbortOnDropHandle::new(tokio::spawn(async move {
             let any = tokens.iter().map(|t| Box::pin(t.cancelled()));
             if tokens.is_empty() {
                 return;
             }
             futures_select_all(any.collect()).await;
             combined.cancel();
-        });
+        }));
         Self {
             guards,
             lost,

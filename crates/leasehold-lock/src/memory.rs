@@ -291,6 +291,7 @@ impl LeaseStore for MemoryStore {
     }
 
     async fn break_lease(&self, name: &str, period: Duration) -> StoreResult<()> {
+        let period = period.div_f64(self.clock_rate);
         let op = Op::LeaseBreak;
         self.with_state(op, |s, now| {
             let Some(blob) = s.blobs.get_mut(name) else {
@@ -302,6 +303,13 @@ impl LeaseStore for MemoryStore {
                     blob.lease = Lease::Breaking {
                         id,
                         until: (now + period).min(expires),
+                    };
+                }
+                // Breaking again can only shorten the break, as in Azure (and Azurite).
+                Lease::Breaking { id, until } if !period.is_zero() => {
+                    blob.lease = Lease::Breaking {
+                        id,
+                        until: (now + period).min(until),
                     };
                 }
                 Lease::Active { .. } | Lease::Breaking { .. } => blob.lease = Lease::Broken,

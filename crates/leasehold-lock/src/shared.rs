@@ -7,6 +7,15 @@
 //! member joining in between (which changes the ETag) makes the release fail instead of freeing
 //! the key under the newcomer. A member that dies simply stops renewing; when every member has
 //! left or died, the lease lapses.
+//!
+//! Fencing: a session's founder takes generation + 1 and records it as the session's generation
+//! (`META_SHARE_GENERATION`); a joiner inherits that token only if the blob, as read just before
+//! its conditional write, shows its group's lease held, a non-empty member list and the session's
+//! generation still current. Every other grant writes the blob (an exclusive grant removes the
+//! group's metadata, another group's founder writes its own), so a joiner whose write goes
+//! through read the metadata its group's session wrote last, and no grant came in between: the
+//! token it inherits was never handed to anyone outside its session. Anything else founds a new
+//! session with a new token — keeping a live session's members listed, so none is dropped.
 
 use std::time::Duration;
 
@@ -17,8 +26,8 @@ use leasehold_storage::StoreErrorKind;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lock::{
-    LeaseGuard, LeaseLock, META_GENERATION, META_SHARE_GROUP, META_SHARERS, generation_of, holder_metadata,
-    lease_lost, lock_blob_name, release_lease,
+    LeaseGuard, LeaseLock, META_GENERATION, META_SHARE_GENERATION, META_SHARE_GROUP, META_SHARERS,
+    generation_of, holder_metadata, lease_lost, lock_blob_name, release_lease,
 };
 use crate::store::{LeaseId, Metadata};
 
@@ -50,6 +59,11 @@ fn belongs_to(metadata: &Metadata, group: LeaseId) -> bool {
         .is_some_and(|g| *g == group.to_string())
 }
 
+/// The generation the shared session in `metadata` was granted (`None`: not recorded).
+fn session_generation(metadata: &Metadata) -> Option<u64> {
+    metadata.get(META_SHARE_GENERATION).and_then(|g| g.parse().ok())
+}
+
 pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Result<Option<LeaseGuard>> {
     let blob = lock_blob_name(key);
     let group = LeaseId::derived(&[key.as_str(), share_key]);
@@ -71,21 +85,29 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
         }
         // The list is current only if our group held the lease before we acquired; otherwise
         // it is left over from a group whose members all died.
-        let mut list = if before.lease_state.is_held() && belongs_to(&before.metadata, group) {
+        let ours = before.lease_state.is_held() && belongs_to(&before.metadata, group);
+        let mut list = if ours {
             members(&before.metadata)
         } else {
             Vec::new()
         };
-        let founding = list.is_empty();
-        list.push(member.clone());
-        let mut metadata = with_members(&before.metadata, group, &list);
         let mut token = generation_of(&before.metadata);
-        if founding {
+        // Join the session (and share its token) only if its token is the last one granted; a
+        // generation that moved on under the group's metadata (a writer that left it behind)
+        // means someone else was granted a token since.
+        let joining = ours && !list.is_empty() && session_generation(&before.metadata) == Some(token);
+        // A write of ours that landed although its answer was lost already listed us.
+        if !list.contains(&member) {
+            list.push(member.clone());
+        }
+        let mut metadata = with_members(&before.metadata, group, &list);
+        if !joining {
             holder_metadata(lock.options(), &mut metadata);
             if lock.options().fencing {
                 token += 1;
                 metadata.insert(META_GENERATION.into(), token.to_string());
             }
+            metadata.insert(META_SHARE_GENERATION.into(), token.to_string());
         }
         let write = || store.set_metadata(&blob, Some(group), Some(&before.etag), &metadata);
         match lock.retry("join shared lock", write).await {

@@ -141,6 +141,31 @@ mod scenarios {
         next.release().await.unwrap();
     }
 
+    /// A second break of a lease that is already breaking can shorten the break (to its own
+    /// period), never end it at once: the broken holder is told at its next renewal, and the
+    /// key must stay unavailable until then. (Two operators, or one retrying, break twice.)
+    pub async fn a_second_break_keeps_the_key_unavailable(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let operator = LeaseLock::new(store, fast_options()).unwrap();
+        let k = key("broken-twice");
+        let guard = lock.try_acquire(&k).await.unwrap().unwrap();
+        operator.break_lock(&k, "first").await.unwrap();
+        operator.break_lock(&k, "second").await.unwrap();
+        assert!(
+            operator.try_acquire(&k).await.unwrap().is_none(),
+            "a second break freed the key under its holder"
+        );
+        tokio::time::timeout(Duration::from_secs(10), guard.lost().cancelled())
+            .await
+            .expect("lost at the next renewal");
+        guard.release().await.unwrap();
+        operator
+            .try_acquire(&k)
+            .await
+            .unwrap()
+            .expect("free once released");
+    }
+
     /// Fencing tokens rise across release/re-acquire and across takeover after expiry, and a
     /// stale holder can no longer write the lock blob.
     pub async fn fencing_increases(store: Arc<dyn LeaseStore>) {
@@ -427,6 +452,11 @@ mod azurite {
     }
 
     #[tokio::test]
+    async fn a_second_break_keeps_the_key_unavailable() {
+        scenarios::a_second_break_keeps_the_key_unavailable(store()).await;
+    }
+
+    #[tokio::test]
     async fn shared_holders() {
         scenarios::shared_holders(store()).await;
     }
@@ -504,6 +534,11 @@ mod memory {
     #[tokio::test(start_paused = true)]
     async fn fencing_increases() {
         scenarios::fencing_increases(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_break_keeps_the_key_unavailable() {
+        scenarios::a_second_break_keeps_the_key_unavailable(store()).await;
     }
 
     #[tokio::test(start_paused = true)]
@@ -636,6 +671,23 @@ mod memory {
         assert!(holder.ends_with(&format!(":{}", std::process::id())), "{holder}");
         assert!(info.since.expect("since written") > before);
         member.release().await.unwrap();
+
+        // The lock's own options: its holder name, and no token without fencing.
+        let lock = LeaseLock::new(
+            store(),
+            LeaseOptions {
+                holder: "batch-runner".into(),
+                fencing: false,
+                ..LeaseOptions::default()
+            },
+        )
+        .unwrap();
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(member.fencing_token(), None);
+        let info = lock.inspect(&k).await.unwrap();
+        assert_eq!(info.holder.as_deref(), Some("batch-runner"));
+        assert_eq!(info.generation, 0);
+        member.release().await.unwrap();
     }
 
     /// A multi-key hold fires its lost signal when any of its leases is lost.
@@ -658,6 +710,33 @@ mod memory {
             .await
             .expect("lost within a renewal interval");
         all.release().await.unwrap();
+    }
+
+    /// A multi-key hold dropped without `release` leaves no task behind: its watcher (which
+    /// fires the combined lost signal) ends with it, as do the guards' renewers and the
+    /// releases their drops hand to the runtime.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_multi_key_hold_leaves_no_task_behind() {
+        let lock = LeaseLock::new(store(), fast_options()).unwrap();
+        let keys = [key("leak/a"), key("leak/b")];
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let before = metrics.num_alive_tasks();
+        let all = lock.try_acquire_many(&keys).await.unwrap().unwrap();
+        assert_eq!(
+            metrics.num_alive_tasks(),
+            before + 3,
+            "two renewers and a watcher"
+        );
+        let lost = all.lost();
+        drop(all);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(metrics.num_alive_tasks(), before, "a task outlived the hold");
+        assert!(!lost.is_cancelled(), "dropped, not lost");
+        let again = lock.try_acquire_many(&keys).await.unwrap();
+        assert!(again.is_some(), "released on drop");
+        again.unwrap().release().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(metrics.num_alive_tasks(), before, "a task outlived the release");
     }
 
     /// A shared member that dies without leaving stays in the member list, so the last live
@@ -685,6 +764,150 @@ mod memory {
             left.elapsed()
         );
         other.release().await.unwrap();
+    }
+
+    /// A shared session's fencing token is never handed out again once another grant came after
+    /// it. The sequence this pins (item 5 of the review; seen as "shared token 1, exclusive
+    /// token 2, joiner token 2"):
+    ///
+    /// 1. member `a` founds a shared session of group G ("batch"): token 1, and the lock blob's
+    ///    metadata says group G, members `[a]`;
+    /// 2. `a` dies (stops renewing, never leaves): the lease lapses, the metadata still says
+    ///    group G, members `[a]`;
+    /// 3. exclusive holder E acquires: its fencing write makes token 2 — and used to copy the
+    ///    stale group and member list along;
+    /// 4. joiner J of group G reads the blob while E holds it: "held, group G, members `[a]`";
+    /// 5. E's lease ends (released, or lapsed after E died);
+    /// 6. J acquires G (free now) and, trusting the list it read, joins "the session" instead of
+    ///    founding one: it kept the generation it read, E's token 2.
+    ///
+    /// Fencing must rise across every kind of grant: J's token is above E's.
+    #[tokio::test(start_paused = true)]
+    async fn a_joiner_never_reuses_the_token_of_an_exclusive_grant() {
+        for e_ends_by_lapse in [false, true] {
+            let inner = Arc::new(MemoryStore::new());
+            let lock = LeaseLock::new(inner.clone(), fast_options()).unwrap();
+            let gate = Arc::new(ReadGate::default());
+            let joiner = LeaseLock::new(
+                Arc::new(FaultyStore::new(inner.clone(), gate.clone())),
+                fast_options(),
+            )
+            .unwrap();
+            let k = key("shared-then-exclusive");
+            let a = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+            assert_eq!(a.fencing_token(), Some(1));
+            a.abandon();
+            tokio::time::sleep(Duration::from_secs(16)).await;
+            let e = lock.try_acquire(&k).await.unwrap().expect("free after the lapse");
+            assert_eq!(e.fencing_token(), Some(2));
+
+            gate.arm();
+            let j = tokio::spawn({
+                let k = k.clone();
+                async move { joiner.try_acquire_shared(&k, "batch").await }
+            });
+            gate.wait_read().await; // J has read the blob while E holds it
+            if e_ends_by_lapse {
+                e.abandon();
+                tokio::time::sleep(Duration::from_secs(16)).await;
+            } else {
+                e.release().await.unwrap();
+            }
+            gate.open();
+            let j = j.await.unwrap().unwrap().expect("free once E's lease ended");
+            assert!(
+                j.fencing_token() > Some(2),
+                "E ended by {}: shared token 1, exclusive token 2, joiner token {:?}",
+                if e_ends_by_lapse { "lapse" } else { "release" },
+                j.fencing_token()
+            );
+            assert_eq!(
+                lock.inspect(&k).await.unwrap().sharers.len(),
+                1,
+                "the dead member of the lapsed session is not carried into the new one"
+            );
+            j.release().await.unwrap();
+        }
+    }
+
+    /// The same hazard from a writer that advances the generation but leaves the share group's
+    /// metadata in place (an older version of this library holding the key exclusively during
+    /// a rolling upgrade): a joiner inherits a session's token only when the metadata says the
+    /// session was granted that very generation; otherwise it takes a new one.
+    #[tokio::test(start_paused = true)]
+    async fn a_joiner_takes_a_new_token_when_the_generation_moved_on_under_its_group() {
+        let inner = Arc::new(MemoryStore::new());
+        let lock = LeaseLock::new(inner.clone(), fast_options()).unwrap();
+        let gate = Arc::new(ReadGate::default());
+        let joiner = LeaseLock::new(
+            Arc::new(FaultyStore::new(inner.clone(), gate.clone())),
+            fast_options(),
+        )
+        .unwrap();
+        let k = key("shared-then-old-exclusive");
+        let blob = leasehold_lock::lock_blob_name(&k);
+        let a = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(a.fencing_token(), Some(1));
+        a.abandon();
+        tokio::time::sleep(Duration::from_secs(16)).await;
+        // The old exclusive grant: acquire, read, write generation + 1 over the metadata as read.
+        let old = leasehold_lock::LeaseId::random();
+        inner
+            .acquire_lease(&blob, old, fast_options().duration)
+            .await
+            .unwrap();
+        let mut md = inner.properties(&blob).await.unwrap().metadata;
+        md.insert(leasehold_lock::META_GENERATION.into(), "2".into());
+        inner.set_metadata(&blob, Some(old), None, &md).await.unwrap();
+
+        gate.arm();
+        let j = tokio::spawn({
+            let k = k.clone();
+            async move { joiner.try_acquire_shared(&k, "batch").await }
+        });
+        gate.wait_read().await;
+        inner.release_lease(&blob, old, None).await.unwrap();
+        gate.open();
+        let j = j
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("free once the old holder released");
+        assert_eq!(j.fencing_token(), Some(3), "the old exclusive grant had token 2");
+        // Members joining the new session share its token.
+        let m = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(m.fencing_token(), Some(3));
+        m.release().await.unwrap();
+        j.release().await.unwrap();
+    }
+
+    /// A join whose write took effect but whose answer was lost lists its member once: the
+    /// retry finds the blob changed (by that very write), reads it again and finds itself
+    /// listed. Listed twice, its one leave would leave it listed, and the key would stay held
+    /// until the lease lapsed.
+    #[tokio::test(start_paused = true)]
+    async fn a_join_whose_answer_was_lost_lists_its_member_once() {
+        let inner = Arc::new(MemoryStore::new());
+        let lose = Arc::new(LoseAnswer::of(Op::BlobSetMetadata));
+        let lock = LeaseLock::new(
+            Arc::new(FaultyStore::new(inner.clone(), lose.clone())),
+            fast_options(),
+        )
+        .unwrap();
+        let k = key("shared-lost-answer");
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(
+            lose.lost.load(Ordering::SeqCst),
+            1,
+            "the join's write lost its answer"
+        );
+        assert_eq!(member.fencing_token(), Some(1));
+        assert_eq!(lock.inspect(&k).await.unwrap().sharers.len(), 1);
+        member.release().await.unwrap();
+        assert!(
+            lock.try_acquire(&k).await.unwrap().is_some(),
+            "free once its only member left"
+        );
     }
 
     /// Takes `k` as soon as it is free; fails after 5 minutes (of paused time).
@@ -820,6 +1043,19 @@ mod memory {
         assert!(guard.is_some());
     }
 
+    /// Losing the race for a key's first use (another caller created the blob and took the
+    /// lease between our 404 and our second acquire) is "held", not an error.
+    #[tokio::test(start_paused = true)]
+    async fn losing_the_first_use_race_is_held_not_an_error() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        let winner = lock.try_acquire(&key("race")).await.unwrap().unwrap();
+        // Our first acquire still found no blob; the winner's came next.
+        flaky.inject(Op::LeaseAcquire, StoreErrorKind::NotFound);
+        assert!(lock.try_acquire(&key("race")).await.unwrap().is_none());
+        winner.release().await.unwrap();
+    }
+
     /// `acquire` waits while the key is held or its own lease id is being broken, and returns
     /// any other storage error at once instead of waiting out its timeout.
     #[tokio::test(start_paused = true)]
@@ -937,6 +1173,87 @@ mod memory {
         assert_eq!(guard.fencing_token(), Some(1), "no failed grant counted");
     }
 
+    /// A shared join passes storage's refusals on (a refused read is not a missing blob, a
+    /// refused write is not churn), and rides out churn (the blob changed between its read and
+    /// its write) by reading again after pauses of 10 ms, 20 ms, ...
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_join_reports_refusals_and_rides_out_churn() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        let k = key("shared-join-errors");
+        flaky.inject(Op::BlobProperties, StoreErrorKind::Rejected);
+        assert_refused(&lock.try_acquire_shared(&k, "batch").await.unwrap_err());
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::Rejected);
+        assert_refused(&lock.try_acquire_shared(&k, "batch").await.unwrap_err());
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::ConditionNotMet);
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::LeaseLost);
+        let start = tokio::time::Instant::now();
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap();
+        assert!(member.is_some(), "joined after two rounds of churn");
+        assert_eq!(start.elapsed(), Duration::from_millis(10 + 20));
+    }
+
+    /// A shared member's leave: a refused read or write, or a refused release, is an error; a
+    /// missing blob, a lease already lost and a member joining before the last one's release
+    /// are not (nothing of ours is left to give back, or the key stays held by the newcomer);
+    /// churn is read again after pauses of 10 ms, 20 ms, ...
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_leave_reports_refusals_and_rides_out_churn() {
+        let inner = Arc::new(MemoryStore::new());
+        let flaky = Arc::new(Flaky::over(inner.clone()));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        for (n, (op, kind, refused)) in [
+            (Op::BlobProperties, StoreErrorKind::Rejected, true),
+            (Op::BlobProperties, StoreErrorKind::NotFound, false),
+            (Op::BlobSetMetadata, StoreErrorKind::Rejected, true),
+            (Op::BlobSetMetadata, StoreErrorKind::LeaseLost, false),
+            (Op::LeaseRelease, StoreErrorKind::Rejected, true),
+            (Op::LeaseRelease, StoreErrorKind::ConditionNotMet, false),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let k = key(&format!("shared-leave-errors/{n}"));
+            let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+            flaky.inject(op, kind);
+            let left = member.release().await;
+            if refused {
+                assert_refused(&left.unwrap_err());
+            } else {
+                assert!(left.is_ok(), "{op} answering {kind:?}: {left:?}");
+            }
+        }
+
+        let k = key("shared-leave-churn");
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::ConditionNotMet);
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::ConditionNotMet);
+        let start = tokio::time::Instant::now();
+        member.release().await.unwrap();
+        assert_eq!(start.elapsed(), Duration::from_millis(10 + 20));
+        let next = lock.try_acquire(&k).await.unwrap().expect("left and released");
+        next.release().await.unwrap();
+
+        // A member whose lease is gone (broken and taken) reads once and writes nothing.
+        let k = key("shared-leave-gone");
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        lock.break_lock_after(&k, "test", Duration::ZERO).await.unwrap();
+        let other = lock.try_acquire(&k).await.unwrap().expect("free after the break");
+        let before = inner.counters().snapshot();
+        member.release().await.unwrap();
+        let sent = inner.counters().snapshot().since(&before);
+        assert_eq!(
+            (
+                sent.get(Op::BlobProperties),
+                sent.get(Op::BlobSetMetadata),
+                sent.total()
+            ),
+            (1, 0, 1),
+            "{sent}"
+        );
+        other.release().await.unwrap();
+    }
+
     /// The error is storage's definitive refusal (what the tests inject), passed on as is.
     fn assert_refused(err: &leasehold_lock::Error) {
         assert!(
@@ -1037,6 +1354,7 @@ mod memory {
                     }
                 }
                 Op::LeaseRelease => {
+                    self.injected(op)?;
                     if Flaky::take_one(&self.fail_releases) {
                         return Err(transient(op));
                     }
@@ -1048,6 +1366,81 @@ mod memory {
 
         fn counters(&self) -> &OpCounters {
             self.inner.counters()
+        }
+    }
+
+    /// Holds the first blob read after `arm` (once it took effect) until `open`: stages "read
+    /// the lock blob, then something happens, then go on".
+    #[derive(Debug, Default)]
+    struct ReadGate {
+        counters: OpCounters,
+        armed: std::sync::atomic::AtomicBool,
+        read: tokio::sync::Notify,
+        go: tokio::sync::Notify,
+    }
+
+    impl ReadGate {
+        fn arm(&self) {
+            self.armed.store(true, Ordering::SeqCst);
+        }
+
+        async fn wait_read(&self) {
+            self.read.notified().await;
+        }
+
+        fn open(&self) {
+            self.go.notify_one();
+        }
+    }
+
+    #[async_trait]
+    impl Interceptor for ReadGate {
+        async fn call<T: Send + 'static>(&self, op: Op, _blob: &str, effect: Effect<T>) -> StoreResult<T> {
+            let result = effect.await;
+            if op == Op::BlobProperties && self.armed.swap(false, Ordering::SeqCst) {
+                self.read.notify_one();
+                self.go.notified().await;
+            }
+            result
+        }
+
+        fn counters(&self) -> &OpCounters {
+            &self.counters
+        }
+    }
+
+    /// Loses the answer of the first request of kind `op` after it took effect (a time-out: no
+    /// answer came, the request landed).
+    #[derive(Debug)]
+    struct LoseAnswer {
+        counters: OpCounters,
+        op: Op,
+        lost: AtomicUsize,
+    }
+
+    impl LoseAnswer {
+        fn of(op: Op) -> Self {
+            LoseAnswer {
+                counters: OpCounters::new(),
+                op,
+                lost: 0.into(),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Interceptor for LoseAnswer {
+        async fn call<T: Send + 'static>(&self, op: Op, _blob: &str, effect: Effect<T>) -> StoreResult<T> {
+            let result = effect.await;
+            if op == self.op && self.lost.load(Ordering::SeqCst) == 0 {
+                self.lost.store(1, Ordering::SeqCst);
+                return Err(StoreError::timeout(op, Duration::from_secs(10)));
+            }
+            result
+        }
+
+        fn counters(&self) -> &OpCounters {
+            &self.counters
         }
     }
 }
