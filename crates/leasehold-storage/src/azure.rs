@@ -34,6 +34,9 @@ pub fn http_client() -> &'static reqwest::Client {
     CLIENT.get_or_init(|| {
         reqwest::Client::builder()
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            // Storage never redirects; a 3xx is an error to surface, not a request to re-send
+            // (signed for one URL) somewhere else.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .expect("an HTTP client with default TLS settings builds")
     })
