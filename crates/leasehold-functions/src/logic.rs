@@ -181,7 +181,7 @@ impl Supervisor {
 /// environment. Exit 0 is success.
 ///
 /// The command does not inherit the worker's environment: it gets the run's variables and a
-/// [`CommandEnv`] (by default [`CommandEnv::from_worker`]: the base variables and those
+/// [`CommandEnv`] (by default the base variables; the `leasehold` executable adds those
 /// `LEASEHOLD_LOGIC_ENV` names), so the worker's secrets stay with the worker.
 ///
 /// The command runs in a process group of its own under a supervising process (see
@@ -207,18 +207,19 @@ pub struct CommandLogic {
 
 #[cfg(unix)]
 impl CommandLogic {
-    /// A command with [`CommandEnv::from_worker`] (read now: its warnings are start-up's).
+    /// A command that gets its run's variables and the [`COMMAND_BASE_ENV`] ones of this
+    /// process (read now); [`with_env`](Self::with_env) passes more, e.g.
+    /// [`CommandEnv::from_worker`] for what `LEASEHOLD_LOGIC_ENV` names.
     pub fn new(command: impl Into<String>, supervisor: Supervisor) -> Self {
         Self {
             command: command.into(),
             supervisor,
             grace: TERMINATE_GRACE,
-            env: CommandEnv::from_worker(),
+            env: CommandEnv::from_vars(std::env::vars_os(), std::iter::empty::<&str>()),
         }
     }
 
-    /// The worker variables the command gets besides the run's (instead of
-    /// [`CommandEnv::from_worker`]).
+    /// The worker variables the command gets besides the run's (instead of the base ones).
     pub fn with_env(mut self, env: CommandEnv) -> Self {
         self.env = env;
         self

@@ -276,7 +276,9 @@ impl Application {
 
 fn logic(settings: &Settings, demo: bool, supervisor: Option<PathBuf>) -> Result<Arc<dyn Logic>> {
     Ok(match &settings.logic {
-        LogicSetting::Command(c) => command_logic(c, settings.runner.stop_grace, supervisor)?,
+        LogicSetting::Command(c) => {
+            command_logic(c, &settings.logic_env, settings.runner.stop_grace, supervisor)?
+        }
         LogicSetting::Url(u) => Arc::new(
             UrlLogic::new(u, settings.runner.run_timeout)
                 .map_err(|e| anyhow::anyhow!("LEASEHOLD_LOGIC_URL: {e}"))?,
@@ -296,8 +298,13 @@ fn logic(settings: &Settings, demo: bool, supervisor: Option<PathBuf>) -> Result
 /// SIGTERM → SIGKILL grace ends a second inside the runner's stop grace, so a cancelled command
 /// is dead before the runner gives up waiting (and before the lease can be handed on).
 #[cfg(unix)]
-fn command_logic(command: &str, stop_grace: Duration, supervisor: Option<PathBuf>) -> Result<Arc<dyn Logic>> {
-    use leasehold_functions::logic::{CommandLogic, Supervisor};
+fn command_logic(
+    command: &str,
+    allowed_env: &[String],
+    stop_grace: Duration,
+    supervisor: Option<PathBuf>,
+) -> Result<Arc<dyn Logic>> {
+    use leasehold_functions::logic::{CommandEnv, CommandLogic, Supervisor};
     let supervisor = match supervisor {
         Some(path) => Supervisor::program(path, ["supervise"]),
         None => Supervisor::current_exe()
@@ -306,12 +313,20 @@ fn command_logic(command: &str, stop_grace: Duration, supervisor: Option<PathBuf
     let grace = stop_grace
         .saturating_sub(Duration::from_secs(1))
         .max(Duration::from_millis(500));
-    Ok(Arc::new(CommandLogic::new(command, supervisor).with_grace(grace)))
+    // The command gets the base variables and those the settings allow, with this process's
+    // values (read now: the warnings about them are start-up's).
+    let env = CommandEnv::from_vars(std::env::vars_os(), allowed_env);
+    Ok(Arc::new(
+        CommandLogic::new(command, supervisor)
+            .with_env(env)
+            .with_grace(grace),
+    ))
 }
 
 #[cfg(not(unix))]
 fn command_logic(
     _command: &str,
+    _allowed_env: &[String],
     _stop_grace: Duration,
     _supervisor: Option<PathBuf>,
 ) -> Result<Arc<dyn Logic>> {

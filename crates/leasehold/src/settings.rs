@@ -37,7 +37,6 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_QUEUE", Some("leasehold-triggers")),
     setting("LEASEHOLD_CONTAINER", Some("leasehold-locks")),
     setting("LEASEHOLD_LOGIC_COMMAND", None),
-    // Read where the command's environment is made (`CommandEnv::from_worker`).
     setting("LEASEHOLD_LOGIC_ENV", None),
     setting("LEASEHOLD_LOGIC_URL", None),
     setting("LEASEHOLD_DEMO_SECONDS", None),
@@ -82,6 +81,7 @@ struct Raw {
     leasehold_container: Option<String>,
     leasehold_logic_command: Option<String>,
     leasehold_logic_url: Option<String>,
+    leasehold_logic_env: Option<String>,
     leasehold_api_key: Option<String>,
     leasehold_insecure_no_start_key: Option<String>,
     leasehold_http_header_timeout_seconds: Option<String>,
@@ -120,6 +120,9 @@ pub struct Settings {
     pub queue: String,
     pub container: String,
     pub logic: LogicSetting,
+    /// `LEASEHOLD_LOGIC_ENV`: the worker's environment variables a logic command gets besides
+    /// its run's and the base ones (`leasehold_functions::logic::COMMAND_BASE_ENV`).
+    pub logic_env: Vec<String>,
     pub policy: StartPolicy,
     pub port: u16,
     pub bind: String,
@@ -413,6 +416,7 @@ impl Settings {
             queue: name("LEASEHOLD_QUEUE", raw.leasehold_queue, "leasehold-triggers")?,
             container: name("LEASEHOLD_CONTAINER", raw.leasehold_container, "leasehold-locks")?,
             logic,
+            logic_env: list(&raw.leasehold_logic_env),
             policy,
             port: number("LEASEHOLD_PORT", &raw.leasehold_port, 7071u16)?,
             bind: raw
