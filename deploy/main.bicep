@@ -56,6 +56,9 @@ param containerName string = 'leasehold-locks'
 @description('Shell command run per record (LEASEHOLD_LOGIC_COMMAND); set this or logicUrl.')
 param logicCommand string = ''
 
+@description('Worker environment variables the logic command gets besides its run\'s and the base ones, comma-separated (LEASEHOLD_LOGIC_ENV); never the storage connection string or the Start key unless named here.')
+param logicEnv string = ''
+
 @description('HTTP endpoint POSTed per record (LEASEHOLD_LOGIC_URL); set this or logicCommand.')
 @secure()
 param logicUrl string = ''
@@ -232,6 +235,7 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         { name: 'LEASEHOLD_QUEUE', value: queueName }
         { name: 'LEASEHOLD_CONTAINER', value: containerName }
         { name: 'LEASEHOLD_LOGIC_COMMAND', value: logicCommand }
+        { name: 'LEASEHOLD_LOGIC_ENV', value: logicEnv }
         { name: 'LEASEHOLD_LOGIC_URL', value: logicUrl }
         { name: 'LEASEHOLD_DEMO_SECONDS', value: '' }
         { name: 'LEASEHOLD_ALLOWED_ORGANIZATIONS', value: allowedOrganizations }
