@@ -1472,6 +1472,17 @@ async fn a_poison_write_that_fails_leaves_no_sweep_and_a_refused_one_is_final() 
     }
     assert!(messages(&store).is_empty(), "no sweep: {:?}", messages(&store));
 
+    // Refused for the caller's rights (403): an operator can fix that, so the trigger is kept
+    // for a retry, not given up without its entry.
+    poison_rules
+        .always
+        .lock()
+        .unwrap()
+        .insert(Op::QueuePut, Act::RefuseWith(StoreErrorKind::Rejected, 403));
+    let result = runner.give_up(&poison, &entry).await;
+    assert!(result.is_err(), "{result:?}");
+    assert!(messages(&store).is_empty(), "no sweep: {:?}", messages(&store));
+
     // Refused as too large: final. The sweep is queued and the give-up succeeds.
     poison_rules
         .always
