@@ -21,6 +21,10 @@ pub enum Error {
     /// The lock's options do not fit together (see [`crate::LeaseOptions::validate`]).
     #[error("lock configuration: {0}")]
     Config(String),
+    /// A shared join or leave met a change by another member between its read and its
+    /// conditional write every time it tried (heavy churn on the key); try again later.
+    #[error("the shared lock on {key:?} changed under every one of {attempts} attempts")]
+    Contended { key: String, attempts: usize },
     /// The lease was lost before the operation could complete.
     #[error("lease on {key:?} was lost")]
     LeaseLost { key: String },

@@ -136,9 +136,10 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
             Err(e) => return Err(e.into()),
         }
     }
-    Err(Error::Config(format!(
-        "could not join the shared lock on {key} after {ATTEMPTS} attempts of churn"
-    )))
+    Err(Error::Contended {
+        key: key.to_string(),
+        attempts: ATTEMPTS,
+    })
 }
 
 pub(crate) async fn leave(lock: &LeaseLock, blob: &str, group: LeaseId, member: &str) -> Result<()> {

@@ -1193,6 +1193,24 @@ mod memory {
         assert_eq!(start.elapsed(), Duration::from_millis(10 + 20));
     }
 
+    /// A join that meets churn on every attempt gives up saying so (contended), not as a
+    /// configuration error.
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_join_under_endless_churn_reports_contention() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        let k = key("shared-join-contended");
+        for _ in 0..16 {
+            flaky.inject(Op::BlobSetMetadata, StoreErrorKind::ConditionNotMet);
+        }
+        let err = lock.try_acquire_shared(&k, "batch").await.unwrap_err();
+        assert!(
+            matches!(&err, leasehold_lock::Error::Contended { attempts: 16, .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("shared-join-contended"), "{err}");
+    }
+
     /// A shared member's leave: a refused read or write, or a refused release, is an error; a
     /// missing blob, a lease already lost and a member joining before the last one's release
     /// are not (nothing of ours is left to give back, or the key stays held by the newcomer);
