@@ -258,9 +258,11 @@ impl Plan {
                 bad_record_spares = 0.3;
                 let to = from + Duration::from_millis(rng.random_range(120_000..240_000));
                 bad_record = Some((record, from, to));
-                let span = (to - from).as_millis() as u64;
+                // Events in the first half; the outages in the second, where the last failing
+                // chains have no later event to mask a trigger they dropped.
+                let half = (to - from).as_millis() as u64 / 2;
                 for _ in 0..12 {
-                    triggers.push((from + Duration::from_millis(rng.random_range(0..span)), record));
+                    triggers.push((from + Duration::from_millis(rng.random_range(0..half)), record));
                 }
                 triggers.sort();
                 for machine in 0..machines {
@@ -269,7 +271,8 @@ impl Plan {
                         op: Op::QueuePut,
                         length: Duration::from_millis(rng.random_range(10_000..40_000)),
                     };
-                    faults.push((from + Duration::from_millis(rng.random_range(0..span)), fault));
+                    let at = from + Duration::from_millis(half + rng.random_range(0..half));
+                    faults.push((at, fault));
                 }
             }
             if rng.random_bool(0.25) {
