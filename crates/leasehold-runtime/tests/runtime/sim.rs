@@ -379,6 +379,7 @@ pub struct FaultCounts {
     pub poison_write_failures: u64,
     pub host_poisoned: u64,
     pub detached_logic: u64,
+    pub conditional_sweeps: u64,
     /// Per retried step ([`RETRIED_STEPS`]): aimed lost answers that fired.
     pub lost_answers: [u64; 6],
     /// Per retried step: requests failed by an outage of that step.
@@ -460,6 +461,10 @@ impl FaultCounts {
                 "in-process logic whose work ignores cancellation and outlives its future",
                 self.detached_logic,
             ),
+            (
+                "sweeps that ask the marker first (a sweep's chain given up in turn)",
+                self.conditional_sweeps,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -514,6 +519,7 @@ impl FaultCounts {
             poison_write_failures: v[22],
             host_poisoned: v[23],
             detached_logic: v[24],
+            conditional_sweeps: v[25],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
         };
@@ -563,6 +569,9 @@ struct Journal {
     watchdog_takes: Vec<(String, usize, Instant)>,
     /// Watchdogs a handler put: record, machine, when.
     watchdog_puts: Vec<(String, usize, Instant)>,
+    /// Chains of deliveries, by number; and the chain of each message id.
+    chains: Vec<Chain>,
+    message_chain: HashMap<String, u64>,
     violations: Vec<Violation>,
     counts: FaultCounts,
 }
@@ -917,6 +926,74 @@ impl TriggerQueue for PoisonSink {
     }
 }
 
+tokio::task_local! {
+    /// Under the emulated Functions host: the chain (see [`Chain`]) of the delivery being
+    /// handled, for the messages it puts.
+    static DELIVERY_CHAIN: u64;
+}
+
+/// A chain of deliveries, as the simulation itself traces it (not as the messages say): a
+/// message and what carries on its duty — its watchdog, retries and rechecks — are one chain; a
+/// retrigger or a trigger starts a new one; a sweep starts a new *sweep* chain.
+#[derive(Debug, Clone, Copy)]
+struct Chain {
+    /// Whether the chain is a sweep's (`None`: unknown, a message whose put went unseen).
+    sweep: Option<bool>,
+}
+
+impl Journal {
+    /// The chain a message belongs to (made when it is first delivered, if its put was not seen).
+    fn chain_of(&mut self, id: &str, message: &TriggerMessage) -> u64 {
+        if let Some(chain) = self.message_chain.get(id) {
+            return *chain;
+        }
+        let sweep = match message.kind {
+            TriggerKind::Sweep => Some(true),
+            TriggerKind::Trigger | TriggerKind::Retrigger => Some(false),
+            TriggerKind::Watchdog | TriggerKind::Recheck => None,
+        };
+        let chain = self.new_chain(Chain { sweep });
+        self.message_chain.insert(id.to_string(), chain);
+        chain
+    }
+
+    fn new_chain(&mut self, chain: Chain) -> u64 {
+        self.chains.push(chain);
+        self.chains.len() as u64 - 1
+    }
+
+    /// A message put by a delivery of chain `parent` (`None`: not known, outside the emulated
+    /// host). A sweep that asks the marker first (`given_up` >= 2) may come only from a sweep's
+    /// chain that kept failing: from anything else — fresh events — it can drop a trigger.
+    fn note_put(&mut self, id: &str, message: &TriggerMessage, parent: Option<u64>) {
+        let chain = match (message.kind, parent) {
+            (TriggerKind::Watchdog | TriggerKind::Recheck, Some(parent)) => parent,
+            (kind, _) => {
+                let sweep = match kind {
+                    TriggerKind::Sweep => Some(true),
+                    TriggerKind::Trigger | TriggerKind::Retrigger => Some(false),
+                    TriggerKind::Watchdog | TriggerKind::Recheck => None,
+                };
+                self.new_chain(Chain { sweep })
+            }
+        };
+        self.message_chain.insert(id.to_string(), chain);
+        if message.kind == TriggerKind::Sweep && message.given_up >= 2 {
+            self.counts.conditional_sweeps += 1;
+        }
+        if message.kind == TriggerKind::Sweep
+            && message.given_up >= 2
+            && let Some(parent) = parent
+            && self.chains[parent as usize].sweep == Some(false)
+        {
+            self.violations.push(Violation::Lost(format!(
+                "{}: a sweep that asks the marker first (given up {} times) was queued for a chain of fresh events, not a sweep's: a trigger that coalesced onto that chain can be dropped",
+                message.record_id, message.given_up
+            )));
+        }
+    }
+}
+
 /// A worker's trigger queue, noting every watchdog it put (for the double fault the recovery
 /// check recognises: a host that took a dead holder's watchdog and died before its handler had
 /// put one of its own).
@@ -938,16 +1015,18 @@ impl TriggerQueue for NotingQueue {
         self.inner.name()
     }
     async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
+        let parent = DELIVERY_CHAIN.try_with(|c| *c).ok();
         let put = self.inner.put(body, delay).await;
-        if let Ok(t) = TriggerMessage::decode(body)
-            && t.kind == TriggerKind::Watchdog
-        {
-            // Noted even when the answer was lost: the watchdog may be there.
-            self.world.journal.lock().unwrap().watchdog_puts.push((
-                t.record_id.to_string(),
-                self.machine,
-                Instant::now(),
-            ));
+        if let Ok(t) = TriggerMessage::decode(body) {
+            let mut j = self.world.journal.lock().unwrap();
+            if t.kind == TriggerKind::Watchdog {
+                // Noted even when the answer was lost: the watchdog may be there.
+                j.watchdog_puts
+                    .push((t.record_id.to_string(), self.machine, Instant::now()));
+            }
+            if let Ok(enqueued) = &put {
+                j.note_put(&enqueued.id, &t, parent);
+            }
         }
         put
     }
@@ -1818,6 +1897,7 @@ async fn host(
                 let Ok(message) = TriggerMessage::decode(&m.body) else {
                     return;
                 };
+                let chain = world.journal.lock().unwrap().chain_of(&m.id, &message);
                 if message.kind == TriggerKind::Watchdog {
                     world.journal.lock().unwrap().watchdog_takes.push((
                         message.record_id.to_string(),
@@ -1859,7 +1939,7 @@ async fn host(
                         biased;
                         _ = killed.cancelled() => return,
                         _ = h.killed.cancelled() => None,
-                        outcome = h.runner.handle_watched(&delivery, &*h.poison, &h.shutdown) => Some(outcome),
+                        outcome = DELIVERY_CHAIN.scope(chain, h.runner.handle_watched(&delivery, &*h.poison, &h.shutdown)) => Some(outcome),
                     },
                     None => None,
                 };
