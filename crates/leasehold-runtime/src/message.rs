@@ -232,6 +232,35 @@ mod tests {
         assert!(m.encode().len() < 1024, "{}", m.encode().len());
     }
 
+    /// A cut never splits a character: it ends at the last boundary at or before the limit.
+    #[test]
+    fn truncation_keeps_whole_characters() {
+        assert_eq!(truncate_to("aéé", 2), "a");
+        assert_eq!(truncate_to("aéé", 4), "aé");
+        assert_eq!(truncate_to("aéé", 5), "aéé");
+        assert_eq!(truncate_to("abc", 2), "ab");
+    }
+
+    /// A retrigger is a new chain: no failed attempts and no give-ups carried over, whatever
+    /// the message it came from had; the record and correlation id are kept.
+    #[test]
+    fn a_retrigger_starts_a_fresh_chain() {
+        let mut m = TriggerMessage::parse("account", "42")
+            .unwrap()
+            .follow_up(TriggerKind::Watchdog, 3);
+        m.given_up = 2;
+        m.correlation_id = Some("c-1".into());
+        let r = m.retrigger();
+        assert_eq!(
+            (r.kind, r.prior_attempts, r.given_up),
+            (TriggerKind::Retrigger, 0, 0)
+        );
+        assert_eq!(
+            (r.scope, r.record_id, r.correlation_id),
+            (m.scope, m.record_id, m.correlation_id)
+        );
+    }
+
     #[test]
     fn rejects_what_is_not_a_trigger() {
         for body in [

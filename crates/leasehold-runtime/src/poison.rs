@@ -78,14 +78,14 @@ impl PoisonMessage {
     /// either queue decode alike. Always at most [`MAX_MESSAGE_BYTES`]: the body and the reason
     /// are cut (and say so) until it fits.
     pub fn encode(&self) -> String {
-        let (mut body_kept, mut reason_kept) = (BODY_KEPT, REASON_KEPT);
+        let mut kept = (BODY_KEPT, REASON_KEPT);
         loop {
-            let wire = STANDARD.encode(self.cut(body_kept, reason_kept).to_json());
-            if wire.len() <= MAX_MESSAGE_BYTES || (body_kept == 0 && reason_kept == 0) {
+            let wire = STANDARD.encode(self.cut(kept.0, kept.1).to_json());
+            // With nothing of either kept the entry is a bounded trigger and a few numbers.
+            if wire.len() <= MAX_MESSAGE_BYTES || kept == (0, 0) {
                 return wire;
             }
-            body_kept /= 2;
-            reason_kept /= 2;
+            kept = (kept.0 / 2, kept.1 / 2);
         }
     }
 
@@ -181,6 +181,18 @@ mod tests {
             "{}",
             &back.reason()[back.reason().len() - 40..]
         );
+    }
+
+    /// What fits is kept whole: a body of 30,000 bytes that is no trigger and a reason of 6,000.
+    #[test]
+    fn what_fits_is_kept_whole() {
+        let body = "b".repeat(30_000);
+        let reason = "r".repeat(6_000);
+        let entry = PoisonMessage::new(body.clone(), None, &failed(&reason), 5);
+        let back = PoisonMessage::decode(&entry.encode()).unwrap();
+        assert!(!back.is_cut());
+        assert_eq!(back.body(), body);
+        assert!(back.reason().contains(&reason) && !back.reason().contains("[cut"));
     }
 
     /// Entries written before this format held the body beside the trigger: still read.
