@@ -183,16 +183,33 @@ mod tests {
         );
     }
 
-    /// What fits is kept whole: a body of 30,000 bytes that is no trigger and a reason of 6,000.
+    /// What fits is kept whole: a body that is no trigger and a reason, each up to what an
+    /// entry keeps at most (32 KiB, 8 KiB).
     #[test]
     fn what_fits_is_kept_whole() {
-        let body = "b".repeat(30_000);
-        let reason = "r".repeat(6_000);
-        let entry = PoisonMessage::new(body.clone(), None, &failed(&reason), 5);
+        for (body_len, reason_len) in [(30_000, 6_000), (BODY_KEPT, REASON_KEPT - "logic failed: ".len())] {
+            let body = "b".repeat(body_len);
+            let reason = "r".repeat(reason_len);
+            let entry = PoisonMessage::new(body.clone(), None, &failed(&reason), 5);
+            let back = PoisonMessage::decode(&entry.encode()).unwrap();
+            assert!(!back.is_cut(), "{body_len}");
+            assert_eq!(back.body(), body);
+            assert!(
+                back.reason().contains(&reason) && !back.reason().contains("[cut"),
+                "{reason_len}"
+            );
+        }
+    }
+
+    /// An entry that does not fit is cut only as far as needed: a body JSON-escaped to six times
+    /// its size keeps its first few KiB.
+    #[test]
+    fn a_cut_keeps_as_much_as_fits() {
+        let body = "\u{1}".repeat(MAX_MESSAGE_BYTES);
+        let entry = PoisonMessage::new(body, None, &failed("short"), 5);
         let back = PoisonMessage::decode(&entry.encode()).unwrap();
-        assert!(!back.is_cut());
-        assert_eq!(back.body(), body);
-        assert!(back.reason().contains(&reason) && !back.reason().contains("[cut"));
+        assert!(back.is_cut());
+        assert!(back.body().len() >= 2 * 1024, "{}", back.body().len());
     }
 
     /// Entries written before this format held the body beside the trigger: still read.
