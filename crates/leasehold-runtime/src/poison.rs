@@ -210,6 +210,12 @@ mod tests {
         let back = PoisonMessage::decode(&entry.encode()).unwrap();
         assert!(back.is_cut());
         assert!(back.body().len() >= 2 * 1024, "{}", back.body().len());
+        // The reason likewise: escaped to six times its size, it keeps its first KiBs too.
+        let reason = "\u{2}".repeat(1 << 20);
+        let entry = PoisonMessage::new("x".repeat(MAX_MESSAGE_BYTES), None, &failed(&reason), 5);
+        let back = PoisonMessage::decode(&entry.encode()).unwrap();
+        let kept = back.reason().chars().filter(|c| *c == '\u{2}').count();
+        assert!(kept >= 1024, "{kept}");
     }
 
     /// Entries written before this format held the body beside the trigger: still read.
