@@ -1599,3 +1599,44 @@ async fn a_delivery_that_outlived_its_watchdog_puts_its_retry_afresh() {
     assert!(matches!(ran, Outcome::Completed { .. }), "{ran:?}");
     assert!(logic.starts.lock().unwrap().iter().any(|s| *s > arrived));
 }
+
+/// A `Consumer::process` future dropped mid-run (its caller went away, or a panic unwound
+/// through it) stops its message's visibility renewer with it: the message comes back once its
+/// visibility has run out, instead of being kept hidden for as long as the process lives (a
+/// mutant cargo-mutants found: nothing checked that the renewer ends with its delivery).
+#[tokio::test(start_paused = true)]
+async fn a_delivery_dropped_mid_run_stops_keeping_its_message_hidden() {
+    let (store, logic, runner) = fixture(Duration::from_secs(600), End::Succeed);
+    let (consumer, taken) = consumer_with_one_trigger(&store, runner).await;
+    let task = {
+        let received = taken[0].clone();
+        tokio::spawn(async move { consumer.process(received, CancellationToken::new()).await })
+    };
+    leasehold_test_support::eventually(Duration::from_secs(60), "the logic to start", || async {
+        (logic.runs.load(Ordering::SeqCst) > 0).then_some(())
+    })
+    .await;
+    // Kept hidden while it runs (the visibility of 40 s is renewed every 10 s).
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(
+        store
+            .queue()
+            .get(1, Duration::from_secs(1))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let updates = store.rules.counters.snapshot().get(Op::QueueUpdate);
+    assert!(updates > 0, "the renewer ran");
+    task.abort();
+    let _ = task.await;
+    // Then nothing renews it: it is visible again within one visibility period.
+    tokio::time::sleep(Duration::from_secs(41)).await;
+    assert_eq!(
+        store.rules.counters.snapshot().get(Op::QueueUpdate),
+        updates,
+        "nothing renewed the message after its delivery was dropped"
+    );
+    let back = store.queue().get(1, Duration::from_secs(1)).await.unwrap();
+    assert_eq!(back.len(), 1, "the message came back");
+}
