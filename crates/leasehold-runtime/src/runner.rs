@@ -908,8 +908,7 @@ const STILL_RUNNING_EVERY: Duration = Duration::from_secs(60);
 /// frees it once the lease lapses, the stuck logic gone with the process.
 fn keep_until_ended(guard: Held, mut task: JoinHandle<Result<(), LogicError>>) {
     let span = tracing::Span::current();
-    let mut guard = guard;
-    let guard = guard.0.take().expect("held until released or abandoned");
+    let guard = guard.take();
     tokio::spawn(
         async move {
             let since = Instant::now();
@@ -946,12 +945,13 @@ impl Held {
         self.0.as_ref().expect("held until released or abandoned")
     }
 
-    async fn release(mut self) -> leasehold_lock::Result<()> {
-        self.0
-            .take()
-            .expect("held until released or abandoned")
-            .release()
-            .await
+    async fn release(self) -> leasehold_lock::Result<()> {
+        self.take().release().await
+    }
+
+    /// The guard itself, for whoever ends the hold from here.
+    fn take(mut self) -> LeaseGuard {
+        self.0.take().expect("held until released or abandoned")
     }
 }
 

@@ -95,16 +95,6 @@ impl StoreError {
         e
     }
 
-    /// Storage refused the request's body as too large (413 `RequestBodyTooLarge`, or 400
-    /// `MessageTooLarge`): sending the same body again cannot succeed.
-    pub fn is_too_large(&self) -> bool {
-        self.status == Some(413)
-            || matches!(
-                self.code.as_deref(),
-                Some("RequestBodyTooLarge" | "MessageTooLarge")
-            )
-    }
-
     /// Whether the call got no answer at all (see [`StoreError::timeout`]).
     pub fn is_timeout(&self) -> bool {
         self.timed_out

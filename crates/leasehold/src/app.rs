@@ -40,9 +40,9 @@ pub struct Application {
     router: axum::Router,
     consumer: Option<Consumer>,
     description: String,
+    /// The HTTP limits, the connection bound already capped to the descriptors
+    /// ([`Application::http_options`]).
     http: HttpOptions,
-    /// The connection bound, capped to the descriptors (see [`server::connection_bound`]).
-    max_connections: usize,
 }
 
 impl std::fmt::Debug for Application {
@@ -138,13 +138,7 @@ impl Application {
             stop.cancelled().await;
             shutdown.cancel();
         });
-        let http = server::serve(
-            self.listener,
-            self.router,
-            &self.http,
-            self.max_connections,
-            self.shutdown.clone(),
-        );
+        let http = server::serve(self.listener, self.router, &self.http, self.shutdown.clone());
         match self.consumer {
             Some(consumer) => {
                 let consume = consumer.run(self.shutdown.clone());
@@ -157,17 +151,21 @@ impl Application {
         Ok(())
     }
 
-    /// The connection bound for `settings`, logged when the descriptor limit lowered it.
-    fn max_connections(settings: &Settings, concurrency: usize) -> usize {
+    /// The HTTP limits of `settings`, the connection bound capped to the descriptor limit
+    /// (logged when that lowered it).
+    fn http_options(settings: &Settings) -> HttpOptions {
         let (bound, lowered) = server::connection_bound(
             settings.http.max_connections,
             server::descriptor_limit(),
-            concurrency,
+            settings.consumer.concurrency,
         );
         if let Some(why) = lowered {
             tracing::warn!(max_connections = bound, "{why}");
         }
-        bound
+        HttpOptions {
+            max_connections: bound,
+            ..settings.http.clone()
+        }
     }
 
     async fn handler(settings: Settings, supervisor: Option<PathBuf>) -> Result<Self> {
@@ -193,8 +191,9 @@ impl Application {
             body_timeout: settings.http.body_timeout,
         };
         // The host runs up to its own concurrency of invocations at once (plus its probes).
-        let max_connections = Self::max_connections(&settings, settings.consumer.concurrency);
-        tracing::info!(port, queue = %settings.queue, container = %settings.container, max_connections, "custom handler listening");
+        let http = Self::http_options(&settings);
+        tracing::info!(port, queue = %settings.queue, container = %settings.container,
+            max_connections = http.max_connections, "custom handler listening");
         Ok(Self {
             listener,
             port,
@@ -202,8 +201,7 @@ impl Application {
             router: handler_router(app),
             consumer: None,
             description: "custom handler".into(),
-            http: settings.http.clone(),
-            max_connections,
+            http,
         })
     }
 
@@ -258,9 +256,10 @@ impl Application {
             shutdown: shutdown.clone(),
             body_timeout: settings.http.body_timeout,
         };
-        let max_connections = Self::max_connections(&settings, settings.consumer.concurrency);
+        let http = Self::http_options(&settings);
         tracing::info!(%addr, queue = %settings.queue, container = %settings.container,
-            concurrency = settings.consumer.concurrency, max_connections, "serving POST /api/start and consuming the queue");
+            concurrency = settings.consumer.concurrency, max_connections = http.max_connections,
+            "serving POST /api/start and consuming the queue");
         Ok(Self {
             listener,
             port: addr.port(),
@@ -268,8 +267,7 @@ impl Application {
             router: standalone_router(app),
             consumer: Some(consumer),
             description: "standalone".into(),
-            http: settings.http.clone(),
-            max_connections,
+            http,
         })
     }
 }

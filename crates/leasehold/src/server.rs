@@ -120,16 +120,15 @@ pub fn descriptor_limit() -> Option<u64> {
 }
 
 /// Serves `router` on `listener` until `stop` fires, then shuts the HTTP side down within
-/// `options.shutdown_timeout`. `max_connections` is the bound already capped by
-/// [`connection_bound`].
+/// `options.shutdown_timeout`. `options.max_connections` is taken as it is: cap it with
+/// [`connection_bound`] first.
 pub async fn serve(
     listener: TcpListener,
     router: axum::Router,
     options: &HttpOptions,
-    max_connections: usize,
     stop: CancellationToken,
 ) {
-    let slots = Arc::new(Semaphore::new(max_connections));
+    let slots = Arc::new(Semaphore::new(options.max_connections));
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(options.header_timeout)

@@ -941,18 +941,26 @@ struct Chain {
     sweep: Option<bool>,
 }
 
+impl Chain {
+    /// The chain a message of `kind` starts when no delivery is known to have put it: a sweep's,
+    /// fresh events', or (a watchdog or recheck of some unknown chain) unknown.
+    fn started_by(kind: TriggerKind) -> Self {
+        let sweep = match kind {
+            TriggerKind::Sweep => Some(true),
+            TriggerKind::Trigger | TriggerKind::Retrigger => Some(false),
+            TriggerKind::Watchdog | TriggerKind::Recheck => None,
+        };
+        Self { sweep }
+    }
+}
+
 impl Journal {
     /// The chain a message belongs to (made when it is first delivered, if its put was not seen).
     fn chain_of(&mut self, id: &str, message: &TriggerMessage) -> u64 {
         if let Some(chain) = self.message_chain.get(id) {
             return *chain;
         }
-        let sweep = match message.kind {
-            TriggerKind::Sweep => Some(true),
-            TriggerKind::Trigger | TriggerKind::Retrigger => Some(false),
-            TriggerKind::Watchdog | TriggerKind::Recheck => None,
-        };
-        let chain = self.new_chain(Chain { sweep });
+        let chain = self.new_chain(Chain::started_by(message.kind));
         self.message_chain.insert(id.to_string(), chain);
         chain
     }
@@ -968,14 +976,7 @@ impl Journal {
     fn note_put(&mut self, id: &str, message: &TriggerMessage, parent: Option<u64>) {
         let chain = match (message.kind, parent) {
             (TriggerKind::Watchdog | TriggerKind::Recheck, Some(parent)) => parent,
-            (kind, _) => {
-                let sweep = match kind {
-                    TriggerKind::Sweep => Some(true),
-                    TriggerKind::Trigger | TriggerKind::Retrigger => Some(false),
-                    TriggerKind::Watchdog | TriggerKind::Recheck => None,
-                };
-                self.new_chain(Chain { sweep })
-            }
+            (kind, _) => self.new_chain(Chain::started_by(kind)),
         };
         self.message_chain.insert(id.to_string(), chain);
         if message.kind == TriggerKind::Sweep && message.given_up >= 2 {
@@ -2020,14 +2021,14 @@ fn check(plan: &Plan, world: &World) -> Report {
     // operator's break) — it was told before its time limit — and nothing can stop it: the
     // runner keeps the lease only while it can renew it. Told at its time limit, its lease was
     // intact and must be kept until it has ended.
-    let lease_lost_under = |r: &RunRecord, _end: Instant| {
+    let lease_lost_under = |r: &RunRecord| {
         r.told
             .is_some_and(|told| told + Duration::from_millis(50) < r.start + RUN_TIMEOUT)
     };
     for (record, runs) in &by_record {
         for w in runs.windows(2) {
             let end = w[0].end.unwrap_or(Instant::now());
-            if end > w[1].start && w[0].detached && lease_lost_under(w[0], end) {
+            if end > w[1].start && w[0].detached && lease_lost_under(w[0]) {
                 continue;
             }
             if end > w[1].start {
