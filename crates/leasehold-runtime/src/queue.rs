@@ -445,3 +445,30 @@ impl TriggerQueue for AzureQueue {
         &self.counters
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The memory queue refuses what Azure refuses: a message over 64 KiB, put or updated,
+    /// answered 413 `RequestBodyTooLarge` (the simulation relies on it to model oversized
+    /// poison entries).
+    #[tokio::test]
+    async fn a_message_over_64_kib_is_refused_as_azure_refuses_it() {
+        let queue = MemoryQueue::new("q", OpCounters::new());
+        let at_limit = "a".repeat(MAX_MESSAGE_BYTES);
+        let put = queue.put(&at_limit, Duration::ZERO).await.unwrap();
+        let over = "a".repeat(MAX_MESSAGE_BYTES + 1);
+        let refused = queue.put(&over, Duration::ZERO).await.unwrap_err();
+        assert_eq!(
+            (refused.kind(), refused.status(), refused.code()),
+            (StoreErrorKind::Rejected, Some(413), Some("RequestBodyTooLarge"))
+        );
+        let refused = queue
+            .set_visibility(&put.id, &put.pop_receipt, &over, Duration::ZERO)
+            .await
+            .unwrap_err();
+        assert_eq!(refused.status(), Some(413));
+        assert_eq!(queue.bodies(), [at_limit]);
+    }
+}
