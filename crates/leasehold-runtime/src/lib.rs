@@ -19,7 +19,7 @@ pub use markers::{
 };
 pub use message::{DecodeError, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage};
 pub use poison::PoisonMessage;
-pub use queue::{AzureQueue, Enqueued, MAX_MESSAGE_BYTES, MemoryQueue, Received, TriggerQueue};
+pub use queue::{AzureQueue, Enqueued, MAX_MESSAGE_BYTES, MemoryQueue, Peeked, Received, TriggerQueue};
 pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId, Scope, record_key};
 #[cfg(feature = "testing")]
 pub use runner::ProtocolVariant;

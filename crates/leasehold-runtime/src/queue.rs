@@ -6,14 +6,14 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use azure_core::http::headers::HeaderName;
 use azure_core::http::{RequestContent, XmlFormat};
 use azure_storage_queue::models::{
-    QueueClientGetPropertiesResultHeaders, QueueClientReceiveMessagesOptions, QueueClientSendMessageOptions,
-    QueueClientUpdateMessageOptions, QueueMessage,
+    QueueClientGetPropertiesResultHeaders, QueueClientPeekMessagesOptions, QueueClientReceiveMessagesOptions,
+    QueueClientSendMessageOptions, QueueClientUpdateMessageOptions, QueueMessage,
 };
 use azure_storage_queue::{QueueClient, QueueClientOptions};
 use leasehold_storage::azure::{DEFAULT_REQUEST_TIMEOUT, client_options, send};
@@ -28,6 +28,20 @@ pub struct Received {
     /// How many times the message has been taken, this time included (1 = first delivery).
     pub dequeue_count: u32,
     pub body: String,
+    /// When the message was put on the queue, as the service reports it.
+    pub inserted_at: Option<SystemTime>,
+}
+
+/// A message looked at without taking it ([`TriggerQueue::peek`]): no pop receipt, nothing
+/// hidden, its dequeue count unchanged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peeked {
+    pub id: String,
+    /// How many times the message has been taken so far.
+    pub dequeue_count: u32,
+    pub body: String,
+    /// When the message was put on the queue, as the service reports it.
+    pub inserted_at: Option<SystemTime>,
 }
 
 /// A message just put on the queue: what [`TriggerQueue::set_visibility`] and
@@ -65,6 +79,18 @@ pub trait TriggerQueue: Send + Sync + fmt::Debug + 'static {
     /// Approximate number of messages (visible or not).
     async fn approximate_len(&self) -> StoreResult<u64>;
 
+    /// Looks at up to `max` (1–32: the service's limit) visible messages from the front of the
+    /// queue without taking them. For operators' tools; the protocol never peeks. A queue that
+    /// does not exist yet has nothing to show.
+    async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
+        let _ = max;
+        Err(StoreError::new(
+            StoreErrorKind::Rejected,
+            Op::QueuePeek,
+            format!("queue {} cannot be peeked", self.name()),
+        ))
+    }
+
     fn counters(&self) -> &OpCounters;
 }
 
@@ -89,6 +115,7 @@ struct MemoryMessage {
     visible_at: Instant,
     dequeue_count: u32,
     pop_receipt: String,
+    inserted_at: SystemTime,
 }
 
 impl MemoryQueue {
@@ -167,6 +194,7 @@ impl TriggerQueue for MemoryQueue {
                 visible_at: now + delay,
                 dequeue_count: 0,
                 pop_receipt: pop_receipt.clone(),
+                inserted_at: SystemTime::now(),
             });
             Ok(Enqueued { id, pop_receipt })
         })
@@ -190,6 +218,7 @@ impl TriggerQueue for MemoryQueue {
                         pop_receipt: m.pop_receipt.clone(),
                         dequeue_count: m.dequeue_count,
                         body: m.body.clone(),
+                        inserted_at: Some(m.inserted_at),
                     });
                 }
             }
@@ -243,7 +272,23 @@ impl TriggerQueue for MemoryQueue {
     }
 
     async fn approximate_len(&self) -> StoreResult<u64> {
-        self.with(Op::QueuePeek, |s, _| Ok(s.messages.len() as u64))
+        self.with(Op::QueueProperties, |s, _| Ok(s.messages.len() as u64))
+    }
+
+    async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
+        self.with(Op::QueuePeek, |s, now| {
+            Ok(s.messages
+                .iter()
+                .filter(|m| m.visible_at <= now)
+                .take(max.clamp(1, 32) as usize)
+                .map(|m| Peeked {
+                    id: m.id.clone(),
+                    dequeue_count: m.dequeue_count,
+                    body: m.body.clone(),
+                    inserted_at: Some(m.inserted_at),
+                })
+                .collect())
+        })
     }
 
     fn counters(&self) -> &OpCounters {
@@ -389,6 +434,7 @@ impl TriggerQueue for AzureQueue {
                         pop_receipt: m.pop_receipt.ok_or_else(|| malformed(op, "no pop receipt"))?,
                         dequeue_count: u32::try_from(m.dequeue_count.unwrap_or(1)).unwrap_or(u32::MAX),
                         body: m.message_text.unwrap_or_default(),
+                        inserted_at: m.insertion_time.map(SystemTime::from),
                     })
                 })
                 .collect(),
@@ -429,7 +475,7 @@ impl TriggerQueue for AzureQueue {
     }
 
     async fn approximate_len(&self) -> StoreResult<u64> {
-        let op = Op::QueuePeek;
+        let op = Op::QueueProperties;
         match self.call(op, self.client.get_properties(None)).await {
             Ok(r) => Ok(r
                 .approximate_messages_count()
@@ -437,6 +483,36 @@ impl TriggerQueue for AzureQueue {
                 .unwrap_or(0)
                 .max(0) as u64),
             Err(e) if e.code() == Some("QueueNotFound") => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
+        let op = Op::QueuePeek;
+        let options = QueueClientPeekMessagesOptions {
+            number_of_messages: Some(max.clamp(1, 32) as i32),
+            ..Default::default()
+        };
+        let answer = self
+            .call(op, async {
+                self.client.peek_messages(Some(options)).await?.into_model()
+            })
+            .await;
+        match answer {
+            Ok(peeked) => peeked
+                .items
+                .unwrap_or_default()
+                .into_iter()
+                .map(|m| {
+                    Ok(Peeked {
+                        id: m.message_id.ok_or_else(|| malformed(op, "no message id"))?,
+                        dequeue_count: u32::try_from(m.dequeue_count.unwrap_or(0)).unwrap_or(u32::MAX),
+                        body: m.message_text.unwrap_or_default(),
+                        inserted_at: m.insertion_time.map(SystemTime::from),
+                    })
+                })
+                .collect(),
+            Err(e) if e.code() == Some("QueueNotFound") => Ok(Vec::new()),
             Err(e) => Err(e),
         }
     }

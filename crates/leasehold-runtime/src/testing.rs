@@ -14,7 +14,7 @@ pub use leasehold_lock::testing::{Effect, FaultyStore, Interceptor};
 use leasehold_storage::{Op, OpCounters, StoreResult};
 
 use crate::markers::{MarkerSet, MarkerStore};
-use crate::queue::{Enqueued, Received, TriggerQueue};
+use crate::queue::{Enqueued, Peeked, Received, TriggerQueue};
 
 /// A [`MarkerStore`] whose every request goes through an [`Interceptor`] before it reaches `inner`.
 #[derive(Debug, Clone)]
@@ -152,7 +152,16 @@ impl<I: Interceptor> TriggerQueue for FaultyQueue<I> {
     }
 
     async fn approximate_len(&self) -> StoreResult<u64> {
-        self.send(Op::QueuePeek, "", |q| async move { q.approximate_len().await })
+        self.send(
+            Op::QueueProperties,
+            "",
+            |q| async move { q.approximate_len().await },
+        )
+        .await
+    }
+
+    async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
+        self.send(Op::QueuePeek, "", move |q| async move { q.peek(max).await })
             .await
     }
 

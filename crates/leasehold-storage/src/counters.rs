@@ -25,11 +25,13 @@ pub enum Op {
     QueueDelete,
     QueueUpdate,
     QueuePeek,
+    QueueProperties,
+    BlobList,
 }
 
 impl Op {
     /// Every kind, in display order.
-    pub const ALL: [Op; 16] = [
+    pub const ALL: [Op; 18] = [
         Op::ContainerCreate,
         Op::BlobCreate,
         Op::BlobProperties,
@@ -46,6 +48,8 @@ impl Op {
         Op::QueueDelete,
         Op::QueueUpdate,
         Op::QueuePeek,
+        Op::QueueProperties,
+        Op::BlobList,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +70,8 @@ impl Op {
             Op::QueueDelete => "queue delete",
             Op::QueueUpdate => "queue update",
             Op::QueuePeek => "queue peek",
+            Op::QueueProperties => "queue properties",
+            Op::BlobList => "blob list",
         }
     }
 
@@ -73,7 +79,13 @@ impl Op {
     pub fn is_queue(self) -> bool {
         matches!(
             self,
-            Op::QueueCreate | Op::QueuePut | Op::QueueGet | Op::QueueDelete | Op::QueueUpdate | Op::QueuePeek
+            Op::QueueCreate
+                | Op::QueuePut
+                | Op::QueueGet
+                | Op::QueueDelete
+                | Op::QueueUpdate
+                | Op::QueuePeek
+                | Op::QueueProperties
         )
     }
 

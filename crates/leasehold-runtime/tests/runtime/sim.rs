@@ -824,7 +824,7 @@ impl Node {
 #[async_trait]
 impl Interceptor for Node {
     async fn call<T: Send + 'static>(&self, op: Op, _target: &str, effect: Effect<T>) -> StoreResult<T> {
-        if op == Op::QueuePeek {
+        if matches!(op, Op::QueuePeek | Op::QueueProperties) {
             // Only operators' tools look at the queue's length: no faults, not counted.
             return effect.await;
         }
