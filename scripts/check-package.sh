@@ -15,7 +15,8 @@ python3 - "$zip" <<'PY'
 import sys, zipfile, stat
 z = zipfile.ZipFile(sys.argv[1])
 names = sorted(z.namelist())
-want = sorted(["host.json", "leasehold", "Start/function.json", "Worker/function.json"])
+want = sorted(["host.json", "leasehold", "Start/function.json", "Worker/function.json",
+               "Ops/function.json", "Dashboard/function.json"])
 assert names == want, f"zip holds {names}, expected {want}"
 mode = z.getinfo("leasehold").external_attr >> 16
 assert mode & stat.S_IXUSR, f"leasehold is not executable in the zip (mode {oct(mode)})"
@@ -44,6 +45,18 @@ for _ in $(seq 1 300); do
   sleep 0.1
 done
 [ -n "${ready_ms:-}" ] || { echo "check-package: no answer to GET / within 30 s" >&2; cat "$work/handler.log" >&2; exit 1; }
+# The dashboard page, invoked as the host invokes the Dashboard function (it needs no storage).
+page=$(curl -fsS -X POST -H 'Content-Type: application/json' \
+  -d '{"Data":{"req":{"Url":"https://localhost/api/dashboard","Method":"GET","Headers":{},"Query":{},"Params":{}}},"Metadata":{}}' \
+  "http://127.0.0.1:$port/Dashboard")
+python3 - "$page" <<'PY'
+import json, sys
+res = json.loads(sys.argv[1])["Outputs"]["res"]
+assert res["statusCode"] == 200, res["statusCode"]
+assert res["headers"]["Content-Security-Policy"].startswith("default-src 'none'"), res["headers"]
+assert "x-functions-key" in res["body"], "the page under Functions sends the host key"
+print("packaged handler serves the Dashboard function's page")
+PY
 
 plan=$(scripts/deploy.sh prod --dry-run)
 for expect in "az group create" "az deployment group create" "deploy/parameters/prod.json" "config-zip"; do

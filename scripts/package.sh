@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the release binary for the Linux images Azure Functions runs and packs the deployment zip:
-#   host.json, leasehold (executable), Start/function.json, Worker/function.json
+#   host.json, leasehold (executable), Start/, Worker/, Ops/ and Dashboard/function.json
 #
 # glibc: a binary linked on this machine (Debian 12, glibc 2.36) needs GLIBC_2.34 and would not
 # start on older images. We link against glibc 2.28 with cargo-zigbuild (zig from PyPI), which
@@ -45,7 +45,9 @@ zip_path, binary = sys.argv[1], sys.argv[2]
 entries = [("host.json", "host.json", 0o644),
            ("leasehold", binary, 0o755),
            ("Start/function.json", "Start/function.json", 0o644),
-           ("Worker/function.json", "Worker/function.json", 0o644)]
+           ("Worker/function.json", "Worker/function.json", 0o644),
+           ("Ops/function.json", "Ops/function.json", 0o644),
+           ("Dashboard/function.json", "Dashboard/function.json", 0o644)]
 with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:
     for name, source, mode in entries:
         info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use leasehold_storage::StorageAccount;
 
+pub mod browser;
+
 /// The install command named in failure messages.
 pub const INSTALL_HINT: &str = "scripts/install-azurite.sh (or: npm ci --prefix tools/azurite)";
 
