@@ -60,6 +60,8 @@ pub(crate) struct Wiring {
     pub(crate) poison: Arc<dyn TriggerQueue>,
     pub(crate) lock: LeaseLock,
     pub(crate) markers: Arc<dyn MarkerStore>,
+    /// The round-trip counters all of the above record into.
+    pub(crate) counters: OpCounters,
 }
 
 impl Wiring {
@@ -98,9 +100,10 @@ pub(crate) fn wire(settings: &Settings) -> Result<Wiring> {
         poison: Arc::new(AzureQueue::new(
             &settings.account,
             &poison_queue_name(&settings.queue),
-            counters,
+            counters.clone(),
         )),
         lock,
+        counters,
     })
 }
 
