@@ -206,6 +206,18 @@ impl BlobContainer {
         }
     }
 
+    /// Whether the container exists (one properties request).
+    pub async fn container_exists(&self) -> StoreResult<bool> {
+        match self
+            .call(Op::BlobProperties, self.client.get_properties(None))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Runs `attempt`; if it says the container is missing, creates the container and tries
     /// once more.
     pub async fn with_container<T, F, Fut>(&self, attempt: F) -> StoreResult<T>
