@@ -462,3 +462,66 @@ async fn start_up_creates_the_queues_and_the_container_and_goes_on_without_the_r
     assert!(app.is_ok(), "start-up goes on: {:?}", app.err());
     assert!(!env.queue(&env.queue).exists().await.unwrap());
 }
+
+/// Measurement, not a check of the product (run it by name): `status` over 10,000 held
+/// records. Sets them up with infinite leases and the lock's metadata straight through the SDK
+/// (two requests a record), then prints the overview's requests and time.
+///
+/// `cargo test -p leasehold --test operate -- --ignored --nocapture status_at_scale`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run it by name"]
+async fn status_at_scale() {
+    use futures::StreamExt;
+    let records: usize = std::env::var("LEASEHOLD_STATUS_RECORDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let env = Env::new();
+    let account = Azurite::shared().account();
+    let container = BlobContainer::new(&account, &env.container, OpCounters::new());
+    container.create().await.unwrap();
+    let started = std::time::Instant::now();
+    futures::stream::iter(0..records)
+        .for_each_concurrent(64, |i| {
+            let blob = container.blob(&format!("locks/account/r{i:06}"));
+            async move {
+                let metadata = [
+                    ("leasehold_generation".to_string(), "1".to_string()),
+                    ("leasehold_holder".to_string(), "bench:1".to_string()),
+                    ("leasehold_since".to_string(), "1795435471000".to_string()),
+                ]
+                .into_iter()
+                .collect();
+                let options = azure_storage_blob::models::BlobClientUploadOptions {
+                    metadata: Some(metadata),
+                    ..Default::default()
+                };
+                blob.upload(azure_core::Bytes::new().into(), Some(options))
+                    .await
+                    .unwrap();
+                blob.acquire_lease(-1, None).await.unwrap();
+            }
+        })
+        .await;
+    eprintln!(
+        "set up {records} held records in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let operator = env.operator();
+    let started = std::time::Instant::now();
+    let overview = operator.overview(&OverviewQuery::default()).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(overview.held_count, records);
+    let started = std::time::Instant::now();
+    let (ok, out) = env.run(&["status"]).await;
+    let cli = started.elapsed();
+    assert!(ok, "{out}");
+    println!(
+        "status over {records} held records: {} storage requests ({} blob list pages of 5,000, 4 queue requests), \
+         {:.2} s in-process, {:.2} s for `leasehold status` as a process",
+        overview.requests,
+        records.div_ceil(5000) + 1,
+        took.as_secs_f64(),
+        cli.as_secs_f64()
+    );
+}
