@@ -134,7 +134,8 @@ enum PoisonCommand {
     /// record the first and last time it was given up.
     ///
     /// Up to 32 entries are peeked, with no side effect. More (--limit over 32) are scanned:
-    /// taken 32 at a time and put back, hidden from other readers meanwhile (at most 60 s).
+    /// taken 32 at a time and put back, hidden from other readers meanwhile (60 s, or 2 s per 32
+    /// entries for a deeper queue, if the scan dies).
     #[command(after_help = "Examples:\n  leasehold poison list\n  leasehold poison list --limit 500 --json")]
     List {
         /// Show at most this many entries.
@@ -149,6 +150,7 @@ enum PoisonCommand {
     Show {
         /// The entry's id (from `poison list`).
         id: String,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -162,6 +164,7 @@ enum PoisonCommand {
     Requeue {
         #[command(flatten)]
         select: Select,
+        /// Print JSON (what was done to each entry) instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -176,6 +179,7 @@ enum PoisonCommand {
         /// Confirm: the entries are gone for good.
         #[arg(long)]
         yes: bool,
+        /// Print JSON (what was done to each entry) instead of text.
         #[arg(long)]
         json: bool,
     },

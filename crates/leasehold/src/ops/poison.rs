@@ -2,8 +2,8 @@
 //!
 //! Azure queues can show (peek) only the first 32 visible messages, and can delete or change a
 //! message only with the receipt of taking it. So anything beyond a peek *scans*: it takes the
-//! entries 32 at a time, hiding them for a while (60 s), acts on the ones selected, and puts
-//! the others back (visible at once). If the scan dies, the entries it hid come back on their
+//! entries 32 at a time, hiding them for a while (60 s, or two seconds a batch for a deep
+//! queue), acts on the ones selected, and puts the others back (visible at once). If the scan dies, the entries it hid come back on their
 //! own when the hiding ends: nothing is lost.
 //!
 //! A requeue puts a fresh trigger for the entry's record on the trigger queue first and removes
@@ -483,8 +483,14 @@ impl Operator {
         progress: &(dyn Fn(&Progress) + Send + Sync),
     ) -> Result<Scan, OpsError> {
         let poison = &*self.inner.poison;
-        let hide = self.inner.scan_hide;
         let total = poison.approximate_len().await.unwrap_or(0);
+        // Hidden long enough for the whole scan to get round before the first batch comes back
+        // (two seconds a batch of 32, acting on each, is generous against Azure's latencies);
+        // what is not acted on is put back at once at the end anyway.
+        let hide = self
+            .inner
+            .scan_hide
+            .max(Duration::from_secs(2 * total.div_ceil(PEEK_MAX as u64)));
         // An empty selection (a listing) takes in every entry.
         let everything = selection.check().is_err();
         let mut scan = Scan::default();
@@ -504,8 +510,21 @@ impl Operator {
                 let mut new = 0;
                 for received in batch {
                     if let Some(again) = put_back.get_mut(&received.id) {
-                        // Came round again (the scan outlasted the hiding): keep the new receipt.
-                        again.received = received;
+                        // Came round again (the scan outlasted the hiding, as a long one over a
+                        // deep queue can): hide it afresh so the rest of the queue can be
+                        // reached, and keep the receipt that now changes it.
+                        match poison
+                            .set_visibility(&received.id, &received.pop_receipt, &received.body, hide)
+                            .await
+                        {
+                            Ok(receipt) => {
+                                again.received = Received {
+                                    pop_receipt: receipt,
+                                    ..received
+                                }
+                            }
+                            Err(_) => again.received = received,
+                        }
                         continue;
                     }
                     new += 1;
@@ -537,6 +556,8 @@ impl Operator {
                         total,
                     });
                 }
+                // A batch of nothing new: every visible entry was seen (and could not be hidden
+                // again), so the scan has gone round.
                 if new == 0
                     || selection.satisfied(&scan.found)
                     || keep_at_most.is_some_and(|most| scan.kept.len() >= most)
