@@ -13,6 +13,7 @@ use leasehold_lock::{LeaseLock, OpCounters};
 use leasehold_runtime::{
     AzureMarkers, AzureQueue, Consumer, Logic, MarkerStore, RecordRunner, TriggerQueue, poison_queue_name,
 };
+use leasehold_storage::azure::BlobContainer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -60,6 +61,8 @@ pub(crate) struct Wiring {
     pub(crate) poison: Arc<dyn TriggerQueue>,
     pub(crate) lock: LeaseLock,
     pub(crate) markers: Arc<dyn MarkerStore>,
+    /// The round-trip counters all of the above record into.
+    pub(crate) counters: OpCounters,
 }
 
 impl Wiring {
@@ -98,9 +101,10 @@ pub(crate) fn wire(settings: &Settings) -> Result<Wiring> {
         poison: Arc::new(AzureQueue::new(
             &settings.account,
             &poison_queue_name(&settings.queue),
-            counters,
+            counters.clone(),
         )),
         lock,
+        counters,
     })
 }
 
@@ -179,6 +183,8 @@ impl Application {
         let port = listener.local_addr()?.port();
         let wiring = wire(&settings)?;
         let logic = logic(&settings, false, supervisor)?;
+        // Within the host's 30 s for GET /: each creation is one bounded request.
+        ensure_resources(&settings).await;
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
         let app = App {
@@ -213,8 +219,10 @@ impl Application {
     ) -> Result<Self> {
         let wiring = wire(&settings)?;
         let logic = logic(&settings, demo, supervisor)?;
-        // Fail fast on unusable credentials or endpoints, with the storage answer.
-        if let Err(e) = wiring.queue.approximate_len().await {
+        ensure_resources(&settings).await;
+        // Fail fast on unusable credentials or endpoints, with the storage answer (a peek: a
+        // message-level read, which every role that can run Leasehold may make).
+        if let Err(e) = wiring.queue.peek(1).await {
             if e.is_transient() {
                 tracing::warn!(error = %e, "storage is not answering yet; the consumer will keep trying");
             } else {
@@ -269,6 +277,44 @@ impl Application {
             description: "standalone".into(),
             http,
         })
+    }
+}
+
+/// Creates the trigger queue, the poison queue and the container if they are missing, so a
+/// producer that puts messages itself (the wire format is documented) finds the queue there.
+/// Credentials that may not create them (an identity with a data-only role, a SAS without
+/// container-level rights) are told apart from an outage, said so once, and start-up goes on:
+/// someone with the rights may have created them already, and each is created on first use
+/// where the credentials allow.
+pub(crate) async fn ensure_resources(settings: &Settings) {
+    let counters = OpCounters::new();
+    let queue = AzureQueue::new(&settings.account, &settings.queue, counters.clone());
+    let poison_name = poison_queue_name(&settings.queue);
+    let poison = AzureQueue::new(&settings.account, &poison_name, counters.clone());
+    let container = BlobContainer::new(&settings.account, &settings.container, counters);
+    let (q, p, c) = tokio::join!(queue.create(), poison.create(), container.create());
+    let mut created = Vec::new();
+    for (what, name, result) in [
+        ("trigger queue", settings.queue.as_str(), q),
+        ("poison queue", poison_name.as_str(), p),
+        ("container", settings.container.as_str(), c),
+    ] {
+        match result {
+            Ok(()) => created.push(name),
+            Err(e) if matches!(e.status(), Some(401 | 403)) => tracing::warn!(
+                resource = what, name, error = %e,
+                "cannot create the {what} {name} with these credentials (they may read and write but not create); \
+                 if it does not exist yet, create it (or grant a role that may, such as Storage Queue Data \
+                 Contributor / Storage Blob Data Contributor) — going on"
+            ),
+            Err(e) => tracing::warn!(
+                resource = what, name, error = %e,
+                "could not make sure the {what} {name} exists; it is created on first use — going on"
+            ),
+        }
+    }
+    if !created.is_empty() {
+        tracing::info!(resources = ?created, "storage resources are in place");
     }
 }
 
