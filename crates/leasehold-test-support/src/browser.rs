@@ -33,6 +33,8 @@ pub struct Browser {
     profile: PathBuf,
     socket: Mutex<Socket>,
     next_id: std::sync::atomic::AtomicU64,
+    /// Uncaught exceptions the page threw (`Runtime.exceptionThrown`), as seen so far.
+    exceptions: std::sync::Mutex<Vec<String>>,
 }
 
 impl Browser {
@@ -105,6 +107,7 @@ impl Browser {
             profile,
             socket: Mutex::new(socket),
             next_id: 1.into(),
+            exceptions: std::sync::Mutex::new(Vec::new()),
         };
         browser.call("Page.enable", json!({})).await?;
         browser.call("Runtime.enable", json!({})).await?;
@@ -128,6 +131,17 @@ impl Browser {
                     serde_json::from_str(&text).map_err(|e| format!("DevTools {method}: {e}: {text}"))?;
                 if value["id"].as_u64() == Some(id) {
                     return Ok(value);
+                }
+                if value["method"] == "Runtime.exceptionThrown" {
+                    let details = &value["params"]["exceptionDetails"];
+                    let text = details["exception"]["description"]
+                        .as_str()
+                        .or_else(|| details["text"].as_str())
+                        .unwrap_or("an exception");
+                    self.exceptions
+                        .lock()
+                        .expect("not poisoned")
+                        .push(text.to_string());
                 }
             }
             Err(format!("DevTools {method}: the browser closed the connection"))
@@ -193,10 +207,23 @@ impl Browser {
         }
     }
 
-    /// A PNG of the page as it is shown (the window's size).
+    /// A PNG of the whole page (its full height, at the window's width).
     pub async fn screenshot(&self) -> Result<Vec<u8>, String> {
+        let metrics = self.call("Page.getLayoutMetrics", json!({})).await?;
+        let size = &metrics["cssContentSize"];
+        let (width, height) = (
+            size["width"].as_f64().unwrap_or(1280.0),
+            size["height"].as_f64().unwrap_or(800.0),
+        );
         let result = self
-            .call("Page.captureScreenshot", json!({ "format": "png" }))
+            .call(
+                "Page.captureScreenshot",
+                json!({
+                    "format": "png",
+                    "captureBeyondViewport": true,
+                    "clip": { "x": 0, "y": 0, "width": width, "height": height, "scale": 1 },
+                }),
+            )
             .await?;
         let data = result["data"].as_str().ok_or("no screenshot data")?;
         base64::engine::general_purpose::STANDARD
@@ -221,6 +248,11 @@ impl Browser {
         ))
         .await
         .map(|_| ())
+    }
+
+    /// The uncaught exceptions the page threw so far (seen while commands were answered).
+    pub fn exceptions(&self) -> Vec<String> {
+        self.exceptions.lock().expect("not poisoned").clone()
     }
 
     /// The browser's log (stdout and stderr), for failure messages.

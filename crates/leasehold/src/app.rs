@@ -17,6 +17,8 @@ use leasehold_storage::azure::BlobContainer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin;
+use crate::ops::Operator;
 use crate::server::{self, HttpOptions};
 use crate::settings::{LogicSetting, Settings};
 
@@ -200,11 +202,13 @@ impl Application {
         let http = Self::http_options(&settings);
         tracing::info!(port, queue = %settings.queue, container = %settings.container,
             max_connections = http.max_connections, "custom handler listening");
+        // The dashboard's functions (Dashboard, Ops): the host checks the master key for Ops.
+        let dashboard = admin::handler_router(Operator::new(&settings)?, settings.http.body_timeout);
         Ok(Self {
             listener,
             port,
             shutdown,
-            router: handler_router(app),
+            router: handler_router(app).merge(dashboard),
             consumer: None,
             description: "custom handler".into(),
             http,
@@ -268,11 +272,31 @@ impl Application {
         tracing::info!(%addr, queue = %settings.queue, container = %settings.container,
             concurrency = settings.consumer.concurrency, max_connections = http.max_connections,
             "serving POST /api/start and consuming the queue");
+        let router = standalone_router(app);
+        let router = match &settings.admin_key {
+            Some(key) => {
+                let operator = Operator::new(&settings)?;
+                tracing::info!(url = %format!("http://{addr}{}", admin::PAGE_PATH),
+                    "dashboard on (its key: LEASEHOLD_ADMIN_KEY, sent as the {} header)", admin::KEY_HEADER);
+                router.merge(admin::serve_router(
+                    operator,
+                    key.clone(),
+                    settings.http.body_timeout,
+                ))
+            }
+            None => {
+                tracing::info!(
+                    "dashboard off: set LEASEHOLD_ADMIN_KEY (a key of its own, not LEASEHOLD_API_KEY) to serve it at {}",
+                    admin::PAGE_PATH
+                );
+                router
+            }
+        };
         Ok(Self {
             listener,
             port: addr.port(),
             shutdown,
-            router: standalone_router(app),
+            router,
             consumer: Some(consumer),
             description: "standalone".into(),
             http,
