@@ -39,7 +39,10 @@ impl Logic for SyncToErp {
             _ = run.cancel.cancelled() => return Err(LogicError::new("stopped: the lease was lost or we are shutting down")),
             _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
         }
-        let line = format!("synced {}/{} with fencing token {token}, attempt {}", run.scope, run.record_id, run.attempt);
+        let line = format!(
+            "synced {}/{} with fencing token {token}, attempt {}",
+            run.scope, run.record_id, run.attempt
+        );
         println!("{line}");
         self.done
             .send(line)
@@ -67,13 +70,16 @@ pub async fn serve(
     let triggers = Arc::new(AzureQueue::new(&account, queue, counters.clone()));
     let poison = Arc::new(AzureQueue::new(&account, &poison_queue_name(queue), counters));
     let runner = RecordRunner::new(lock, markers, triggers, logic, RunnerOptions::default());
-    Consumer::new(runner, poison, ConsumerOptions::default()).run(stop).await;
+    Consumer::new(runner, poison, ConsumerOptions::default())
+        .run(stop)
+        .await;
     Ok(())
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let connection = std::env::var("AzureWebJobsStorage").map_err(|_| "set AzureWebJobsStorage (UseDevelopmentStorage=true for Azurite)")?;
+    let connection = std::env::var("AzureWebJobsStorage")
+        .map_err(|_| "set AzureWebJobsStorage (UseDevelopmentStorage=true for Azurite)")?;
     let (done, mut reports) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move { while reports.recv().await.is_some() {} });
     let stop = CancellationToken::new();
@@ -82,5 +88,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let _ = tokio::signal::ctrl_c().await;
         on_ctrl_c.cancel();
     });
-    serve(&connection, "leasehold-triggers", "leasehold-locks", Arc::new(SyncToErp { done }), stop).await
+    serve(
+        &connection,
+        "leasehold-triggers",
+        "leasehold-locks",
+        Arc::new(SyncToErp { done }),
+        stop,
+    )
+    .await
 }

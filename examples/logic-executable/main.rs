@@ -36,7 +36,9 @@ fn run() -> Result<String, String> {
             .and_then(|t| t.trim().parse().ok())
             .unwrap_or(0);
         if token < written {
-            return Err(format!("refused: fencing token {token} is older than {written}, already written"));
+            return Err(format!(
+                "refused: fencing token {token} is older than {written}, already written"
+            ));
         }
         std::fs::write(&path, token.to_string()).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }

@@ -332,9 +332,13 @@ fn logic(
     app_root: Option<PathBuf>,
 ) -> Result<Arc<dyn Logic>> {
     Ok(match &settings.logic {
-        LogicSetting::Command(c) => {
-            command_logic(c, &settings.logic_env, settings.runner.stop_grace, supervisor, app_root)?
-        }
+        LogicSetting::Command(c) => command_logic(
+            c,
+            &settings.logic_env,
+            settings.runner.stop_grace,
+            supervisor,
+            app_root,
+        )?,
         LogicSetting::Url(u) => Arc::new(
             UrlLogic::new(u, settings.runner.run_timeout)
                 .map_err(|e| anyhow::anyhow!("LEASEHOLD_LOGIC_URL: {e}"))?,

@@ -186,15 +186,19 @@ async fn the_web_service_example_runs_as_url_logic_and_checks_the_token() {
             .await,
     );
     let client = reqwest::Client::new();
-    let state: serde_json::Value = eventually(Duration::from_secs(60), "the service to have done the work", || async {
-        let exited = child.lock().unwrap().try_wait();
-        if let Ok(Some(status)) = exited {
-            panic!("leasehold serve exited ({status})");
-        }
-        let r = client.get(format!("{url}records/account/42")).send().await.ok()?;
-        r.status().is_success().then_some(())?;
-        r.json().await.ok()
-    })
+    let state: serde_json::Value = eventually(
+        Duration::from_secs(60),
+        "the service to have done the work",
+        || async {
+            let exited = child.lock().unwrap().try_wait();
+            if let Ok(Some(status)) = exited {
+                panic!("leasehold serve exited ({status})");
+            }
+            let r = client.get(format!("{url}records/account/42")).send().await.ok()?;
+            r.status().is_success().then_some(())?;
+            r.json().await.ok()
+        },
+    )
     .await;
     let token = state["token"].as_u64().unwrap();
     assert!(token >= 1 && state["attempt"] == 1, "{state}");
@@ -217,9 +221,15 @@ async fn the_library_example_runs_a_record() {
     let serving = tokio::spawn({
         let (queue, container, stop) = (env.queue.clone(), env.container.clone(), stop.clone());
         async move {
-            library::serve(&connection, &queue, &container, Arc::new(library::SyncToErp { done }), stop)
-                .await
-                .map_err(|e| e.to_string())
+            library::serve(
+                &connection,
+                &queue,
+                &container,
+                Arc::new(library::SyncToErp { done }),
+                stop,
+            )
+            .await
+            .map_err(|e| e.to_string())
         }
     });
     let queue = AzureQueue::new(&Azurite::shared().account(), &env.queue, OpCounters::new());
@@ -229,7 +239,10 @@ async fn the_library_example_runs_a_record() {
         .await
         .expect("the library example ran the record")
         .unwrap();
-    assert!(report.starts_with("synced account/42 with fencing token"), "{report}");
+    assert!(
+        report.starts_with("synced account/42 with fencing token"),
+        "{report}"
+    );
     assert!(report.ends_with("attempt 1"), "{report}");
     stop.cancel();
     serving.await.unwrap().unwrap();
