@@ -184,7 +184,9 @@ impl Application {
             .with_context(|| format!("listening on 127.0.0.1:{port}"))?;
         let port = listener.local_addr()?.port();
         let wiring = wire(&settings)?;
-        let logic = logic(&settings, false, supervisor)?;
+        // Under the host a logic command runs in the app root (where the executable is), so one
+        // packed beside it (`logic/…`) is named relative to it.
+        let logic = logic(&settings, false, supervisor, app_root())?;
         // Within the host's 30 s for GET /: each creation is one bounded request.
         ensure_resources(&settings).await;
         let shutdown = CancellationToken::new();
@@ -222,7 +224,7 @@ impl Application {
         supervisor: Option<PathBuf>,
     ) -> Result<Self> {
         let wiring = wire(&settings)?;
-        let logic = logic(&settings, demo, supervisor)?;
+        let logic = logic(&settings, demo, supervisor, None)?;
         ensure_resources(&settings).await;
         // Fail fast on unusable credentials or endpoints, with the storage answer (a peek: a
         // message-level read, which every role that can run Leasehold may make).
@@ -342,11 +344,25 @@ pub(crate) async fn ensure_resources(settings: &Settings) {
     }
 }
 
-fn logic(settings: &Settings, demo: bool, supervisor: Option<PathBuf>) -> Result<Arc<dyn Logic>> {
+/// The directory of the running executable: the Function App's root under the host.
+fn app_root() -> Option<PathBuf> {
+    std::env::current_exe().ok()?.parent().map(PathBuf::from)
+}
+
+fn logic(
+    settings: &Settings,
+    demo: bool,
+    supervisor: Option<PathBuf>,
+    app_root: Option<PathBuf>,
+) -> Result<Arc<dyn Logic>> {
     Ok(match &settings.logic {
-        LogicSetting::Command(c) => {
-            command_logic(c, &settings.logic_env, settings.runner.stop_grace, supervisor)?
-        }
+        LogicSetting::Command(c) => command_logic(
+            c,
+            &settings.logic_env,
+            settings.runner.stop_grace,
+            supervisor,
+            app_root,
+        )?,
         LogicSetting::Url(u) => Arc::new(
             UrlLogic::new(u, settings.runner.run_timeout)
                 .map_err(|e| anyhow::anyhow!("LEASEHOLD_LOGIC_URL: {e}"))?,
@@ -371,6 +387,7 @@ fn command_logic(
     allowed_env: &[String],
     stop_grace: Duration,
     supervisor: Option<PathBuf>,
+    app_root: Option<PathBuf>,
 ) -> Result<Arc<dyn Logic>> {
     use leasehold_functions::logic::{CommandEnv, CommandLogic, Supervisor};
     let supervisor = match supervisor {
@@ -384,11 +401,13 @@ fn command_logic(
     // The command gets the base variables and those the settings allow, with this process's
     // values (read now: the warnings about them are start-up's).
     let env = CommandEnv::from_vars(std::env::vars_os(), allowed_env);
-    Ok(Arc::new(
-        CommandLogic::new(command, supervisor)
-            .with_env(env)
-            .with_grace(grace),
-    ))
+    let logic = CommandLogic::new(command, supervisor)
+        .with_env(env)
+        .with_grace(grace);
+    Ok(Arc::new(match app_root {
+        Some(root) => logic.with_app_root(root),
+        None => logic,
+    }))
 }
 
 #[cfg(not(unix))]
@@ -397,6 +416,7 @@ fn command_logic(
     _allowed_env: &[String],
     _stop_grace: Duration,
     _supervisor: Option<PathBuf>,
+    _app_root: Option<PathBuf>,
 ) -> Result<Arc<dyn Logic>> {
     bail!("LEASEHOLD_LOGIC_COMMAND needs a Unix system; use LEASEHOLD_LOGIC_URL")
 }

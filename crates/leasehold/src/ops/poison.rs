@@ -236,7 +236,7 @@ enum Act {
 
 /// Reads a poison queue message: an entry Leasehold wrote, a bare trigger (the Functions host
 /// moves a message there itself after `maxDequeueCount` deliveries), or something else.
-fn entry_of(id: String, inserted_at: Option<SystemTime>, dequeue_count: u32, body: &str) -> PoisonEntry {
+fn entry_of(id: String, inserted_at: Option<SystemTime>, body: &str) -> PoisonEntry {
     let from_trigger = |trigger: TriggerMessage, reason: String, attempts: u32| PoisonEntry {
         id: id.clone(),
         inserted_at,
@@ -270,10 +270,14 @@ fn entry_of(id: String, inserted_at: Option<SystemTime>, dequeue_count: u32, bod
         };
     }
     if let Ok(trigger) = TriggerMessage::decode(body) {
-        let attempts = trigger.prior_attempts + dequeue_count;
+        // The host's own count of failed deliveries is not kept (the message here is a new
+        // one, and this queue's dequeue count only says how often operators' scans took it).
+        let attempts = trigger.prior_attempts;
         return from_trigger(
             trigger,
-            "moved here by the Functions host after its maxDequeueCount deliveries".into(),
+            "moved here by the Functions host after its maxDequeueCount deliveries (host.json): \
+             the handler could not be reached or kept failing without answering"
+                .into(),
             attempts,
         );
     }
@@ -284,7 +288,7 @@ fn entry_of(id: String, inserted_at: Option<SystemTime>, dequeue_count: u32, bod
         record_id: None,
         kind: None,
         reason: "not an entry Leasehold wrote, nor a trigger".into(),
-        attempts: dequeue_count,
+        attempts: 0,
         correlation_id: None,
         is_trigger: false,
         body: Some(shown(body, false)),
@@ -381,7 +385,7 @@ impl Operator {
             let complete = peeked.len() < limit;
             let entries = peeked
                 .into_iter()
-                .map(|m| entry_of(m.id, m.inserted_at, m.dequeue_count, &m.body))
+                .map(|m| entry_of(m.id, m.inserted_at, &m.body))
                 .collect::<Vec<_>>();
             (entries, complete)
         } else {
@@ -412,7 +416,7 @@ impl Operator {
             .await
             .map_err(|e| OpsError::storage("peek poison", e))?;
         if let Some(m) = peeked.into_iter().find(|m| m.id == id) {
-            return Ok(entry_of(m.id, m.inserted_at, m.dequeue_count, &m.body));
+            return Ok(entry_of(m.id, m.inserted_at, &m.body));
         }
         let selection = PoisonSelection::ids([id.to_string()]);
         let scan = self.scan(&selection, |_| Act::Keep, None, &|_| {}).await?;
@@ -529,12 +533,7 @@ impl Operator {
                     }
                     new += 1;
                     scan.scanned += 1;
-                    let entry = entry_of(
-                        received.id.clone(),
-                        received.inserted_at,
-                        received.dequeue_count,
-                        &received.body,
-                    );
+                    let entry = entry_of(received.id.clone(), received.inserted_at, &received.body);
                     let selected = everything || selection.selects(&entry);
                     if selected {
                         scan.found.insert(entry.id.clone());
@@ -703,16 +702,16 @@ mod tests {
         t.prior_attempts = 2;
         t.kind = TriggerKind::Sweep;
         let ours = PoisonMessage::new(t.encode(), Some(t.clone()), &Error::LeaseLost, 5);
-        let e = entry_of("m1".into(), None, 1, &ours.encode());
+        let e = entry_of("m1".into(), None, &ours.encode());
         assert!(e.is_trigger);
         assert_eq!((e.attempts, e.kind.as_deref()), (7, Some("sweep")));
         assert_eq!(e.reason, "lease lost during the run");
         // The host's own move: a bare trigger.
-        let e = entry_of("m2".into(), None, 100, &trigger("r2").encode());
+        let e = entry_of("m2".into(), None, &trigger("r2").encode());
         assert!(e.is_trigger && e.reason.contains("maxDequeueCount"));
-        assert_eq!(e.attempts, 100);
+        assert_eq!(e.attempts, 0);
         // Anything else is shown, not requeued.
-        let e = entry_of("m3".into(), None, 1, &"x".repeat(10_000));
+        let e = entry_of("m3".into(), None, &"x".repeat(10_000));
         assert!(!e.is_trigger);
         assert!(e.body.unwrap().ends_with("[…]"));
     }
@@ -726,7 +725,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(both.check().unwrap_err().status(), 400);
-        let e = entry_of("m1".into(), None, 1, &trigger("r1").encode());
+        let e = entry_of("m1".into(), None, &trigger("r1").encode());
         assert!(PoisonSelection::all().selects(&e));
         assert!(PoisonSelection::ids(["m1".to_string()]).selects(&e));
         assert!(!PoisonSelection::ids(["m2".to_string()]).selects(&e));
@@ -740,19 +739,18 @@ mod tests {
     #[test]
     fn entries_group_by_record_with_first_and_last_seen() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
-        let mut a = entry_of("m1".into(), Some(t0), 1, &trigger("r1").encode());
+        let mut a = entry_of("m1".into(), Some(t0), &trigger("r1").encode());
         a.reason = "first".into();
         let mut b = entry_of(
             "m2".into(),
             Some(t0 + Duration::from_secs(60)),
-            3,
             &trigger("r1").encode(),
         );
         b.reason = "second".into();
+        b.attempts = 3;
         let c = entry_of(
             "m3".into(),
             Some(t0 + Duration::from_secs(30)),
-            1,
             &trigger("r2").encode(),
         );
         let records = by_record(&[a, b, c]);
