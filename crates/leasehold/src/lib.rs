@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod app;
+pub mod dataverse;
 pub mod ops;
 mod server;
 pub mod settings;
