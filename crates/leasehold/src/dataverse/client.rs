@@ -82,8 +82,20 @@ pub fn encode_query_value(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
     for b in value.bytes() {
         match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'\'' | b'(' | b')'
-            | b',' | b'/' | b'$' | b':' => out.push(b as char),
+            b'A'..=b'Z'
+            | b'a'..=b'z'
+            | b'0'..=b'9'
+            | b'-'
+            | b'.'
+            | b'_'
+            | b'~'
+            | b'\''
+            | b'('
+            | b')'
+            | b','
+            | b'/'
+            | b'$'
+            | b':' => out.push(b as char),
             _ => out.push_str(&format!("%{b:02X}")),
         }
     }
@@ -193,7 +205,12 @@ impl WebApi {
             .headers()
             .get("OData-EntityId")
             .and_then(|v| v.to_str().ok())
-            .ok_or_else(|| anyhow!("POST {set}: the answer ({}) has no OData-EntityId header", response.status()))?;
+            .ok_or_else(|| {
+                anyhow!(
+                    "POST {set}: the answer ({}) has no OData-EntityId header",
+                    response.status()
+                )
+            })?;
         entity_id(id).ok_or_else(|| anyhow!("POST {set}: cannot read the id in OData-EntityId '{id}'"))
     }
 
@@ -233,7 +250,11 @@ impl WebApi {
                 Err(e) if idempotent && failures < self.retry.server_errors => {
                     failures += 1;
                     let wait = self.retry.backoff * 2u32.pow(failures - 1);
-                    eprintln!("… {method} {path}: {} ; retrying in {} s", short(&e), wait.as_secs_f32());
+                    eprintln!(
+                        "… {method} {path}: {} ; retrying in {} s",
+                        short(&e),
+                        wait.as_secs_f32()
+                    );
                     tokio::time::sleep(wait).await;
                     continue;
                 }
@@ -263,7 +284,10 @@ impl WebApi {
             if status.is_server_error() && idempotent && failures < self.retry.server_errors {
                 failures += 1;
                 let wait = self.retry.backoff * 2u32.pow(failures - 1);
-                eprintln!("… {method} {path}: {status}; retrying in {} s", wait.as_secs_f32());
+                eprintln!(
+                    "… {method} {path}: {status}; retrying in {} s",
+                    wait.as_secs_f32()
+                );
                 tokio::time::sleep(wait).await;
                 continue;
             }
@@ -295,7 +319,10 @@ impl WebApi {
                 message.push_str(&role_hint(&self.credential));
             }
             StatusCode::FORBIDDEN => {
-                message.push_str(&format!(".\nThe credential used was {}.", self.credential.describe()));
+                message.push_str(&format!(
+                    ".\nThe credential used was {}.",
+                    self.credential.describe()
+                ));
                 message.push_str(&role_hint(&self.credential));
             }
             StatusCode::TOO_MANY_REQUESTS => {
@@ -341,7 +368,11 @@ pub fn retry_after(headers: &header::HeaderMap) -> Option<Duration> {
     if let Ok(secs) = value.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
-    value.parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0).map(Duration::from_secs_f64)
+    value
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(Duration::from_secs_f64)
 }
 
 /// The Web API error body: `{"error":{"code":"0x…","message":"…"}}`.
@@ -374,9 +405,13 @@ mod tests {
         assert!(environment_url("https://contoso.crm.dynamics.com").is_ok());
         assert!(environment_url("https://contoso.crm.dynamics.com/").is_ok());
         assert!(environment_url("http://127.0.0.1:9000").is_ok());
-        let e = environment_url("http://contoso.crm.dynamics.com").unwrap_err().to_string();
+        let e = environment_url("http://contoso.crm.dynamics.com")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("must be https"), "{e}");
-        let e = environment_url("https://contoso.crm.dynamics.com/api/data/v9.2").unwrap_err().to_string();
+        let e = environment_url("https://contoso.crm.dynamics.com/api/data/v9.2")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("address only"), "{e}");
         let env = environment_url("https://contoso.crm4.dynamics.com/").unwrap();
         assert_eq!(scope(&env), "https://contoso.crm4.dynamics.com/.default");
@@ -385,7 +420,10 @@ mod tests {
     #[test]
     fn query_encoding() {
         assert_eq!(
-            query("sdkmessagefilters", &[("$filter", "sdkmessageid/name eq 'Update' and x eq 1")]),
+            query(
+                "sdkmessagefilters",
+                &[("$filter", "sdkmessageid/name eq 'Update' and x eq 1")]
+            ),
             "sdkmessagefilters?$filter=sdkmessageid/name%20eq%20'Update'%20and%20x%20eq%201"
         );
         assert_eq!(encode_query_value("a+b&c#"), "a%2Bb%26c%23");
@@ -396,7 +434,9 @@ mod tests {
     fn ids_and_errors() {
         let id = Uuid::new_v4();
         assert_eq!(
-            entity_id(&format!("https://x.crm.dynamics.com/api/data/v9.2/serviceendpoints({id})")),
+            entity_id(&format!(
+                "https://x.crm.dynamics.com/api/data/v9.2/serviceendpoints({id})"
+            )),
             Some(id)
         );
         assert_eq!(entity_id("nothing"), None);

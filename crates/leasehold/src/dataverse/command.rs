@@ -32,13 +32,17 @@ pub enum DataverseCommand {
     #[command(after_help = REGISTER_EXAMPLES)]
     Register(RegisterArgs),
     /// Show Leasehold's webhook endpoints (names starting with "leasehold") and their steps.
-    #[command(after_help = "Examples:\n  leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com\n  \
-        leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com --json")]
+    #[command(
+        after_help = "Examples:\n  leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com\n  \
+        leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com --json"
+    )]
     List(ListArgs),
     /// Remove a webhook endpoint; Dataverse removes its steps with it. Without --name, the one
     /// Leasehold endpoint there is (several: say which with --name).
-    #[command(after_help = "Examples:\n  leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --dry-run\n  \
-        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net")]
+    #[command(
+        after_help = "Examples:\n  leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --dry-run\n  \
+        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net"
+    )]
     Unregister(UnregisterArgs),
 }
 
@@ -151,11 +155,19 @@ pub async fn run(command: DataverseCommand) -> Result<String> {
                 };
             }
             let report = register(&connect(&a.environment)?, &spec).await?;
-            if a.json { to_json(&report) } else { Ok(text_register(&report)) }
+            if a.json {
+                to_json(&report)
+            } else {
+                Ok(text_register(&report))
+            }
         }
         DataverseCommand::List(a) => {
             let report = list(&connect(&a.environment)?, a.name.as_deref()).await?;
-            if a.json { to_json(&report) } else { Ok(text_list(&report)) }
+            if a.json {
+                to_json(&report)
+            } else {
+                Ok(text_list(&report))
+            }
         }
         DataverseCommand::Unregister(a) => {
             if a.dry_run {
@@ -168,7 +180,11 @@ pub async fn run(command: DataverseCommand) -> Result<String> {
                 };
             }
             let report = unregister(&connect(&a.environment)?, a.name.as_deref()).await?;
-            if a.json { to_json(&report) } else { Ok(text_unregister(&report)) }
+            if a.json {
+                to_json(&report)
+            } else {
+                Ok(text_unregister(&report))
+            }
         }
     }
 }

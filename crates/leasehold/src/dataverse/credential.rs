@@ -53,8 +53,10 @@ impl Credential {
                 "AZURE_CLIENT_SECRET is set, but a client secret also needs AZURE_TENANT_ID and AZURE_CLIENT_ID"
             );
         };
-        let credential = ClientSecretCredential::new(&tenant_id, client_id.clone(), Secret::new(secret), None)
-            .context("the client secret credential (AZURE_TENANT_ID, AZURE_CLIENT_ID, AZURE_CLIENT_SECRET)")?;
+        let credential =
+            ClientSecretCredential::new(&tenant_id, client_id.clone(), Secret::new(secret), None).context(
+                "the client secret credential (AZURE_TENANT_ID, AZURE_CLIENT_ID, AZURE_CLIENT_SECRET)",
+            )?;
         Ok(Credential::ClientSecret {
             tenant_id,
             client_id,
@@ -67,10 +69,10 @@ impl Credential {
         match self {
             Credential::Token(_) => format!("the bearer token in {TOKEN_VAR}"),
             Credential::ClientSecret {
-                tenant_id,
-                client_id,
-                ..
-            } => format!("the client secret of application {client_id} in tenant {tenant_id} (AZURE_CLIENT_ID)"),
+                tenant_id, client_id, ..
+            } => format!(
+                "the client secret of application {client_id} in tenant {tenant_id} (AZURE_CLIENT_ID)"
+            ),
             Credential::AzureCli(_) => "the Azure CLI login (az login)".to_owned(),
         }
     }

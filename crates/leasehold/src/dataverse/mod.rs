@@ -140,7 +140,9 @@ fn display<S: serde::Serializer>(id: &Uuid, s: S) -> std::result::Result<S::Ok, 
 fn check_name(name: &str) -> Result<()> {
     if !name.starts_with(NAME_PREFIX)
         || name.len() > 100
-        || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     {
         bail!(
             "--name '{name}': a Leasehold endpoint's name starts with '{NAME_PREFIX}' (that is how `list` and `unregister` find it) and has at most 100 letters, digits, '-', '_' or '.'"
@@ -159,7 +161,9 @@ fn logical_names(values: &[String], what: &str) -> Result<Vec<String>> {
     for v in values.iter().map(|v| v.trim()).filter(|v| !v.is_empty()) {
         let lower = v.to_ascii_lowercase();
         if !lower.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') || lower.len() > 100 {
-            bail!("{what} '{v}' is not a logical name (letters, digits and '_', like account or new_project)");
+            bail!(
+                "{what} '{v}' is not a logical name (letters, digits and '_', like account or new_project)"
+            );
         }
         if !out.contains(&lower) {
             out.push(lower);
@@ -182,7 +186,10 @@ impl RegisterSpec {
     ) -> Result<Self> {
         let environment = client::environment_url(environment_url)?;
         let start_url = check_url(start_url, "--start-url")?;
-        if start_url.query_pairs().any(|(k, _)| k.eq_ignore_ascii_case("code")) {
+        if start_url
+            .query_pairs()
+            .any(|(k, _)| k.eq_ignore_ascii_case("code"))
+        {
             bail!(
                 "--start-url carries a ?code= key: give the URL without it; the key comes from {KEY_VAR} or --start-key-file (Dataverse appends ?code=<key> itself)"
             );
@@ -215,7 +222,9 @@ impl RegisterSpec {
         }
         let filtering_attributes = logical_names(filtering_attributes, "--filtering-attributes")?;
         if !filtering_attributes.is_empty() && !canonical.iter().any(|m| m == "Update") {
-            bail!("--filtering-attributes apply to the Update message only, and --messages does not include Update");
+            bail!(
+                "--filtering-attributes apply to the Update message only, and --messages does not include Update"
+            );
         }
         Ok(RegisterSpec {
             environment,
@@ -255,7 +264,10 @@ impl RegisterSpec {
 
 fn fingerprint_in(description: &str) -> Option<String> {
     let at = description.find(FINGERPRINT_MARK)? + FINGERPRINT_MARK.len();
-    let f: String = description[at..].chars().take_while(|c| c.is_ascii_hexdigit()).collect();
+    let f: String = description[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_hexdigit())
+        .collect();
     (!f.is_empty()).then_some(f)
 }
 
@@ -422,20 +434,25 @@ pub struct PlannedRequest {
     pub note: Option<String>,
 }
 
-const ENDPOINT_SELECT: &str =
-    "serviceendpointid,name,url,contract,authtype,messageformat,userclaim,connectionmode,description,isauthvalueset";
+const ENDPOINT_SELECT: &str = "serviceendpointid,name,url,contract,authtype,messageformat,userclaim,connectionmode,description,isauthvalueset";
 const STEP_SELECT: &str = "sdkmessageprocessingstepid,name,stage,mode,rank,supporteddeployment,asyncautodelete,filteringattributes,statecode,_sdkmessageid_value,_sdkmessagefilterid_value";
 const STEP_EXPAND: &str = "sdkmessagefilterid($select=primaryobjecttypecode),sdkmessageid($select=name)";
 
 fn endpoints_query(name: Option<&str>) -> String {
     let filter = match name {
-        Some(name) => format!("contract eq {CONTRACT_WEBHOOK} and name eq {}", client::literal(name)),
+        Some(name) => format!(
+            "contract eq {CONTRACT_WEBHOOK} and name eq {}",
+            client::literal(name)
+        ),
         None => format!(
             "contract eq {CONTRACT_WEBHOOK} and startswith(name,{})",
             client::literal(NAME_PREFIX)
         ),
     };
-    client::query("serviceendpoints", &[("$select", ENDPOINT_SELECT), ("$filter", &filter)])
+    client::query(
+        "serviceendpoints",
+        &[("$select", ENDPOINT_SELECT), ("$filter", &filter)],
+    )
 }
 
 fn steps_query(endpoint: &str) -> String {
@@ -453,7 +470,10 @@ fn filters_query(table: &str, message: &str) -> String {
     client::query(
         "sdkmessagefilters",
         &[
-            ("$select", "sdkmessagefilterid,_sdkmessageid_value,iscustomprocessingstepallowed"),
+            (
+                "$select",
+                "sdkmessagefilterid,_sdkmessageid_value,iscustomprocessingstepallowed",
+            ),
             (
                 "$filter",
                 &format!(
@@ -507,7 +527,9 @@ fn step_view(v: &Value) -> Result<StepView> {
         mode: int_field(v, "mode").unwrap_or(0),
         rank: int_field(v, "rank").unwrap_or(0),
         asyncautodelete: v.get("asyncautodelete").and_then(Value::as_bool).unwrap_or(false),
-        filtering_attributes: attribute_set(str_field(v, "filteringattributes")).into_iter().collect(),
+        filtering_attributes: attribute_set(str_field(v, "filteringattributes"))
+            .into_iter()
+            .collect(),
         enabled: int_field(v, "statecode").unwrap_or(0) == 0,
         message_id: str_field(v, "_sdkmessageid_value").map(str::to_ascii_lowercase),
         filter_id: str_field(v, "_sdkmessagefilterid_value").map(str::to_ascii_lowercase),
@@ -559,7 +581,11 @@ async fn to_unregister(api: &WebApi, name: Option<&str>) -> Result<Vec<EndpointV
             "{} Leasehold webhook endpoints are registered in {}: {}. Say which with --name",
             found.len(),
             api.environment().as_str().trim_end_matches('/'),
-            found.iter().map(|e| e.name.as_str()).collect::<Vec<_>>().join(", ")
+            found
+                .iter()
+                .map(|e| e.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     Ok(found)
@@ -590,7 +616,9 @@ pub fn plan_unregister(api_base: &Url, name: Option<&str>) -> Result<Vec<Planned
             body: None,
             note: Some(match name {
                 Some(n) => format!("find the webhook endpoint named {n}"),
-                None => "find Leasehold's webhook endpoints (there must be exactly one without --name)".into(),
+                None => {
+                    "find Leasehold's webhook endpoints (there must be exactly one without --name)".into()
+                }
             }),
         },
         PlannedRequest {
@@ -640,7 +668,11 @@ pub async fn register(api: &WebApi, spec: &RegisterSpec) -> Result<RegisterRepor
                     api.environment().as_str().trim_end_matches('/')
                 );
             };
-            if filter.get("iscustomprocessingstepallowed").and_then(Value::as_bool) == Some(false) {
+            if filter
+                .get("iscustomprocessingstepallowed")
+                .and_then(Value::as_bool)
+                == Some(false)
+            {
                 bail!("Dataverse does not allow custom steps for {message} of {table}");
             }
             wanted.push(Wanted {
@@ -686,7 +718,10 @@ pub async fn register(api: &WebApi, spec: &RegisterSpec) -> Result<RegisterRepor
                 }
             }
             let description = str_field(current, "description");
-            let key_set = current.get("isauthvalueset").and_then(Value::as_bool).unwrap_or(false);
+            let key_set = current
+                .get("isauthvalueset")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
             let key_action = match spec.key.as_ref() {
                 Some(key) if !key_set || description.and_then(fingerprint_in) != Some(key.fingerprint()) => {
                     patch.insert("authvalue".into(), json!(key.0));
@@ -739,7 +774,14 @@ pub async fn register(api: &WebApi, spec: &RegisterSpec) -> Result<RegisterRepor
     let mut used = BTreeSet::new();
     let mut steps = Vec::new();
     for w in &wanted {
-        let body = step_body(spec, &w.table, &w.message, &endpoint_id, &w.message_id, &w.filter_id);
+        let body = step_body(
+            spec,
+            &w.table,
+            &w.message,
+            &endpoint_id,
+            &w.message_id,
+            &w.filter_id,
+        );
         let mut matching = current_steps
             .iter()
             .filter(|s| s.filter_id.as_deref() == Some(w.filter_id.as_str()));
@@ -770,15 +812,25 @@ pub async fn register(api: &WebApi, spec: &RegisterSpec) -> Result<RegisterRepor
                 differs("stage", current.stage == STAGE_POST_OPERATION);
                 differs("mode", current.mode == MODE_ASYNCHRONOUS);
                 differs("rank", current.rank == RANK);
-                differs("supporteddeployment", current.supporteddeployment == SUPPORTED_DEPLOYMENT_SERVER);
+                differs(
+                    "supporteddeployment",
+                    current.supporteddeployment == SUPPORTED_DEPLOYMENT_SERVER,
+                );
                 differs("asyncautodelete", current.asyncautodelete);
                 differs(
                     "filteringattributes",
-                    current.filtering_attributes.iter().cloned().collect::<BTreeSet<_>>()
+                    current
+                        .filtering_attributes
+                        .iter()
+                        .cloned()
+                        .collect::<BTreeSet<_>>()
                         == attributes.iter().cloned().collect::<BTreeSet<_>>(),
                 );
                 if current.message_id.as_deref() != Some(w.message_id.as_str()) {
-                    patch.insert("sdkmessageid@odata.bind".into(), body["sdkmessageid@odata.bind"].clone());
+                    patch.insert(
+                        "sdkmessageid@odata.bind".into(),
+                        body["sdkmessageid@odata.bind"].clone(),
+                    );
                     changes.push("sdkmessageid".into());
                 }
                 let action = if patch.is_empty() {
@@ -805,7 +857,8 @@ pub async fn register(api: &WebApi, spec: &RegisterSpec) -> Result<RegisterRepor
         // Duplicates of this step (a create that was retried by hand, say): removed.
         for extra in matching {
             used.insert(extra.id);
-            api.delete(&format!("sdkmessageprocessingsteps({})", extra.id)).await?;
+            api.delete(&format!("sdkmessageprocessingsteps({})", extra.id))
+                .await?;
             steps.push(StepReport {
                 id: extra.id,
                 table: w.table.clone(),
@@ -820,7 +873,8 @@ pub async fn register(api: &WebApi, spec: &RegisterSpec) -> Result<RegisterRepor
     let mut other_steps = Vec::new();
     for s in current_steps.iter().filter(|s| !used.contains(&s.id)) {
         if spec.tables.contains(&s.table) {
-            api.delete(&format!("sdkmessageprocessingsteps({})", s.id)).await?;
+            api.delete(&format!("sdkmessageprocessingsteps({})", s.id))
+                .await?;
             steps.push(StepReport {
                 id: s.id,
                 table: s.table.clone(),
@@ -933,14 +987,22 @@ fn describe_step(s: &StepView) -> String {
             10 => "pre-validation".to_owned(),
             n => format!("stage {n}"),
         },
-        if s.mode == 1 { ", asynchronous" } else { ", synchronous" },
+        if s.mode == 1 {
+            ", asynchronous"
+        } else {
+            ", synchronous"
+        },
         s.rank
     );
     if s.asyncautodelete {
         line.push_str(", succeeded jobs deleted");
     }
     if !s.filtering_attributes.is_empty() {
-        let _ = write!(line, ", filtering attributes {}", s.filtering_attributes.join(","));
+        let _ = write!(
+            line,
+            ", filtering attributes {}",
+            s.filtering_attributes.join(",")
+        );
     }
     if !s.enabled {
         line.push_str(", DISABLED");
@@ -952,7 +1014,11 @@ fn describe_step(s: &StepView) -> String {
 pub fn text_register(r: &RegisterReport) -> String {
     let mut out = String::new();
     let e = &r.endpoint;
-    let _ = write!(out, "endpoint {} ({}) in {}: {}", e.name, e.id, r.environment_url, e.action);
+    let _ = write!(
+        out,
+        "endpoint {} ({}) in {}: {}",
+        e.name, e.id, r.environment_url, e.action
+    );
     match e.action {
         Action::Created => {
             let _ = write!(out, " (url {}, key set)", e.url);
@@ -985,7 +1051,11 @@ pub fn text_register(r: &RegisterReport) -> String {
         out.push('\n');
     }
     for s in &r.other_steps {
-        let _ = writeln!(out, "step {} {} ({}): kept (another table)", s.table, s.message, s.id);
+        let _ = writeln!(
+            out,
+            "step {} {} ({}): kept (another table)",
+            s.table, s.message, s.id
+        );
     }
     out.push_str(if r.changed {
         "registered: Dataverse now sends these events to Leasehold's Start"
@@ -1000,7 +1070,11 @@ pub fn text_list(r: &ListReport) -> String {
     if r.endpoints.is_empty() {
         return format!("no Leasehold webhook endpoints in {}", r.environment_url);
     }
-    let mut out = format!("{} Leasehold webhook endpoint(s) in {}:\n", r.endpoints.len(), r.environment_url);
+    let mut out = format!(
+        "{} Leasehold webhook endpoint(s) in {}:\n",
+        r.endpoints.len(),
+        r.environment_url
+    );
     for e in &r.endpoints {
         let _ = writeln!(out, "\n{} ({})", e.name, e.id);
         let _ = writeln!(out, "  url  {}", e.url);
@@ -1026,7 +1100,10 @@ pub fn text_list(r: &ListReport) -> String {
 /// Text for people: `unregister`.
 pub fn text_unregister(r: &UnregisterReport) -> String {
     if r.removed.is_empty() {
-        return format!("nothing to remove: no such Leasehold webhook endpoint in {}", r.environment_url);
+        return format!(
+            "nothing to remove: no such Leasehold webhook endpoint in {}",
+            r.environment_url
+        );
     }
     let mut out = String::new();
     for e in &r.removed {
@@ -1135,7 +1212,9 @@ mod tests {
         let text = text_plan(&plan);
         assert!(!text.contains("super-secret-key"));
         assert!(text.contains("<redacted>"));
-        assert!(text.contains("POST https://contoso.crm.dynamics.com/api/data/v9.2/sdkmessageprocessingsteps"));
+        assert!(
+            text.contains("POST https://contoso.crm.dynamics.com/api/data/v9.2/sdkmessageprocessingsteps")
+        );
         assert!(text.contains("\"filteringattributes\": \"name,statuscode\""));
         assert_eq!(plan.iter().filter(|r| r.method == "POST").count(), 3);
     }
