@@ -5,7 +5,8 @@
 # Then packs the example script logic (--logic examples/logic-script), starts that handler from
 # another directory against a fresh Azurite, hands it a queue invocation as the host would, and
 # checks the packed logic ran for the record (named relative to the app root: logic/run.sh).
-# Also checks that scripts/deploy.sh --dry-run prints a full deployment.
+# Also checks that scripts/deploy.sh --dry-run prints a full deployment, and its Dataverse
+# registration step when the parameters name a CRM (and not otherwise, nor with --no-register).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -111,5 +112,28 @@ for sku in FC1 EP1 Y1; do
   done
 done
 scripts/deploy.sh dev --plan B1 --dry-run >/dev/null 2>&1 && { echo "check-package: deploy.sh accepted an unknown plan" >&2; exit 1; }
-echo "deploy.sh --dry-run ok (prod; dev on FC1, EP1 and Y1)"
+# The registration step: shown when the parameters name a Dataverse environment, the key redacted.
+plan=$(scripts/deploy.sh dev --dry-run)
+echo "$plan" | grep -q "dataverse register" && { echo "check-package: deploy.sh registers without a Dataverse environment in dev.json" >&2; exit 1; }
+python3 - "$work/dev-crm.json" <<'PY'
+import json, sys
+d = json.load(open("deploy/parameters/dev.json"))
+d["leasehold"]["dataverse"]["environmentUrl"] = "https://contoso-dev.crm4.dynamics.com"
+d["leasehold"]["dataverse"]["registrations"] = [
+    {"table": "account", "messages": ["Create", "Update"], "filteringAttributes": ["name", "statuscode"]},
+    {"table": "contact", "messages": ["Create"]}]
+json.dump(d, open(sys.argv[1], "w"))
+PY
+plan=$(LEASEHOLD_PARAMETERS="$work/dev-crm.json" scripts/deploy.sh dev --dry-run)
+for expect in "# 6. Dataverse: register Start as the webhook of https://contoso-dev.crm4.dynamics.com" \
+  "az functionapp function keys list --resource-group rg-leasehold-dev --name func-leaseholddev --function-name Start" \
+  "<redacted>" \
+  "dataverse register --environment-url https://contoso-dev.crm4.dynamics.com --start-url \"\$START_URL\" --table account --messages Create\\,Update --filtering-attributes name\\,statuscode" \
+  "--table contact --messages Create"; do
+  echo "$plan" | grep -qF -- "$expect" || { echo "check-package: deploy.sh dev --dry-run (with a CRM) lacks '$expect':" >&2; echo "$plan" >&2; exit 1; }
+done
+[ "$(echo "$plan" | tail -n 1 | grep -c 'dataverse register')" = 1 ] || { echo "check-package: the registration is not deploy.sh's last step" >&2; exit 1; }
+plan=$(LEASEHOLD_PARAMETERS="$work/dev-crm.json" scripts/deploy.sh dev --dry-run --no-register)
+echo "$plan" | grep -q "dataverse register" && { echo "check-package: deploy.sh --no-register still registers" >&2; exit 1; }
+echo "deploy.sh --dry-run ok (prod; dev on FC1, EP1 and Y1; the Dataverse registration with a CRM, none without or with --no-register)"
 echo "check-package: all checks passed"

@@ -187,8 +187,8 @@ impl Application {
         // Under the host a logic command runs in the app root (where the executable is), so one
         // packed beside it (`logic/…`) is named relative to it.
         let logic = logic(&settings, false, supervisor, app_root())?;
-        // Within the host's 30 s for GET /: each creation is one bounded request.
-        ensure_resources(&settings).await;
+        // In the background: the host gives GET / 30 s at most, and storage may be slow.
+        tokio::spawn(ensure_resources(&settings));
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
         let app = App {
@@ -312,18 +312,30 @@ impl Application {
 /// container-level rights) are told apart from an outage, said so once, and start-up goes on:
 /// someone with the rights may have created them already, and each is created on first use
 /// where the credentials allow.
-pub(crate) async fn ensure_resources(settings: &Settings) {
+pub(crate) fn ensure_resources(settings: &Settings) -> impl Future<Output = ()> + Send + 'static {
     let counters = OpCounters::new();
     let queue = AzureQueue::new(&settings.account, &settings.queue, counters.clone());
     let poison_name = poison_queue_name(&settings.queue);
     let poison = AzureQueue::new(&settings.account, &poison_name, counters.clone());
     let container = BlobContainer::new(&settings.account, &settings.container, counters);
+    let (queue_name, container_name) = (settings.queue.clone(), settings.container.clone());
+    async move { ensure(queue, poison, container, queue_name, poison_name, container_name).await }
+}
+
+async fn ensure(
+    queue: AzureQueue,
+    poison: AzureQueue,
+    container: BlobContainer,
+    queue_name: String,
+    poison_name: String,
+    container_name: String,
+) {
     let (q, p, c) = tokio::join!(queue.create(), poison.create(), container.create());
     let mut created = Vec::new();
     for (what, name, result) in [
-        ("trigger queue", settings.queue.as_str(), q),
+        ("trigger queue", queue_name.as_str(), q),
         ("poison queue", poison_name.as_str(), p),
-        ("container", settings.container.as_str(), c),
+        ("container", container_name.as_str(), c),
     ] {
         match result {
             Ok(()) => created.push(name),

@@ -2,6 +2,7 @@
 
 pub mod admin;
 mod app;
+pub mod dataverse;
 pub mod ops;
 mod server;
 pub mod settings;

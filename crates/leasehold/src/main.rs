@@ -114,6 +114,10 @@ enum Command {
         #[arg(long)]
         now: bool,
     },
+    /// Wire a Dataverse (Dynamics 365) environment to Start: register, list, unregister the
+    /// webhook and its steps.
+    #[command(subcommand)]
+    Dataverse(leasehold::dataverse::DataverseCommand),
     /// Internal: runs a logic command in a process group of its own and stops the whole group
     /// on SIGTERM/SIGINT/SIGHUP, on a `stop` line or end of stdin, and when the command exits.
     /// The worker starts it for every LEASEHOLD_LOGIC_COMMAND run.
@@ -283,6 +287,11 @@ async fn run(cli: Cli) -> Result<()> {
             return Ok(());
         }
     };
+    // Dataverse commands need no storage settings.
+    if let Command::Dataverse(command) = command {
+        println!("{}", leasehold::dataverse::run(command).await?);
+        return Ok(());
+    }
     let mut settings = Settings::from_env()?;
     let mode = match command {
         Command::Handler => Mode::Handler,
@@ -331,6 +340,7 @@ async fn run(cli: Cli) -> Result<()> {
             return Ok(());
         }
         Command::Supervise { .. } => bail!("`supervise` runs before the async runtime starts"),
+        Command::Dataverse(_) => unreachable!("handled above"),
     };
     let app = Application::build(settings, mode).await?;
     app.run_until_stopped(shutdown_signal()).await

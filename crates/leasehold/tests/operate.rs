@@ -447,6 +447,25 @@ async fn start_up_creates_the_queues_and_the_container_and_goes_on_without_the_r
     assert!(container.container_exists().await.unwrap());
     drop(app);
 
+    // The custom handler too (in the background: GET / is answered at once).
+    let env = Env::new();
+    let mut settings = env.settings_with(Azurite::shared().connection_string());
+    settings.handler_port = Some(0);
+    settings.logic = leasehold::LogicSetting::Demo(Duration::from_secs(1));
+    let handler = leasehold::Application::build(settings, leasehold::Mode::Handler)
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(20),
+        "the handler to create its queues",
+        || async {
+            (env.queue(&env.queue).exists().await.unwrap() && env.poison().exists().await.unwrap())
+                .then_some(())
+        },
+    )
+    .await;
+    drop(handler);
+
     // Credentials that may touch messages and blobs but not create queues or containers (an
     // account SAS for objects only, as a data-only role): start-up says so and goes on.
     let env = Env::new();

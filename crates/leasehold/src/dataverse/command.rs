@@ -1,0 +1,190 @@
+//! The `leasehold dataverse …` command line (clap), kept here so `main.rs` only names it.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+
+use super::{
+    Credential, RegisterSpec, RetryPolicy, StartKey, WebApi, client, list, plan_register, plan_unregister,
+    register, text_list, text_plan, text_register, text_unregister, unregister,
+};
+
+const CREDENTIALS: &str = "Credentials, in this order: a bearer token in DATAVERSE_ACCESS_TOKEN; a client secret \
+(AZURE_TENANT_ID, AZURE_CLIENT_ID, AZURE_CLIENT_SECRET) of an app registration that has an application \
+user in the environment; else the Azure CLI login (az login). The token's scope is \
+<environment-url>/.default. The identity needs a security role with Create, Read, Write and Delete on \
+Service Endpoint and SDK Message Processing Step (System Customizer or System Administrator).";
+
+/// Wire a Dataverse (Dynamics 365) environment to Leasehold's Start function: a webhook service
+/// endpoint and one asynchronous post-operation step per table and message.
+#[derive(Debug, Subcommand)]
+pub enum DataverseCommand {
+    /// Create or update the webhook endpoint (URL, key) and its steps. Idempotent: a second run
+    /// changes nothing and says so; a rotated key updates only the endpoint.
+    ///
+    /// The Start key comes from LEASEHOLD_START_KEY or --start-key-file, never from the command
+    /// line (it would land in shell history). Dataverse sends it as ?code=<key> (WebhookKey),
+    /// which is what Functions keys expect. The key cannot be read back from Dataverse, so the
+    /// endpoint's description holds a fingerprint of it (16 hex digits of a SHA-256) to see a
+    /// rotation. For the tables named, the endpoint's steps become exactly the messages named
+    /// (a step for a message no longer named is removed); steps for other tables are left alone.
+    #[command(after_help = REGISTER_EXAMPLES)]
+    Register(RegisterArgs),
+    /// Show Leasehold's webhook endpoints (names starting with "leasehold") and their steps.
+    #[command(
+        after_help = "Examples:\n  leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com\n  \
+        leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com --json"
+    )]
+    List(ListArgs),
+    /// Remove a webhook endpoint; Dataverse removes its steps with it. Without --name, the one
+    /// Leasehold endpoint there is (several: say which with --name).
+    #[command(
+        after_help = "Examples:\n  leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --dry-run\n  \
+        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net"
+    )]
+    Unregister(UnregisterArgs),
+}
+
+const REGISTER_EXAMPLES: &str = "Examples:\n  export LEASEHOLD_START_KEY=$(az functionapp keys list -g rg-leasehold-dev -n func-leaseholddev --query functionKeys.default -o tsv)\n  \
+leasehold dataverse register --environment-url https://contoso-dev.crm4.dynamics.com \\\n      \
+--start-url https://func-leaseholddev.azurewebsites.net/api/start --table account --messages Create,Update \\\n      \
+--filtering-attributes name,statuscode\n  \
+leasehold dataverse register ... --dry-run      # print the requests (key redacted), send nothing";
+
+/// The environment and how to talk to it.
+#[derive(Debug, Args)]
+pub struct Environment {
+    /// The Dataverse environment, like https://contoso.crm4.dynamics.com (https; http only for
+    /// 127.0.0.1/localhost).
+    #[arg(long, env = "DATAVERSE_ENVIRONMENT_URL", value_name = "URL")]
+    pub environment_url: String,
+}
+
+#[derive(Debug, Args)]
+#[command(after_long_help = CREDENTIALS)]
+pub struct RegisterArgs {
+    #[command(flatten)]
+    pub environment: Environment,
+    /// The Start function's URL, without the key (az functionapp function show … --query
+    /// invokeUrlTemplate).
+    #[arg(long, value_name = "URL")]
+    pub start_url: String,
+    /// Tables (logical names), comma-separated or repeated.
+    #[arg(long = "table", value_delimiter = ',', required = true, value_name = "TABLE")]
+    pub tables: Vec<String>,
+    /// SDK messages, like Create,Update,Delete.
+    #[arg(long, value_delimiter = ',', required = true, value_name = "MESSAGES")]
+    pub messages: Vec<String>,
+    /// For Update: the step fires only when one of these columns is in the request (present,
+    /// changed or not). Leave out the columns your logic writes back.
+    #[arg(long, value_delimiter = ',', value_name = "COLUMNS")]
+    pub filtering_attributes: Vec<String>,
+    /// The endpoint's name (starts with "leasehold") [default: leasehold-<host of --start-url>].
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Read the Start key from this file instead of LEASEHOLD_START_KEY.
+    #[arg(long, value_name = "PATH")]
+    pub start_key_file: Option<PathBuf>,
+    /// Print the requests (the key redacted) and send nothing; needs no credentials.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(after_long_help = CREDENTIALS)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub environment: Environment,
+    /// Only the endpoint with this name.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(after_long_help = CREDENTIALS)]
+pub struct UnregisterArgs {
+    #[command(flatten)]
+    pub environment: Environment,
+    /// The endpoint to remove [default: the only Leasehold endpoint there is].
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Print the requests and send nothing; needs no credentials.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn connect(environment: &Environment) -> Result<WebApi> {
+    let url = client::environment_url(&environment.environment_url)?;
+    WebApi::new(url, Credential::from_env()?, RetryPolicy::default())
+}
+
+fn to_json(value: &impl serde::Serialize) -> Result<String> {
+    Ok(serde_json::to_string_pretty(value)?)
+}
+
+/// Runs a `dataverse` command; the text (or JSON) to print.
+pub async fn run(command: DataverseCommand) -> Result<String> {
+    match command {
+        DataverseCommand::Register(a) => {
+            let key = StartKey::load(a.start_key_file.as_deref())?;
+            let spec = RegisterSpec::new(
+                &a.environment.environment_url,
+                &a.start_url,
+                a.name,
+                &a.tables,
+                &a.messages,
+                &a.filtering_attributes,
+                key,
+            )?;
+            if a.dry_run {
+                let plan = plan_register(&spec)?;
+                return if a.json {
+                    to_json(&serde_json::json!({ "dryRun": true, "requests": plan }))
+                } else {
+                    Ok(text_plan(&plan))
+                };
+            }
+            let report = register(&connect(&a.environment)?, &spec).await?;
+            if a.json {
+                to_json(&report)
+            } else {
+                Ok(text_register(&report))
+            }
+        }
+        DataverseCommand::List(a) => {
+            let report = list(&connect(&a.environment)?, a.name.as_deref()).await?;
+            if a.json {
+                to_json(&report)
+            } else {
+                Ok(text_list(&report))
+            }
+        }
+        DataverseCommand::Unregister(a) => {
+            if a.dry_run {
+                let url = client::environment_url(&a.environment.environment_url)?;
+                let plan = plan_unregister(&url, a.name.as_deref())?;
+                return if a.json {
+                    to_json(&serde_json::json!({ "dryRun": true, "requests": plan }))
+                } else {
+                    Ok(text_plan(&plan))
+                };
+            }
+            let report = unregister(&connect(&a.environment)?, a.name.as_deref()).await?;
+            if a.json {
+                to_json(&report)
+            } else {
+                Ok(text_unregister(&report))
+            }
+        }
+    }
+}
