@@ -13,7 +13,9 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use leasehold_lock::RetryOptions;
-use leasehold_runtime::{Delivery, Error, Outcome, PoisonMessage, RecordRunner, TriggerQueue, record_outcome};
+use leasehold_runtime::{
+    Delivery, Error, Outcome, PoisonMessage, RecordRunner, TriggerQueue, record_outcome,
+};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;

@@ -79,8 +79,12 @@ impl Outcome {
     /// Its metric label (see [`OutcomeLabel`] for the mapping).
     pub fn label(&self) -> OutcomeLabel {
         match self {
-            Outcome::Completed { retriggered: false, .. } => OutcomeLabel::Completed,
-            Outcome::Completed { retriggered: true, .. } => OutcomeLabel::Retriggered,
+            Outcome::Completed {
+                retriggered: false, ..
+            } => OutcomeLabel::Completed,
+            Outcome::Completed {
+                retriggered: true, ..
+            } => OutcomeLabel::Retriggered,
             Outcome::Coalesced => OutcomeLabel::Coalesced,
             Outcome::Rechecking { .. } => OutcomeLabel::Rechecked,
             Outcome::Retrying { error, .. } | Outcome::Failed { error, .. } if error.is_lease_lost() => {
@@ -131,7 +135,13 @@ impl OutcomeSink {
         Self(Arc::new(sink))
     }
 
-    pub(crate) fn tell(&self, scope: &Scope, record: &RecordId, outcome: &Outcome, run_time: Option<Duration>) {
+    pub(crate) fn tell(
+        &self,
+        scope: &Scope,
+        record: &RecordId,
+        outcome: &Outcome,
+        run_time: Option<Duration>,
+    ) {
         (self.0)(scope, record, outcome, run_time)
     }
 }
@@ -207,7 +217,15 @@ mod tests {
         let names: Vec<&str> = OutcomeLabel::ALL.iter().map(|l| l.as_str()).collect();
         assert_eq!(
             names,
-            ["completed", "retriggered", "coalesced", "rechecked", "failed", "lease_lost", "poisoned"]
+            [
+                "completed",
+                "retriggered",
+                "coalesced",
+                "rechecked",
+                "failed",
+                "lease_lost",
+                "poisoned"
+            ]
         );
     }
 }

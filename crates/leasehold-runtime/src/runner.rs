@@ -659,9 +659,7 @@ impl RecordRunner {
         // Keep the watchdog a lease ahead of the lease while we hold it; once the hold ends,
         // let a push in flight finish so the watchdog's receipt is current for what follows.
         let follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
-        let outcome = self
-            .hold_lease(key, delivery, guard, first, cancel, ran)
-            .await;
+        let outcome = self.hold_lease(key, delivery, guard, first, cancel, ran).await;
         if let Some(follower) = follower {
             follower.finish().await;
         }

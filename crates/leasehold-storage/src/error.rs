@@ -118,7 +118,11 @@ impl StoreError {
     /// The `class` label of `leasehold_storage_errors_total`: `timeout` for a call that got no
     /// answer in time, else its kind's [`StoreErrorKind::label`].
     pub fn class(&self) -> &'static str {
-        if self.timed_out { "timeout" } else { self.kind.label() }
+        if self.timed_out {
+            "timeout"
+        } else {
+            self.kind.label()
+        }
     }
 }
 

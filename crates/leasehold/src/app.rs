@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::server::{self, HttpOptions};
 use crate::settings::{LogicSetting, Settings};
+use crate::telemetry::{self, Sampler};
 
 /// Which long-running mode to build.
 #[derive(Debug, Clone)]
@@ -43,6 +44,8 @@ pub struct Application {
     /// The HTTP limits, the connection bound already capped to the descriptors
     /// ([`Application::http_options`]).
     http: HttpOptions,
+    /// Samples the queue gauges (and, in handler mode, logs the metrics event) every interval.
+    sampler: Sampler,
 }
 
 impl std::fmt::Debug for Application {
@@ -63,7 +66,8 @@ pub(crate) struct Wiring {
 }
 
 impl Wiring {
-    /// The record runner over this wiring's lock, markers and trigger queue.
+    /// The record runner over this wiring's lock, markers and trigger queue, telling
+    /// [`crate::recent`] of every outcome.
     fn runner(&self, logic: Arc<dyn Logic>, settings: &Settings) -> RecordRunner {
         RecordRunner::new(
             self.lock.clone(),
@@ -72,6 +76,17 @@ impl Wiring {
             logic,
             settings.runner.clone(),
         )
+        .with_outcome_sink(crate::recent::sink())
+    }
+
+    /// The metrics task over this wiring's queues.
+    fn sampler(&self, settings: &Settings, log_event: bool) -> Sampler {
+        Sampler {
+            queue: self.queue.clone(),
+            poison: self.poison.clone(),
+            interval: settings.metrics_interval,
+            log_event,
+        }
     }
 }
 
@@ -119,6 +134,7 @@ impl Application {
         mode: Mode,
         supervisor: Option<PathBuf>,
     ) -> Result<Self> {
+        telemetry::init();
         match mode {
             Mode::Handler => Self::handler(settings, supervisor).await,
             Mode::Standalone { port, demo } => Self::standalone(settings, port, demo, supervisor).await,
@@ -138,6 +154,7 @@ impl Application {
             stop.cancelled().await;
             shutdown.cancel();
         });
+        let sampler = tokio::spawn(self.sampler.run(self.shutdown.clone()));
         let http = server::serve(self.listener, self.router, &self.http, self.shutdown.clone());
         match self.consumer {
             Some(consumer) => {
@@ -147,6 +164,8 @@ impl Application {
             None => http.await,
         }
         link.abort();
+        // It stops at the shutdown, at its next await.
+        let _ = sampler.await;
         tracing::info!(mode = %self.description, "stopped");
         Ok(())
     }
@@ -181,6 +200,7 @@ impl Application {
         let logic = logic(&settings, false, supervisor)?;
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
+        let sampler = wiring.sampler(&settings, true);
         let app = App {
             policy: settings.policy.clone(),
             queue: wiring.queue,
@@ -202,6 +222,7 @@ impl Application {
             consumer: None,
             description: "custom handler".into(),
             http,
+            sampler,
         })
     }
 
@@ -247,6 +268,7 @@ impl Application {
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
         let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
+        let sampler = wiring.sampler(&settings, false);
         let app = App {
             policy: settings.policy.clone(),
             queue: wiring.queue,
@@ -264,10 +286,12 @@ impl Application {
             listener,
             port: addr.port(),
             shutdown,
-            router: standalone_router(app),
+            // GET /metrics, behind Start's key.
+            router: standalone_router(app).merge(telemetry::router(settings.policy.clone())),
             consumer: Some(consumer),
             description: "standalone".into(),
             http,
+            sampler,
         })
     }
 }
