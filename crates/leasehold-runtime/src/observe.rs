@@ -128,7 +128,9 @@ pub(crate) fn record_lock(step: LockStep, took: Duration) {
 /// [`RecordRunner::with_outcome_sink`](crate::RecordRunner::with_outcome_sink); called on the
 /// delivery's task, so it must be quick and must not block.
 #[derive(Clone)]
-pub struct OutcomeSink(Arc<dyn Fn(&Scope, &RecordId, &Outcome, Option<Duration>) + Send + Sync>);
+pub struct OutcomeSink(Arc<SinkFn>);
+
+type SinkFn = dyn Fn(&Scope, &RecordId, &Outcome, Option<Duration>) + Send + Sync;
 
 impl OutcomeSink {
     pub fn new(sink: impl Fn(&Scope, &RecordId, &Outcome, Option<Duration>) + Send + Sync + 'static) -> Self {

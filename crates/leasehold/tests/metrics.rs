@@ -41,12 +41,9 @@ struct Serving {
 
 impl Serving {
     async fn start(extra: &[(&str, &str)]) -> Self {
-        let settings = leasehold::Settings::from_vars(vars(
-            &unique_name("triggers"),
-            &unique_name("locks"),
-            extra,
-        ))
-        .unwrap();
+        let settings =
+            leasehold::Settings::from_vars(vars(&unique_name("triggers"), &unique_name("locks"), extra))
+                .unwrap();
         let app = leasehold::Application::build_with_supervisor(
             settings,
             leasehold::Mode::Standalone {
@@ -131,11 +128,7 @@ fn observations(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
-    let app = Serving::start(&[
-        ("LEASEHOLD_API_KEY", KEY),
-        ("LEASEHOLD_DEMO_SECONDS", "0"),
-    ])
-    .await;
+    let app = Serving::start(&[("LEASEHOLD_API_KEY", KEY), ("LEASEHOLD_DEMO_SECONDS", "0")]).await;
     let record = unique_name("record");
     let (scope, record_id) = (
         Scope::parse("account").unwrap(),
@@ -178,15 +171,27 @@ async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
     assert_eq!(status, 200, "{body}");
     let metrics = parse(&body);
     assert!(
-        value(&metrics, "leasehold_deliveries_total", &[("outcome", "completed")]) >= 1.0,
+        value(
+            &metrics,
+            "leasehold_deliveries_total",
+            &[("outcome", "completed")]
+        ) >= 1.0,
         "{body}"
     );
     assert!(
-        value(&metrics, "leasehold_storage_requests_total", &[("op", "lease_acquire")]) >= 1.0,
+        value(
+            &metrics,
+            "leasehold_storage_requests_total",
+            &[("op", "lease_acquire")]
+        ) >= 1.0,
         "{body}"
     );
     assert!(
-        value(&metrics, "leasehold_storage_requests_total", &[("op", "queue_get")]) >= 1.0,
+        value(
+            &metrics,
+            "leasehold_storage_requests_total",
+            &[("op", "queue_get")]
+        ) >= 1.0,
         "{body}"
     );
     assert!(
@@ -217,7 +222,11 @@ async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
     );
     let (status, body) = scrape(&app.url(&format!("/metrics?code={KEY}")), &[]).await;
     assert_eq!(status, 200, "{body}");
-    println!("[metrics] GET /metrics: {} bytes, {} samples", body.len(), parse(&body).samples.len());
+    println!(
+        "[metrics] GET /metrics: {} bytes, {} samples",
+        body.len(),
+        parse(&body).samples.len()
+    );
     if std::env::var_os("LEASEHOLD_PRINT_METRICS").is_some() {
         println!("{body}");
     }
@@ -228,7 +237,11 @@ async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
     let (status, body) = scrape(&open.url("/metrics"), &[]).await;
     assert_eq!(status, 200, "{body}");
     assert!(
-        value(&parse(&body), "leasehold_deliveries_total", &[("outcome", "completed")]) >= 1.0,
+        value(
+            &parse(&body),
+            "leasehold_deliveries_total",
+            &[("outcome", "completed")]
+        ) >= 1.0,
         "{body}"
     );
     open.stop().await;
@@ -294,7 +307,10 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
                 ("FUNCTIONS_CUSTOMHANDLER_PORT", &port.to_string()),
                 ("LEASEHOLD_METRICS_INTERVAL_SECONDS", "1"),
                 ("LEASEHOLD_LOG_FORMAT", "json"),
-                ("LEASEHOLD_LOGIC_COMMAND", "test \"$LEASEHOLD_RECORD_ID\" != fails"),
+                (
+                    "LEASEHOLD_LOGIC_COMMAND",
+                    "test \"$LEASEHOLD_RECORD_ID\" != fails",
+                ),
                 ("RUST_LOG", "info"),
             ],
         ))
@@ -335,9 +351,17 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
 
     // One completed run, one failed (its retry queued), one accepted Start.
     let (status, r) = invoke("Worker", worker("metrics-ok")).await;
-    assert_eq!((status, &r["ReturnValue"]["outcome"]), (200, &json!("completed")), "{r}");
+    assert_eq!(
+        (status, &r["ReturnValue"]["outcome"]),
+        (200, &json!("completed")),
+        "{r}"
+    );
     let (status, r) = invoke("Worker", worker("fails")).await;
-    assert_eq!((status, &r["ReturnValue"]["outcome"]), (200, &json!("retrying")), "{r}");
+    assert_eq!(
+        (status, &r["ReturnValue"]["outcome"]),
+        (200, &json!("retrying")),
+        "{r}"
+    );
     let start = json!({
         "Data": { "req": {
             "Url": format!("{base}/api/start"), "Method": "POST", "Query": {},
@@ -347,18 +371,26 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
         "Metadata": { "sys": { "MethodName": "Start" } }
     });
     let (status, r) = invoke("Start", start).await;
-    assert_eq!((status, &r["Outputs"]["res"]["statusCode"]), (200, &json!(202)), "{r}");
+    assert_eq!(
+        (status, &r["Outputs"]["res"]["statusCode"]),
+        (200, &json!(202)),
+        "{r}"
+    );
 
     // The events' changes add up to what happened, once: each event says what changed since
     // the one before, so two more events later the totals are still the same.
     let read = || metrics_events(&std::fs::read_to_string(&stdout).unwrap_or_default());
-    let seen = eventually(Duration::from_secs(20), "events counting the deliveries", || async {
-        let events = read();
-        (total(&events, "deliveries_completed") >= 1
-            && total(&events, "deliveries_failed") >= 1
-            && total(&events, "start_2xx") >= 1)
-            .then_some(events.len())
-    })
+    let seen = eventually(
+        Duration::from_secs(20),
+        "events counting the deliveries",
+        || async {
+            let events = read();
+            (total(&events, "deliveries_completed") >= 1
+                && total(&events, "deliveries_failed") >= 1
+                && total(&events, "start_2xx") >= 1)
+                .then_some(events.len())
+        },
+    )
     .await;
     let events = eventually(Duration::from_secs(20), "two more events", || async {
         let events = read();
@@ -374,18 +406,20 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
     assert!(total(&events, "storage_requests") >= 6, "{events:?}");
     for event in &events {
         for field in EVENT_FIELDS {
-            assert!(event.get(*field).is_some_and(Json::is_number), "{field} in {event}");
+            assert!(
+                event.get(*field).is_some_and(Json::is_number),
+                "{field} in {event}"
+            );
         }
         // Fields are flat, at the top level of the line.
         assert!(event.get("fields").is_none(), "{event}");
         // The queues answered: the gauges are there, the trigger queue holds the failed run's
         // retry (hidden for the retry delay).
-        for gauge in [
-            "queue_messages",
-            "poison_messages",
-            "oldest_message_age_seconds",
-        ] {
-            assert!(event.get(gauge).is_some_and(Json::is_number), "{gauge} in {event}");
+        for gauge in ["queue_messages", "poison_messages", "oldest_message_age_seconds"] {
+            assert!(
+                event.get(gauge).is_some_and(Json::is_number),
+                "{gauge} in {event}"
+            );
         }
     }
     let with_runs = events
