@@ -256,6 +256,8 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         // checks function keys), set empty so every environment states every setting.
         { name: 'LEASEHOLD_API_KEY', value: '' }
         { name: 'LEASEHOLD_INSECURE_NO_START_KEY', value: '' }
+        // The dashboard's key is serve's; under Functions the host's master key guards it.
+        { name: 'LEASEHOLD_ADMIN_KEY', value: '' }
         { name: 'LEASEHOLD_PORT', value: '' }
         { name: 'LEASEHOLD_BIND', value: '' }
         { name: 'LEASEHOLD_CONCURRENCY', value: '' }

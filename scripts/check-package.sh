@@ -2,6 +2,9 @@
 # CI check of the deployment package: builds it, checks the zip's layout and execute bit, and
 # starts the packaged binary exactly as the Functions host would (host.json's executable and
 # arguments, FUNCTIONS_CUSTOMHANDLER_PORT) until it answers the readiness probe GET /.
+# Then packs the example script logic (--logic examples/logic-script), starts that handler from
+# another directory against a fresh Azurite, hands it a queue invocation as the host would, and
+# checks the packed logic ran for the record (named relative to the app root: logic/run.sh).
 # Also checks that scripts/deploy.sh --dry-run prints a full deployment.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -9,13 +12,14 @@ cd "$root"
 zip=$(scripts/package.sh "$root/target/package")
 work=$(mktemp -d)
 # Stop the handler we start (and wait for it) however this script ends.
-trap '[ -n "${pid:-}" ] && { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }; rm -rf "$work"; true' EXIT
+trap 'for p in ${pid:-} ${logic_pid:-} ${azurite_pid:-}; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; rm -rf "$work"; true' EXIT
 
 python3 - "$zip" <<'PY'
 import sys, zipfile, stat
 z = zipfile.ZipFile(sys.argv[1])
 names = sorted(z.namelist())
-want = sorted(["host.json", "leasehold", "Start/function.json", "Worker/function.json"])
+want = sorted(["host.json", "leasehold", "Start/function.json", "Worker/function.json",
+               "Ops/function.json", "Dashboard/function.json"])
 assert names == want, f"zip holds {names}, expected {want}"
 mode = z.getinfo("leasehold").external_attr >> 16
 assert mode & stat.S_IXUSR, f"leasehold is not executable in the zip (mode {oct(mode)})"
@@ -44,6 +48,56 @@ for _ in $(seq 1 300); do
   sleep 0.1
 done
 [ -n "${ready_ms:-}" ] || { echo "check-package: no answer to GET / within 30 s" >&2; cat "$work/handler.log" >&2; exit 1; }
+# The dashboard page, invoked as the host invokes the Dashboard function (it needs no storage).
+page=$(curl -fsS -X POST -H 'Content-Type: application/json' \
+  -d '{"Data":{"req":{"Url":"https://localhost/api/dashboard","Method":"GET","Headers":{},"Query":{},"Params":{}}},"Metadata":{}}' \
+  "http://127.0.0.1:$port/Dashboard")
+python3 - "$page" <<'PY'
+import json, sys
+res = json.loads(sys.argv[1])["Outputs"]["res"]
+assert res["statusCode"] == 200, res["statusCode"]
+assert res["headers"]["Content-Security-Policy"].startswith("default-src 'none'"), res["headers"]
+assert "x-functions-key" in res["body"], "the page under Functions sends the host key"
+print("packaged handler serves the Dashboard function's page")
+PY
+
+kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true; pid=""
+
+# The package with the example script as its logic, run end to end.
+zip=$(scripts/package.sh --logic examples/logic-script "$root/target/package-logic")
+python3 - "$zip" <<'PY'
+import sys, zipfile, stat
+z = zipfile.ZipFile(sys.argv[1])
+mode = z.getinfo("logic/run.sh").external_attr >> 16
+assert mode & stat.S_IXUSR, f"logic/run.sh is not executable in the zip (mode {oct(mode)})"
+print(f"zip with logic ok: logic/run.sh mode {oct(mode & 0o777)}")
+PY
+unzip -q "$zip" -d "$work/logic-app"
+scripts/install-azurite.sh >/dev/null
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+blob_port=$(free_port); queue_port=$(free_port); table_port=$(free_port)
+mkdir -p "$work/azurite"
+(cd "$work/azurite" && exec "$root/tools/azurite/node_modules/.bin/azurite" --inMemoryPersistence --silent \
+  --disableTelemetry --skipApiVersionCheck --blobPort "$blob_port" --queuePort "$queue_port" --tablePort "$table_port") \
+  >"$work/azurite.log" 2>&1 &
+azurite_pid=$!
+for _ in $(seq 1 150); do (exec 3<>"/dev/tcp/127.0.0.1/$queue_port") 2>/dev/null && break; sleep 0.2; done
+storage="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;BlobEndpoint=http://127.0.0.1:$blob_port/devstoreaccount1;QueueEndpoint=http://127.0.0.1:$queue_port/devstoreaccount1;"
+port=$(free_port)
+# Started from another directory: the logic is found relative to the app root all the same.
+(cd "$work" && exec env -i PATH="$PATH" FUNCTIONS_CUSTOMHANDLER_PORT="$port" FUNCTIONS_WORKER_RUNTIME=custom \
+  AzureWebJobsStorage="$storage" LEASEHOLD_QUEUE=leasehold-triggers LEASEHOLD_LOGIC_COMMAND=logic/run.sh \
+  LEASEHOLD_LOGIC_ENV=EXAMPLE_OUTPUT EXAMPLE_OUTPUT="$work/runs" \
+  "$work/logic-app/leasehold" handler >"$work/logic-handler.log" 2>&1) &
+logic_pid=$!
+for _ in $(seq 1 300); do curl -fsS "http://127.0.0.1:$port/" >/dev/null 2>&1 && break; sleep 0.1; done
+invocation='{"Data":{"trigger":"{\"scope\":\"account\",\"recordId\":\"42\"}"},"Metadata":{"DequeueCount":"1","Id":"\"m1\"","PopReceipt":"\"p1\"","sys":{"MethodName":"Worker"}}}'
+status=$(curl -sS -o "$work/worker-answer" -w '%{http_code}' -H 'content-type: application/json' \
+  --data "$invocation" "http://127.0.0.1:$port/Worker") || status=000
+[ "$status" = 200 ] || { echo "check-package: the packaged handler answered the Worker invocation $status:" >&2; cat "$work/worker-answer" "$work/logic-handler.log" >&2; exit 1; }
+read -r kind scope record token attempt <"$work/runs" || { echo "check-package: the packed logic did not run:" >&2; cat "$work/logic-handler.log" >&2; exit 1; }
+[ "$kind $scope $record $attempt" = "script account 42 1" ] && [ "$token" -ge 1 ] || { echo "check-package: the packed logic got '$kind $scope $record $token $attempt'" >&2; exit 1; }
+echo "packaged handler ran the packed logic (logic/run.sh) for account/42 with fencing token $token, attempt $attempt"
 
 plan=$(scripts/deploy.sh prod --dry-run)
 for expect in "az group create" "az deployment group create" "deploy/parameters/prod.json" "config-zip"; do

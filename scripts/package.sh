@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # Builds the release binary for the Linux images Azure Functions runs and packs the deployment zip:
-#   host.json, leasehold (executable), Start/function.json, Worker/function.json
+#   host.json, leasehold (executable), Start/, Worker/, Ops/ and Dashboard/function.json
 #
 # glibc: a binary linked on this machine (Debian 12, glibc 2.36) needs GLIBC_2.34 and would not
 # start on older images. We link against glibc 2.28 with cargo-zigbuild (zig from PyPI), which
 # runs on every current Functions Linux image (Debian 10 and later). Both tools are pinned and
 # installed here if missing.
 #
-# Usage: scripts/package.sh [OUTPUT_DIR]   (default target/package; prints the zip's path)
+# Usage: scripts/package.sh [--logic DIR] [OUTPUT_DIR]   (default target/package; prints the zip's path)
+#   --logic DIR   also pack DIR's files under logic/ (mode bits kept), so the Function App's
+#                 LEASEHOLD_LOGIC_COMMAND can name them relative to the app root (logic/run.sh)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+logic=""
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --logic) [ $# -ge 2 ] || { echo "package.sh: --logic needs a directory" >&2; exit 2; }
+             logic=$(cd "$2" 2>/dev/null && pwd) || { echo "package.sh: --logic $2: no such directory" >&2; exit 2; }
+             shift 2 ;;
+    --logic=*) d=${1#--logic=}; logic=$(cd "$d" 2>/dev/null && pwd) || { echo "package.sh: --logic $d: no such directory" >&2; exit 2; }
+             shift ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
 cd "$root"
-out=${1:-$root/target/package}
+out=${args[0]:-$root/target/package}
 target=x86_64-unknown-linux-gnu
 glibc=2.28
 zig_version=0.17.1
@@ -39,13 +54,27 @@ fi
 
 rm -rf "$out"
 mkdir -p "$out"
-python3 - "$out/leasehold.zip" "$bin" <<'PY'
-import sys, zipfile
-zip_path, binary = sys.argv[1], sys.argv[2]
+python3 - "$out/leasehold.zip" "$bin" "$logic" <<'PY'
+import os, stat, sys, zipfile
+zip_path, binary, logic = sys.argv[1], sys.argv[2], sys.argv[3]
 entries = [("host.json", "host.json", 0o644),
            ("leasehold", binary, 0o755),
            ("Start/function.json", "Start/function.json", 0o644),
-           ("Worker/function.json", "Worker/function.json", 0o644)]
+           ("Worker/function.json", "Worker/function.json", 0o644),
+           ("Ops/function.json", "Ops/function.json", 0o644),
+           ("Dashboard/function.json", "Dashboard/function.json", 0o644)]
+if logic:
+    packed = len(entries)
+    for folder, dirs, files in os.walk(logic):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                continue
+            rel = os.path.relpath(path, logic).replace(os.sep, "/")
+            entries.append(("logic/" + rel, path, stat.S_IMODE(os.stat(path).st_mode)))
+    if len(entries) == packed:
+        sys.exit(f"package.sh: --logic {logic} holds no files")
 with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:
     for name, source, mode in entries:
         info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
@@ -55,5 +84,5 @@ with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:
         with open(source, "rb") as f:
             z.writestr(info, f.read())
 PY
-echo "$out/leasehold.zip (binary needs glibc >= $needed)" >&2
+echo "$out/leasehold.zip (binary needs glibc >= $needed)${logic:+; logic from $logic under logic/}" >&2
 echo "$out/leasehold.zip"

@@ -31,17 +31,39 @@ pub const QUEUE_IN: &str = "trigger";
 /// The dequeue count assumed when the host's `DequeueCount` is missing or unreadable.
 pub(crate) const REDELIVERY_DEQUEUE_COUNT: u64 = 2;
 
-/// The HTTP request inside a Start invocation.
+/// The HTTP request inside an HTTP-trigger invocation (Start's, the dashboard's).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct HostHttpRequest {
+pub struct HostHttpRequest {
     pub method: String,
+    /// The URL the caller asked for (empty when the host sent none).
+    pub url: String,
     pub headers: Vec<(String, String)>,
     pub query: Vec<(String, String)>,
+    /// The route parameters (`{*path}` of `ops/{*path}`, say).
+    pub params: Vec<(String, String)>,
     pub body: Vec<u8>,
 }
 
-/// Reads `Data.req` of a Start invocation.
-pub(crate) fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, Error> {
+impl HostHttpRequest {
+    /// The first value of a route parameter.
+    pub fn param(&self, name: &str) -> Option<&str> {
+        self.params
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The first value of a header (names compare without case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Reads `Data.req` of an HTTP-trigger invocation.
+pub fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, Error> {
     let req = payload
         .get("Data")
         .and_then(|d| d.get(HTTP_IN))
@@ -75,8 +97,10 @@ pub(crate) fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, 
     };
     Ok(HostHttpRequest {
         method,
+        url: req.get("Url").and_then(Value::as_str).unwrap_or("").to_string(),
         headers: pairs(req.get("Headers")),
         query: pairs(req.get("Query")),
+        params: pairs(req.get("Params")),
         body,
     })
 }
@@ -105,6 +129,20 @@ pub(crate) fn http_invocation_response(
         outputs.insert(QUEUE_OUT.into(), Value::String(message.to_json()));
     }
     json!({ "Outputs": outputs, "Logs": logs, "ReturnValue": Value::Null })
+}
+
+/// The answer to an HTTP-trigger invocation with nothing but the caller's response: `status`,
+/// `body` as text, and `headers` (a function without outputs besides `res`, as the dashboard's).
+pub fn http_response(status: u16, body: &str, headers: &[(&str, &str)], logs: Vec<String>) -> Value {
+    let headers: Map<String, Value> = headers
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), Value::String((*v).to_string())))
+        .collect();
+    json!({
+        "Outputs": { HTTP_OUT: { "statusCode": status, "body": body, "headers": headers } },
+        "Logs": logs,
+        "ReturnValue": Value::Null,
+    })
 }
 
 /// A Worker invocation: the trigger and its delivery count.
@@ -266,6 +304,13 @@ mod tests {
                 .contains(&("x-ms-dynamics-organization".into(), "contoso".into()))
         );
         assert_eq!(req.query, [("code".to_string(), "k".to_string())]);
+        assert_eq!(req.url, "https://app.azurewebsites.net/api/start?code=k");
+        assert_eq!(req.header("content-type"), Some("application/json"));
+        let routed = json!({"Data": {"req": {"Method": "GET", "Params": {"path": "poison/abc"}}}});
+        assert_eq!(
+            parse_http_invocation(&routed).unwrap().param("path"),
+            Some("poison/abc")
+        );
         let no_body = json!({"Data": {"req": {"Method": "POST", "Headers": {}}}});
         assert!(parse_http_invocation(&no_body).unwrap().body.is_empty());
     }
@@ -279,6 +324,11 @@ mod tests {
         assert_eq!(
             TriggerMessage::from_json(r["Outputs"]["message"].as_str().unwrap()).unwrap(),
             m
+        );
+        let page = http_response(200, "<p>", &[("Content-Type", "text/html")], vec![]);
+        assert_eq!(
+            page["Outputs"]["res"],
+            json!({"statusCode": 200, "body": "<p>", "headers": {"Content-Type": "text/html"}})
         );
         let rejected = http_invocation_response(400, &json!({"error": "x"}), None, vec![]);
         assert!(

@@ -203,6 +203,7 @@ pub struct CommandLogic {
     supervisor: Supervisor,
     grace: Duration,
     env: CommandEnv,
+    app_root: Option<std::path::PathBuf>,
 }
 
 #[cfg(unix)]
@@ -216,7 +217,16 @@ impl CommandLogic {
             supervisor,
             grace: TERMINATE_GRACE,
             env: CommandEnv::from_vars(std::env::vars_os(), std::iter::empty::<&str>()),
+            app_root: None,
         }
+    }
+
+    /// Runs the command in `dir` and tells it where that is in `LEASEHOLD_APP_ROOT`, so a
+    /// command packed beside the executable (`scripts/package.sh --logic DIR` puts DIR at
+    /// `logic/`) can be named relative to it, whatever directory the host started us in.
+    pub fn with_app_root(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.app_root = Some(dir.into());
+        self
     }
 
     /// The worker variables the command gets besides the run's (instead of the base ones).
@@ -276,7 +286,8 @@ impl Tail {
 #[async_trait]
 impl Logic for CommandLogic {
     async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
-        let mut child = tokio::process::Command::new(&self.supervisor.program)
+        let mut command = tokio::process::Command::new(&self.supervisor.program);
+        command
             .args(&self.supervisor.args)
             .arg("--grace-ms")
             .arg(self.grace.as_millis().to_string())
@@ -293,7 +304,11 @@ impl Logic for CommandLogic {
                 "LEASEHOLD_FENCING_TOKEN",
                 ctx.fencing_token.map(|t| t.to_string()).unwrap_or_default(),
             )
-            .env("LEASEHOLD_ATTEMPT", ctx.attempt.to_string())
+            .env("LEASEHOLD_ATTEMPT", ctx.attempt.to_string());
+        if let Some(root) = &self.app_root {
+            command.current_dir(root).env("LEASEHOLD_APP_ROOT", root);
+        }
+        let mut child = command
             // The control channel: open while this run lasts. Its end here closes when the run
             // is dropped or the worker dies, and the supervisor then stops the command.
             .stdin(Stdio::piped())

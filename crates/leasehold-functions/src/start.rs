@@ -31,6 +31,12 @@ impl Secret {
     pub fn expose(&self) -> &str {
         &self.0
     }
+
+    /// Whether `presented` is this secret, compared in constant time (SHA-256 digests of both,
+    /// so neither the time taken nor anything else tells how much of it a guess got right).
+    pub fn matches(&self, presented: Option<&str>) -> bool {
+        key_matches(self, presented).into()
+    }
 }
 
 impl From<&str> for Secret {

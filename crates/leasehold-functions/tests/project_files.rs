@@ -44,6 +44,55 @@ fn start_and_worker_bindings_match_the_handler() {
     assert_eq!(trigger["connection"], "AzureWebJobsStorage");
 }
 
+/// The dashboard's functions (handled by the `leasehold` crate's `admin` module): the API only
+/// with the master key, the page (which holds no data) anonymous, and no route the host
+/// reserves for itself (it refuses to load a function whose route starts with `admin`).
+#[test]
+fn the_dashboard_functions_need_the_master_key_for_the_api() {
+    let ops = read("Ops/function.json");
+    let req = binding(&ops, HTTP_IN);
+    assert_eq!(req["type"], "httpTrigger");
+    assert_eq!(
+        req["authLevel"], "admin",
+        "the operations API must need the host's master key"
+    );
+    assert_eq!(req["methods"], serde_json::json!(["get", "post"]));
+    assert_eq!(req["route"], "ops/{*path}");
+    assert_eq!(binding(&ops, HTTP_OUT)["type"], "http");
+    assert_eq!(ops["bindings"].as_array().unwrap().len(), 2, "no other bindings");
+
+    let page = read("Dashboard/function.json");
+    let req = binding(&page, HTTP_IN);
+    assert_eq!(
+        req["authLevel"], "anonymous",
+        "the page holds no data; its API needs the key"
+    );
+    assert_eq!(req["methods"], serde_json::json!(["get"]));
+    assert_eq!(req["route"], "dashboard");
+    assert_eq!(binding(&page, HTTP_OUT)["type"], "http");
+
+    for function in ["Start", "Worker", "Ops", "Dashboard"] {
+        for b in read(&format!("{function}/function.json"))["bindings"]
+            .as_array()
+            .unwrap()
+        {
+            if let Some(route) = b["route"].as_str() {
+                let first = route.split('/').next().unwrap().to_ascii_lowercase();
+                assert!(
+                    !first.starts_with("admin") && !first.starts_with("runtime"),
+                    "{function}: the host reserves the route {route}"
+                );
+            }
+        }
+    }
+    for script in ["scripts/package.sh", "scripts/check-package.sh"] {
+        let text = std::fs::read_to_string(leasehold_test_support::workspace_root().join(script)).unwrap();
+        for folder in ["Ops/function.json", "Dashboard/function.json"] {
+            assert!(text.contains(folder), "{script} does not package {folder}");
+        }
+    }
+}
+
 #[test]
 fn host_json_runs_the_custom_handler_with_consistent_queue_settings() {
     let host = read("host.json");

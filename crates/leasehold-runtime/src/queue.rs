@@ -361,6 +361,18 @@ impl AzureQueue {
         send(&self.counters, op, self.request_timeout, fut).await
     }
 
+    /// Whether the queue exists (one properties request).
+    pub async fn exists(&self) -> StoreResult<bool> {
+        match self
+            .call(Op::QueueProperties, self.client.get_properties(None))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e) if e.code() == Some("QueueNotFound") => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Creates the queue; an existing one is success.
     pub async fn create(&self) -> StoreResult<()> {
         match self.call(Op::QueueCreate, self.client.create(None)).await {

@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use azure_core::error::ErrorKind as AzureErrorKind;
 use azure_core::http::{ClientOptions, RetryOptions as AzureRetryOptions, Transport};
-use azure_storage_blob::models::BlobClientUploadOptions;
+use azure_storage_blob::models::{
+    BlobClientUploadOptions, BlobContainerClientListBlobsOptions, LeaseState as AzureLeaseState,
+    ListBlobsIncludeItem,
+};
 use azure_storage_blob::{BlobClient, BlobContainerClient, BlobContainerClientOptions};
 
 use crate::account::{Service, StorageAccount};
@@ -214,6 +217,18 @@ impl BlobContainer {
         }
     }
 
+    /// Whether the container exists (one properties request).
+    pub async fn container_exists(&self) -> StoreResult<bool> {
+        match self
+            .call(Op::BlobProperties, self.client.get_properties(None))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Runs `attempt`; if it says the container is missing, creates the container and tries
     /// once more.
     pub async fn with_container<T, F, Fut>(&self, attempt: F) -> StoreResult<T>
@@ -260,6 +275,68 @@ impl BlobContainer {
         }
     }
 
+    /// One page of the blobs whose names start with `prefix`, with their metadata and lease
+    /// state: one List Blobs request for up to `max` (1–5,000: the service's page limit)
+    /// blobs, starting at `marker` (the previous page's [`BlobPage::next_marker`]). A container
+    /// that does not exist yet has no blobs.
+    pub async fn list_page(&self, prefix: &str, marker: Option<&str>, max: u32) -> StoreResult<BlobPage> {
+        use futures::StreamExt;
+        let op = Op::BlobList;
+        let options = BlobContainerClientListBlobsOptions {
+            include: Some(vec![ListBlobsIncludeItem::Metadata]),
+            marker: marker.map(str::to_string),
+            maxresults: Some(max.clamp(1, 5000) as i32),
+            prefix: Some(prefix.to_string()),
+            ..Default::default()
+        };
+        let answer = self
+            .call(op, async {
+                let mut pages = self.client.list_blobs(Some(options))?.into_pages();
+                match pages.next().await {
+                    Some(page) => page?.into_model().map(Some),
+                    None => Ok(None),
+                }
+            })
+            .await;
+        let page = match answer {
+            Ok(Some(page)) => page,
+            Ok(None) => return Ok(BlobPage::default()),
+            Err(e) if e.code() == Some("ContainerNotFound") => return Ok(BlobPage::default()),
+            Err(e) => return Err(e),
+        };
+        let blobs = page
+            .blob_items
+            .into_iter()
+            .filter_map(|item| {
+                let name = item.name?;
+                let properties = item.properties;
+                Some(ListedBlob {
+                    name,
+                    lease: match properties.as_ref().and_then(|p| p.lease_state) {
+                        Some(AzureLeaseState::Leased) => ListedLease::Leased,
+                        Some(AzureLeaseState::Breaking) => ListedLease::Breaking,
+                        Some(AzureLeaseState::Broken) => ListedLease::Broken,
+                        Some(AzureLeaseState::Expired) => ListedLease::Expired,
+                        _ => ListedLease::Available,
+                    },
+                    last_modified: properties
+                        .and_then(|p| p.last_modified)
+                        .map(std::time::SystemTime::from),
+                    metadata: item
+                        .metadata
+                        .and_then(|m| m.values)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .collect(),
+                })
+            })
+            .collect();
+        Ok(BlobPage {
+            blobs,
+            next_marker: page.next_marker.filter(|m| !m.is_empty()),
+        })
+    }
+
     /// Whether a blob exists (one properties request).
     pub async fn exists(&self, name: &str) -> StoreResult<bool> {
         match self
@@ -269,6 +346,50 @@ impl BlobContainer {
             Ok(_) => Ok(true),
             Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(false),
             Err(e) => Err(e),
+        }
+    }
+}
+
+/// One page of a blob listing ([`BlobContainer::list_page`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlobPage {
+    pub blobs: Vec<ListedBlob>,
+    /// Where the next page starts; `None` on the last page.
+    pub next_marker: Option<String>,
+}
+
+/// A blob as a listing shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedBlob {
+    pub name: String,
+    pub lease: ListedLease,
+    pub last_modified: Option<std::time::SystemTime>,
+    pub metadata: std::collections::BTreeMap<String, String>,
+}
+
+/// A listed blob's lease state, as the service reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListedLease {
+    Available,
+    Leased,
+    Expired,
+    Breaking,
+    Broken,
+}
+
+impl ListedLease {
+    /// Whether someone holds the lease now (a breaking lease is held until its break period ends).
+    pub fn is_held(self) -> bool {
+        matches!(self, ListedLease::Leased | ListedLease::Breaking)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ListedLease::Available => "available",
+            ListedLease::Leased => "leased",
+            ListedLease::Expired => "expired",
+            ListedLease::Breaking => "breaking",
+            ListedLease::Broken => "broken",
         }
     }
 }

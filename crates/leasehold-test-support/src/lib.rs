@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use leasehold_storage::StorageAccount;
 
+pub mod browser;
+
 /// The install command named in failure messages.
 pub const INSTALL_HINT: &str = "scripts/install-azurite.sh (or: npm ci --prefix tools/azurite)";
 
@@ -211,13 +213,20 @@ impl Azurite {
     /// container and object; every permission; an hour) signed here with the emulator's key, as
     /// a user would paste from the portal.
     pub fn sas_connection_string(&self) -> String {
+        self.sas_connection_string_for("sco")
+    }
+
+    /// [`sas_connection_string`](Self::sas_connection_string) for these resource types only
+    /// (`o`: objects — messages and blobs — but not queues or containers themselves, as a
+    /// data-only role has).
+    pub fn sas_connection_string_for(&self, resource_types: &str) -> String {
         use base64::Engine;
         use hmac::Mac;
         let expiry = std::time::SystemTime::now() + Duration::from_secs(3600);
         let expiry = httpdate_iso(expiry);
         let (version, permissions) = ("2021-08-06", "rwdlacup");
         let to_sign = format!(
-            "{account}\n{permissions}\nbq\nsco\n\n{expiry}\n\nhttps,http\n{version}\n\n",
+            "{account}\n{permissions}\nbq\n{resource_types}\n\n{expiry}\n\nhttps,http\n{version}\n\n",
             account = leasehold_storage::EMULATOR_ACCOUNT
         );
         let key = base64::engine::general_purpose::STANDARD
@@ -229,7 +238,7 @@ impl Azurite {
         let sas: String = url::form_urlencoded::Serializer::new(String::new())
             .append_pair("sv", version)
             .append_pair("ss", "bq")
-            .append_pair("srt", "sco")
+            .append_pair("srt", resource_types)
             .append_pair("sp", permissions)
             .append_pair("se", &expiry)
             .append_pair("spr", "https,http")

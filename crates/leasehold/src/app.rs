@@ -13,9 +13,12 @@ use leasehold_lock::{LeaseLock, OpCounters};
 use leasehold_runtime::{
     AzureMarkers, AzureQueue, Consumer, Logic, MarkerStore, RecordRunner, TriggerQueue, poison_queue_name,
 };
+use leasehold_storage::azure::BlobContainer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin;
+use crate::ops::Operator;
 use crate::server::{self, HttpOptions};
 use crate::settings::{LogicSetting, Settings};
 use crate::telemetry::{self, Sampler};
@@ -63,6 +66,8 @@ pub(crate) struct Wiring {
     pub(crate) poison: Arc<dyn TriggerQueue>,
     pub(crate) lock: LeaseLock,
     pub(crate) markers: Arc<dyn MarkerStore>,
+    /// The round-trip counters all of the above record into.
+    pub(crate) counters: OpCounters,
 }
 
 impl Wiring {
@@ -113,9 +118,10 @@ pub(crate) fn wire(settings: &Settings) -> Result<Wiring> {
         poison: Arc::new(AzureQueue::new(
             &settings.account,
             &poison_queue_name(&settings.queue),
-            counters,
+            counters.clone(),
         )),
         lock,
+        counters,
     })
 }
 
@@ -197,7 +203,11 @@ impl Application {
             .with_context(|| format!("listening on 127.0.0.1:{port}"))?;
         let port = listener.local_addr()?.port();
         let wiring = wire(&settings)?;
-        let logic = logic(&settings, false, supervisor)?;
+        // Under the host a logic command runs in the app root (where the executable is), so one
+        // packed beside it (`logic/…`) is named relative to it.
+        let logic = logic(&settings, false, supervisor, app_root())?;
+        // Within the host's 30 s for GET /: each creation is one bounded request.
+        ensure_resources(&settings).await;
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
         let sampler = wiring.sampler(&settings, true);
@@ -214,11 +224,13 @@ impl Application {
         let http = Self::http_options(&settings);
         tracing::info!(port, queue = %settings.queue, container = %settings.container,
             max_connections = http.max_connections, "custom handler listening");
+        // The dashboard's functions (Dashboard, Ops): the host checks the master key for Ops.
+        let dashboard = admin::handler_router(Operator::new(&settings)?, settings.http.body_timeout);
         Ok(Self {
             listener,
             port,
             shutdown,
-            router: handler_router(app),
+            router: handler_router(app).merge(dashboard),
             consumer: None,
             description: "custom handler".into(),
             http,
@@ -233,9 +245,11 @@ impl Application {
         supervisor: Option<PathBuf>,
     ) -> Result<Self> {
         let wiring = wire(&settings)?;
-        let logic = logic(&settings, demo, supervisor)?;
-        // Fail fast on unusable credentials or endpoints, with the storage answer.
-        if let Err(e) = wiring.queue.approximate_len().await {
+        let logic = logic(&settings, demo, supervisor, None)?;
+        ensure_resources(&settings).await;
+        // Fail fast on unusable credentials or endpoints, with the storage answer (a peek: a
+        // message-level read, which every role that can run Leasehold may make).
+        if let Err(e) = wiring.queue.peek(1).await {
             if e.is_transient() {
                 tracing::warn!(error = %e, "storage is not answering yet; the consumer will keep trying");
             } else {
@@ -282,12 +296,32 @@ impl Application {
         tracing::info!(%addr, queue = %settings.queue, container = %settings.container,
             concurrency = settings.consumer.concurrency, max_connections = http.max_connections,
             "serving POST /api/start and consuming the queue");
+        // GET /metrics, behind Start's key.
+        let router = standalone_router(app).merge(telemetry::router(settings.policy.clone()));
+        let router = match &settings.admin_key {
+            Some(key) => {
+                let operator = Operator::new(&settings)?;
+                tracing::info!(url = %format!("http://{addr}{}", admin::PAGE_PATH),
+                    "dashboard on (its key: LEASEHOLD_ADMIN_KEY, sent as the {} header)", admin::KEY_HEADER);
+                router.merge(admin::serve_router(
+                    operator,
+                    key.clone(),
+                    settings.http.body_timeout,
+                ))
+            }
+            None => {
+                tracing::info!(
+                    "dashboard off: set LEASEHOLD_ADMIN_KEY (a key of its own, not LEASEHOLD_API_KEY) to serve it at {}",
+                    admin::PAGE_PATH
+                );
+                router
+            }
+        };
         Ok(Self {
             listener,
             port: addr.port(),
             shutdown,
-            // GET /metrics, behind Start's key.
-            router: standalone_router(app).merge(telemetry::router(settings.policy.clone())),
+            router,
             consumer: Some(consumer),
             description: "standalone".into(),
             http,
@@ -296,11 +330,63 @@ impl Application {
     }
 }
 
-fn logic(settings: &Settings, demo: bool, supervisor: Option<PathBuf>) -> Result<Arc<dyn Logic>> {
-    Ok(match &settings.logic {
-        LogicSetting::Command(c) => {
-            command_logic(c, &settings.logic_env, settings.runner.stop_grace, supervisor)?
+/// Creates the trigger queue, the poison queue and the container if they are missing, so a
+/// producer that puts messages itself (the wire format is documented) finds the queue there.
+/// Credentials that may not create them (an identity with a data-only role, a SAS without
+/// container-level rights) are told apart from an outage, said so once, and start-up goes on:
+/// someone with the rights may have created them already, and each is created on first use
+/// where the credentials allow.
+pub(crate) async fn ensure_resources(settings: &Settings) {
+    let counters = OpCounters::new();
+    let queue = AzureQueue::new(&settings.account, &settings.queue, counters.clone());
+    let poison_name = poison_queue_name(&settings.queue);
+    let poison = AzureQueue::new(&settings.account, &poison_name, counters.clone());
+    let container = BlobContainer::new(&settings.account, &settings.container, counters);
+    let (q, p, c) = tokio::join!(queue.create(), poison.create(), container.create());
+    let mut created = Vec::new();
+    for (what, name, result) in [
+        ("trigger queue", settings.queue.as_str(), q),
+        ("poison queue", poison_name.as_str(), p),
+        ("container", settings.container.as_str(), c),
+    ] {
+        match result {
+            Ok(()) => created.push(name),
+            Err(e) if matches!(e.status(), Some(401 | 403)) => tracing::warn!(
+                resource = what, name, error = %e,
+                "cannot create the {what} {name} with these credentials (they may read and write but not create); \
+                 if it does not exist yet, create it (or grant a role that may, such as Storage Queue Data \
+                 Contributor / Storage Blob Data Contributor) — going on"
+            ),
+            Err(e) => tracing::warn!(
+                resource = what, name, error = %e,
+                "could not make sure the {what} {name} exists; it is created on first use — going on"
+            ),
         }
+    }
+    if !created.is_empty() {
+        tracing::info!(resources = ?created, "storage resources are in place");
+    }
+}
+
+/// The directory of the running executable: the Function App's root under the host.
+fn app_root() -> Option<PathBuf> {
+    std::env::current_exe().ok()?.parent().map(PathBuf::from)
+}
+
+fn logic(
+    settings: &Settings,
+    demo: bool,
+    supervisor: Option<PathBuf>,
+    app_root: Option<PathBuf>,
+) -> Result<Arc<dyn Logic>> {
+    Ok(match &settings.logic {
+        LogicSetting::Command(c) => command_logic(
+            c,
+            &settings.logic_env,
+            settings.runner.stop_grace,
+            supervisor,
+            app_root,
+        )?,
         LogicSetting::Url(u) => Arc::new(
             UrlLogic::new(u, settings.runner.run_timeout)
                 .map_err(|e| anyhow::anyhow!("LEASEHOLD_LOGIC_URL: {e}"))?,
@@ -325,6 +411,7 @@ fn command_logic(
     allowed_env: &[String],
     stop_grace: Duration,
     supervisor: Option<PathBuf>,
+    app_root: Option<PathBuf>,
 ) -> Result<Arc<dyn Logic>> {
     use leasehold_functions::logic::{CommandEnv, CommandLogic, Supervisor};
     let supervisor = match supervisor {
@@ -338,11 +425,13 @@ fn command_logic(
     // The command gets the base variables and those the settings allow, with this process's
     // values (read now: the warnings about them are start-up's).
     let env = CommandEnv::from_vars(std::env::vars_os(), allowed_env);
-    Ok(Arc::new(
-        CommandLogic::new(command, supervisor)
-            .with_env(env)
-            .with_grace(grace),
-    ))
+    let logic = CommandLogic::new(command, supervisor)
+        .with_env(env)
+        .with_grace(grace);
+    Ok(Arc::new(match app_root {
+        Some(root) => logic.with_app_root(root),
+        None => logic,
+    }))
 }
 
 #[cfg(not(unix))]
@@ -351,6 +440,7 @@ fn command_logic(
     _allowed_env: &[String],
     _stop_grace: Duration,
     _supervisor: Option<PathBuf>,
+    _app_root: Option<PathBuf>,
 ) -> Result<Arc<dyn Logic>> {
     bail!("LEASEHOLD_LOGIC_COMMAND needs a Unix system; use LEASEHOLD_LOGIC_URL")
 }

@@ -58,25 +58,50 @@ enum Command {
         insecure_no_start_key: bool,
     },
     /// Put a trigger for a record on the queue (as Start would).
+    #[command(
+        after_help = "Example:\n  leasehold enqueue --scope account 8f9c1d2e-0000-4000-8000-000000000001"
+    )]
     Enqueue {
         /// Scope of the record (e.g. a Dataverse table name).
         #[arg(long, default_value = "default")]
         scope: Scope,
         record_id: RecordId,
     },
-    /// Show a record's lease (held, holder, since, fencing generation), whether a retrigger is
-    /// pending, and the queue and poison queue depths.
+    /// The system at a glance: held records (holder, since, fencing generation, lease state),
+    /// records with a retrigger pending, queue and poison depths and the age of the oldest
+    /// message. With a record: that record's lease and retrigger marker.
+    ///
+    /// Without a record it lists the lock blobs with their lease state and metadata: one
+    /// storage request per 5,000 records that ever ran (use --scope to narrow it), plus four
+    /// queue requests.
+    #[command(
+        after_help = "Examples:\n  leasehold status\n  leasehold status --scope account --limit 20\n  \
+        leasehold status --scope account 8f9c1d2e-0000-4000-8000-000000000001\n  leasehold status --json | jq .heldCount"
+    )]
     Status {
-        #[arg(long, default_value = "default")]
-        scope: Scope,
-        /// Omit to see only the queue depths.
+        /// Only this scope (with a record: the record's scope; default "default").
+        #[arg(long)]
+        scope: Option<Scope>,
+        /// Omit to see the whole system.
         record_id: Option<RecordId>,
-        /// Print JSON instead of text.
+        /// Show at most this many held records and pending retriggers.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Show held records after this scope/record (the `--after` a previous page printed).
+        #[arg(long)]
+        after: Option<String>,
+        /// Print JSON (RFC 3339 times) instead of text.
         #[arg(long)]
         json: bool,
     },
+    /// Look at and act on the poison queue: triggers given up, with the reason.
+    #[command(subcommand)]
+    Poison(PoisonCommand),
     /// Break a record's lease: its run is told at its next renewal and stops; the record is free
     /// once that run released it or its lease would have expired (or at once with --now).
+    #[command(
+        after_help = "Example:\n  leasehold break --scope account 8f9c1d2e-0000-4000-8000-000000000001 --reason \"stuck on a dead VM\""
+    )]
     Break {
         #[arg(long, default_value = "default")]
         scope: Scope,
@@ -101,6 +126,93 @@ enum Command {
         #[arg(last = true, required = true, num_args = 1..)]
         command: Vec<OsString>,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum PoisonCommand {
+    /// List poison entries, oldest first: record, reason, attempts, when given up; and per
+    /// record the first and last time it was given up.
+    ///
+    /// Up to 32 entries are peeked, with no side effect. More (--limit over 32) are scanned:
+    /// taken 32 at a time and put back, hidden from other readers meanwhile (60 s, or 2 s per 32
+    /// entries for a deeper queue, if the scan dies).
+    #[command(after_help = "Examples:\n  leasehold poison list\n  leasehold poison list --limit 500 --json")]
+    List {
+        /// Show at most this many entries.
+        #[arg(long, default_value_t = 32)]
+        limit: usize,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one entry in full.
+    #[command(after_help = "Example:\n  leasehold poison show 7c0e9a4e-1f52-4c2b-9d43-3f0d6f0e2a11")]
+    Show {
+        /// The entry's id (from `poison list`).
+        id: String,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Requeue entries as fresh triggers (a new chain with no attempts behind it): the trigger
+    /// is put on the queue first and the entry removed only after, so an interruption leaves
+    /// it in both places, never in neither.
+    #[command(
+        after_help = "Examples:\n  leasehold poison requeue 7c0e9a4e-1f52-4c2b-9d43-3f0d6f0e2a11\n  \
+        leasehold poison requeue --scope account\n  leasehold poison requeue --all"
+    )]
+    Requeue {
+        #[command(flatten)]
+        select: Select,
+        /// Print JSON (what was done to each entry) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove entries for good (needs --yes).
+    #[command(
+        after_help = "Examples:\n  leasehold poison purge 7c0e9a4e-1f52-4c2b-9d43-3f0d6f0e2a11 --yes\n  \
+        leasehold poison purge --all --yes"
+    )]
+    Purge {
+        #[command(flatten)]
+        select: Select,
+        /// Confirm: the entries are gone for good.
+        #[arg(long)]
+        yes: bool,
+        /// Print JSON (what was done to each entry) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Which poison entries: ids, a scope and/or record, or all.
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = true)]
+struct Select {
+    /// Entry ids (from `poison list`).
+    #[arg(conflicts_with_all = ["scope", "record", "all"])]
+    ids: Vec<String>,
+    /// Every entry of this scope.
+    #[arg(long, conflicts_with = "all")]
+    scope: Option<Scope>,
+    /// Every entry of this record (with --scope, of that scope only).
+    #[arg(long, conflicts_with = "all")]
+    record: Option<RecordId>,
+    /// Every entry.
+    #[arg(long)]
+    all: bool,
+}
+
+impl Select {
+    fn selection(self) -> ops::PoisonSelection {
+        if self.all {
+            ops::PoisonSelection::all()
+        } else if !self.ids.is_empty() {
+            ops::PoisonSelection::ids(self.ids)
+        } else {
+            ops::PoisonSelection::matching(self.scope, self.record)
+        }
+    }
 }
 
 fn init_tracing(format: LogFormat) {
@@ -190,18 +302,26 @@ async fn run(cli: Cli) -> Result<()> {
             Mode::Standalone { port, demo }
         }
         Command::Enqueue { scope, record_id } => {
-            println!("{}", ops::enqueue(&settings, &scope, &record_id).await?);
+            let operator = ops::Operator::new(&settings)?;
+            operator.enqueue(&scope, &record_id).await?;
+            println!("enqueued {scope}/{record_id} on {}", operator.queue_name());
             return Ok(());
         }
         Command::Status {
             scope,
             record_id,
+            limit,
+            after,
             json,
         } => {
             println!(
                 "{}",
-                ops::status(&settings, &scope, record_id.as_ref(), json).await?
+                status(&settings, scope, record_id, limit, after, json).await?
             );
+            return Ok(());
+        }
+        Command::Poison(command) => {
+            println!("{}", poison(&settings, command).await?);
             return Ok(());
         }
         Command::Break {
@@ -210,9 +330,10 @@ async fn run(cli: Cli) -> Result<()> {
             reason,
             now,
         } => {
+            let operator = ops::Operator::new(&settings)?;
             println!(
                 "{}",
-                ops::break_lease(&settings, &scope, &record_id, &reason, now).await?
+                operator.break_lease(&scope, &record_id, &reason, now).await?
             );
             return Ok(());
         }
@@ -220,6 +341,102 @@ async fn run(cli: Cli) -> Result<()> {
     };
     let app = Application::build(settings, mode).await?;
     app.run_until_stopped(shutdown_signal()).await
+}
+
+fn to_json(value: &impl serde::Serialize) -> Result<String> {
+    Ok(serde_json::to_string_pretty(value)?)
+}
+
+async fn status(
+    settings: &Settings,
+    scope: Option<Scope>,
+    record_id: Option<RecordId>,
+    limit: usize,
+    after: Option<String>,
+    json: bool,
+) -> Result<String> {
+    let operator = ops::Operator::new(settings)?;
+    let Some(record_id) = record_id else {
+        let overview = operator
+            .overview(&ops::OverviewQuery {
+                scope,
+                limit: Some(limit),
+                after,
+            })
+            .await?;
+        return if json {
+            to_json(&overview)
+        } else {
+            Ok(ops::text::overview(&overview))
+        };
+    };
+    let scope = scope.unwrap_or_default();
+    let (record, queue, poison) = tokio::join!(
+        operator.record(&scope, &record_id),
+        operator.queue_view_of(false),
+        operator.queue_view_of(true),
+    );
+    let (record, queue, poison) = (record?, queue?, poison?);
+    if json {
+        return to_json(&serde_json::json!({ "record": record, "queue": queue, "poison": poison }));
+    }
+    Ok(ops::text::record(&record, Some((&queue, &poison))))
+}
+
+async fn poison(settings: &Settings, command: PoisonCommand) -> Result<String> {
+    let operator = ops::Operator::new(settings)?;
+    match command {
+        PoisonCommand::List { limit, json } => {
+            let list = operator
+                .poison_list(&ops::PoisonQuery { limit: Some(limit) })
+                .await?;
+            if json {
+                to_json(&list)
+            } else {
+                Ok(ops::text::poison_list(&list))
+            }
+        }
+        PoisonCommand::Show { id, json } => {
+            let entry = operator.poison_show(&id).await?;
+            if json {
+                to_json(&entry)
+            } else {
+                Ok(ops::text::poison_entry(&entry))
+            }
+        }
+        PoisonCommand::Requeue { select, json } => {
+            use std::io::IsTerminal;
+            let interactive = std::io::stderr().is_terminal();
+            let progress = move |p: &ops::Progress| {
+                // Every 100 entries (and on a terminal, as it goes).
+                if p.scanned.is_multiple_of(100) || (interactive && p.scanned.is_multiple_of(10)) {
+                    eprintln!(
+                        "… {} scanned, {} requeued (about {} in the queue)",
+                        p.scanned, p.done, p.total
+                    );
+                }
+            };
+            let report = operator.poison_requeue(&select.selection(), &progress).await?;
+            if json {
+                to_json(&report)
+            } else {
+                Ok(ops::text::requeue(&report))
+            }
+        }
+        PoisonCommand::Purge { select, yes, json } => {
+            if !yes {
+                bail!(
+                    "purge removes poison entries for good: add --yes to confirm (or look first: leasehold poison list)"
+                );
+            }
+            let report = operator.poison_purge(&select.selection()).await?;
+            if json {
+                to_json(&report)
+            } else {
+                Ok(ops::text::purge(&report))
+            }
+        }
+    }
 }
 
 /// Fires on SIGINT or SIGTERM.

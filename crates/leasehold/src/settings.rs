@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use leasehold_functions::start::StartPolicy;
+use leasehold_functions::start::{Secret, StartPolicy};
 use leasehold_lock::{LeaseDuration, LeaseOptions};
 use leasehold_runtime::{ConsumerOptions, RunnerOptions};
 use leasehold_storage::StorageAccount;
@@ -42,6 +42,7 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_DEMO_SECONDS", None),
     setting("LEASEHOLD_API_KEY", None),
     setting("LEASEHOLD_INSECURE_NO_START_KEY", Some("false")),
+    setting("LEASEHOLD_ADMIN_KEY", None),
     setting("LEASEHOLD_ALLOWED_ORGANIZATIONS", None),
     setting("LEASEHOLD_INTEGRATION_USER_IDS", None),
     setting("LEASEHOLD_MAX_DEPTH", None),
@@ -85,6 +86,7 @@ struct Raw {
     leasehold_logic_env: Option<String>,
     leasehold_api_key: Option<String>,
     leasehold_insecure_no_start_key: Option<String>,
+    leasehold_admin_key: Option<String>,
     leasehold_http_header_timeout_seconds: Option<String>,
     leasehold_http_body_timeout_seconds: Option<String>,
     leasehold_http_shutdown_seconds: Option<String>,
@@ -131,6 +133,10 @@ pub struct Settings {
     /// `LEASEHOLD_INSECURE_NO_START_KEY` (or `serve --insecure-no-start-key`): serve Start on a
     /// non-loopback address without `LEASEHOLD_API_KEY`. Without it, `serve` refuses to.
     pub insecure_no_start_key: bool,
+    /// `LEASEHOLD_ADMIN_KEY`: the key of the operator dashboard and its JSON API in `serve`
+    /// (sent as the `x-leasehold-admin-key` header). Unset: `serve` has no dashboard. Never the
+    /// Start key. Under Functions the host's master key guards the dashboard instead.
+    pub admin_key: Option<Secret>,
     /// Deadlines and the connection bound of the HTTP side (`LEASEHOLD_HTTP_*`).
     pub http: HttpOptions,
     pub handler_port: Option<u16>,
@@ -371,14 +377,20 @@ impl Settings {
             Some(_) => Some(number("LEASEHOLD_MAX_DEPTH", &raw.leasehold_max_depth, 0u64)?),
         };
         let policy = StartPolicy {
-            api_key: raw
-                .leasehold_api_key
-                .filter(|k| !k.is_empty())
-                .map(leasehold_functions::start::Secret::new),
+            api_key: raw.leasehold_api_key.filter(|k| !k.is_empty()).map(Secret::new),
             allowed_organizations: list(&raw.leasehold_allowed_organizations),
             integration_user_ids,
             max_depth,
         };
+        let admin_key = raw.leasehold_admin_key.filter(|k| !k.is_empty()).map(Secret::new);
+        if let (Some(admin), Some(start)) = (&admin_key, &policy.api_key)
+            && admin.matches(Some(start.expose()))
+        {
+            bail!(
+                "LEASEHOLD_ADMIN_KEY is the same as LEASEHOLD_API_KEY: the dashboard's key must be its own, \
+                 so that whoever may trigger runs (Dataverse, a webhook) cannot also requeue and purge the poison queue"
+            );
+        }
         let http_defaults = HttpOptions::default();
         let seconds = |name: &str, value: &Option<String>, default: Duration| -> Result<Duration> {
             let secs = number(name, value, default.as_secs())?;
@@ -438,6 +450,7 @@ impl Settings {
                 &raw.leasehold_insecure_no_start_key,
                 false,
             )?,
+            admin_key,
             http,
             handler_port,
             metrics_interval,
@@ -617,6 +630,7 @@ mod tests {
             leasehold_logic_url: empty(),
             leasehold_demo_seconds: empty(),
             leasehold_api_key: empty(),
+            leasehold_admin_key: empty(),
             leasehold_port: empty(),
             leasehold_bind: empty(),
             leasehold_max_depth: empty(),
@@ -628,6 +642,7 @@ mod tests {
         assert_eq!(s.logic, LogicSetting::Unset);
         assert!(
             s.policy.api_key.is_none()
+                && s.admin_key.is_none()
                 && s.policy.max_depth.is_none()
                 && s.policy.allowed_organizations.is_empty()
         );
@@ -725,6 +740,14 @@ mod tests {
                     ..raw()
                 },
                 "not both",
+            ),
+            (
+                Raw {
+                    leasehold_api_key: Some("SECRET".into()),
+                    leasehold_admin_key: Some("SECRET".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_ADMIN_KEY is the same as LEASEHOLD_API_KEY",
             ),
         ];
         for (raw, expect) in cases {

@@ -128,7 +128,12 @@ fn observations(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
-    let app = Serving::start(&[("LEASEHOLD_API_KEY", KEY), ("LEASEHOLD_DEMO_SECONDS", "0")]).await;
+    let app = Serving::start(&[
+        ("LEASEHOLD_API_KEY", KEY),
+        ("LEASEHOLD_ADMIN_KEY", "metrics-test-admin-key"),
+        ("LEASEHOLD_DEMO_SECONDS", "0"),
+    ])
+    .await;
     let record = unique_name("record");
     let (scope, record_id) = (
         Scope::parse("account").unwrap(),
@@ -156,6 +161,19 @@ async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
             .any(|o| o.record_id == record_id),
         "listed among the recent outcomes"
     );
+    // The dashboard shows it with the record.
+    let shown: Json = reqwest::Client::new()
+        .get(app.url(&format!("/api/admin/records/account/{record}")))
+        .header("x-leasehold-admin-key", "metrics-test-admin-key")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(shown["recentOutcome"]["outcome"], "completed", "{shown}");
+    assert_eq!(shown["recentOutcome"]["recordId"], record.as_str(), "{shown}");
+    assert!(shown["recentOutcome"]["runSeconds"].is_number(), "{shown}");
 
     // Without the key, or with a wrong one: 401, and no metrics in the answer.
     for headers in [vec![], vec![("x-functions-key", "wrong")]] {

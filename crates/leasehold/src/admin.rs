@@ -1,0 +1,667 @@
+//! The operator dashboard: one HTML page and a JSON API over [`Operator`], in both modes.
+//!
+//! | `serve` | Functions | what |
+//! | --- | --- | --- |
+//! | `GET /admin` | `GET /api/dashboard` (function `Dashboard`, anonymous) | the page (holds no data) |
+//! | `GET /api/admin/overview` | `GET /api/ops/overview` (function `Ops`, `authLevel: admin`) | queues, held records, pending retriggers |
+//! | `GET /api/admin/records/{scope}/{recordId}` | `GET /api/ops/records/…` | a record's lease, marker and recent outcome |
+//! | `GET /api/admin/poison` | `GET /api/ops/poison` | poison entries and their reasons |
+//! | `GET /api/admin/poison/{id}` | `GET /api/ops/poison/{id}` | one entry |
+//! | `POST /api/admin/poison/requeue` | `POST /api/ops/poison/requeue` | requeue a selection |
+//! | `POST /api/admin/poison/purge` | `POST /api/ops/poison/purge` | delete a selection (`"confirm": true`) |
+//!
+//! The Functions host reserves routes that start with `admin` for its own API (it refuses to
+//! load such a function), hence `ops/` there. The page is told its API base and key header by
+//! `<meta>` tags filled in when it is served ([`Page`]).
+//!
+//! Auth: in `serve`, `LEASEHOLD_ADMIN_KEY` as the `x-leasehold-admin-key` header (never a cookie
+//! or the query string, so a link or a cross-site form cannot act with it), compared in
+//! constant time; without the setting none of these paths exist. Under Functions the host checks
+//! its master key (`x-functions-key`) before the handler sees the request.
+//!
+//! This layer has no logic of its own: it reads the request, calls the [`Operator`] and writes
+//! what it answered (its errors with their status).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use base64::Engine;
+use leasehold_functions::handler::{self, HostHttpRequest};
+use leasehold_functions::start::Secret;
+use leasehold_runtime::{RecordId, Scope};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::ops::{Operator, OpsError, OverviewQuery, PoisonQuery, PoisonSelection};
+
+/// The header `serve`'s dashboard key travels in.
+pub const KEY_HEADER: &str = "x-leasehold-admin-key";
+/// The header the Functions host reads its keys from (the master key, for `authLevel: admin`).
+pub const FUNCTIONS_KEY_HEADER: &str = "x-functions-key";
+/// Largest request body the API reads (a selection of poison entry ids).
+pub const MAX_BODY_BYTES: usize = 16 * 1024;
+/// `serve`'s page and API base.
+pub const PAGE_PATH: &str = "/admin";
+pub const API_BASE: &str = "/api/admin";
+/// The function folders and the API base under Functions (route `ops/{*path}`, route prefix `api`).
+pub const OPS_FUNCTION: &str = "Ops";
+pub const DASHBOARD_FUNCTION: &str = "Dashboard";
+pub const FUNCTIONS_API_BASE: &str = "/api/ops";
+
+const PAGE: &str = include_str!("../assets/admin.html");
+
+/// A request to the API as both modes read it: `path` is what follows the API base, without
+/// its leading `/` (`poison/requeue`), still percent-encoded.
+#[derive(Debug)]
+pub struct ApiRequest<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub query: Vec<(String, String)>,
+    pub body: &'a [u8],
+}
+
+/// The API's answer: a status and a JSON body (`{"error": …}` for a refusal).
+pub type ApiAnswer = (u16, Value);
+
+fn error(status: u16, message: impl std::fmt::Display) -> ApiAnswer {
+    (status, json!({ "error": message.to_string() }))
+}
+
+fn done<T: Serialize>(result: Result<T, OpsError>) -> ApiAnswer {
+    match result {
+        Ok(value) => match serde_json::to_value(value) {
+            Ok(v) => (200, v),
+            Err(e) => error(500, format!("the answer could not be written: {e}")),
+        },
+        Err(e) => error(e.status(), e),
+    }
+}
+
+/// Decodes `%XX` escapes of one path segment (a record id may hold any character).
+fn decode_segment(segment: &str) -> Result<String, String> {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| format!("{segment:?} has a bad %-escape"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("{segment:?} is not UTF-8 once decoded"))
+}
+
+fn query_value<'a>(query: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    query
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .filter(|v| !v.is_empty())
+}
+
+fn limit(query: &[(String, String)]) -> Result<Option<usize>, ApiAnswer> {
+    query_value(query, "limit")
+        .map(|v| {
+            v.parse::<usize>()
+                .map_err(|_| error(400, format!("limit must be a whole number, not {v:?}")))
+        })
+        .transpose()
+}
+
+/// A JSON body, or 400 naming what is wrong with it.
+fn json_body(body: &[u8]) -> Result<Value, ApiAnswer> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(error(400, "the request needs a JSON body"));
+    }
+    serde_json::from_slice(body).map_err(|e| error(400, format!("the body is not JSON: {e}")))
+}
+
+fn selection(body: &Value) -> Result<PoisonSelection, ApiAnswer> {
+    let mut body = body.clone();
+    if let Some(map) = body.as_object_mut() {
+        map.remove("confirm");
+    }
+    serde_json::from_value(body).map_err(|e| {
+        error(
+            400,
+            format!(
+                "the body must select entries: {{\"ids\": [..]}}, {{\"scope\": .., \"recordId\": ..}} or {{\"all\": true}} ({e})"
+            ),
+        )
+    })
+}
+
+/// Carries out one API request.
+pub async fn answer(operator: &Operator, request: &ApiRequest<'_>) -> ApiAnswer {
+    let segments: Vec<&str> = request.path.trim_matches('/').split('/').collect();
+    let mut decoded = Vec::with_capacity(segments.len());
+    for segment in &segments {
+        match decode_segment(segment) {
+            Ok(s) => decoded.push(s),
+            Err(e) => return error(400, e),
+        }
+    }
+    let parts: Vec<&str> = decoded.iter().map(String::as_str).collect();
+    let method = request.method.to_ascii_uppercase();
+    let (get, post) = (method == "GET", method == "POST");
+    let wrong_method = |allowed: &str| {
+        error(
+            405,
+            format!("{} answers {allowed} only, not {method}", request.path),
+        )
+    };
+    match parts.as_slice() {
+        ["overview"] if get => {
+            let scope = match query_value(&request.query, "scope").map(Scope::parse).transpose() {
+                Ok(s) => s,
+                Err(e) => return error(400, format!("scope: {e}")),
+            };
+            let limit = match limit(&request.query) {
+                Ok(l) => l,
+                Err(answer) => return answer,
+            };
+            let query = OverviewQuery {
+                scope,
+                limit,
+                after: query_value(&request.query, "after").map(str::to_string),
+            };
+            done(operator.overview(&query).await)
+        }
+        ["records", scope, record_id] if get => {
+            let scope = match Scope::parse(scope) {
+                Ok(s) => s,
+                Err(e) => return error(400, format!("scope: {e}")),
+            };
+            let record_id = match RecordId::parse(record_id) {
+                Ok(r) => r,
+                Err(e) => return error(400, format!("recordId: {e}")),
+            };
+            let (status, mut body) = done(operator.record(&scope, &record_id).await);
+            if status == 200
+                && let Some(map) = body.as_object_mut()
+            {
+                map.insert("recentOutcome".into(), recent_outcome(&scope, &record_id));
+            }
+            (status, body)
+        }
+        ["poison"] if get => match limit(&request.query) {
+            Ok(limit) => done(operator.poison_list(&PoisonQuery { limit }).await),
+            Err(answer) => answer,
+        },
+        ["poison", "requeue"] if post => {
+            let selection = match json_body(request.body).and_then(|b| selection(&b)) {
+                Ok(s) => s,
+                Err(answer) => return answer,
+            };
+            let report = operator.poison_requeue(&selection, &|_| {}).await;
+            if let Ok(r) = &report {
+                tracing::info!(report = %serde_json::to_string(r).unwrap_or_default(), "dashboard: poison entries requeued");
+            }
+            done(report)
+        }
+        ["poison", "purge"] if post => {
+            let body = match json_body(request.body) {
+                Ok(b) => b,
+                Err(answer) => return answer,
+            };
+            if body.get("confirm") != Some(&Value::Bool(true)) {
+                return error(
+                    400,
+                    "purging deletes poison entries for good: the body must include \"confirm\": true",
+                );
+            }
+            let selection = match selection(&body) {
+                Ok(s) => s,
+                Err(answer) => return answer,
+            };
+            let report = operator.poison_purge(&selection).await;
+            if let Ok(r) = &report {
+                tracing::warn!(report = %serde_json::to_string(r).unwrap_or_default(), "dashboard: poison entries purged");
+            }
+            done(report)
+        }
+        ["poison", id] if get => done(operator.poison_show(id).await),
+        ["overview"] | ["records", _, _] | ["poison"] => wrong_method("GET"),
+        ["poison", "requeue" | "purge"] => wrong_method("POST"),
+        ["poison", _] => wrong_method("GET"),
+        _ => error(
+            404,
+            format!(
+                "no such operation: {} (overview, records/{{scope}}/{{recordId}}, poison, poison/{{id}}, poison/requeue, poison/purge)",
+                request.path
+            ),
+        ),
+    }
+}
+
+/// The last outcome of the record if this process handled it recently
+/// ([`crate::recent_outcome`]), else `null` (the page says "not run by this instance").
+fn recent_outcome(scope: &Scope, record_id: &RecordId) -> Value {
+    crate::recent_outcome(scope, record_id)
+        .and_then(|o| serde_json::to_value(o).ok())
+        .unwrap_or(Value::Null)
+}
+
+/// The dashboard page for one mode: its HTML (the mode's API base and key header filled in)
+/// and the security headers it is served with. Its script and style are allowed by their
+/// SHA-256 hashes, so nothing else inline (an injected tag) could run.
+#[derive(Debug, Clone)]
+pub struct Page {
+    html: String,
+    csp: String,
+}
+
+impl Page {
+    /// The page for `serve` (`/api/admin`, `x-leasehold-admin-key`).
+    pub fn serve() -> Self {
+        Self::new(API_BASE, KEY_HEADER)
+    }
+
+    /// The page under Functions (`/api/ops`, the master key as `x-functions-key`).
+    pub fn functions() -> Self {
+        Self::new(FUNCTIONS_API_BASE, FUNCTIONS_KEY_HEADER)
+    }
+
+    fn new(api_base: &str, key_header: &str) -> Self {
+        let html = PAGE
+            .replace("{{API_BASE}}", api_base)
+            .replace("{{KEY_HEADER}}", key_header);
+        let hash = |open: &str, close: &str| {
+            let start = html
+                .find(open)
+                .map(|i| i + open.len())
+                .expect("the page has the tag");
+            let end = start + html[start..].find(close).expect("the tag is closed");
+            let digest = Sha256::digest(&html.as_bytes()[start..end]);
+            format!(
+                "'sha256-{}'",
+                base64::engine::general_purpose::STANDARD.encode(digest)
+            )
+        };
+        let csp = format!(
+            "default-src 'none'; script-src {}; style-src {}; connect-src 'self'; img-src data:; \
+             base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+            hash("<script>", "</script>"),
+            hash("<style>", "</style>")
+        );
+        Self { html, csp }
+    }
+
+    /// The page's HTML.
+    pub fn html(&self) -> &str {
+        &self.html
+    }
+
+    /// The headers the page is served with.
+    pub fn headers(&self) -> Vec<(&'static str, &str)> {
+        vec![
+            ("Content-Type", "text/html; charset=utf-8"),
+            ("Content-Security-Policy", &self.csp),
+            ("X-Content-Type-Options", "nosniff"),
+            ("Cache-Control", "no-store"),
+            ("Referrer-Policy", "no-referrer"),
+            ("X-Frame-Options", "DENY"),
+        ]
+    }
+}
+
+/// Headers of every API answer.
+const API_HEADERS: [(&str, &str); 4] = [
+    ("Content-Type", "application/json"),
+    ("Cache-Control", "no-store"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+];
+
+fn with_headers(status: u16, body: Body, headers: &[(&str, &str)]) -> Response {
+    let mut response = (
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        body,
+    )
+        .into_response();
+    for (name, value) in headers {
+        if let (Ok(name), Ok(value)) = (HeaderName::try_from(*name), HeaderValue::try_from(*value)) {
+            response.headers_mut().insert(name, value);
+        }
+    }
+    response
+}
+
+fn api_response((status, body): ApiAnswer) -> Response {
+    with_headers(status, Body::from(body.to_string()), &API_HEADERS)
+}
+
+/// Reads a body of at most [`MAX_BODY_BYTES`], all of it within `deadline`.
+async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes, ApiAnswer> {
+    match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            let e = e.into_inner();
+            if e.is::<http_body_util::LengthLimitError>() {
+                Err(error(413, format!("the body is over {limit} bytes")))
+            } else {
+                Err(error(400, format!("the body could not be read: {e}")))
+            }
+        }
+        Err(_) => Err(error(
+            408,
+            format!(
+                "the body did not arrive within {} s (LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS)",
+                deadline.as_secs()
+            ),
+        )),
+    }
+}
+
+/// What `serve`'s dashboard routes share.
+#[derive(Debug)]
+struct Served {
+    operator: Operator,
+    key: Secret,
+    page: Page,
+    body_timeout: Duration,
+}
+
+/// `GET /admin` and `/api/admin/*` for `serve`, guarded by `key` (`LEASEHOLD_ADMIN_KEY`).
+pub fn serve_router(operator: Operator, key: Secret, body_timeout: Duration) -> Router {
+    let served = Arc::new(Served {
+        operator,
+        key,
+        page: Page::serve(),
+        body_timeout,
+    });
+    Router::new()
+        .route(PAGE_PATH, get(serve_page))
+        .route(&format!("{API_BASE}/{{*path}}"), any(serve_api))
+        .route(API_BASE, any(serve_api))
+        .layer(DefaultBodyLimit::disable())
+        .with_state(served)
+}
+
+async fn serve_page(State(served): State<Arc<Served>>) -> Response {
+    with_headers(
+        200,
+        Body::from(served.page.html().to_string()),
+        &served.page.headers(),
+    )
+}
+
+async fn serve_api(State(served): State<Arc<Served>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    // The key first: without it not a byte of the body is read.
+    let presented = parts.headers.get(KEY_HEADER).and_then(|v| v.to_str().ok());
+    if !served.key.matches(presented) {
+        tracing::warn!(path = %parts.uri.path(), "dashboard: request without the right {KEY_HEADER} refused");
+        let mut response = api_response(error(
+            401,
+            format!("send LEASEHOLD_ADMIN_KEY in the {KEY_HEADER} header"),
+        ));
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("LeaseholdAdminKey"),
+        );
+        return response;
+    }
+    if let Some(length) = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        && length > MAX_BODY_BYTES
+    {
+        return api_response(error(
+            413,
+            format!("the body is {length} bytes, over {MAX_BODY_BYTES}"),
+        ));
+    }
+    let bytes = match read_body(body, MAX_BODY_BYTES, served.body_timeout).await {
+        Ok(b) => b,
+        Err(answer) => {
+            let mut response = api_response(answer);
+            if response.status() == StatusCode::REQUEST_TIMEOUT {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            return response;
+        }
+    };
+    let path = parts
+        .uri
+        .path()
+        .strip_prefix(API_BASE)
+        .unwrap_or("")
+        .trim_start_matches('/');
+    let query = parts.uri.query().map(url_pairs).unwrap_or_default();
+    let request = ApiRequest {
+        method: parts.method.as_str(),
+        path,
+        query,
+        body: &bytes,
+    };
+    api_response(answer(&served.operator, &request).await)
+}
+
+fn url_pairs(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let plus = |s: &str| s.replace('+', " ");
+            (
+                decode_segment(&plus(k)).unwrap_or_default(),
+                decode_segment(&plus(v)).unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// What the custom handler's dashboard functions share.
+#[derive(Debug)]
+struct Hosted {
+    operator: Operator,
+    page: Page,
+    body_timeout: Duration,
+}
+
+/// `POST /Ops` and `POST /Dashboard` for `leasehold handler`: the Functions host's invocations
+/// of the dashboard's functions (the host has checked the master key for `Ops`).
+pub fn handler_router(operator: Operator, body_timeout: Duration) -> Router {
+    let hosted = Arc::new(Hosted {
+        operator,
+        page: Page::functions(),
+        body_timeout,
+    });
+    Router::new()
+        .route(&format!("/{OPS_FUNCTION}"), post(invoke_ops))
+        .route(&format!("/{DASHBOARD_FUNCTION}"), post(invoke_dashboard))
+        .layer(DefaultBodyLimit::disable())
+        .with_state(hosted)
+}
+
+/// The envelope the host wraps a request in: headers, URL, metadata.
+const ENVELOPE_BYTES: usize = 64 * 1024;
+
+async fn read_invocation(body: Body, deadline: Duration) -> Result<HostHttpRequest, ApiAnswer> {
+    // The host's request body is a JSON string: escaping can double its size.
+    let bytes = read_body(body, 2 * MAX_BODY_BYTES + ENVELOPE_BYTES, deadline).await?;
+    let payload: Value =
+        serde_json::from_slice(&bytes).map_err(|e| error(400, format!("invocation is not JSON: {e}")))?;
+    handler::parse_http_invocation(&payload).map_err(|e| error(400, e))
+}
+
+/// The host's answer carrying `status` and `body` to the caller (the invocation itself
+/// succeeds: a 4xx for the caller is no failed invocation).
+fn host_answer(status: u16, body: &str, headers: &[(&str, &str)], log: String) -> Response {
+    let payload = handler::http_response(status, body, headers, vec![log]);
+    with_headers(
+        200,
+        Body::from(payload.to_string()),
+        &[("Content-Type", "application/json")],
+    )
+}
+
+/// The API path from the host's request: what follows `/ops/` in its URL, or the `path` route
+/// parameter.
+fn hosted_path(req: &HostHttpRequest) -> String {
+    let url_path = req.url.split_once("://").map_or(req.url.as_str(), |(_, rest)| {
+        rest.find('/').map_or("", |i| &rest[i..])
+    });
+    let url_path = url_path.split(['?', '#']).next().unwrap_or("");
+    let base = FUNCTIONS_API_BASE.trim_start_matches("/api");
+    if let Some(i) = url_path.find(&format!("{base}/")) {
+        return url_path[i + base.len() + 1..].to_string();
+    }
+    req.param("path").unwrap_or("").to_string()
+}
+
+async fn invoke_ops(State(hosted): State<Arc<Hosted>>, request: Request) -> Response {
+    let req = match read_invocation(request.into_body(), hosted.body_timeout).await {
+        Ok(r) => r,
+        Err((status, body)) => return with_headers(status, Body::from(body.to_string()), &API_HEADERS),
+    };
+    let answer = if req.body.len() > MAX_BODY_BYTES {
+        error(
+            413,
+            format!("the body is {} bytes, over {MAX_BODY_BYTES}", req.body.len()),
+        )
+    } else {
+        let path = hosted_path(&req);
+        let api = ApiRequest {
+            method: &req.method,
+            path: &path,
+            query: req.query.clone(),
+            body: &req.body,
+        };
+        answer(&hosted.operator, &api).await
+    };
+    let log = format!("ops: {} {} answered {}", req.method, hosted_path(&req), answer.0);
+    host_answer(answer.0, &answer.1.to_string(), &API_HEADERS, log)
+}
+
+async fn invoke_dashboard(State(hosted): State<Arc<Hosted>>, request: Request) -> Response {
+    if let Err((status, body)) = read_invocation(request.into_body(), hosted.body_timeout).await {
+        return with_headers(status, Body::from(body.to_string()), &API_HEADERS);
+    }
+    host_answer(
+        200,
+        hosted.page.html(),
+        &hosted.page.headers(),
+        "dashboard: page served".into(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_page_names_its_api_and_key_header_and_allows_only_its_own_script() {
+        let page = Page::serve();
+        assert!(page.html().contains(r#"content="/api/admin""#));
+        assert!(page.html().contains(r#"content="x-leasehold-admin-key""#));
+        assert!(!page.html().contains("{{"), "every placeholder is filled in");
+        let functions = Page::functions();
+        assert!(functions.html().contains(r#"content="/api/ops""#));
+        assert!(functions.html().contains(r#"content="x-functions-key""#));
+        let csp = page
+            .headers()
+            .into_iter()
+            .find(|(k, _)| *k == "Content-Security-Policy")
+            .unwrap()
+            .1
+            .to_string();
+        assert!(
+            csp.starts_with("default-src 'none'; script-src 'sha256-"),
+            "{csp}"
+        );
+        assert!(
+            !csp.contains("unsafe-inline") && csp.contains("frame-ancestors 'none'"),
+            "{csp}"
+        );
+        // One script and one style element, no inline handlers or style attributes (the hash
+        // covers the element's text only).
+        for (what, count) in [
+            ("<script", 1),
+            ("<style", 1),
+            (" onclick=", 0),
+            (" style=", 0),
+            ("innerHTML", 0),
+        ] {
+            assert_eq!(page.html().matches(what).count(), count, "{what}");
+        }
+        // No network fetches but its own API.
+        for external in ["http://", "https://", "//fonts", "cdn"] {
+            assert!(!page.html().contains(external), "{external}");
+        }
+    }
+
+    /// The function folders are named as the handler routes them, and the API's route is the
+    /// base the page is given.
+    #[test]
+    fn the_function_folders_match_the_handler() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let read = |function: &str| -> Value {
+            let text = std::fs::read_to_string(root.join(function).join("function.json"))
+                .unwrap_or_else(|e| panic!("{function}/function.json: {e}"));
+            serde_json::from_str(&text).unwrap()
+        };
+        let ops = read(OPS_FUNCTION);
+        assert_eq!(
+            format!("/api/{}", ops["bindings"][0]["route"].as_str().unwrap()),
+            format!("{FUNCTIONS_API_BASE}/{{*path}}")
+        );
+        assert_eq!(ops["bindings"][0]["authLevel"], "admin");
+        assert_eq!(read(DASHBOARD_FUNCTION)["bindings"][0]["route"], "dashboard");
+    }
+
+    #[test]
+    fn path_segments_are_percent_decoded_and_bad_escapes_refused() {
+        assert_eq!(decode_segment("a%2Fb%20c").unwrap(), "a/b c");
+        assert!(decode_segment("a%2").is_err());
+        assert!(decode_segment("%ff").is_err());
+        assert_eq!(
+            url_pairs("scope=account&limit=5&after=a%2Fb+c"),
+            [
+                ("scope".to_string(), "account".to_string()),
+                ("limit".into(), "5".into()),
+                ("after".into(), "a/b c".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn the_hosted_path_comes_from_the_url_or_the_route_parameter() {
+        let req = |url: &str, path: Option<&str>| HostHttpRequest {
+            url: url.into(),
+            params: path
+                .map(|p| vec![("path".to_string(), p.to_string())])
+                .unwrap_or_default(),
+            ..HostHttpRequest::default()
+        };
+        assert_eq!(
+            hosted_path(&req(
+                "https://app.azurewebsites.net/api/ops/records/account/a%2Fb?x=1",
+                None
+            )),
+            "records/account/a%2Fb"
+        );
+        assert_eq!(hosted_path(&req("", Some("poison/requeue"))), "poison/requeue");
+    }
+}

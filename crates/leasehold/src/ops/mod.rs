@@ -1,0 +1,272 @@
+//! The operator's operations, one implementation each, shared by the command line
+//! (`leasehold status|poison|enqueue|break`) and the dashboard's JSON API: [`Operator`].
+//!
+//! Every result is a plain value that serialises to the JSON the API answers and `--json`
+//! prints; [`text`] renders the same values for people. Nothing here is on the trigger path:
+//! these are reads and repairs an operator asks for.
+
+pub mod clock;
+mod overview;
+mod poison;
+pub mod text;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Result;
+use leasehold_lock::RetryOptions;
+use leasehold_runtime::{
+    MarkerStore, RecordId, Scope, TriggerMessage, TriggerQueue, poison_queue_name, record_key, record_status,
+};
+use leasehold_storage::OpCounters;
+use leasehold_storage::azure::BlobContainer;
+use serde::Serialize;
+
+pub use overview::{HeldRecord, Overview, OverviewQuery, QueueView, RecordRef};
+pub use poison::{
+    PoisonEntry, PoisonList, PoisonQuery, PoisonRecord, PoisonSelection, Progress, PurgeReport,
+    RequeueReport, Requeued, Skipped,
+};
+
+use crate::app::wire;
+use crate::settings::Settings;
+
+/// Why an operation could not be done. [`status`](Self::status) is the HTTP status the admin API
+/// answers with; the text names the problem (and never a secret).
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// The request names something that is not there (a poison entry id, say).
+    #[error("{0}")]
+    NotFound(String),
+    /// The request itself is wrong (a selection that selects nothing, a bad filter).
+    #[error("{0}")]
+    BadRequest(String),
+    /// Storage refused or did not answer (after retries).
+    #[error("storage: {0}")]
+    Storage(String),
+}
+
+impl OpsError {
+    /// The HTTP status for this error: 404, 400 or 503.
+    pub fn status(&self) -> u16 {
+        match self {
+            OpsError::NotFound(_) => 404,
+            OpsError::BadRequest(_) => 400,
+            OpsError::Storage(_) => 503,
+        }
+    }
+
+    fn storage(what: &str, e: impl std::fmt::Display) -> Self {
+        OpsError::Storage(format!("{what}: {e}"))
+    }
+}
+
+/// Operations on one deployment's storage: its trigger queue, poison queue and container.
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct Operator {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    queue: Arc<dyn TriggerQueue>,
+    poison: Arc<dyn TriggerQueue>,
+    lock: leasehold_lock::LeaseLock,
+    markers: Arc<dyn MarkerStore>,
+    container: BlobContainer,
+    counters: OpCounters,
+    lease_seconds: u64,
+    /// How long a poison scan hides the entries it looks at (they come back on their own if
+    /// the scan dies).
+    scan_hide: Duration,
+    retry: RetryOptions,
+}
+
+impl std::fmt::Debug for Operator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Operator")
+            .field("queue", &self.inner.queue.name())
+            .field("poison", &self.inner.poison.name())
+            .field("container", &self.inner.container.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The record a command names.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordView {
+    pub scope: Scope,
+    pub record_id: RecordId,
+    pub held: bool,
+    /// The lease state as storage reports it (`None`: the record never ran).
+    pub lease_state: Option<String>,
+    /// Who was granted the lease last (the fenced grant's holder).
+    pub holder: Option<String>,
+    /// When the last fenced grant was made.
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub since: Option<SystemTime>,
+    pub since_age_seconds: Option<f64>,
+    /// The last fencing token granted (0: none yet).
+    pub generation: u64,
+    pub retrigger_pending: bool,
+    pub sharers: Vec<String>,
+    #[serde(serialize_with = "clock::serialize")]
+    pub at: SystemTime,
+}
+
+impl Operator {
+    /// Operations on the storage `settings` name.
+    pub fn new(settings: &Settings) -> Result<Self> {
+        let wiring = wire(settings)?;
+        Ok(Self::from_parts(
+            wiring.queue,
+            wiring.poison,
+            wiring.lock,
+            wiring.markers,
+            BlobContainer::new(&settings.account, &settings.container, wiring.counters.clone()),
+            wiring.counters,
+        ))
+    }
+
+    /// Operations over these parts (tests wrap the queues to make steps fail).
+    pub fn from_parts(
+        queue: Arc<dyn TriggerQueue>,
+        poison: Arc<dyn TriggerQueue>,
+        lock: leasehold_lock::LeaseLock,
+        markers: Arc<dyn MarkerStore>,
+        container: BlobContainer,
+        counters: OpCounters,
+    ) -> Self {
+        let lease_seconds = u64::from(lock.options().duration.secs());
+        Self {
+            inner: Arc::new(Inner {
+                queue,
+                poison,
+                lock,
+                markers,
+                container,
+                counters,
+                lease_seconds,
+                scan_hide: Duration::from_secs(60),
+                retry: RetryOptions::default(),
+            }),
+        }
+    }
+
+    /// The same operator, hiding the poison entries a scan looks at for `hide` (60 s unless
+    /// set; tests shorten it).
+    pub fn with_scan_hide(self, hide: Duration) -> Self {
+        let inner = Inner {
+            queue: self.inner.queue.clone(),
+            poison: self.inner.poison.clone(),
+            lock: self.inner.lock.clone(),
+            markers: self.inner.markers.clone(),
+            container: self.inner.container.clone(),
+            counters: self.inner.counters.clone(),
+            lease_seconds: self.inner.lease_seconds,
+            scan_hide: hide,
+            retry: self.inner.retry.clone(),
+        };
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// Storage round trips this operator has made so far (all kinds).
+    pub fn requests(&self) -> u64 {
+        self.inner.counters.snapshot().total()
+    }
+
+    /// The trigger queue's name.
+    pub fn queue_name(&self) -> &str {
+        self.inner.queue.name()
+    }
+
+    /// The poison queue's name.
+    pub fn poison_name(&self) -> &str {
+        self.inner.poison.name()
+    }
+
+    /// The trigger queue's (or with `poison`, the poison queue's) depth and oldest message.
+    pub async fn queue_view_of(&self, poison: bool) -> Result<QueueView, OpsError> {
+        let queue = if poison {
+            &self.inner.poison
+        } else {
+            &self.inner.queue
+        };
+        self.queue_view(&**queue).await
+    }
+
+    /// Puts a trigger for a record on the queue, as Start would.
+    pub async fn enqueue(&self, scope: &Scope, record_id: &RecordId) -> Result<TriggerMessage, OpsError> {
+        let message = TriggerMessage::new(scope.clone(), record_id.clone());
+        let body = message.encode();
+        self.inner
+            .retry
+            .run("enqueue", || self.inner.queue.put(&body, Duration::ZERO))
+            .await
+            .map_err(|e| OpsError::storage("enqueue", e))?;
+        tracing::info!(%scope, record = %record_id, queue = self.queue_name(), "enqueued a trigger");
+        Ok(message)
+    }
+
+    /// A record's lease (held, holder, since, fencing generation) and whether a retrigger is
+    /// pending: two round trips.
+    pub async fn record(&self, scope: &Scope, record_id: &RecordId) -> Result<RecordView, OpsError> {
+        let status = record_status(&self.inner.lock, &*self.inner.markers, scope, record_id)
+            .await
+            .map_err(|e| OpsError::storage("record status", e))?;
+        let now = SystemTime::now();
+        let info = status.lock;
+        Ok(RecordView {
+            scope: scope.clone(),
+            record_id: record_id.clone(),
+            held: info.held,
+            lease_state: info.state.map(|s| format!("{s:?}").to_lowercase()),
+            holder: info.holder,
+            since: info.since,
+            since_age_seconds: info.since.map(|s| clock::age_seconds(s, now)),
+            generation: info.generation,
+            retrigger_pending: status.retrigger_pending,
+            sharers: info.sharers,
+            at: now,
+        })
+    }
+
+    /// Breaks a record's lease: its run is told at its next renewal and stops; the record is
+    /// free once that run released it or its lease would have expired, or at once with `now`
+    /// (only for a holder known to be dead). Returns what was done, in words.
+    pub async fn break_lease(
+        &self,
+        scope: &Scope,
+        record_id: &RecordId,
+        reason: &str,
+        now: bool,
+    ) -> Result<String, OpsError> {
+        let key = record_key(scope, record_id);
+        let lock = &self.inner.lock;
+        if now {
+            lock.break_lock_after(&key, reason, Duration::ZERO)
+                .await
+                .map_err(|e| OpsError::storage("break lease", e))?;
+            Ok(format!(
+                "broke the lease on {key} ({reason}); the record is free now"
+            ))
+        } else {
+            lock.break_lock(&key, reason)
+                .await
+                .map_err(|e| OpsError::storage("break lease", e))?;
+            Ok(format!(
+                "broke the lease on {key} ({reason}); its run is told at its next renewal, and the record is free \
+                 once that run released it or the lease would have expired (at most {} s)",
+                self.inner.lease_seconds
+            ))
+        }
+    }
+}
+
+/// The poison queue of `settings`' trigger queue.
+pub fn poison_name(settings: &Settings) -> String {
+    poison_queue_name(&settings.queue)
+}

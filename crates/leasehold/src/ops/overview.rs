@@ -1,0 +1,276 @@
+//! The system at a glance: which records are held and by whom, which have a retrigger
+//! pending, how deep the queues are and how old their oldest message is.
+//!
+//! Built from two blob listings (the lock blobs `locks/<scope>/<record>` with their lease
+//! state and metadata, and the retrigger markers `retrigger/<scope>/<record>`): one List Blobs
+//! request per 5,000 records, never a request per record, plus three queue requests.
+
+use std::collections::BTreeSet;
+use std::time::SystemTime;
+
+use leasehold_lock::{LOCK_PREFIX, META_GENERATION, META_HOLDER, META_SINCE};
+use leasehold_runtime::{MARKER_PREFIX, RecordId, Scope, TriggerQueue};
+use leasehold_storage::azure::{BlobContainer, ListedBlob};
+use serde::{Deserialize, Serialize};
+
+use super::{Operator, OpsError, clock};
+
+/// Most blobs one List Blobs request returns (the service's page limit).
+const LIST_PAGE: u32 = 5000;
+/// Held records an overview shows unless asked for another number.
+pub const DEFAULT_LIMIT: usize = 100;
+
+/// What [`Operator::overview`] shows.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OverviewQuery {
+    /// Only records of this scope.
+    pub scope: Option<Scope>,
+    /// At most this many held records and this many pending retriggers (default 100).
+    pub limit: Option<usize>,
+    /// Show records after this `scope/record` (the previous page's `next`).
+    pub after: Option<String>,
+}
+
+/// A queue's depth and the age of its oldest visible message.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct QueueView {
+    pub name: String,
+    /// Messages visible or not, as the service estimates them.
+    pub approximate_messages: u64,
+    /// When the oldest visible message was put (none when nothing is visible).
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub oldest_visible_at: Option<SystemTime>,
+    pub oldest_visible_age_seconds: Option<f64>,
+}
+
+/// A record whose lease is held now.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HeldRecord {
+    pub scope: Scope,
+    pub record_id: RecordId,
+    /// `leased`, or `breaking` (an operator broke it; the holder is told at its next renewal).
+    pub lease_state: String,
+    pub holder: Option<String>,
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub since: Option<SystemTime>,
+    pub since_age_seconds: Option<f64>,
+    /// The fencing token of the current grant.
+    pub generation: u64,
+    pub retrigger_pending: bool,
+}
+
+/// A record named by scope and id.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordRef {
+    pub scope: Scope,
+    pub record_id: RecordId,
+}
+
+/// The system at a glance.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Overview {
+    #[serde(serialize_with = "clock::serialize")]
+    pub at: SystemTime,
+    pub scope: Option<Scope>,
+    pub queue: QueueView,
+    pub poison: QueueView,
+    /// Held records, in key order, after `after`, at most `limit`.
+    pub held: Vec<HeldRecord>,
+    /// All held records (of the scope).
+    pub held_count: usize,
+    /// Records whose retrigger marker is set: a trigger arrived during their run and the
+    /// holder has not yet taken it (after `after`, at most `limit`).
+    pub pending: Vec<RecordRef>,
+    pub pending_count: usize,
+    /// Records that have a lock blob (every record that ever ran), held or not.
+    pub records_seen: usize,
+    /// Pass as `after` for the next page of held records, when there is one.
+    pub next: Option<String>,
+    /// Storage requests this overview took.
+    pub requests: u64,
+}
+
+/// `scope/record` of a blob under `prefix`, if it names one.
+fn record_of(name: &str, prefix: &str) -> Option<RecordRef> {
+    let (scope, record) = name.strip_prefix(prefix)?.split_once('/')?;
+    Some(RecordRef {
+        scope: Scope::parse(scope).ok()?,
+        record_id: RecordId::parse(record).ok()?,
+    })
+}
+
+fn key_of(r: &RecordRef) -> String {
+    format!("{}/{}", r.scope, r.record_id)
+}
+
+/// Every blob under `prefix`, page by page (one request a page).
+async fn list_all(
+    container: &BlobContainer,
+    prefix: &str,
+    retry: &leasehold_lock::RetryOptions,
+    mut each: impl FnMut(ListedBlob),
+) -> Result<(), OpsError> {
+    let mut marker: Option<String> = None;
+    loop {
+        let page = retry
+            .run("list blobs", || {
+                container.list_page(prefix, marker.as_deref(), LIST_PAGE)
+            })
+            .await
+            .map_err(|e| OpsError::storage("list blobs", e))?;
+        page.blobs.into_iter().for_each(&mut each);
+        match page.next_marker {
+            Some(next) => marker = Some(next),
+            None => return Ok(()),
+        }
+    }
+}
+
+impl Operator {
+    /// The system at a glance (see the module's documentation for what it costs).
+    pub async fn overview(&self, query: &OverviewQuery) -> Result<Overview, OpsError> {
+        let before = self.requests();
+        let limit = query.limit.unwrap_or(DEFAULT_LIMIT).max(1);
+        let scoped = |prefix: &str| match &query.scope {
+            Some(scope) => format!("{prefix}{scope}/"),
+            None => prefix.to_string(),
+        };
+        let inner = &self.inner;
+        let (markers, locks, queue, poison) = tokio::join!(
+            async {
+                let mut pending = BTreeSet::new();
+                list_all(&inner.container, &scoped(MARKER_PREFIX), &inner.retry, |blob| {
+                    pending.extend(record_of(&blob.name, MARKER_PREFIX));
+                })
+                .await
+                .map(|()| pending)
+            },
+            async {
+                let mut seen = 0usize;
+                let mut held = Vec::new();
+                list_all(&inner.container, &scoped(LOCK_PREFIX), &inner.retry, |blob| {
+                    let Some(record) = record_of(&blob.name, LOCK_PREFIX) else {
+                        return;
+                    };
+                    seen += 1;
+                    if blob.lease.is_held() {
+                        held.push((record, blob));
+                    }
+                })
+                .await
+                .map(|()| (seen, held))
+            },
+            self.queue_view(&*inner.queue),
+            self.queue_view(&*inner.poison),
+        );
+        let pending = markers?;
+        let (records_seen, held) = locks?;
+        let now = SystemTime::now();
+        let after = query.after.as_deref().unwrap_or("");
+        let held_count = held.len();
+        let mut shown: Vec<HeldRecord> = held
+            .into_iter()
+            .filter(|(record, _)| key_of(record).as_str() > after)
+            .take(limit + 1)
+            .map(|(record, blob)| {
+                let since = blob
+                    .metadata
+                    .get(META_SINCE)
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map(|ms| SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(ms));
+                HeldRecord {
+                    retrigger_pending: pending.contains(&record),
+                    lease_state: blob.lease.as_str().to_string(),
+                    holder: blob.metadata.get(META_HOLDER).cloned(),
+                    since,
+                    since_age_seconds: since.map(|s| clock::age_seconds(s, now)),
+                    generation: blob
+                        .metadata
+                        .get(META_GENERATION)
+                        .and_then(|g| g.parse().ok())
+                        .unwrap_or(0),
+                    scope: record.scope,
+                    record_id: record.record_id,
+                }
+            })
+            .collect();
+        let next = (shown.len() > limit).then(|| {
+            shown.truncate(limit);
+            shown
+                .last()
+                .map(|h| format!("{}/{}", h.scope, h.record_id))
+                .unwrap_or_default()
+        });
+        let pending_count = pending.len();
+        let pending = pending
+            .into_iter()
+            .filter(|r| key_of(r).as_str() > after)
+            .take(limit)
+            .collect();
+        Ok(Overview {
+            at: now,
+            scope: query.scope.clone(),
+            queue: queue?,
+            poison: poison?,
+            held: shown,
+            held_count,
+            pending,
+            pending_count,
+            records_seen,
+            next,
+            requests: self.requests() - before,
+        })
+    }
+
+    /// A queue's depth (one request) and the age of its oldest visible message (one peek).
+    pub(super) async fn queue_view(&self, queue: &dyn TriggerQueue) -> Result<QueueView, OpsError> {
+        let retry = &self.inner.retry;
+        let (depth, front) = tokio::join!(
+            retry.run("queue length", || queue.approximate_len()),
+            retry.run("peek", || queue.peek(1)),
+        );
+        let depth = depth.map_err(|e| OpsError::storage("queue length", e))?;
+        let oldest = front
+            .map_err(|e| OpsError::storage("peek", e))?
+            .into_iter()
+            .next()
+            .and_then(|m| m.inserted_at);
+        let now = SystemTime::now();
+        Ok(QueueView {
+            name: queue.name().to_string(),
+            approximate_messages: depth,
+            oldest_visible_at: oldest,
+            oldest_visible_age_seconds: oldest.map(|at| clock::age_seconds(at, now)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blob_names_read_back_as_records() {
+        let r = record_of("locks/account/8f9c1d2e-0000-4000-8000-000000000001", LOCK_PREFIX).unwrap();
+        assert_eq!(
+            (r.scope.as_str(), r.record_id.as_str()),
+            ("account", "8f9c1d2e-0000-4000-8000-000000000001")
+        );
+        assert_eq!(
+            record_of("retrigger/default/r1", MARKER_PREFIX)
+                .unwrap()
+                .record_id
+                .as_str(),
+            "r1"
+        );
+        // Not a record's blob: another prefix, no scope, or a name no record can have.
+        assert!(record_of("other/default/r1", LOCK_PREFIX).is_none());
+        assert!(record_of("locks/r1", LOCK_PREFIX).is_none());
+        assert!(record_of("locks/default/a b", LOCK_PREFIX).is_none());
+    }
+}

@@ -1,0 +1,770 @@
+//! The poison queue: list, show, requeue and purge what was given up.
+//!
+//! Azure queues can show (peek) only the first 32 visible messages, and can delete or change a
+//! message only with the receipt of taking it. So anything beyond a peek *scans*: it takes the
+//! entries 32 at a time, hiding them for a while (60 s, or two seconds a batch for a deep
+//! queue), acts on the ones selected, and puts the others back (visible at once). If the scan dies, the entries it hid come back on their
+//! own when the hiding ends: nothing is lost.
+//!
+//! A requeue puts a fresh trigger for the entry's record on the trigger queue first and removes
+//! the entry only after that put succeeded. Dying between the two leaves the trigger in both
+//! places (the record runs, and the entry is still there to look at or purge), never in
+//! neither.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, SystemTime};
+
+use leasehold_runtime::{PoisonMessage, Received, RecordId, Scope, TriggerMessage};
+use leasehold_storage::StoreErrorKind;
+use serde::{Deserialize, Serialize};
+
+use super::{Operator, OpsError, QueueView, clock};
+
+/// Most entries one peek shows (the service's limit).
+pub const PEEK_MAX: usize = 32;
+/// Most of an unreadable entry's body shown, in bytes.
+const BODY_SHOWN: usize = 4 * 1024;
+
+/// What [`Operator::poison_list`] shows.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoisonQuery {
+    /// At most this many entries (default 32). Up to 32 are peeked, with no side effect; more
+    /// are scanned (taken and put back, see the module documentation).
+    pub limit: Option<usize>,
+}
+
+/// One poison entry, as read from the queue.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoisonEntry {
+    /// The queue message id: what `show`, `requeue` and `purge` take.
+    pub id: String,
+    /// When the entry was written (when the trigger was given up).
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub inserted_at: Option<SystemTime>,
+    pub scope: Option<Scope>,
+    pub record_id: Option<RecordId>,
+    /// The given-up message's kind (`trigger`, `retrigger`, `sweep`, …).
+    pub kind: Option<String>,
+    /// Why it was given up.
+    pub reason: String,
+    /// Failed deliveries of the trigger, counting those of the messages it was carried over from.
+    pub attempts: u32,
+    pub correlation_id: Option<String>,
+    /// Whether the entry holds a trigger (and can be requeued); an unreadable message cannot.
+    pub is_trigger: bool,
+    /// The body of a message that is no trigger (its start, when long).
+    pub body: Option<String>,
+    /// The trigger to requeue (not shown: `scope`, `recordId` and `correlationId` say it).
+    #[serde(skip)]
+    trigger: Option<TriggerMessage>,
+}
+
+/// The entries of one record in a listing.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoisonRecord {
+    pub scope: Scope,
+    pub record_id: RecordId,
+    pub entries: usize,
+    /// The highest attempt count among the entries.
+    pub attempts: u32,
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub first_seen: Option<SystemTime>,
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub last_seen: Option<SystemTime>,
+    /// The reason of the latest entry.
+    pub reason: String,
+}
+
+/// A poison listing.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoisonList {
+    #[serde(serialize_with = "clock::serialize")]
+    pub at: SystemTime,
+    pub poison: QueueView,
+    /// Oldest first.
+    pub entries: Vec<PoisonEntry>,
+    /// The entries grouped by record, the most recently poisoned first.
+    pub records: Vec<PoisonRecord>,
+    /// Whether `entries` is every visible entry (not cut at the limit).
+    pub complete: bool,
+}
+
+/// Which entries [`Operator::poison_requeue`] and [`Operator::poison_purge`] act on: JSON
+/// `{"ids": [..]}`, `{"scope": "..", "recordId": ".."}` (either or both), or `{"all": true}`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoisonSelection {
+    #[serde(default)]
+    pub ids: Vec<String>,
+    pub scope: Option<Scope>,
+    pub record_id: Option<RecordId>,
+    #[serde(default)]
+    pub all: bool,
+}
+
+impl PoisonSelection {
+    /// Entries with these ids.
+    pub fn ids(ids: impl IntoIterator<Item = String>) -> Self {
+        Self {
+            ids: ids.into_iter().collect(),
+            ..Self::default()
+        }
+    }
+
+    /// Every entry.
+    pub fn all() -> Self {
+        Self {
+            all: true,
+            ..Self::default()
+        }
+    }
+
+    /// Entries of a scope, or of one record.
+    pub fn matching(scope: Option<Scope>, record_id: Option<RecordId>) -> Self {
+        Self {
+            scope,
+            record_id,
+            ..Self::default()
+        }
+    }
+
+    fn check(&self) -> Result<(), OpsError> {
+        let by_id = !self.ids.is_empty();
+        let by_record = self.scope.is_some() || self.record_id.is_some();
+        match (by_id, by_record, self.all) {
+            (true, false, false) | (false, true, false) | (false, false, true) => Ok(()),
+            (false, false, false) => Err(OpsError::BadRequest(
+                "select the entries: ids, a scope and/or a record id, or all".into(),
+            )),
+            _ => Err(OpsError::BadRequest(
+                "select the entries one way only: ids, a scope and/or a record id, or all".into(),
+            )),
+        }
+    }
+
+    fn selects(&self, entry: &PoisonEntry) -> bool {
+        if self.all {
+            return true;
+        }
+        if !self.ids.is_empty() {
+            return self.ids.contains(&entry.id);
+        }
+        self.scope
+            .as_ref()
+            .is_none_or(|s| entry.scope.as_ref() == Some(s))
+            && self
+                .record_id
+                .as_ref()
+                .is_none_or(|r| entry.record_id.as_ref() == Some(r))
+    }
+
+    /// Whether every selected entry has been seen (only ids can be all found before the end).
+    fn satisfied(&self, found: &BTreeSet<String>) -> bool {
+        !self.ids.is_empty() && self.ids.iter().all(|id| found.contains(id))
+    }
+}
+
+/// How far a requeue or purge has come (reported as it goes).
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Progress {
+    /// Entries looked at so far.
+    pub scanned: usize,
+    /// Entries acted on so far.
+    pub done: usize,
+    /// The poison queue's approximate depth when the operation began.
+    pub total: u64,
+}
+
+/// An entry requeued as a fresh trigger.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Requeued {
+    pub id: String,
+    pub scope: Scope,
+    pub record_id: RecordId,
+    pub correlation_id: Option<String>,
+}
+
+/// An entry not acted on, and why.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Skipped {
+    pub id: String,
+    pub why: String,
+}
+
+/// What [`Operator::poison_requeue`] did.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RequeueReport {
+    pub requeued: Vec<Requeued>,
+    /// Selected entries that hold no trigger (nothing to requeue; purge them).
+    pub skipped: Vec<Skipped>,
+    /// Selected entries a storage step failed for; each is still in the poison queue (and, if
+    /// its trigger was put, on the trigger queue too).
+    pub failed: Vec<Skipped>,
+    /// Ids asked for that are not in the poison queue (or are hidden by another scan).
+    pub not_found: Vec<String>,
+    pub scanned: usize,
+    /// What was done, in one sentence.
+    pub message: String,
+}
+
+/// What [`Operator::poison_purge`] did.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PurgeReport {
+    pub purged: Vec<String>,
+    pub failed: Vec<Skipped>,
+    pub not_found: Vec<String>,
+    pub scanned: usize,
+    pub message: String,
+}
+
+/// What a scan does with an entry it took.
+enum Act {
+    /// Put it back.
+    Keep,
+    Requeue,
+    Purge,
+}
+
+/// Reads a poison queue message: an entry Leasehold wrote, a bare trigger (the Functions host
+/// moves a message there itself after `maxDequeueCount` deliveries), or something else.
+fn entry_of(id: String, inserted_at: Option<SystemTime>, body: &str) -> PoisonEntry {
+    let from_trigger = |trigger: TriggerMessage, reason: String, attempts: u32| PoisonEntry {
+        id: id.clone(),
+        inserted_at,
+        scope: Some(trigger.scope.clone()),
+        record_id: Some(trigger.record_id.clone()),
+        kind: Some(kind_name(&trigger)),
+        reason,
+        attempts,
+        correlation_id: trigger.correlation_id.clone(),
+        is_trigger: true,
+        body: None,
+        trigger: Some(trigger),
+    };
+    if let Ok(poison) = PoisonMessage::decode(body) {
+        let attempts = poison.dequeue_count + poison.trigger.as_ref().map_or(0, |t| t.prior_attempts);
+        return match poison.trigger.clone() {
+            Some(trigger) => from_trigger(trigger, poison.reason().to_string(), attempts),
+            None => PoisonEntry {
+                id,
+                inserted_at,
+                scope: None,
+                record_id: None,
+                kind: None,
+                reason: poison.reason().to_string(),
+                attempts,
+                correlation_id: None,
+                is_trigger: false,
+                body: Some(shown(&poison.body(), poison.is_cut())),
+                trigger: None,
+            },
+        };
+    }
+    if let Ok(trigger) = TriggerMessage::decode(body) {
+        // The host's own count of failed deliveries is not kept (the message here is a new
+        // one, and this queue's dequeue count only says how often operators' scans took it).
+        let attempts = trigger.prior_attempts;
+        return from_trigger(
+            trigger,
+            "moved here by the Functions host after its maxDequeueCount deliveries (host.json): \
+             the handler could not be reached or kept failing without answering"
+                .into(),
+            attempts,
+        );
+    }
+    PoisonEntry {
+        id,
+        inserted_at,
+        scope: None,
+        record_id: None,
+        kind: None,
+        reason: "not an entry Leasehold wrote, nor a trigger".into(),
+        attempts: 0,
+        correlation_id: None,
+        is_trigger: false,
+        body: Some(shown(body, false)),
+        trigger: None,
+    }
+}
+
+fn kind_name(trigger: &TriggerMessage) -> String {
+    serde_json::to_value(trigger.kind)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+fn shown(body: &str, cut_already: bool) -> String {
+    if body.len() <= BODY_SHOWN {
+        return if cut_already {
+            format!("{body} […]")
+        } else {
+            body.to_string()
+        };
+    }
+    let mut end = BODY_SHOWN;
+    while !body.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{} […]", &body[..end])
+}
+
+/// Entries grouped by record, the most recently poisoned first.
+fn by_record(entries: &[PoisonEntry]) -> Vec<PoisonRecord> {
+    let mut records: BTreeMap<(Scope, RecordId), PoisonRecord> = BTreeMap::new();
+    for e in entries {
+        let (Some(scope), Some(record_id)) = (&e.scope, &e.record_id) else {
+            continue;
+        };
+        let r = records
+            .entry((scope.clone(), record_id.clone()))
+            .or_insert_with(|| PoisonRecord {
+                scope: scope.clone(),
+                record_id: record_id.clone(),
+                entries: 0,
+                attempts: 0,
+                first_seen: e.inserted_at,
+                last_seen: e.inserted_at,
+                reason: e.reason.clone(),
+            });
+        r.entries += 1;
+        r.attempts = r.attempts.max(e.attempts);
+        if e.inserted_at < r.first_seen {
+            r.first_seen = e.inserted_at;
+        }
+        if e.inserted_at >= r.last_seen {
+            r.last_seen = e.inserted_at;
+            r.reason = e.reason.clone();
+        }
+    }
+    let mut out: Vec<_> = records.into_values().collect();
+    out.sort_by_key(|r| std::cmp::Reverse(r.last_seen));
+    out
+}
+
+/// An entry taken by a scan, with what it takes to change it.
+struct Taken {
+    received: Received,
+    entry: PoisonEntry,
+}
+
+/// The result of a scan.
+#[derive(Default)]
+struct Scan {
+    scanned: usize,
+    kept: Vec<PoisonEntry>,
+    requeued: Vec<Requeued>,
+    skipped: Vec<Skipped>,
+    failed: Vec<Skipped>,
+    purged: Vec<String>,
+    found: BTreeSet<String>,
+}
+
+impl Operator {
+    /// The poison entries, oldest first, and the same grouped by record.
+    pub async fn poison_list(&self, query: &PoisonQuery) -> Result<PoisonList, OpsError> {
+        let limit = query.limit.unwrap_or(PEEK_MAX).max(1);
+        let poison = self.queue_view(&*self.inner.poison).await?;
+        let (entries, complete) = if limit <= PEEK_MAX {
+            let peeked = self
+                .inner
+                .retry
+                .run("peek poison", || self.inner.poison.peek(limit as u32))
+                .await
+                .map_err(|e| OpsError::storage("peek poison", e))?;
+            // A full peek may have stopped short of the end.
+            let complete = peeked.len() < limit;
+            let entries = peeked
+                .into_iter()
+                .map(|m| entry_of(m.id, m.inserted_at, &m.body))
+                .collect::<Vec<_>>();
+            (entries, complete)
+        } else {
+            let scan = self
+                .scan(&PoisonSelection::default(), |_| Act::Keep, Some(limit), &|_| {})
+                .await?;
+            let complete = scan.kept.len() < limit;
+            let mut entries = scan.kept;
+            entries.sort_by_key(|e| e.inserted_at);
+            (entries, complete)
+        };
+        Ok(PoisonList {
+            at: SystemTime::now(),
+            poison,
+            records: by_record(&entries),
+            entries,
+            complete,
+        })
+    }
+
+    /// One entry, found by its id (a scan that stops at the entry).
+    pub async fn poison_show(&self, id: &str) -> Result<PoisonEntry, OpsError> {
+        // The front of the queue first, with no side effect.
+        let peeked = self
+            .inner
+            .retry
+            .run("peek poison", || self.inner.poison.peek(PEEK_MAX as u32))
+            .await
+            .map_err(|e| OpsError::storage("peek poison", e))?;
+        if let Some(m) = peeked.into_iter().find(|m| m.id == id) {
+            return Ok(entry_of(m.id, m.inserted_at, &m.body));
+        }
+        let selection = PoisonSelection::ids([id.to_string()]);
+        let scan = self.scan(&selection, |_| Act::Keep, None, &|_| {}).await?;
+        scan.kept
+            .into_iter()
+            .find(|e| e.id == id)
+            .ok_or_else(|| not_in_poison(self.poison_name(), id))
+    }
+
+    /// Puts a fresh trigger on the trigger queue for each selected entry, then removes the
+    /// entry. Entries that hold no trigger are skipped (and said so).
+    pub async fn poison_requeue(
+        &self,
+        selection: &PoisonSelection,
+        progress: &(dyn Fn(&Progress) + Send + Sync),
+    ) -> Result<RequeueReport, OpsError> {
+        selection.check()?;
+        let scan = self.scan(selection, |_| Act::Requeue, None, progress).await?;
+        let not_found = missing(selection, &scan.found);
+        let message = format!(
+            "requeued {} entr{} as fresh triggers{}{}{}",
+            scan.requeued.len(),
+            if scan.requeued.len() == 1 { "y" } else { "ies" },
+            count_clause(scan.skipped.len(), "skipped (no trigger in them)"),
+            count_clause(scan.failed.len(), "failed (still in the poison queue)"),
+            count_clause(not_found.len(), "not found"),
+        );
+        Ok(RequeueReport {
+            requeued: scan.requeued,
+            skipped: scan.skipped,
+            failed: scan.failed,
+            not_found,
+            scanned: scan.scanned,
+            message,
+        })
+    }
+
+    /// Removes the selected entries for good.
+    pub async fn poison_purge(&self, selection: &PoisonSelection) -> Result<PurgeReport, OpsError> {
+        selection.check()?;
+        let scan = self.scan(selection, |_| Act::Purge, None, &|_| {}).await?;
+        let not_found = missing(selection, &scan.found);
+        let message = format!(
+            "purged {} entr{}{}{}",
+            scan.purged.len(),
+            if scan.purged.len() == 1 { "y" } else { "ies" },
+            count_clause(scan.failed.len(), "failed (still in the poison queue)"),
+            count_clause(not_found.len(), "not found"),
+        );
+        Ok(PurgeReport {
+            purged: scan.purged,
+            failed: scan.failed,
+            not_found,
+            scanned: scan.scanned,
+            message,
+        })
+    }
+
+    /// Takes the poison entries 32 at a time (hidden for the scan's hiding time), does `act`
+    /// with those `selection` selects (every entry for an empty selection) and puts the rest
+    /// back. Stops at the end of the queue, once `keep_at_most` entries are kept, or once every
+    /// id selected is found.
+    async fn scan(
+        &self,
+        selection: &PoisonSelection,
+        act: impl Fn(&PoisonEntry) -> Act,
+        keep_at_most: Option<usize>,
+        progress: &(dyn Fn(&Progress) + Send + Sync),
+    ) -> Result<Scan, OpsError> {
+        let poison = &*self.inner.poison;
+        let total = poison.approximate_len().await.unwrap_or(0);
+        // Hidden long enough for the whole scan to get round before the first batch comes back
+        // (two seconds a batch of 32, acting on each, is generous against Azure's latencies);
+        // what is not acted on is put back at once at the end anyway.
+        let hide = self
+            .inner
+            .scan_hide
+            .max(Duration::from_secs(2 * total.div_ceil(PEEK_MAX as u64)));
+        // An empty selection (a listing) takes in every entry.
+        let everything = selection.check().is_err();
+        let mut scan = Scan::default();
+        // Entries to put back, by id (a receipt is replaced if an entry comes round again).
+        let mut put_back: HashMap<String, Taken> = HashMap::new();
+        let outcome = async {
+            loop {
+                let batch = self
+                    .inner
+                    .retry
+                    .run("take poison entries", || poison.get(PEEK_MAX as u32, hide))
+                    .await
+                    .map_err(|e| OpsError::storage("take poison entries", e))?;
+                if batch.is_empty() {
+                    return Ok(());
+                }
+                let mut new = 0;
+                for received in batch {
+                    if let Some(again) = put_back.get_mut(&received.id) {
+                        // Came round again (the scan outlasted the hiding, as a long one over a
+                        // deep queue can): hide it afresh so the rest of the queue can be
+                        // reached, and keep the receipt that now changes it.
+                        match poison
+                            .set_visibility(&received.id, &received.pop_receipt, &received.body, hide)
+                            .await
+                        {
+                            Ok(receipt) => {
+                                again.received = Received {
+                                    pop_receipt: receipt,
+                                    ..received
+                                }
+                            }
+                            Err(_) => again.received = received,
+                        }
+                        continue;
+                    }
+                    new += 1;
+                    scan.scanned += 1;
+                    let entry = entry_of(received.id.clone(), received.inserted_at, &received.body);
+                    let selected = everything || selection.selects(&entry);
+                    if selected {
+                        scan.found.insert(entry.id.clone());
+                    }
+                    let taken = Taken { received, entry };
+                    match if selected { act(&taken.entry) } else { Act::Keep } {
+                        Act::Keep => {
+                            if selected {
+                                scan.kept.push(taken.entry.clone());
+                            }
+                            put_back.insert(taken.received.id.clone(), taken);
+                        }
+                        Act::Requeue => self.requeue_one(taken, &mut scan, &mut put_back).await,
+                        Act::Purge => self.purge_one(taken, &mut scan, &mut put_back).await,
+                    }
+                    progress(&Progress {
+                        scanned: scan.scanned,
+                        done: scan.requeued.len() + scan.purged.len(),
+                        total,
+                    });
+                }
+                // A batch of nothing new: every visible entry was seen (and could not be hidden
+                // again), so the scan has gone round.
+                if new == 0
+                    || selection.satisfied(&scan.found)
+                    || keep_at_most.is_some_and(|most| scan.kept.len() >= most)
+                {
+                    return Ok(());
+                }
+            }
+        }
+        .await;
+        // Put back what was not acted on, whatever happened above; what cannot be put back
+        // comes back by itself when its hiding ends.
+        for (id, taken) in put_back {
+            let r = &taken.received;
+            if let Err(e) = poison
+                .set_visibility(&r.id, &r.pop_receipt, &r.body, Duration::ZERO)
+                .await
+            {
+                tracing::warn!(id, error = %e, hide_seconds = hide.as_secs(),
+                    "poison: could not put an entry back at once; it comes back when its hiding ends");
+            }
+        }
+        outcome.map(|()| scan)
+    }
+
+    async fn requeue_one(&self, taken: Taken, scan: &mut Scan, put_back: &mut HashMap<String, Taken>) {
+        let Some(original) = taken.entry.trigger.clone() else {
+            scan.skipped.push(Skipped {
+                id: taken.entry.id.clone(),
+                why: "the entry holds no trigger (an unreadable message): purge it".into(),
+            });
+            put_back.insert(taken.received.id.clone(), taken);
+            return;
+        };
+        // A fresh trigger: a new chain with no attempts behind it, the source's correlation id.
+        let mut fresh = TriggerMessage::new(original.scope.clone(), original.record_id.clone());
+        fresh.correlation_id = original.correlation_id.clone();
+        let body = fresh.encode();
+        let id = taken.entry.id.clone();
+        if let Err(e) = self
+            .inner
+            .retry
+            .run("requeue", || self.inner.queue.put(&body, Duration::ZERO))
+            .await
+        {
+            scan.failed.push(Skipped {
+                id,
+                why: format!("putting the trigger failed: {e}"),
+            });
+            put_back.insert(taken.received.id.clone(), taken);
+            return;
+        }
+        tracing::info!(scope = %fresh.scope, record = %fresh.record_id, poison_id = %id,
+            correlation_id = fresh.correlation_id.as_deref().unwrap_or(""),
+            "poison: requeued as a fresh trigger");
+        let requeued = Requeued {
+            id: id.clone(),
+            scope: fresh.scope,
+            record_id: fresh.record_id,
+            correlation_id: fresh.correlation_id,
+        };
+        // Only now the entry goes: dying before this leaves it in both places.
+        match self.delete_taken(&taken).await {
+            Ok(()) => scan.requeued.push(requeued),
+            Err(why) => {
+                scan.failed.push(Skipped {
+                    id,
+                    why: format!(
+                        "requeued, but removing the entry failed ({why}); it stays in the poison queue"
+                    ),
+                });
+                scan.requeued.push(requeued);
+            }
+        }
+    }
+
+    async fn purge_one(&self, taken: Taken, scan: &mut Scan, _put_back: &mut HashMap<String, Taken>) {
+        let id = taken.entry.id.clone();
+        match self.delete_taken(&taken).await {
+            Ok(()) => {
+                tracing::info!(poison_id = %id, scope = ?taken.entry.scope.as_ref().map(Scope::as_str),
+                    record = ?taken.entry.record_id.as_ref().map(RecordId::as_str), "poison: purged an entry");
+                scan.purged.push(id);
+            }
+            Err(why) => scan.failed.push(Skipped { id, why }),
+        }
+    }
+
+    async fn delete_taken(&self, taken: &Taken) -> Result<(), String> {
+        let r = &taken.received;
+        match self
+            .inner
+            .retry
+            .run("remove poison entry", || {
+                self.inner.poison.delete(&r.id, &r.pop_receipt)
+            })
+            .await
+        {
+            Ok(()) => Ok(()),
+            // Someone else took it since (the hiding ran out): it is theirs now.
+            Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                Err("another reader took the entry meanwhile".to_string())
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+fn missing(selection: &PoisonSelection, found: &BTreeSet<String>) -> Vec<String> {
+    selection
+        .ids
+        .iter()
+        .filter(|id| !found.contains(*id))
+        .cloned()
+        .collect()
+}
+
+fn count_clause(n: usize, what: &str) -> String {
+    if n == 0 {
+        String::new()
+    } else {
+        format!("; {n} {what}")
+    }
+}
+
+fn not_in_poison(queue: &str, id: &str) -> OpsError {
+    OpsError::NotFound(format!(
+        "no entry {id:?} in the poison queue {queue} (ids are shown by `leasehold poison list`)"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use leasehold_runtime::{Error, TriggerKind};
+
+    fn trigger(record: &str) -> TriggerMessage {
+        TriggerMessage::new(Scope::parse("account").unwrap(), RecordId::parse(record).unwrap())
+    }
+
+    #[test]
+    fn entries_read_from_what_leasehold_and_the_host_put_there() {
+        let mut t = trigger("r1");
+        t.prior_attempts = 2;
+        t.kind = TriggerKind::Sweep;
+        let ours = PoisonMessage::new(t.encode(), Some(t.clone()), &Error::LeaseLost, 5);
+        let e = entry_of("m1".into(), None, &ours.encode());
+        assert!(e.is_trigger);
+        assert_eq!((e.attempts, e.kind.as_deref()), (7, Some("sweep")));
+        assert_eq!(e.reason, "lease lost during the run");
+        // The host's own move: a bare trigger.
+        let e = entry_of("m2".into(), None, &trigger("r2").encode());
+        assert!(e.is_trigger && e.reason.contains("maxDequeueCount"));
+        assert_eq!(e.attempts, 0);
+        // Anything else is shown, not requeued.
+        let e = entry_of("m3".into(), None, &"x".repeat(10_000));
+        assert!(!e.is_trigger);
+        assert!(e.body.unwrap().ends_with("[…]"));
+    }
+
+    #[test]
+    fn a_selection_names_its_entries_one_way() {
+        assert_eq!(PoisonSelection::default().check().unwrap_err().status(), 400);
+        let both = PoisonSelection {
+            all: true,
+            ids: vec!["a".into()],
+            ..Default::default()
+        };
+        assert_eq!(both.check().unwrap_err().status(), 400);
+        let e = entry_of("m1".into(), None, &trigger("r1").encode());
+        assert!(PoisonSelection::all().selects(&e));
+        assert!(PoisonSelection::ids(["m1".to_string()]).selects(&e));
+        assert!(!PoisonSelection::ids(["m2".to_string()]).selects(&e));
+        let scope = Scope::parse("account").ok();
+        assert!(PoisonSelection::matching(scope.clone(), None).selects(&e));
+        assert!(!PoisonSelection::matching(scope, RecordId::parse("r2").ok()).selects(&e));
+        let parsed: PoisonSelection = serde_json::from_str(r#"{"scope":"account","recordId":"r1"}"#).unwrap();
+        assert!(parsed.check().is_ok() && parsed.selects(&e));
+    }
+
+    #[test]
+    fn entries_group_by_record_with_first_and_last_seen() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
+        let mut a = entry_of("m1".into(), Some(t0), &trigger("r1").encode());
+        a.reason = "first".into();
+        let mut b = entry_of(
+            "m2".into(),
+            Some(t0 + Duration::from_secs(60)),
+            &trigger("r1").encode(),
+        );
+        b.reason = "second".into();
+        b.attempts = 3;
+        let c = entry_of(
+            "m3".into(),
+            Some(t0 + Duration::from_secs(30)),
+            &trigger("r2").encode(),
+        );
+        let records = by_record(&[a, b, c]);
+        assert_eq!(records[0].record_id.as_str(), "r1");
+        assert_eq!(
+            (
+                records[0].entries,
+                records[0].attempts,
+                records[0].reason.as_str()
+            ),
+            (2, 3, "second")
+        );
+        assert_eq!(records[0].first_seen, Some(t0));
+        assert_eq!(records[0].last_seen, Some(t0 + Duration::from_secs(60)));
+        assert_eq!(records[1].record_id.as_str(), "r2");
+    }
+}

@@ -1,0 +1,298 @@
+//! The operations' results as people read them: aligned columns, instants with their age.
+
+use std::fmt::Write;
+use std::time::SystemTime;
+
+use super::clock::readable;
+use super::{Overview, PoisonEntry, PoisonList, PurgeReport, QueueView, RecordView, RequeueReport};
+
+fn when(at: Option<SystemTime>, now: SystemTime) -> String {
+    at.map_or_else(|| "-".into(), |at| readable(at, now))
+}
+
+fn queue_line(label: &str, q: &QueueView, now: SystemTime) -> String {
+    let oldest = match q.oldest_visible_at {
+        Some(at) => format!(", oldest visible put {}", readable(at, now)),
+        None => String::new(),
+    };
+    format!(
+        "{label:<12}{}: about {} messages{oldest}",
+        q.name, q.approximate_messages
+    )
+}
+
+/// Lines in columns: the width of each column is its widest cell.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |cells: Vec<&str>, out: &mut String| {
+        let mut text = String::new();
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == cells.len() {
+                text.push_str(cell);
+            } else {
+                let _ = write!(text, "{cell:<w$}  ");
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(header.to_vec(), &mut out);
+    for row in rows {
+        line(row.iter().map(String::as_str).collect(), &mut out);
+    }
+    out.trim_end().to_string()
+}
+
+/// `leasehold status` with no record.
+pub fn overview(o: &Overview) -> String {
+    let now = o.at;
+    let mut out = vec![
+        queue_line("queue", &o.queue, now),
+        queue_line("poison", &o.poison, now),
+        format!(
+            "records     {} held, {} with a retrigger pending, {} known{}",
+            o.held_count,
+            o.pending_count,
+            o.records_seen,
+            o.scope
+                .as_ref()
+                .map(|s| format!(" (scope {s})"))
+                .unwrap_or_default()
+        ),
+    ];
+    if !o.held.is_empty() {
+        let rows: Vec<Vec<String>> = o
+            .held
+            .iter()
+            .map(|h| {
+                vec![
+                    format!("{}/{}", h.scope, h.record_id),
+                    h.lease_state.clone(),
+                    h.holder.clone().unwrap_or_else(|| "-".into()),
+                    when(h.since, now),
+                    h.generation.to_string(),
+                    if h.retrigger_pending { "pending" } else { "-" }.into(),
+                ]
+            })
+            .collect();
+        out.push(String::new());
+        out.push(table(
+            &[
+                "HELD RECORD",
+                "LEASE",
+                "HOLDER",
+                "SINCE",
+                "GENERATION",
+                "RETRIGGER",
+            ],
+            &rows,
+        ));
+    }
+    let unheld_pending: Vec<_> = o
+        .pending
+        .iter()
+        .filter(|p| {
+            !o.held
+                .iter()
+                .any(|h| h.scope == p.scope && h.record_id == p.record_id)
+        })
+        .collect();
+    if !unheld_pending.is_empty() {
+        out.push(String::new());
+        out.push("retrigger pending, not held (its retrigger is being put or runs next):".into());
+        for p in unheld_pending {
+            out.push(format!("  {}/{}", p.scope, p.record_id));
+        }
+    }
+    if let Some(next) = &o.next {
+        out.push(String::new());
+        out.push(format!(
+            "more held records: pass --after {next} (showing {})",
+            o.held.len()
+        ));
+    }
+    out.push(String::new());
+    out.push(format!("({} storage requests)", o.requests));
+    out.join("\n")
+}
+
+/// `leasehold status RECORD`.
+pub fn record(r: &RecordView, queue: Option<(&QueueView, &QueueView)>) -> String {
+    let now = r.at;
+    let mut out = vec![format!("record      {}/{}", r.scope, r.record_id)];
+    let held = if r.held { "held" } else { "free" };
+    out.push(format!(
+        "lease       {held} ({})",
+        r.lease_state.as_deref().unwrap_or("never used")
+    ));
+    if let Some(holder) = &r.holder {
+        out.push(format!(
+            "holder      {holder} (last fenced grant {})",
+            when(r.since, now)
+        ));
+    }
+    if !r.sharers.is_empty() {
+        out.push(format!("sharers     {}", r.sharers.join(", ")));
+    }
+    out.push(format!("generation  {}", r.generation));
+    out.push(format!(
+        "retrigger   {}",
+        if r.retrigger_pending { "pending" } else { "none" }
+    ));
+    if let Some((queue, poison)) = queue {
+        out.push(queue_line("queue", queue, now));
+        out.push(queue_line("poison", poison, now));
+    }
+    out.join("\n")
+}
+
+/// `leasehold poison list`.
+pub fn poison_list(list: &PoisonList) -> String {
+    let now = list.at;
+    let mut out = vec![queue_line("poison", &list.poison, now)];
+    if list.entries.is_empty() {
+        out.push("no entries visible".into());
+        return out.join("\n");
+    }
+    let rows: Vec<Vec<String>> = list
+        .entries
+        .iter()
+        .map(|e| {
+            vec![
+                e.id.clone(),
+                record_name(e),
+                e.attempts.to_string(),
+                when(e.inserted_at, now),
+                one_line(&e.reason, 100),
+            ]
+        })
+        .collect();
+    out.push(String::new());
+    out.push(table(&["ID", "RECORD", "ATTEMPTS", "GIVEN UP", "REASON"], &rows));
+    if list.records.len() > 1 || list.records.first().is_some_and(|r| r.entries > 1) {
+        let rows: Vec<Vec<String>> = list
+            .records
+            .iter()
+            .map(|r| {
+                vec![
+                    format!("{}/{}", r.scope, r.record_id),
+                    r.entries.to_string(),
+                    r.attempts.to_string(),
+                    when(r.first_seen, now),
+                    when(r.last_seen, now),
+                ]
+            })
+            .collect();
+        out.push(String::new());
+        out.push(table(
+            &["RECORD", "ENTRIES", "ATTEMPTS", "FIRST SEEN", "LAST SEEN"],
+            &rows,
+        ));
+    }
+    if !list.complete {
+        out.push(String::new());
+        out.push(format!(
+            "showing the first {}; pass --limit N for more (over 32 takes the entries briefly and puts them back)",
+            list.entries.len()
+        ));
+    }
+    out.join("\n")
+}
+
+/// `leasehold poison show ID`.
+pub fn poison_entry(e: &PoisonEntry) -> String {
+    let now = SystemTime::now();
+    let mut out = vec![
+        format!("id           {}", e.id),
+        format!("record       {}", record_name(e)),
+        format!("kind         {}", e.kind.as_deref().unwrap_or("-")),
+        format!("given up     {}", when(e.inserted_at, now)),
+        format!("attempts     {}", e.attempts),
+        format!("correlation  {}", e.correlation_id.as_deref().unwrap_or("-")),
+        format!("reason       {}", e.reason),
+    ];
+    if let Some(body) = &e.body {
+        out.push(format!("body         {body}"));
+    }
+    out.push(String::new());
+    out.push(if e.is_trigger {
+        format!("requeue it: leasehold poison requeue {}", e.id)
+    } else {
+        format!(
+            "it holds no trigger; remove it: leasehold poison purge {} --yes",
+            e.id
+        )
+    });
+    out.join("\n")
+}
+
+/// `leasehold poison requeue`.
+pub fn requeue(r: &RequeueReport) -> String {
+    let mut out = Vec::new();
+    for q in &r.requeued {
+        out.push(format!("requeued {}/{} (entry {})", q.scope, q.record_id, q.id));
+    }
+    for s in &r.skipped {
+        out.push(format!("skipped {}: {}", s.id, s.why));
+    }
+    for f in &r.failed {
+        out.push(format!("failed {}: {}", f.id, f.why));
+    }
+    for id in &r.not_found {
+        out.push(format!("not found: {id}"));
+    }
+    out.push(r.message.clone());
+    out.join("\n")
+}
+
+/// `leasehold poison purge`.
+pub fn purge(r: &PurgeReport) -> String {
+    let mut out = Vec::new();
+    for f in &r.failed {
+        out.push(format!("failed {}: {}", f.id, f.why));
+    }
+    for id in &r.not_found {
+        out.push(format!("not found: {id}"));
+    }
+    out.push(r.message.clone());
+    out.join("\n")
+}
+
+fn record_name(e: &PoisonEntry) -> String {
+    match (&e.scope, &e.record_id) {
+        (Some(s), Some(r)) => format!("{s}/{r}"),
+        _ => "(no trigger)".into(),
+    }
+}
+
+fn one_line(text: &str, max: usize) -> String {
+    let line = text.lines().next().unwrap_or("");
+    if line.chars().count() > max || text.lines().nth(1).is_some() {
+        let cut: String = line.chars().take(max).collect();
+        format!("{cut}…")
+    } else {
+        line.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_align_their_columns() {
+        let t = table(
+            &["A", "LONGER"],
+            &[vec!["xxxx".into(), "1".into()], vec!["y".into(), "22".into()]],
+        );
+        assert_eq!(t, "A     LONGER\nxxxx  1\ny     22");
+        assert_eq!(one_line("first\nsecond", 100), "first…");
+        assert_eq!(one_line("short", 100), "short");
+    }
+}

@@ -1,0 +1,687 @@
+//! The operator dashboard against a real Azurite: its JSON API and auth over HTTP, the custom
+//! handler's dashboard functions spoken to as the Functions host speaks, and the page itself in
+//! a real (headless) Chromium: the key form, held records, a poison entry's reason, the record
+//! detail, and a requeue that makes the record run.
+//!
+//! The browser test needs Chromium (`scripts/install-chromium.sh`, run by `scripts/test.sh`);
+//! without it the test fails with that command, it does not skip.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use leasehold_lock::OpCounters;
+use leasehold_runtime::{
+    AzureQueue, Error, LogicError, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name,
+};
+use leasehold_test_support::browser::Browser;
+use leasehold_test_support::{Azurite, eventually, unique_name, workspace_root};
+use serde_json::{Value, json};
+
+const ADMIN_KEY: &str = "dashboard-test-admin-key-3b9f";
+const START_KEY: &str = "dashboard-test-start-key-81c2";
+
+/// One isolated deployment: its queue, container and a folder for the logic's run log.
+struct Env {
+    queue: String,
+    container: String,
+    dir: PathBuf,
+}
+
+impl Env {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique_name("leasehold-dashboard"));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self {
+            queue: unique_name("triggers"),
+            container: unique_name("locks"),
+            dir,
+        }
+    }
+
+    fn runs_file(&self) -> PathBuf {
+        self.dir.join("runs.log")
+    }
+
+    fn release_file(&self) -> PathBuf {
+        self.dir.join("release")
+    }
+
+    /// Logs each run's record id; records named `held-*` then run until the release file exists.
+    fn logic(&self) -> String {
+        format!(
+            "echo \"$LEASEHOLD_RECORD_ID\" >> {runs}; case \"$LEASEHOLD_RECORD_ID\" in held-*) \
+             while [ ! -f {release} ]; do sleep 0.1; done;; esac",
+            runs = self.runs_file().display(),
+            release = self.release_file().display()
+        )
+    }
+
+    fn runs(&self) -> Vec<String> {
+        std::fs::read_to_string(self.runs_file())
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn queue(&self, name: &str) -> AzureQueue {
+        AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
+    }
+
+    fn vars(&self, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+        let mut vars = vec![
+            (
+                "AzureWebJobsStorage".to_string(),
+                Azurite::shared().connection_string(),
+            ),
+            ("LEASEHOLD_QUEUE".into(), self.queue.clone()),
+            ("LEASEHOLD_CONTAINER".into(), self.container.clone()),
+            ("LEASEHOLD_PORT".into(), "0".into()),
+            ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
+            ("LEASEHOLD_LOGIC_COMMAND".into(), self.logic()),
+        ];
+        vars.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        vars
+    }
+
+    async fn start(&self, mode: leasehold::Mode, extra: &[(&str, &str)]) -> Running {
+        let settings = leasehold::Settings::from_vars(self.vars(extra)).unwrap();
+        let app = leasehold::Application::build_with_supervisor(
+            settings,
+            mode,
+            Some(env!("CARGO_BIN_EXE_leasehold").into()),
+        )
+        .await
+        .unwrap();
+        let port = app.port();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(app.run_until_stopped(stop.clone()));
+        Running { port, stop, task }
+    }
+
+    /// Puts a trigger for `record` on the trigger queue.
+    async fn trigger(&self, record: &str) {
+        let message = TriggerMessage::parse("account", record).unwrap();
+        self.queue(&self.queue)
+            .put(&message.encode(), Duration::ZERO)
+            .await
+            .unwrap();
+    }
+
+    /// Puts a poison entry for `record` with `reason` on the poison queue, as the runner would.
+    async fn poison(&self, record: &str, reason: &str) {
+        let trigger = TriggerMessage::parse("account", record).unwrap();
+        let entry = PoisonMessage::new(
+            trigger.encode(),
+            Some(trigger),
+            &Error::Logic(LogicError::new(reason)),
+            5,
+        );
+        self.queue(&poison_queue_name(&self.queue))
+            .put(&entry.encode(), Duration::ZERO)
+            .await
+            .unwrap();
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // Lets held runs end (the app's shutdown would stop them anyway).
+        let _ = std::fs::write(self.release_file(), "");
+    }
+}
+
+/// The application running in this test process; stopped on drop too.
+struct Running {
+    port: u16,
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Running {
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    async fn stop(mut self) {
+        self.stop.cancel();
+        (&mut self.task).await.unwrap().unwrap();
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn get(url: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut request = reqwest::Client::new().get(url);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    request.send().await.unwrap()
+}
+
+async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+    let mut request = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+const KEY: (&str, &str) = ("x-leasehold-admin-key", ADMIN_KEY);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_an_admin_key_there_is_no_dashboard_and_the_key_must_differ_from_starts() {
+    let env = Env::new();
+    let app = env
+        .start(
+            leasehold::Mode::Standalone {
+                port: None,
+                demo: false,
+            },
+            &[],
+        )
+        .await;
+    for path in ["/admin", "/api/admin/overview", "/api/admin/poison"] {
+        let response = get(&app.url(path), &[KEY]).await;
+        assert_eq!(
+            response.status(),
+            404,
+            "{path} exists without LEASEHOLD_ADMIN_KEY"
+        );
+    }
+    app.stop().await;
+
+    let same = leasehold::Settings::from_vars(env.vars(&[
+        ("LEASEHOLD_API_KEY", START_KEY),
+        ("LEASEHOLD_ADMIN_KEY", START_KEY),
+    ]))
+    .unwrap_err();
+    let text = format!("{same:#}");
+    assert!(
+        text.contains("LEASEHOLD_ADMIN_KEY") && text.contains("LEASEHOLD_API_KEY"),
+        "{text}"
+    );
+    assert!(!text.contains(START_KEY), "the key is never in an error: {text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_needs_its_key_in_its_header_and_says_what_it_did() {
+    let env = Env::new();
+    env.poison("api-poisoned", "the logic exited with status 3").await;
+    let app = env
+        .start(
+            leasehold::Mode::Standalone {
+                port: None,
+                demo: false,
+            },
+            &[
+                ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
+                ("LEASEHOLD_API_KEY", START_KEY),
+            ],
+        )
+        .await;
+    let overview = app.url("/api/admin/overview");
+
+    // No key, the wrong key, the Start key, the key in the query string or a cookie: 401
+    // naming the header.
+    for (headers, url) in [
+        (vec![], overview.clone()),
+        (vec![("x-leasehold-admin-key", "wrong")], overview.clone()),
+        (vec![("x-leasehold-admin-key", START_KEY)], overview.clone()),
+        (vec![("x-functions-key", ADMIN_KEY)], overview.clone()),
+        (
+            vec![],
+            format!("{overview}?x-leasehold-admin-key={ADMIN_KEY}&code={ADMIN_KEY}"),
+        ),
+        (
+            vec![("cookie", &*format!("x-leasehold-admin-key={ADMIN_KEY}"))],
+            overview.clone(),
+        ),
+    ] {
+        let response = get(&url, &headers).await;
+        assert_eq!(response.status(), 401, "{headers:?} {url}");
+        let body: Value = response.json().await.unwrap();
+        let error = body["error"].as_str().unwrap();
+        assert!(error.contains("x-leasehold-admin-key"), "{error}");
+        assert!(!error.contains(ADMIN_KEY), "{error}");
+    }
+    let (status, body) = post(
+        &app.url("/api/admin/poison/purge"),
+        r#"{"all":true,"confirm":true}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(status, 401, "a mutation without the key: {body}");
+
+    // With the key.
+    let response = get(&overview, &[KEY]).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["cache-control"], "no-store");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["queue"]["name"], env.queue.as_str());
+    assert_eq!(body["poison"]["name"], poison_queue_name(&env.queue));
+    assert!(body["held"].is_array(), "{body}");
+
+    let list: Value = get(&app.url("/api/admin/poison"), &[KEY])
+        .await
+        .json()
+        .await
+        .unwrap();
+    let entries = list["entries"].as_array().unwrap();
+    assert_eq!(entries.len(), 1, "{list}");
+    assert_eq!(entries[0]["recordId"], "api-poisoned");
+    assert!(
+        entries[0]["reason"].as_str().unwrap().contains("status 3"),
+        "{list}"
+    );
+    let id = entries[0]["id"].as_str().unwrap();
+    let one = get(&app.url(&format!("/api/admin/poison/{id}")), &[KEY]).await;
+    assert_eq!(one.status(), 200);
+
+    // Wrong requests say what is wrong.
+    for (path, body, status, names) in [
+        (
+            "/api/admin/poison/purge",
+            r#"{"ids":["x"]}"#.to_string(),
+            400,
+            "\"confirm\": true",
+        ),
+        ("/api/admin/poison/purge", "not json".into(), 400, "not JSON"),
+        ("/api/admin/poison/requeue", String::new(), 400, "JSON body"),
+        (
+            "/api/admin/poison/requeue",
+            format!(r#"{{"ids":["{}"]}}"#, "x".repeat(17 * 1024)),
+            413,
+            "16384",
+        ),
+        ("/api/admin/nothing", "{}".into(), 404, "no such operation"),
+        ("/api/admin/overview", "{}".into(), 405, "GET"),
+    ] {
+        let (got, answer) = post(&app.url(path), &body, &[KEY]).await;
+        assert_eq!(got, status, "{path}: {answer}");
+        let error = answer["error"].as_str().unwrap_or_default();
+        assert!(error.contains(names), "{path}: {error}");
+    }
+    let bad_scope = get(&app.url("/api/admin/records/Not%20A%20Scope!/x"), &[KEY]).await;
+    assert_eq!(bad_scope.status(), 400);
+    // The entry is still there: none of the refused purges touched it.
+    let list: Value = get(&app.url("/api/admin/poison"), &[KEY])
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["entries"].as_array().unwrap().len(), 1, "{list}");
+
+    // A purge with confirmation says what it purged.
+    let (status, report) = post(
+        &app.url("/api/admin/poison/purge"),
+        &json!({ "ids": [id], "confirm": true }).to_string(),
+        &[KEY],
+    )
+    .await;
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["purged"], json!([id]), "{report}");
+    assert!(report["message"].is_string(), "{report}");
+    let list: Value = get(&app.url("/api/admin/poison"), &[KEY])
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["entries"].as_array().unwrap().len(), 0, "{list}");
+
+    // The page: no data in it, and the headers that keep it to itself.
+    let page = get(&app.url("/admin"), &[]).await;
+    assert_eq!(page.status(), 200);
+    let headers = page.headers().clone();
+    let csp = headers["content-security-policy"].to_str().unwrap();
+    assert!(
+        csp.starts_with("default-src 'none'")
+            && csp.contains("connect-src 'self'")
+            && csp.contains("frame-ancestors 'none'"),
+        "{csp}"
+    );
+    assert_eq!(headers["x-content-type-options"], "nosniff");
+    assert_eq!(headers["cache-control"], "no-store");
+    assert_eq!(headers["referrer-policy"], "no-referrer");
+    let html = page.text().await.unwrap();
+    assert!(html.contains(r#"<meta name="leasehold-key-header" content="x-leasehold-admin-key">"#));
+    assert!(!html.contains(&env.queue), "the page holds no data");
+    app.stop().await;
+}
+
+/// An HTTP-trigger invocation as the Functions host sends it.
+fn invocation(method: &str, url: &str, path: Option<&str>, body: Option<&str>) -> String {
+    let mut req = json!({
+        "Url": url,
+        "Method": method,
+        "Query": {},
+        "Headers": { "x-functions-key": ["master"], "Content-Type": ["application/json"] },
+        "Params": {},
+        "Identities": [],
+    });
+    if let Some(path) = path {
+        req["Params"] = json!({ "path": path });
+    }
+    if let Some(body) = body {
+        req["Body"] = Value::String(body.to_string());
+    }
+    json!({ "Data": { "req": req }, "Metadata": {} }).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_custom_handler_serves_the_dashboard_functions() {
+    let env = Env::new();
+    env.poison("hosted-poisoned", "gave up").await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let app = env
+        .start(
+            leasehold::Mode::Handler,
+            &[("FUNCTIONS_CUSTOMHANDLER_PORT", &port.to_string())],
+        )
+        .await;
+    let base = "https://app.azurewebsites.net/api";
+
+    let (status, answer) = post(
+        &app.url("/Ops"),
+        &invocation("GET", &format!("{base}/ops/overview"), Some("overview"), None),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let res = &answer["Outputs"]["res"];
+    assert_eq!(res["statusCode"], 200, "{answer}");
+    assert_eq!(res["headers"]["Content-Type"], "application/json");
+    let overview: Value = serde_json::from_str(res["body"].as_str().unwrap()).unwrap();
+    assert_eq!(overview["queue"]["name"], env.queue.as_str());
+
+    // The path from the route parameter when the URL does not carry it; a refusal is the
+    // caller's status, not a failed invocation.
+    let (status, answer) = post(
+        &app.url("/Ops"),
+        &invocation("POST", "", Some("poison/purge"), Some(r#"{"all":true}"#)),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["Outputs"]["res"]["statusCode"], 400, "{answer}");
+    assert!(
+        answer["Outputs"]["res"]["body"]
+            .as_str()
+            .unwrap()
+            .contains("confirm")
+    );
+
+    let (_, answer) = post(
+        &app.url("/Ops"),
+        &invocation("GET", &format!("{base}/ops/poison"), Some("poison"), None),
+        &[],
+    )
+    .await;
+    let list: Value = serde_json::from_str(answer["Outputs"]["res"]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(list["entries"][0]["recordId"], "hosted-poisoned", "{list}");
+
+    let (status, answer) = post(
+        &app.url("/Dashboard"),
+        &invocation("GET", &format!("{base}/dashboard"), None, None),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let res = &answer["Outputs"]["res"];
+    assert_eq!(res["statusCode"], 200);
+    assert!(
+        res["headers"]["Content-Security-Policy"]
+            .as_str()
+            .unwrap()
+            .starts_with("default-src 'none'")
+    );
+    let html = res["body"].as_str().unwrap();
+    assert!(html.contains(r#"content="x-functions-key""#) && html.contains(r#"content="/api/ops""#));
+    app.stop().await;
+}
+
+/// Evaluates `expression` in the page; panics with the browser's log on failure.
+async fn eval(browser: &Browser, expression: &str) -> Value {
+    browser
+        .eval(expression)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\nChromium's log:\n{}", browser.log()))
+}
+
+async fn wait(browser: &Browser, expression: &str, what: &str) -> Value {
+    browser
+        .wait_for(expression, Duration::from_secs(60), what)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\nChromium's log:\n{}", browser.log()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_browser() {
+    let started = Instant::now();
+    let browser = match Browser::launch(1280, 800).await {
+        Ok(b) => b,
+        Err(e) => panic!(
+            "the dashboard test needs a real browser: {e}{}",
+            if std::env::var_os("CI").is_some() {
+                " (CI: scripts/test.sh installs it)"
+            } else {
+                ""
+            }
+        ),
+    };
+    let env = Env::new();
+    let poisoned = "8f9c1d2e-0000-4000-8000-00000000a11c";
+    // A reason with markup in it (an upstream's HTML error page): the page must show it as text.
+    env.poison(
+        poisoned,
+        "the logic exited with status 3: POST /credit-check answered 502 <title id=injected>Bad Gateway</title>",
+    )
+    .await;
+    let app = env
+        .start(
+            leasehold::Mode::Standalone {
+                port: None,
+                demo: false,
+            },
+            &[
+                ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
+                ("LEASEHOLD_API_KEY", START_KEY),
+            ],
+        )
+        .await;
+    let held = ["held-invoice-2291", "held-contact-0042", "held-account-7f3a"];
+    for record in held {
+        env.trigger(record).await;
+    }
+    eventually(Duration::from_secs(30), "the held records to start", || async {
+        let runs = env.runs();
+        held.iter().all(|r| runs.iter().any(|x| x == r)).then_some(())
+    })
+    .await;
+    // A trigger for a running record: it coalesces, and the record will run once more.
+    env.trigger(held[0]).await;
+
+    // The key form, filled in and sent as a person would.
+    browser.navigate(&app.url("/admin")).await.unwrap();
+    wait(
+        &browser,
+        "!document.getElementById('login').hidden",
+        "the key form",
+    )
+    .await;
+    eval(
+        &browser,
+        &format!(
+            "document.getElementById('key-input').value = {key:?}; \
+             document.getElementById('key-form').requestSubmit(); true",
+            key = ADMIN_KEY
+        ),
+    )
+    .await;
+
+    // The held records, and the poison entry with its reason (as text: no element injected).
+    for record in held {
+        wait(
+            &browser,
+            &format!("!!document.querySelector('#held tbody tr[data-record=\"account/{record}\"]')"),
+            &format!("held record {record} in the table"),
+        )
+        .await;
+    }
+    let reason = wait(
+        &browser,
+        "Array.from(document.querySelectorAll('#poison tbody tr')).map(r => r.textContent).join('\\n')",
+        "a poison entry",
+    )
+    .await;
+    let reason = reason.as_str().unwrap();
+    assert!(
+        reason.contains(poisoned) && reason.contains("answered 502 <title id=injected>Bad Gateway</title>"),
+        "{reason}"
+    );
+    assert_eq!(
+        eval(&browser, "document.getElementById('injected') === null").await,
+        true
+    );
+    let row = eval(
+        &browser,
+        "Array.from(document.querySelectorAll('#held tbody tr[data-record=\"account/held-invoice-2291\"] td')).map(c => c.textContent)",
+    )
+    .await;
+    let cells: Vec<&str> = row
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert!(
+        cells[2].contains("Z, ") && cells[2].ends_with(" ago"),
+        "since as \"12:04:31Z, 3 m 12 s ago\": {cells:?}"
+    );
+    assert!(cells[3].parse::<u64>().unwrap() >= 1, "generation: {cells:?}");
+    assert_eq!(cells[4], "running", "{cells:?}");
+    wait(
+        &browser,
+        &format!(
+            "!!document.querySelector('#pending [data-record=\"account/{}\"]') && \
+             document.querySelector('#held tbody tr[data-record=\"account/{}\"]').textContent.includes('pending')",
+            held[0], held[0]
+        ),
+        "the coalesced trigger as a pending retrigger",
+    )
+    .await;
+    let stamp = eval(&browser, "document.getElementById('stamp-text').textContent").await;
+    assert!(stamp.as_str().unwrap().starts_with("updated "), "{stamp}");
+
+    // Let a refresh pass so the ages move, then the screenshot the README shows.
+    wait(
+        &browser,
+        &format!("document.getElementById('stamp-text').textContent !== {stamp}"),
+        "the live refresh to update the stamp",
+    )
+    .await;
+    let shot = workspace_root().join("target/dashboard/dashboard.png");
+    browser.save_screenshot(&shot).await.unwrap();
+    assert!(
+        std::fs::metadata(&shot).unwrap().len() > 10_000,
+        "a screenshot with content"
+    );
+
+    // The record detail.
+    eval(
+        &browser,
+        "document.querySelector('#held tbody tr[data-record=\"account/held-contact-0042\"]').click(); true",
+    )
+    .await;
+    let detail = wait(
+        &browser,
+        "(() => { const t = document.getElementById('detail-body').textContent; \
+          return !document.getElementById('detail').hidden && t.includes('Generation') && !t.includes('Loading') && t; })()",
+        "the record detail",
+    )
+    .await;
+    let detail = detail.as_str().unwrap();
+    assert!(
+        detail.contains("held") && detail.contains("Holder") && detail.contains("Recent outcome"),
+        "{detail}"
+    );
+    assert_eq!(
+        eval(&browser, "document.getElementById('detail-title').textContent").await,
+        "held-contact-0042"
+    );
+    eval(&browser, "document.getElementById('detail-close').click(); true").await;
+
+    // A reload keeps the key for the tab: no form, data again.
+    browser.navigate(&app.url("/admin")).await.unwrap();
+    wait(
+        &browser,
+        "document.getElementById('login').hidden && document.querySelectorAll('#poison tbody tr').length === 1",
+        "the dashboard again after a reload, without the key form",
+    )
+    .await;
+
+    // Requeue from the entry's button: the record runs and the entry is gone.
+    assert!(!env.runs().iter().any(|r| r == poisoned));
+    eval(
+        &browser,
+        "document.querySelector('#poison tbody tr button.requeue').click(); true",
+    )
+    .await;
+    let said = wait(
+        &browser,
+        "Array.from(document.querySelectorAll('#toasts .toast')).map(t => t.textContent).join(' | ')",
+        "the requeue's answer",
+    )
+    .await;
+    assert!(said.as_str().unwrap().contains("requeued 1 entry"), "{said}");
+    eventually(Duration::from_secs(30), "the requeued record to run", || async {
+        env.runs().iter().any(|r| r == poisoned).then_some(())
+    })
+    .await;
+    wait(
+        &browser,
+        "document.querySelectorAll('#poison tbody tr').length === 0 && !document.getElementById('poison-empty').hidden",
+        "the requeued entry to leave the poison table",
+    )
+    .await;
+
+    // Forget the key: the form again, and the tab no longer holds it.
+    eval(&browser, "document.getElementById('forget').click(); true").await;
+    wait(
+        &browser,
+        "!document.getElementById('login').hidden",
+        "the key form after forgetting",
+    )
+    .await;
+    assert_eq!(eval(&browser, "sessionStorage.length").await, 0);
+
+    assert_eq!(browser.exceptions(), Vec::<String>::new(), "the page threw");
+    // The check above sees an uncaught exception when there is one.
+    eval(
+        &browser,
+        "setTimeout(() => { throw new Error('probe'); }, 0); true",
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !browser.exceptions().iter().any(|e| e.contains("probe")) {
+        assert!(Instant::now() < deadline, "an uncaught exception was not seen");
+        eval(&browser, "true").await;
+    }
+    std::fs::write(env.release_file(), "").unwrap();
+    app.stop().await;
+    drop(browser);
+    eprintln!("dashboard browser test took {:?}", started.elapsed());
+}

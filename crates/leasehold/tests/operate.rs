@@ -1,0 +1,527 @@
+//! Operating Leasehold against a real Azurite: `status` (the whole system from blob listings),
+//! `poison list|show|requeue|purge` (the operations and the command line), the requeue's
+//! put-before-delete order under an interruption, and start-up creating what it uses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use leasehold::ops::{Operator, OverviewQuery, PoisonQuery, PoisonSelection};
+use leasehold_lock::azure::AzureBlobStore;
+use leasehold_lock::{LeaseGuard, LeaseLock, LeaseOptions, OpCounters};
+use leasehold_runtime::{
+    AzureMarkers, AzureQueue, Enqueued, Error, MarkerStore, Peeked, PoisonMessage, Received, RecordId, Scope,
+    TriggerKind, TriggerMessage, TriggerQueue, poison_queue_name, record_key,
+};
+use leasehold_storage::StoreResult;
+use leasehold_storage::azure::BlobContainer;
+use leasehold_test_support::{Azurite, eventually, unique_name};
+use serde_json::Value;
+
+/// One isolated deployment: its own queue and container.
+struct Env {
+    queue: String,
+    container: String,
+}
+
+impl Env {
+    fn new() -> Self {
+        Self {
+            queue: unique_name("triggers"),
+            container: unique_name("locks"),
+        }
+    }
+
+    fn settings_with(&self, connection: String) -> leasehold::Settings {
+        leasehold::Settings::from_vars([
+            ("AzureWebJobsStorage", connection),
+            ("LEASEHOLD_QUEUE", self.queue.clone()),
+            ("LEASEHOLD_CONTAINER", self.container.clone()),
+        ])
+        .unwrap()
+    }
+
+    fn settings(&self) -> leasehold::Settings {
+        self.settings_with(Azurite::shared().connection_string())
+    }
+
+    fn operator(&self) -> Operator {
+        Operator::new(&self.settings()).unwrap()
+    }
+
+    fn queue(&self, name: &str) -> AzureQueue {
+        AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
+    }
+
+    fn poison(&self) -> AzureQueue {
+        self.queue(&poison_queue_name(&self.queue))
+    }
+
+    fn lock(&self, holder: &str) -> LeaseLock {
+        let store = AzureBlobStore::new(&Azurite::shared().account(), &self.container, OpCounters::new());
+        let options = LeaseOptions {
+            holder: holder.into(),
+            ..LeaseOptions::default()
+        };
+        LeaseLock::new(Arc::new(store), options).unwrap()
+    }
+
+    /// The binary with this deployment's settings; its stdout, and whether it succeeded.
+    async fn run(&self, args: &[&str]) -> (bool, String) {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .args(args)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
+            .env("LEASEHOLD_QUEUE", &self.queue)
+            .env("LEASEHOLD_CONTAINER", &self.container)
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        (out.status.success(), format!("{stdout}{stderr}"))
+    }
+}
+
+fn scope(s: &str) -> Scope {
+    Scope::parse(s).unwrap()
+}
+
+fn record(r: &str) -> RecordId {
+    RecordId::parse(r).unwrap()
+}
+
+fn trigger(s: &str, r: &str) -> TriggerMessage {
+    TriggerMessage::new(scope(s), record(r))
+}
+
+/// A poison entry as the worker writes it.
+fn entry(s: &str, r: &str, reason: &str) -> String {
+    let t = trigger(s, r);
+    let error = Error::Logic(leasehold_runtime::LogicError::new(reason));
+    PoisonMessage::new(t.encode(), Some(t), &error, 5).encode()
+}
+
+async fn hold(lock: &LeaseLock, s: &str, r: &str) -> LeaseGuard {
+    lock.try_acquire(&record_key(&scope(s), &record(r)))
+        .await
+        .unwrap()
+        .expect("the record is free")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_every_held_record_from_two_listings() {
+    let env = Env::new();
+    let operator = env.operator();
+
+    // Nothing yet: no container, no queues; an empty system, not an error.
+    let empty = operator.overview(&OverviewQuery::default()).await.unwrap();
+    assert_eq!(
+        (
+            empty.held_count,
+            empty.records_seen,
+            empty.queue.approximate_messages
+        ),
+        (0, 0, 0)
+    );
+
+    let lock = env.lock("vm-7:4242");
+    let mut guards = Vec::new();
+    for i in 0..12 {
+        guards.push(hold(&lock, "account", &format!("a{i:02}")).await);
+    }
+    for i in 0..3 {
+        guards.push(hold(&lock, "contact", &format!("c{i}")).await);
+    }
+    // Two records that ran and are free again.
+    for r in ["free1", "free2"] {
+        hold(&lock, "account", r).await.release().await.unwrap();
+    }
+    // One broken by an operator (breaking until its period ends), one with a retrigger pending.
+    lock.break_lock(&record_key(&scope("account"), &record("a03")), "test")
+        .await
+        .unwrap();
+    let markers = AzureMarkers::new(&Azurite::shared().account(), &env.container, OpCounters::new());
+    markers
+        .set(&record_key(&scope("account"), &record("a05")))
+        .await
+        .unwrap();
+    let triggers = env.queue(&env.queue);
+    triggers
+        .put(&trigger("account", "a05").encode(), Duration::ZERO)
+        .await
+        .unwrap();
+
+    let all = operator.overview(&OverviewQuery::default()).await.unwrap();
+    assert_eq!((all.held_count, all.records_seen), (15, 17));
+    // Two listings (one page each), a length and a peek per queue: no request per record.
+    assert_eq!(all.requests, 6, "{all:?}");
+    let a03 = all.held.iter().find(|h| h.record_id.as_str() == "a03").unwrap();
+    assert_eq!(a03.lease_state, "breaking");
+    let a05 = all.held.iter().find(|h| h.record_id.as_str() == "a05").unwrap();
+    assert!(a05.retrigger_pending && a05.lease_state == "leased");
+    assert_eq!(a05.holder.as_deref(), Some("vm-7:4242"));
+    assert!(a05.generation >= 1 && a05.since.is_some() && a05.since_age_seconds.unwrap() < 120.0);
+    assert_eq!(all.pending_count, 1);
+    assert_eq!(all.queue.approximate_messages, 1);
+    assert!(all.queue.oldest_visible_at.is_some());
+
+    // By scope, and page by page.
+    let contact = operator
+        .overview(&OverviewQuery {
+            scope: Some(scope("contact")),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (contact.held_count, contact.records_seen, contact.pending_count),
+        (3, 3, 0)
+    );
+    let mut seen = Vec::new();
+    let mut after = None;
+    loop {
+        let page = operator
+            .overview(&OverviewQuery {
+                scope: Some(scope("account")),
+                limit: Some(5),
+                after: after.clone(),
+            })
+            .await
+            .unwrap();
+        assert!(page.held.len() <= 5);
+        seen.extend(page.held.iter().map(|h| h.record_id.to_string()));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    let expected: Vec<String> = (0..12).map(|i| format!("a{i:02}")).collect();
+    assert_eq!(seen, expected);
+
+    // The command line: a table with readable times, and JSON with machine values.
+    let (ok, text) = env.run(&["status"]).await;
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("15 held, 1 with a retrigger pending, 17 known"),
+        "{text}"
+    );
+    assert!(
+        text.contains("HELD RECORD") && text.contains("account/a03  breaking"),
+        "{text}"
+    );
+    assert!(text.contains("vm-7:4242") && text.contains(" s ago"), "{text}");
+    let (ok, json) = env.run(&["status", "--json", "--scope", "contact"]).await;
+    assert!(ok, "{json}");
+    let json: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(json["heldCount"], 3);
+    assert!(
+        json["held"][0]["since"].as_str().unwrap().ends_with('Z'),
+        "{json}"
+    );
+    let (ok, one) = env.run(&["status", "--scope", "account", "a05"]).await;
+    assert!(ok, "{one}");
+    assert!(
+        one.contains("retrigger   pending") && one.contains("last fenced grant") && one.contains("ago"),
+        "{one}"
+    );
+    for guard in guards {
+        guard.release().await.ok();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_entries_are_listed_shown_requeued_and_purged() {
+    let env = Env::new();
+    let poison = env.poison();
+    let triggers = env.queue(&env.queue);
+    // 36 entries: more than one peek shows. r00..r34 in scope account, and one unreadable.
+    for i in 0..35 {
+        poison
+            .put(
+                &entry("account", &format!("r{i:02}"), &format!("failure {i}")),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+    }
+    poison.put("not base64 at all", Duration::ZERO).await.unwrap();
+    let operator = env.operator().with_scan_hide(Duration::from_secs(30));
+
+    // A peek: the first 32, oldest first, with no side effect.
+    let list = operator.poison_list(&PoisonQuery::default()).await.unwrap();
+    assert_eq!(list.entries.len(), 32);
+    assert!(!list.complete);
+    assert_eq!(list.entries[0].record_id.as_ref().unwrap().as_str(), "r00");
+    assert_eq!(list.entries[0].reason, "logic failed: failure 0");
+    assert_eq!(list.entries[0].attempts, 5);
+    assert_eq!(list.records.len(), 32);
+    // A scan: every entry, and all of them visible again afterwards.
+    let list = operator
+        .poison_list(&PoisonQuery { limit: Some(100) })
+        .await
+        .unwrap();
+    assert_eq!(list.entries.len(), 36);
+    assert!(list.complete);
+    assert_eq!(
+        poison.peek(32).await.unwrap().len(),
+        32,
+        "a scan puts back what it took"
+    );
+
+    // Show one beyond the peek's reach.
+    let unreadable = list.entries.iter().find(|e| !e.is_trigger).unwrap().clone();
+    let shown = operator.poison_show(&unreadable.id).await.unwrap();
+    assert_eq!(shown.body.as_deref(), Some("not base64 at all"));
+    let missing = operator.poison_show("no-such-id").await.unwrap_err();
+    assert_eq!(missing.status(), 404);
+    assert!(missing.to_string().contains("poison list"), "{missing}");
+
+    // Requeue one record's entry: a fresh trigger (a new chain), the entry gone.
+    let report = operator
+        .poison_requeue(&PoisonSelection::matching(None, Some(record("r33"))), &|_| {})
+        .await
+        .unwrap();
+    assert_eq!(report.requeued.len(), 1, "{report:?}");
+    assert!(report.failed.is_empty() && report.skipped.is_empty());
+    let queued = triggers.peek(32).await.unwrap();
+    assert_eq!(queued.len(), 1);
+    let fresh = TriggerMessage::decode(&queued[0].body).unwrap();
+    assert_eq!(
+        (
+            fresh.record_id.as_str(),
+            fresh.kind,
+            fresh.prior_attempts,
+            fresh.given_up
+        ),
+        ("r33", TriggerKind::Trigger, 0, 0)
+    );
+    assert_eq!(poison.approximate_len().await.unwrap(), 35);
+
+    // Requeuing the unreadable one is refused, and said why; purge without --yes is refused.
+    let report = operator
+        .poison_requeue(&PoisonSelection::ids([unreadable.id.clone()]), &|_| {})
+        .await
+        .unwrap();
+    assert_eq!(report.skipped.len(), 1);
+    assert!(report.skipped[0].why.contains("purge it"), "{report:?}");
+    let (ok, out) = env.run(&["poison", "purge", &unreadable.id]).await;
+    assert!(!ok && out.contains("--yes"), "{out}");
+    let (ok, out) = env.run(&["poison", "purge", &unreadable.id, "--yes"]).await;
+    assert!(ok && out.contains("purged 1 entry"), "{out}");
+
+    // The command line: list, show, requeue by scope with progress.
+    let (ok, out) = env.run(&["poison", "list"]).await;
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("ATTEMPTS") && out.contains("account/r00") && out.contains("logic failed: failure 0"),
+        "{out}"
+    );
+    let (ok, out) = env.run(&["poison", "list", "--limit", "100", "--json"]).await;
+    assert!(ok, "{out}");
+    let json: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["entries"].as_array().unwrap().len(), 34);
+    let id = json["entries"][0]["id"].as_str().unwrap().to_string();
+    let (ok, out) = env.run(&["poison", "show", &id]).await;
+    assert!(
+        ok && out.contains("requeue it: leasehold poison requeue"),
+        "{out}"
+    );
+    let (ok, out) = env.run(&["poison", "requeue", "--scope", "account"]).await;
+    assert!(ok, "{out}");
+    assert!(out.contains("requeued 34 entries as fresh triggers"), "{out}");
+    assert_eq!(poison.approximate_len().await.unwrap(), 0);
+    assert_eq!(triggers.approximate_len().await.unwrap(), 35);
+    let (ok, out) = env.run(&["poison", "requeue"]).await;
+    assert!(
+        !ok && out.contains("--all"),
+        "a requeue must say what it selects: {out}"
+    );
+}
+
+/// A poison queue whose deletes never answer: the operator "dies" (its future is dropped)
+/// between putting the fresh trigger and removing the entry.
+#[derive(Debug)]
+struct DeleteHangs(AzureQueue);
+
+#[async_trait]
+impl TriggerQueue for DeleteHangs {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
+        self.0.put(body, delay).await
+    }
+    async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
+        self.0.get(max, visibility).await
+    }
+    async fn delete(&self, _id: &str, _pop_receipt: &str) -> StoreResult<()> {
+        std::future::pending().await
+    }
+    async fn set_visibility(&self, id: &str, receipt: &str, body: &str, v: Duration) -> StoreResult<String> {
+        self.0.set_visibility(id, receipt, body, v).await
+    }
+    async fn approximate_len(&self) -> StoreResult<u64> {
+        self.0.approximate_len().await
+    }
+    async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
+        self.0.peek(max).await
+    }
+    fn counters(&self) -> &OpCounters {
+        self.0.counters()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_interrupted_between_put_and_delete_leaves_the_trigger_in_both_places() {
+    let env = Env::new();
+    let account = Azurite::shared().account();
+    let poison = env.poison();
+    poison
+        .put(&entry("account", "r1", "boom"), Duration::ZERO)
+        .await
+        .unwrap();
+    let triggers = env.queue(&env.queue);
+    let counters = OpCounters::new();
+    let lock = env.lock("operator");
+    let operator = Operator::from_parts(
+        Arc::new(env.queue(&env.queue)),
+        Arc::new(DeleteHangs(env.poison())),
+        lock,
+        Arc::new(AzureMarkers::new(&account, &env.container, counters.clone())),
+        BlobContainer::new(&account, &env.container, counters.clone()),
+        counters,
+    )
+    .with_scan_hide(Duration::from_secs(2));
+    let interrupted = tokio::time::timeout(
+        Duration::from_secs(3),
+        operator.poison_requeue(&PoisonSelection::all(), &|_| {}),
+    )
+    .await;
+    assert!(interrupted.is_err(), "the requeue was cut off in its delete");
+    // The fresh trigger is on the queue ...
+    let queued = triggers.peek(32).await.unwrap();
+    assert_eq!(queued.len(), 1);
+    assert_eq!(
+        TriggerMessage::decode(&queued[0].body)
+            .unwrap()
+            .record_id
+            .as_str(),
+        "r1"
+    );
+    // ... and the entry comes back into view in the poison queue once its hiding ends.
+    let back = eventually(
+        Duration::from_secs(20),
+        "the entry to be visible again",
+        || async {
+            let peeked = poison.peek(32).await.unwrap();
+            (!peeked.is_empty()).then_some(peeked)
+        },
+    )
+    .await;
+    assert_eq!(
+        PoisonMessage::decode(&back[0].body).unwrap().reason(),
+        "logic failed: boom"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_creates_the_queues_and_the_container_and_goes_on_without_the_rights() {
+    let env = Env::new();
+    let account = Azurite::shared().account();
+    let app = leasehold::Application::build(
+        env.settings(),
+        leasehold::Mode::Standalone {
+            port: Some(0),
+            demo: true,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(env.queue(&env.queue).exists().await.unwrap());
+    assert!(env.poison().exists().await.unwrap());
+    let container = BlobContainer::new(&account, &env.container, OpCounters::new());
+    assert!(container.container_exists().await.unwrap());
+    drop(app);
+
+    // Credentials that may touch messages and blobs but not create queues or containers (an
+    // account SAS for objects only, as a data-only role): start-up says so and goes on.
+    let env = Env::new();
+    let settings = env.settings_with(Azurite::shared().sas_connection_string_for("o"));
+    let app = leasehold::Application::build(
+        settings,
+        leasehold::Mode::Standalone {
+            port: Some(0),
+            demo: true,
+        },
+    )
+    .await;
+    assert!(app.is_ok(), "start-up goes on: {:?}", app.err());
+    assert!(!env.queue(&env.queue).exists().await.unwrap());
+}
+
+/// Measurement, not a check of the product (run it by name): `status` over 10,000 held
+/// records. Sets them up with infinite leases and the lock's metadata straight through the SDK
+/// (two requests a record), then prints the overview's requests and time.
+///
+/// `cargo test -p leasehold --test operate -- --ignored --nocapture status_at_scale`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run it by name"]
+async fn status_at_scale() {
+    use futures::StreamExt;
+    let records: usize = std::env::var("LEASEHOLD_STATUS_RECORDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let env = Env::new();
+    let account = Azurite::shared().account();
+    let container = BlobContainer::new(&account, &env.container, OpCounters::new());
+    container.create().await.unwrap();
+    let started = std::time::Instant::now();
+    futures::stream::iter(0..records)
+        .for_each_concurrent(64, |i| {
+            let blob = container.blob(&format!("locks/account/r{i:06}"));
+            async move {
+                let metadata = [
+                    ("leasehold_generation".to_string(), "1".to_string()),
+                    ("leasehold_holder".to_string(), "bench:1".to_string()),
+                    ("leasehold_since".to_string(), "1795435471000".to_string()),
+                ]
+                .into_iter()
+                .collect();
+                let options = azure_storage_blob::models::BlobClientUploadOptions {
+                    metadata: Some(metadata),
+                    ..Default::default()
+                };
+                blob.upload(azure_core::Bytes::new().into(), Some(options))
+                    .await
+                    .unwrap();
+                blob.acquire_lease(-1, None).await.unwrap();
+            }
+        })
+        .await;
+    eprintln!(
+        "set up {records} held records in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let operator = env.operator();
+    let started = std::time::Instant::now();
+    let overview = operator.overview(&OverviewQuery::default()).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(overview.held_count, records);
+    let started = std::time::Instant::now();
+    let (ok, out) = env.run(&["status"]).await;
+    let cli = started.elapsed();
+    assert!(ok, "{out}");
+    println!(
+        "status over {records} held records: {} storage requests ({} blob list pages of 5,000, 4 queue requests), \
+         {:.2} s in-process, {:.2} s for `leasehold status` as a process",
+        overview.requests,
+        records.div_ceil(5000) + 1,
+        took.as_secs_f64(),
+        cli.as_secs_f64()
+    );
+}
