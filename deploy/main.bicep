@@ -245,6 +245,8 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         { name: 'LEASEHOLD_FENCING', value: fencing }
         { name: 'LEASEHOLD_RUN_TIMEOUT_SECONDS', value: runTimeoutSeconds }
         { name: 'LEASEHOLD_LOG_FORMAT', value: 'json' }
+        // How often the handler logs its metrics event (and samples the queue depths): the default.
+        { name: 'LEASEHOLD_METRICS_INTERVAL_SECONDS', value: '' }
         // The handler's HTTP limits (its only client is the host, on loopback): the defaults.
         { name: 'LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS', value: '' }
         { name: 'LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS', value: '' }

@@ -13,13 +13,23 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use leasehold_lock::RetryOptions;
-use leasehold_runtime::{Delivery, Error, Outcome, PoisonMessage, RecordRunner, TriggerQueue};
+use leasehold_runtime::{
+    Delivery, Error, Outcome, PoisonMessage, RecordRunner, TriggerQueue, record_outcome,
+};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::handler::{self, START_FUNCTION, WORKER_FUNCTION};
 use crate::start::{Decision, MAX_BODY_BYTES, Rejection, StartPolicy, StartRequest, check_head, decide};
+
+/// Counter of Start's answers to its callers, by `status` (the HTTP status the caller gets: in
+/// handler mode the one in `Outputs.res`, not the 200 the host gets).
+pub const START_RESPONSES_TOTAL: &str = "leasehold_start_responses_total";
+
+fn count_start_response(status: u16) {
+    metrics::counter!(START_RESPONSES_TOTAL, "status" => status.to_string()).increment(1);
+}
 
 /// Largest custom-handler invocation accepted (a Start body plus the host's envelope).
 const MAX_INVOCATION_BYTES: usize = 2 * MAX_BODY_BYTES + 64 * 1024;
@@ -69,6 +79,12 @@ fn json_response(status: u16, body: Value) -> Response {
 }
 
 async fn standalone_start(State(app): State<Arc<App>>, request: Request) -> Response {
+    let response = answer_start(&app, request).await;
+    count_start_response(response.status().as_u16());
+    response
+}
+
+async fn answer_start(app: &App, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     let mut request = start_request(&parts);
     // Method, key, content type and declared length first: a client without the key is answered
@@ -82,7 +98,7 @@ async fn standalone_start(State(app): State<Arc<App>>, request: Request) -> Resp
     };
     request.body = &bytes;
     let decision = decide(&app.policy, &request);
-    let (status, body) = carry_out(&app, &decision).await;
+    let (status, body) = carry_out(app, &decision).await;
     json_response(status, body)
 }
 
@@ -217,6 +233,7 @@ async fn invoke_start(app: &App, payload: &Value) -> Response {
     let decision = decide(&app.policy, &request);
     log_decision(&decision);
     let (status, body) = decision.response();
+    count_start_response(status);
     let enqueue = match &decision {
         Decision::Enqueue(m) => Some(m),
         _ => None,
@@ -302,14 +319,25 @@ async fn poison_unreadable(app: &App, raw: &str, dequeue_count: u32, error: Erro
     {
         Ok(_) => {
             tracing::error!(%reason, poison_queue = app.poison.name(), "worker: message moved to the poison queue");
+            record_outcome(&Outcome::Poisoned { error });
             json_response(
                 200,
                 handler::queue_invocation_done("poisoned", vec![format!("poisoned: {reason}")]),
             )
         }
-        Err(e) => json_response(
-            500,
-            json!({ "error": format!("could not write to the poison queue: {e}") }),
-        ),
+        Err(e) => {
+            let answer = json_response(
+                500,
+                json!({ "error": format!("could not write to the poison queue: {e}") }),
+            );
+            record_outcome(&Outcome::Failed {
+                error: Error::Storage {
+                    step: "write poison",
+                    error: e.into(),
+                },
+                retriggered: false,
+            });
+            answer
+        }
     }
 }

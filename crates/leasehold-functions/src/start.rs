@@ -276,12 +276,7 @@ pub fn check_head(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<(), Re
     if !req.method.eq_ignore_ascii_case("POST") {
         return Err(Rejection::MethodNotAllowed(req.method.to_string()));
     }
-    if req.check_key
-        && let Some(expected) = &policy.api_key
-        && !bool::from(
-            key_matches(expected, req.header("x-functions-key")) | key_matches(expected, req.query("code")),
-        )
-    {
+    if req.check_key && !key_accepted(policy, req.header("x-functions-key"), req.query("code")) {
         return Err(Rejection::WrongKey);
     }
     if let Some(ct) = req.header("content-type") {
@@ -299,6 +294,17 @@ pub fn check_head(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<(), Re
         return Err(Rejection::BodyTooLarge(length));
     }
     Ok(())
+}
+
+/// Whether a request presenting `header` (its `x-functions-key`) and `code` (its `code` query
+/// parameter) may pass where Start's key is asked for: always when there is no key
+/// (`LEASEHOLD_API_KEY` unset), else when either carries it, compared as [`check_head`] does
+/// (in constant time, both always compared). `GET /metrics` is guarded by this too.
+pub fn key_accepted(policy: &StartPolicy, header: Option<&str>, code: Option<&str>) -> bool {
+    match &policy.api_key {
+        None => true,
+        Some(expected) => bool::from(key_matches(expected, header) | key_matches(expected, code)),
+    }
 }
 
 /// Whether `presented` is the key. SHA-256 digests of both are compared in constant time, so

@@ -19,6 +19,7 @@ use tracing::Instrument;
 
 use crate::error::Error;
 use crate::message::TriggerMessage;
+use crate::observe::record_outcome;
 use crate::poison::PoisonMessage;
 use crate::queue::{Received, TriggerQueue};
 use crate::runner::{Delivery, Outcome, RecordRunner};
@@ -174,8 +175,11 @@ impl Consumer {
         let message = match TriggerMessage::decode(&received.body) {
             Ok(m) => m,
             Err(e) => {
-                self.poison(&received, &received.pop_receipt, None, Error::Unreadable(e))
+                // No record to tell of: only counted.
+                let outcome = self
+                    .poison(&received, &received.pop_receipt, None, Error::Unreadable(e))
                     .await;
+                record_outcome(&outcome);
                 return;
             }
         };
@@ -189,8 +193,17 @@ impl Consumer {
                 max: self.options.max_dequeue_count,
                 last: None,
             };
-            self.poison(&received, &received.pop_receipt, Some(delivery.message), error)
+            let outcome = self
+                .poison(
+                    &received,
+                    &received.pop_receipt,
+                    Some(delivery.message.clone()),
+                    error,
+                )
                 .await;
+            delivery
+                .span()
+                .in_scope(|| self.runner.finished(&delivery, &outcome, None));
             return;
         }
 
@@ -242,23 +255,30 @@ impl Consumer {
         }
     }
 
-    /// Gives the trigger up (poison entry with its reason, and a sweep) and deletes its message.
+    /// Gives the trigger up (poison entry with its reason, and a sweep) and deletes its message:
+    /// [`Outcome::Poisoned`], or [`Outcome::Failed`] if it could not be given up (the message
+    /// stays for a retry).
     async fn poison(
         &self,
         received: &Received,
         receipt: &str,
         trigger: Option<TriggerMessage>,
         error: Error,
-    ) {
+    ) -> Outcome {
         let entry = PoisonMessage::new(received.body.clone(), trigger, &error, received.dequeue_count);
         match self.runner.give_up(&*self.poison, &entry).await {
             Ok(()) => {
                 if let Err(e) = self.queue().delete(&received.id, receipt).await {
                     tracing::warn!(error = %e, "deleting the poisoned message failed; it may be poisoned twice");
                 }
+                Outcome::Poisoned { error }
             }
             Err(e) => {
-                tracing::error!(error = %e, "could not give the trigger up (sweep or poison queue); the message stays for a retry")
+                tracing::error!(error = %e, "could not give the trigger up (sweep or poison queue); the message stays for a retry");
+                Outcome::Failed {
+                    error: Error::storage("give the trigger up", e),
+                    retriggered: false,
+                }
             }
         }
     }

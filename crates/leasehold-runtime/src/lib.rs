@@ -4,6 +4,7 @@ mod consumer;
 mod error;
 mod markers;
 mod message;
+pub mod observe;
 mod poison;
 mod queue;
 mod record;
@@ -18,6 +19,7 @@ pub use markers::{
     AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, record_status,
 };
 pub use message::{DecodeError, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage};
+pub use observe::{OutcomeLabel, OutcomeSink, record_outcome};
 pub use poison::PoisonMessage;
 pub use queue::{AzureQueue, Enqueued, MAX_MESSAGE_BYTES, MemoryQueue, Peeked, Received, TriggerQueue};
 pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId, Scope, record_key};

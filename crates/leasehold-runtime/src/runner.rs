@@ -13,6 +13,7 @@ use tracing::Instrument;
 use crate::error::{Error, LogicError};
 use crate::markers::{MarkerSet, MarkerStore, RecordStatus, record_status};
 use crate::message::{TriggerKind, TriggerMessage, truncate_to};
+use crate::observe::{LockStep, OutcomeSink, record_lock, record_outcome, record_run};
 use crate::poison::PoisonMessage;
 use crate::queue::TriggerQueue;
 use crate::record::{RecordId, Scope};
@@ -273,6 +274,7 @@ pub struct RecordRunner {
     logic: Arc<dyn Logic>,
     options: RunnerOptions,
     recheck_delay: Duration,
+    sink: Option<OutcomeSink>,
 }
 
 impl std::fmt::Debug for dyn Logic {
@@ -303,6 +305,28 @@ impl RecordRunner {
             logic,
             options,
             recheck_delay,
+            sink: None,
+        }
+    }
+
+    /// This runner, telling `sink` of every delivery's outcome (after it is logged and counted).
+    pub fn with_outcome_sink(mut self, sink: OutcomeSink) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Where a delivery's outcome goes once it is decided, in both modes: its log event, the
+    /// [`crate::observe::DELIVERIES_TOTAL`] metric and the outcome sink.
+    pub(crate) fn finished(&self, delivery: &Delivery, outcome: &Outcome, run_time: Option<Duration>) {
+        log(outcome);
+        record_outcome(outcome);
+        if let Some(sink) = &self.sink {
+            sink.tell(
+                &delivery.message.scope,
+                &delivery.message.record_id,
+                outcome,
+                run_time,
+            );
         }
     }
 
@@ -328,10 +352,11 @@ impl RecordRunner {
     /// run from outside (shutdown); the trigger is then not acknowledged.
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
         async {
+            let mut ran = None;
             let outcome = self
-                .handle_key(&delivery.message.key(), delivery, cancel, None)
+                .handle_key(&delivery.message.key(), delivery, cancel, None, &mut ran)
                 .await;
-            log(&outcome);
+            self.finished(delivery, &outcome, ran);
             outcome
         }
         .instrument(delivery.span())
@@ -352,8 +377,11 @@ impl RecordRunner {
         cancel: &CancellationToken,
     ) -> Outcome {
         async {
-            let outcome = self.handle_watched_inner(delivery, poison, cancel).await;
-            log(&outcome);
+            let mut ran = None;
+            let outcome = self
+                .handle_watched_inner(delivery, poison, cancel, &mut ran)
+                .await;
+            self.finished(delivery, &outcome, ran);
             outcome
         }
         .instrument(delivery.span())
@@ -365,6 +393,7 @@ impl RecordRunner {
         delivery: &Delivery,
         poison: &dyn TriggerQueue,
         cancel: &CancellationToken,
+        ran: &mut Option<Duration>,
     ) -> Outcome {
         let msg = &delivery.message;
         let key = msg.key();
@@ -391,7 +420,9 @@ impl RecordRunner {
             // Nothing happened yet: the host retries its message.
             Err(e) => return storage_failed("put watchdog", e),
         };
-        let outcome = self.handle_key(&key, delivery, cancel, Some(&watchdog)).await;
+        let outcome = self
+            .handle_key(&key, delivery, cancel, Some(&watchdog), ran)
+            .await;
         match outcome {
             Outcome::Rechecking { after } => {
                 // Leave the watchdog in place as the look again; this delivery did not fail.
@@ -542,6 +573,7 @@ impl RecordRunner {
         delivery: &Delivery,
         cancel: &CancellationToken,
         watchdog: Option<&Arc<Watchdog>>,
+        ran: &mut Option<Duration>,
     ) -> Outcome {
         // One lease id for every attempt of this delivery: an acquire that took effect after we
         // gave up on it is then our own lease, which our next attempt renews, not a stranger's.
@@ -553,9 +585,13 @@ impl RecordRunner {
         } else {
             MarkerFirst::Leave
         };
+        let asked = Instant::now();
         match self.lock.try_acquire_as(key, lease).await {
             Ok(Some(guard)) => {
-                return self.hold(key, delivery, guard, first, cancel, watchdog).await;
+                record_lock(LockStep::Grant, asked.elapsed());
+                return self
+                    .hold(key, delivery, guard, first, cancel, watchdog, ran)
+                    .await;
             }
             Ok(None) => {}
             Err(e) => return storage_failed("acquire", e),
@@ -586,6 +622,7 @@ impl RecordRunner {
                 // The holder released between our two attempts and may already have looked at
                 // the marker: we hold now, and our run covers the marker we set.
                 Ok(Some(guard)) => {
+                    record_lock(LockStep::Grant, asked.elapsed());
                     self.hold(
                         key,
                         delivery,
@@ -593,6 +630,7 @@ impl RecordRunner {
                         MarkerFirst::ClearOrStandDown,
                         cancel,
                         watchdog,
+                        ran,
                     )
                     .await
                 }
@@ -606,7 +644,8 @@ impl RecordRunner {
     /// The holder path, from a granted lease to the acknowledgement decision, with the watchdog
     /// (Functions mode) following the lease until it ends. `first` says whether the marker is
     /// consumed before the run (the run covers it), and whether the run then happens only if it
-    /// was set.
+    /// was set. How long the logic ran, if it ran, goes to `ran`.
+    #[allow(clippy::too_many_arguments)]
     async fn hold(
         &self,
         key: &LockKey,
@@ -615,11 +654,12 @@ impl RecordRunner {
         first: MarkerFirst,
         cancel: &CancellationToken,
         watchdog: Option<&Arc<Watchdog>>,
+        ran: &mut Option<Duration>,
     ) -> Outcome {
         // Keep the watchdog a lease ahead of the lease while we hold it; once the hold ends,
         // let a push in flight finish so the watchdog's receipt is current for what follows.
         let follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
-        let outcome = self.hold_lease(key, delivery, guard, first, cancel).await;
+        let outcome = self.hold_lease(key, delivery, guard, first, cancel, ran).await;
         if let Some(follower) = follower {
             follower.finish().await;
         }
@@ -633,6 +673,7 @@ impl RecordRunner {
         guard: LeaseGuard,
         first: MarkerFirst,
         cancel: &CancellationToken,
+        ran: &mut Option<Duration>,
     ) -> Outcome {
         let guard = Held(Some(guard));
         if first != MarkerFirst::Leave {
@@ -676,6 +717,8 @@ impl RecordRunner {
         let started = Instant::now();
         let end = self.run_logic(ctx, guard.get(), &run_cancel, cancel).await;
         let run_time = started.elapsed();
+        record_run(run_time);
+        *ran = Some(run_time);
         if let Some(task) = end.still_running {
             // The logic is still running: releasing would let another holder start beside it.
             // Keep the lease renewed until the task has really ended, then release it; the
@@ -945,8 +988,12 @@ impl Held {
         self.0.as_ref().expect("held until released or abandoned")
     }
 
+    /// Releases the lease, timing it ([`crate::observe::LOCK_SECONDS`], step `release`).
     async fn release(self) -> leasehold_lock::Result<()> {
-        self.take().release().await
+        let asked = Instant::now();
+        let released = self.take().release().await;
+        record_lock(LockStep::Release, asked.elapsed());
+        released
     }
 
     /// The guard itself, for whoever ends the hold from here.

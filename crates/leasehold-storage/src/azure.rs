@@ -59,8 +59,16 @@ pub fn client_options(account: &StorageAccount) -> ClientOptions {
     }
 }
 
-/// Sends one SDK request for any storage service: counts it, bounds it in time and maps its
-/// error, so every Azure round trip is counted and classified the same way.
+/// Counter of storage round trips sent, by `op` ([`Op::label`]).
+pub const STORAGE_REQUESTS_TOTAL: &str = "leasehold_storage_requests_total";
+/// Counter of failed storage round trips, by `op` and `class` ([`StoreError::class`]: a
+/// storage answer's kind, or `timeout`). Some classes are the protocol's expected answers
+/// (`lease_already_present` when a record is busy, `not_found` for an absent marker).
+pub const STORAGE_ERRORS_TOTAL: &str = "leasehold_storage_errors_total";
+
+/// Sends one SDK request for any storage service: counts it (in `counters` and the
+/// [`STORAGE_REQUESTS_TOTAL`] metric), bounds it in time and maps its error (counted in
+/// [`STORAGE_ERRORS_TOTAL`]), so every Azure round trip is counted and classified the same way.
 pub async fn send<T>(
     counters: &OpCounters,
     op: Op,
@@ -68,11 +76,14 @@ pub async fn send<T>(
     fut: impl Future<Output = azure_core::Result<T>>,
 ) -> StoreResult<T> {
     counters.record(op);
-    match tokio::time::timeout(timeout, fut).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(map_error(op, &e)),
-        Err(_) => Err(StoreError::timeout(op, timeout)),
-    }
+    metrics::counter!(STORAGE_REQUESTS_TOTAL, "op" => op.label()).increment(1);
+    let error = match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(v)) => return Ok(v),
+        Ok(Err(e)) => map_error(op, &e),
+        Err(_) => StoreError::timeout(op, timeout),
+    };
+    metrics::counter!(STORAGE_ERRORS_TOTAL, "op" => op.label(), "class" => error.class()).increment(1);
+    Err(error)
 }
 
 /// Classifies an SDK error as a definitive or transient storage answer. Only the status, the

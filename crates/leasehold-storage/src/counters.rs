@@ -75,6 +75,30 @@ impl Op {
         }
     }
 
+    /// [`Op::name`] with underscores for spaces: the `op` label of the storage metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Op::ContainerCreate => "container_create",
+            Op::BlobCreate => "blob_create",
+            Op::BlobProperties => "blob_properties",
+            Op::BlobSetMetadata => "blob_set_metadata",
+            Op::LeaseAcquire => "lease_acquire",
+            Op::LeaseRenew => "lease_renew",
+            Op::LeaseRelease => "lease_release",
+            Op::LeaseBreak => "lease_break",
+            Op::FlagPut => "flag_put",
+            Op::FlagDelete => "flag_delete",
+            Op::QueueCreate => "queue_create",
+            Op::QueuePut => "queue_put",
+            Op::QueueGet => "queue_get",
+            Op::QueueDelete => "queue_delete",
+            Op::QueueUpdate => "queue_update",
+            Op::QueuePeek => "queue_peek",
+            Op::QueueProperties => "queue_properties",
+            Op::BlobList => "blob_list",
+        }
+    }
+
     /// Whether this is a queue operation (the rest are blob operations).
     pub fn is_queue(self) -> bool {
         matches!(
@@ -174,5 +198,17 @@ impl fmt::Display for OpCounts {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_labels_are_the_names_with_underscores() {
+        for op in Op::ALL {
+            assert_eq!(op.label(), op.name().replace(' ', "_"), "{op:?}");
+        }
     }
 }

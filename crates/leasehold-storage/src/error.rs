@@ -29,6 +29,21 @@ pub enum StoreErrorKind {
     Transient,
 }
 
+impl StoreErrorKind {
+    /// A short name: the `class` label of `leasehold_storage_errors_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            StoreErrorKind::LeaseAlreadyPresent => "lease_already_present",
+            StoreErrorKind::LeaseBreaking => "lease_breaking",
+            StoreErrorKind::LeaseLost => "lease_lost",
+            StoreErrorKind::NotFound => "not_found",
+            StoreErrorKind::ConditionNotMet => "condition_not_met",
+            StoreErrorKind::Rejected => "rejected",
+            StoreErrorKind::Transient => "transient",
+        }
+    }
+}
+
 /// One failed storage round trip. Its text never holds a secret: SAS signatures and account keys
 /// are removed before it is built.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +113,16 @@ impl StoreError {
     /// Whether the call got no answer at all (see [`StoreError::timeout`]).
     pub fn is_timeout(&self) -> bool {
         self.timed_out
+    }
+
+    /// The `class` label of `leasehold_storage_errors_total`: `timeout` for a call that got no
+    /// answer in time, else its kind's [`StoreErrorKind::label`].
+    pub fn class(&self) -> &'static str {
+        if self.timed_out {
+            "timeout"
+        } else {
+            self.kind.label()
+        }
     }
 }
 

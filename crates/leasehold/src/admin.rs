@@ -249,10 +249,12 @@ pub async fn answer(operator: &Operator, request: &ApiRequest<'_>) -> ApiAnswer 
     }
 }
 
-/// The last outcome of the record if this process ran it: not tracked yet, so always `null`
-/// (the page says "not run by this instance").
-fn recent_outcome(_scope: &Scope, _record_id: &RecordId) -> Value {
-    Value::Null
+/// The last outcome of the record if this process handled it recently
+/// ([`crate::recent_outcome`]), else `null` (the page says "not run by this instance").
+fn recent_outcome(scope: &Scope, record_id: &RecordId) -> Value {
+    crate::recent_outcome(scope, record_id)
+        .and_then(|o| serde_json::to_value(o).ok())
+        .unwrap_or(Value::Null)
 }
 
 /// The dashboard page for one mode: its HTML (the mode's API base and key header filled in)

@@ -21,6 +21,7 @@ use crate::admin;
 use crate::ops::Operator;
 use crate::server::{self, HttpOptions};
 use crate::settings::{LogicSetting, Settings};
+use crate::telemetry::{self, Sampler};
 
 /// Which long-running mode to build.
 #[derive(Debug, Clone)]
@@ -46,6 +47,8 @@ pub struct Application {
     /// The HTTP limits, the connection bound already capped to the descriptors
     /// ([`Application::http_options`]).
     http: HttpOptions,
+    /// Samples the queue gauges (and, in handler mode, logs the metrics event) every interval.
+    sampler: Sampler,
 }
 
 impl std::fmt::Debug for Application {
@@ -68,7 +71,8 @@ pub(crate) struct Wiring {
 }
 
 impl Wiring {
-    /// The record runner over this wiring's lock, markers and trigger queue.
+    /// The record runner over this wiring's lock, markers and trigger queue, telling
+    /// [`crate::recent`] of every outcome.
     fn runner(&self, logic: Arc<dyn Logic>, settings: &Settings) -> RecordRunner {
         RecordRunner::new(
             self.lock.clone(),
@@ -77,6 +81,17 @@ impl Wiring {
             logic,
             settings.runner.clone(),
         )
+        .with_outcome_sink(crate::recent::sink())
+    }
+
+    /// The metrics task over this wiring's queues.
+    fn sampler(&self, settings: &Settings, log_event: bool) -> Sampler {
+        Sampler {
+            queue: self.queue.clone(),
+            poison: self.poison.clone(),
+            interval: settings.metrics_interval,
+            log_event,
+        }
     }
 }
 
@@ -125,6 +140,7 @@ impl Application {
         mode: Mode,
         supervisor: Option<PathBuf>,
     ) -> Result<Self> {
+        telemetry::init();
         match mode {
             Mode::Handler => Self::handler(settings, supervisor).await,
             Mode::Standalone { port, demo } => Self::standalone(settings, port, demo, supervisor).await,
@@ -144,6 +160,7 @@ impl Application {
             stop.cancelled().await;
             shutdown.cancel();
         });
+        let sampler = tokio::spawn(self.sampler.run(self.shutdown.clone()));
         let http = server::serve(self.listener, self.router, &self.http, self.shutdown.clone());
         match self.consumer {
             Some(consumer) => {
@@ -153,6 +170,8 @@ impl Application {
             None => http.await,
         }
         link.abort();
+        // It stops at the shutdown, at its next await.
+        let _ = sampler.await;
         tracing::info!(mode = %self.description, "stopped");
         Ok(())
     }
@@ -191,6 +210,7 @@ impl Application {
         tokio::spawn(ensure_resources(&settings));
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
+        let sampler = wiring.sampler(&settings, true);
         let app = App {
             policy: settings.policy.clone(),
             queue: wiring.queue,
@@ -214,6 +234,7 @@ impl Application {
             consumer: None,
             description: "custom handler".into(),
             http,
+            sampler,
         })
     }
 
@@ -261,6 +282,7 @@ impl Application {
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
         let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
+        let sampler = wiring.sampler(&settings, false);
         let app = App {
             policy: settings.policy.clone(),
             queue: wiring.queue,
@@ -274,7 +296,8 @@ impl Application {
         tracing::info!(%addr, queue = %settings.queue, container = %settings.container,
             concurrency = settings.consumer.concurrency, max_connections = http.max_connections,
             "serving POST /api/start and consuming the queue");
-        let router = standalone_router(app);
+        // GET /metrics, behind Start's key.
+        let router = standalone_router(app).merge(telemetry::router(settings.policy.clone()));
         let router = match &settings.admin_key {
             Some(key) => {
                 let operator = Operator::new(&settings)?;
@@ -302,6 +325,7 @@ impl Application {
             consumer: Some(consumer),
             description: "standalone".into(),
             http,
+            sampler,
         })
     }
 }

@@ -4,9 +4,12 @@ pub mod admin;
 mod app;
 pub mod dataverse;
 pub mod ops;
+pub mod recent;
 mod server;
 pub mod settings;
+pub mod telemetry;
 
 pub use app::{Application, Mode};
+pub use recent::{RecentOutcome, recent_outcome, recent_outcomes};
 pub use server::{HttpOptions, MAX_HEADER_BYTES};
 pub use settings::{LogicSetting, Settings};

@@ -224,9 +224,16 @@ fn init_tracing(format: LogFormat) {
         tracing_subscriber::EnvFilter::new("info,azure_core=warn,reqwest=warn,hyper=warn")
     });
     use std::io::IsTerminal;
+    use tracing_subscriber::fmt::writer::MakeWriterExt;
+    // Logs go to stderr, but the handler's metrics event to stdout: the Functions host rates a
+    // stderr line by its words ("fail", "error" → Error, "warn" → Warning), and the event's
+    // field names hold such words; stdout lines are Information.
+    let writer = std::io::stdout
+        .with_filter(|meta: &tracing::Metadata<'_>| meta.target() == leasehold::telemetry::EVENT_TARGET)
+        .or_else(std::io::stderr);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(std::io::stderr().is_terminal());
     match format {
         LogFormat::Text => builder.init(),

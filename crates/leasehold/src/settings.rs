@@ -59,6 +59,7 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS", Some("30")),
     setting("LEASEHOLD_HTTP_SHUTDOWN_SECONDS", Some("10")),
     setting("LEASEHOLD_HTTP_MAX_CONNECTIONS", Some("1024")),
+    setting("LEASEHOLD_METRICS_INTERVAL_SECONDS", Some("60")),
     setting("LEASEHOLD_LOG_FORMAT", Some("text")),
     setting("FUNCTIONS_CUSTOMHANDLER_PORT", None),
 ];
@@ -90,6 +91,7 @@ struct Raw {
     leasehold_http_body_timeout_seconds: Option<String>,
     leasehold_http_shutdown_seconds: Option<String>,
     leasehold_http_max_connections: Option<String>,
+    leasehold_metrics_interval_seconds: Option<String>,
     leasehold_port: Option<String>,
     leasehold_bind: Option<String>,
     leasehold_concurrency: Option<String>,
@@ -138,6 +140,9 @@ pub struct Settings {
     /// Deadlines and the connection bound of the HTTP side (`LEASEHOLD_HTTP_*`).
     pub http: HttpOptions,
     pub handler_port: Option<u16>,
+    /// `LEASEHOLD_METRICS_INTERVAL_SECONDS`: how often the queue gauges are sampled and, in
+    /// handler mode, the metrics event is logged.
+    pub metrics_interval: Duration,
     pub lease: LeaseOptions,
     pub runner: RunnerOptions,
     pub consumer: ConsumerOptions,
@@ -419,6 +424,11 @@ impl Settings {
         if http.max_connections == 0 {
             bail!("LEASEHOLD_HTTP_MAX_CONNECTIONS must be at least 1");
         }
+        let metrics_interval = seconds(
+            "LEASEHOLD_METRICS_INTERVAL_SECONDS",
+            &raw.leasehold_metrics_interval_seconds,
+            crate::telemetry::DEFAULT_INTERVAL,
+        )?;
         let handler_port = match raw.functions_customhandler_port.or(raw.functions_httpworker_port) {
             Some(p) => Some(number("FUNCTIONS_CUSTOMHANDLER_PORT", &Some(p), 0u16)?),
             None => None,
@@ -443,6 +453,7 @@ impl Settings {
             admin_key,
             http,
             handler_port,
+            metrics_interval,
             lease,
             runner,
             consumer,
@@ -499,6 +510,7 @@ mod tests {
                 "LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS" => s.http.body_timeout.as_secs().to_string(),
                 "LEASEHOLD_HTTP_SHUTDOWN_SECONDS" => s.http.shutdown_timeout.as_secs().to_string(),
                 "LEASEHOLD_HTTP_MAX_CONNECTIONS" => s.http.max_connections.to_string(),
+                "LEASEHOLD_METRICS_INTERVAL_SECONDS" => s.metrics_interval.as_secs().to_string(),
                 // Read by the command line (clap), whose default is the same text.
                 "LEASEHOLD_LOG_FORMAT" => "text".into(),
                 _ => return None,
@@ -699,6 +711,20 @@ mod tests {
                     ..raw()
                 },
                 "LEASEHOLD_HTTP_MAX_CONNECTIONS must be at least 1",
+            ),
+            (
+                Raw {
+                    leasehold_metrics_interval_seconds: Some("0".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_METRICS_INTERVAL_SECONDS must be at least 1",
+            ),
+            (
+                Raw {
+                    leasehold_metrics_interval_seconds: Some("a minute".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_METRICS_INTERVAL_SECONDS must be a whole number",
             ),
             (
                 Raw {
