@@ -30,13 +30,19 @@ cleanup() {
   trap - INT TERM EXIT
   echo
   echo "stopping..."
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  # Leasehold first (it hands its runs back and releases their leases, which needs storage),
+  # then Azurite.
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    kill -TERM "${pids[i]}" 2>/dev/null || true
+    wait "${pids[i]}" 2>/dev/null || true
+  done
   echo "stopped."
 }
 trap cleanup INT TERM EXIT
 
-(cd "$state" && exec "$root/tools/azurite/node_modules/.bin/azurite" --inMemoryPersistence --silent \
+# In a session of its own, so a Ctrl-C at the terminal reaches leasehold only: Azurite must
+# outlive it while it shuts down; the cleanup above stops it last.
+(cd "$state" && exec setsid "$root/tools/azurite/node_modules/.bin/azurite" --inMemoryPersistence --silent \
   --disableTelemetry --skipApiVersionCheck \
   --blobPort "$blob_port" --queuePort "$queue_port" --tablePort "$table_port") >"$state/azurite.log" 2>&1 &
 pids+=($!)
@@ -48,6 +54,8 @@ echo "azurite: blob 127.0.0.1:$blob_port, queue 127.0.0.1:$queue_port (log: .azu
 
 export AzureWebJobsStorage="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;BlobEndpoint=http://127.0.0.1:$blob_port/devstoreaccount1;QueueEndpoint=http://127.0.0.1:$queue_port/devstoreaccount1;"
 export LEASEHOLD_PORT="$port"
+# The dashboard, with a key made for this session (or yours in LEASEHOLD_ADMIN_KEY).
+export LEASEHOLD_ADMIN_KEY=${LEASEHOLD_ADMIN_KEY:-dev-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')}
 "$root/target/debug/leasehold" serve --demo &
 pids+=($!)
 for _ in $(seq 1 100); do
@@ -62,10 +70,12 @@ Leasehold is running (Ctrl-C stops it). Try:
   curl -i -X POST http://127.0.0.1:$port/api/start -H 'Content-Type: application/json' \\
        -d '{"scope": "account", "recordId": "8f9c1d2e-0000-4000-8000-000000000001"}'
 
-and look at the record from another shell:
+and look at it:
 
+  dashboard  http://127.0.0.1:$port/admin   (key: $LEASEHOLD_ADMIN_KEY)
+  or, from another shell:
   AzureWebJobsStorage='$AzureWebJobsStorage' \
-    target/debug/leasehold status --scope account 8f9c1d2e-0000-4000-8000-000000000001
+    target/debug/leasehold status
 
 MSG
 wait "${pids[1]}"
