@@ -10,11 +10,25 @@ use super::{
     register, text_list, text_plan, text_register, text_unregister, unregister,
 };
 
-const CREDENTIALS: &str = "Credentials, in this order: a bearer token in DATAVERSE_ACCESS_TOKEN; a client secret \
+macro_rules! credentials {
+    () => {
+        "Credentials, in this order: a bearer token in DATAVERSE_ACCESS_TOKEN; a client secret \
 (AZURE_TENANT_ID, AZURE_CLIENT_ID, AZURE_CLIENT_SECRET) of an app registration that has an application \
 user in the environment; else the Azure CLI login (az login). The token's scope is \
 <environment-url>/.default. The identity needs a security role with Create, Read, Write and Delete on \
-Service Endpoint and SDK Message Processing Step (System Customizer or System Administrator).";
+Service Endpoint and SDK Message Processing Step (System Customizer or System Administrator)."
+    };
+}
+
+macro_rules! register_examples {
+    () => {
+        "Examples:\n  export LEASEHOLD_START_KEY=$(az functionapp function keys list -g rg-leasehold-dev -n func-leaseholddev --function-name Start --query default -o tsv)\n  \
+leasehold dataverse register --environment-url https://contoso-dev.crm4.dynamics.com \\\n      \
+--start-url https://func-leaseholddev.azurewebsites.net/api/start --table account --messages Create,Update \\\n      \
+--filtering-attributes name,statuscode\n  \
+leasehold dataverse register ... --dry-run      # print the requests (key redacted), send nothing"
+    };
+}
 
 /// Wire a Dataverse (Dynamics 365) environment to Leasehold's Start function: a webhook service
 /// endpoint and one asynchronous post-operation step per table and message.
@@ -29,28 +43,26 @@ pub enum DataverseCommand {
     /// endpoint's description holds a fingerprint of it (16 hex digits of a SHA-256) to see a
     /// rotation. For the tables named, the endpoint's steps become exactly the messages named
     /// (a step for a message no longer named is removed); steps for other tables are left alone.
-    #[command(after_help = REGISTER_EXAMPLES)]
+    #[command(after_help = register_examples!(), after_long_help = concat!(register_examples!(), "\n\n", credentials!()))]
     Register(RegisterArgs),
     /// Show Leasehold's webhook endpoints (names starting with "leasehold") and their steps.
     #[command(
         after_help = "Examples:\n  leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com\n  \
-        leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com --json"
+        leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com --json",
+        after_long_help = concat!("Examples:\n  leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com\n  \
+        leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com --json", "\n\n", credentials!())
     )]
     List(ListArgs),
     /// Remove a webhook endpoint; Dataverse removes its steps with it. Without --name, the one
     /// Leasehold endpoint there is (several: say which with --name).
     #[command(
         after_help = "Examples:\n  leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --dry-run\n  \
-        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net"
+        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net",
+        after_long_help = concat!("Examples:\n  leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --dry-run\n  \
+        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net", "\n\n", credentials!())
     )]
     Unregister(UnregisterArgs),
 }
-
-const REGISTER_EXAMPLES: &str = "Examples:\n  export LEASEHOLD_START_KEY=$(az functionapp keys list -g rg-leasehold-dev -n func-leaseholddev --query functionKeys.default -o tsv)\n  \
-leasehold dataverse register --environment-url https://contoso-dev.crm4.dynamics.com \\\n      \
---start-url https://func-leaseholddev.azurewebsites.net/api/start --table account --messages Create,Update \\\n      \
---filtering-attributes name,statuscode\n  \
-leasehold dataverse register ... --dry-run      # print the requests (key redacted), send nothing";
 
 /// The environment and how to talk to it.
 #[derive(Debug, Args)]
@@ -62,7 +74,6 @@ pub struct Environment {
 }
 
 #[derive(Debug, Args)]
-#[command(after_long_help = CREDENTIALS)]
 pub struct RegisterArgs {
     #[command(flatten)]
     pub environment: Environment,
@@ -95,7 +106,6 @@ pub struct RegisterArgs {
 }
 
 #[derive(Debug, Args)]
-#[command(after_long_help = CREDENTIALS)]
 pub struct ListArgs {
     #[command(flatten)]
     pub environment: Environment,
@@ -108,7 +118,6 @@ pub struct ListArgs {
 }
 
 #[derive(Debug, Args)]
-#[command(after_long_help = CREDENTIALS)]
 pub struct UnregisterArgs {
     #[command(flatten)]
     pub environment: Environment,
