@@ -235,9 +235,9 @@ pub async fn answer(operator: &Operator, request: &ApiRequest<'_>) -> ApiAnswer 
             }
             done(report)
         }
+        ["poison", "requeue" | "purge"] => wrong_method("POST"),
         ["poison", id] if get => done(operator.poison_show(id).await),
         ["overview"] | ["records", _, _] | ["poison"] => wrong_method("GET"),
-        ["poison", "requeue" | "purge"] => wrong_method("POST"),
         ["poison", _] => wrong_method("GET"),
         _ => error(
             404,
@@ -447,7 +447,10 @@ async fn serve_api(State(served): State<Arc<Served>>, request: Request) -> Respo
         .strip_prefix(API_BASE)
         .unwrap_or("")
         .trim_start_matches('/');
-    let query = parts.uri.query().map(url_pairs).unwrap_or_default();
+    let query = match parts.uri.query().map(url_pairs).transpose() {
+        Ok(query) => query.unwrap_or_default(),
+        Err(e) => return api_response(error(400, format!("the query string: {e}"))),
+    };
     let request = ApiRequest {
         method: parts.method.as_str(),
         path,
@@ -457,17 +460,16 @@ async fn serve_api(State(served): State<Arc<Served>>, request: Request) -> Respo
     api_response(answer(&served.operator, &request).await)
 }
 
-fn url_pairs(query: &str) -> Vec<(String, String)> {
+/// The query's name/value pairs, `%XX` and `+` decoded; a bad escape is an error, not an
+/// empty value (`limit=%zz` must not read as no limit).
+fn url_pairs(query: &str) -> Result<Vec<(String, String)>, String> {
     query
         .split('&')
         .filter(|p| !p.is_empty())
         .map(|pair| {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
             let plus = |s: &str| s.replace('+', " ");
-            (
-                decode_segment(&plus(k)).unwrap_or_default(),
-                decode_segment(&plus(v)).unwrap_or_default(),
-            )
+            Ok((decode_segment(&plus(k))?, decode_segment(&plus(v))?))
         })
         .collect()
 }
@@ -636,8 +638,9 @@ mod tests {
         assert_eq!(decode_segment("a%2Fb%20c").unwrap(), "a/b c");
         assert!(decode_segment("a%2").is_err());
         assert!(decode_segment("%ff").is_err());
+        assert!(url_pairs("limit=%zz").is_err());
         assert_eq!(
-            url_pairs("scope=account&limit=5&after=a%2Fb+c"),
+            url_pairs("scope=account&limit=5&after=a%2Fb+c").unwrap(),
             [
                 ("scope".to_string(), "account".to_string()),
                 ("limit".into(), "5".into()),

@@ -305,11 +305,22 @@ async fn the_admin_api_needs_its_key_in_its_header_and_says_what_it_did() {
         ),
         ("/api/admin/nothing", "{}".into(), 404, "no such operation"),
         ("/api/admin/overview", "{}".into(), 405, "GET"),
+        // A misspelt field would otherwise widen the purge to the whole scope.
+        (
+            "/api/admin/poison/purge",
+            r#"{"scope":"account","recordID":"x","confirm":true}"#.into(),
+            400,
+            "recordID",
+        ),
     ] {
         let (got, answer) = post(&app.url(path), &body, &[KEY]).await;
         assert_eq!(got, status, "{path}: {answer}");
         let error = answer["error"].as_str().unwrap_or_default();
         assert!(error.contains(names), "{path}: {error}");
+    }
+    // A GET of a mutation is refused as such (not read as an entry id to scan for).
+    for path in ["/api/admin/poison/requeue", "/api/admin/poison/purge"] {
+        assert_eq!(get(&app.url(path), &[KEY]).await.status(), 405, "{path}");
     }
     let bad_scope = get(&app.url("/api/admin/records/Not%20A%20Scope!/x"), &[KEY]).await;
     assert_eq!(bad_scope.status(), 400);

@@ -202,6 +202,39 @@ async fn status_shows_every_held_record_from_two_listings() {
     let expected: Vec<String> = (0..12).map(|i| format!("a{i:02}")).collect();
     assert_eq!(seen, expected);
 
+    // Pending retriggers of records not held page with the rest.
+    for r in ["p0", "p1", "p2"] {
+        markers
+            .set(&record_key(&scope("queued"), &record(r)))
+            .await
+            .unwrap();
+    }
+    let mut pending = Vec::new();
+    let mut after = None;
+    loop {
+        let page = operator
+            .overview(&OverviewQuery {
+                scope: Some(scope("queued")),
+                limit: Some(2),
+                after: after.clone(),
+            })
+            .await
+            .unwrap();
+        assert!(page.held.is_empty() && page.pending.len() <= 2 && page.pending_count == 3);
+        pending.extend(page.pending.iter().map(|p| p.record_id.to_string()));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(pending, ["p0", "p1", "p2"]);
+    for r in ["p0", "p1", "p2"] {
+        markers
+            .take(&record_key(&scope("queued"), &record(r)))
+            .await
+            .unwrap();
+    }
+
     // The command line: a table with readable times, and JSON with machine values.
     let (ok, text) = env.run(&["status"]).await;
     assert!(ok, "{text}");

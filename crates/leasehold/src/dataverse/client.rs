@@ -119,8 +119,7 @@ pub fn literal(value: &str) -> String {
     format!("'{}'", value.replace('\'', "''"))
 }
 
-/// The Web API client for one environment.
-#[derive(Debug)]
+/// The Web API client for one environment. Its `Debug` leaves the token out.
 pub struct WebApi {
     http: reqwest::Client,
     environment: Url,
@@ -128,6 +127,15 @@ pub struct WebApi {
     credential: Credential,
     token: Mutex<Option<String>>,
     retry: RetryPolicy,
+}
+
+impl std::fmt::Debug for WebApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebApi")
+            .field("environment", &self.environment.as_str())
+            .field("credential", &self.credential)
+            .finish_non_exhaustive()
+    }
 }
 
 impl WebApi {
@@ -372,7 +380,8 @@ pub fn retry_after(headers: &header::HeaderMap) -> Option<Duration> {
         .parse::<f64>()
         .ok()
         .filter(|s| s.is_finite() && *s >= 0.0)
-        .map(Duration::from_secs_f64)
+        // Too long for a Duration (`1e20`): the longest, which the wait limit then refuses.
+        .map(|s| Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX))
 }
 
 /// The Web API error body: `{"error":{"code":"0x…","message":"…"}}`.
@@ -448,5 +457,9 @@ mod tests {
         let mut h = header::HeaderMap::new();
         h.insert(header::RETRY_AFTER, "7".parse().unwrap());
         assert_eq!(retry_after(&h), Some(Duration::from_secs(7)));
+        h.insert(header::RETRY_AFTER, "1e20".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::MAX));
+        h.insert(header::RETRY_AFTER, "1.5".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::from_millis(1500)));
     }
 }

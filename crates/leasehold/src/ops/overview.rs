@@ -5,7 +5,8 @@
 //! state and metadata, and the retrigger markers `retrigger/<scope>/<record>`): one List Blobs
 //! request per 5,000 records, never a request per record, plus three queue requests.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Bound;
 use std::time::SystemTime;
 
 use leasehold_lock::{LOCK_PREFIX, META_GENERATION, META_HOLDER, META_SINCE};
@@ -79,17 +80,18 @@ pub struct Overview {
     pub scope: Option<Scope>,
     pub queue: QueueView,
     pub poison: QueueView,
-    /// Held records, in key order, after `after`, at most `limit`.
+    /// Held records of this page. A page is the next `limit` records after `after` that are
+    /// held or have a retrigger pending, in `scope/record` order.
     pub held: Vec<HeldRecord>,
     /// All held records (of the scope).
     pub held_count: usize,
     /// Records whose retrigger marker is set: a trigger arrived during their run and the
-    /// holder has not yet taken it (after `after`, at most `limit`).
+    /// holder has not yet taken it (those of this page).
     pub pending: Vec<RecordRef>,
     pub pending_count: usize,
     /// Records that have a lock blob (every record that ever ran), held or not.
     pub records_seen: usize,
-    /// Pass as `after` for the next page of held records, when there is one.
+    /// Pass as `after` for the next page, when there is one.
     pub next: Option<String>,
     /// Storage requests this overview took.
     pub requests: u64,
@@ -172,46 +174,50 @@ impl Operator {
         let (records_seen, held) = locks?;
         let now = SystemTime::now();
         let after = query.after.as_deref().unwrap_or("");
-        let held_count = held.len();
-        let mut shown: Vec<HeldRecord> = held
-            .into_iter()
-            .filter(|(record, _)| key_of(record).as_str() > after)
-            .take(limit + 1)
-            .map(|(record, blob)| {
-                let since = blob
+        let (held_count, pending_count) = (held.len(), pending.len());
+        // One page over the records that are held or have a retrigger pending, in the order
+        // blob names list in (`scope/record` as a string), so `next` pages through both.
+        let mut page: BTreeMap<String, (RecordRef, Option<ListedBlob>, bool)> = BTreeMap::new();
+        for (record, blob) in held {
+            page.insert(key_of(&record), (record, Some(blob), false));
+        }
+        for record in pending {
+            page.entry(key_of(&record))
+                .or_insert_with(|| (record, None, false))
+                .2 = true;
+        }
+        let mut keys = page.range::<str, _>((Bound::Excluded(after), Bound::Unbounded));
+        let mut shown = Vec::new();
+        let mut pending_shown = Vec::new();
+        let mut last = None;
+        for (key, (record, blob, retrigger_pending)) in keys.by_ref().take(limit) {
+            last = Some(key.clone());
+            if *retrigger_pending {
+                pending_shown.push(record.clone());
+            }
+            let Some(blob) = blob else { continue };
+            let since = blob
+                .metadata
+                .get(META_SINCE)
+                .and_then(|v| v.parse::<u64>().ok())
+                .map(|ms| SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(ms));
+            shown.push(HeldRecord {
+                retrigger_pending: *retrigger_pending,
+                lease_state: blob.lease.as_str().to_string(),
+                holder: blob.metadata.get(META_HOLDER).cloned(),
+                since,
+                since_age_seconds: since.map(|s| clock::age_seconds(s, now)),
+                generation: blob
                     .metadata
-                    .get(META_SINCE)
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .map(|ms| SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(ms));
-                HeldRecord {
-                    retrigger_pending: pending.contains(&record),
-                    lease_state: blob.lease.as_str().to_string(),
-                    holder: blob.metadata.get(META_HOLDER).cloned(),
-                    since,
-                    since_age_seconds: since.map(|s| clock::age_seconds(s, now)),
-                    generation: blob
-                        .metadata
-                        .get(META_GENERATION)
-                        .and_then(|g| g.parse().ok())
-                        .unwrap_or(0),
-                    scope: record.scope,
-                    record_id: record.record_id,
-                }
-            })
-            .collect();
-        let next = (shown.len() > limit).then(|| {
-            shown.truncate(limit);
-            shown
-                .last()
-                .map(|h| format!("{}/{}", h.scope, h.record_id))
-                .unwrap_or_default()
-        });
-        let pending_count = pending.len();
-        let pending = pending
-            .into_iter()
-            .filter(|r| key_of(r).as_str() > after)
-            .take(limit)
-            .collect();
+                    .get(META_GENERATION)
+                    .and_then(|g| g.parse().ok())
+                    .unwrap_or(0),
+                scope: record.scope.clone(),
+                record_id: record.record_id.clone(),
+            });
+        }
+        let next = keys.next().and(last);
+        let pending = pending_shown;
         Ok(Overview {
             at: now,
             scope: query.scope.clone(),

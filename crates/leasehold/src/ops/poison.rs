@@ -95,8 +95,11 @@ pub struct PoisonList {
 
 /// Which entries [`Operator::poison_requeue`] and [`Operator::poison_purge`] act on: JSON
 /// `{"ids": [..]}`, `{"scope": "..", "recordId": ".."}` (either or both), or `{"all": true}`.
+///
+/// Unknown fields are refused: a misspelt `recordID` must not quietly widen a purge to the whole
+/// scope.
 #[derive(Debug, Clone, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoisonSelection {
     #[serde(default)]
     pub ids: Vec<String>,
@@ -211,6 +214,8 @@ pub struct RequeueReport {
     /// Ids asked for that are not in the poison queue (or are hidden by another scan).
     pub not_found: Vec<String>,
     pub scanned: usize,
+    /// Whether the scan reached the end of the queue (else run it again for the rest).
+    pub complete: bool,
     /// What was done, in one sentence.
     pub message: String,
 }
@@ -223,6 +228,8 @@ pub struct PurgeReport {
     pub failed: Vec<Skipped>,
     pub not_found: Vec<String>,
     pub scanned: usize,
+    /// Whether the scan reached the end of the queue (else run it again for the rest).
+    pub complete: bool,
     pub message: String,
 }
 
@@ -367,6 +374,8 @@ struct Scan {
     failed: Vec<Skipped>,
     purged: Vec<String>,
     found: BTreeSet<String>,
+    /// The scan stopped before the end of the queue (see [`Operator::scan`]).
+    stopped_short: bool,
 }
 
 impl Operator {
@@ -381,8 +390,8 @@ impl Operator {
                 .run("peek poison", || self.inner.poison.peek(limit as u32))
                 .await
                 .map_err(|e| OpsError::storage("peek poison", e))?;
-            // A full peek may have stopped short of the end.
-            let complete = peeked.len() < limit;
+            // Every visible entry, unless the queue holds more than were shown.
+            let complete = peeked.len() < limit || (peeked.len() as u64) >= poison.approximate_messages;
             let entries = peeked
                 .into_iter()
                 .map(|m| entry_of(m.id, m.inserted_at, &m.body))
@@ -392,7 +401,8 @@ impl Operator {
             let scan = self
                 .scan(&PoisonSelection::default(), |_| Act::Keep, Some(limit), &|_| {})
                 .await?;
-            let complete = scan.kept.len() < limit;
+            let complete = !scan.stopped_short
+                && (scan.kept.len() < limit || (scan.kept.len() as u64) >= poison.approximate_messages);
             let mut entries = scan.kept;
             entries.sort_by_key(|e| e.inserted_at);
             (entries, complete)
@@ -443,8 +453,9 @@ impl Operator {
             count_clause(scan.skipped.len(), "skipped (no trigger in them)"),
             count_clause(scan.failed.len(), "failed (still in the poison queue)"),
             count_clause(not_found.len(), "not found"),
-        );
+        ) + short_clause(scan.stopped_short);
         Ok(RequeueReport {
+            complete: !scan.stopped_short,
             requeued: scan.requeued,
             skipped: scan.skipped,
             failed: scan.failed,
@@ -465,8 +476,9 @@ impl Operator {
             if scan.purged.len() == 1 { "y" } else { "ies" },
             count_clause(scan.failed.len(), "failed (still in the poison queue)"),
             count_clause(not_found.len(), "not found"),
-        );
+        ) + short_clause(scan.stopped_short);
         Ok(PurgeReport {
+            complete: !scan.stopped_short,
             purged: scan.purged,
             failed: scan.failed,
             not_found,
@@ -498,6 +510,8 @@ impl Operator {
         // An empty selection (a listing) takes in every entry.
         let everything = selection.check().is_err();
         let mut scan = Scan::default();
+        let mut batches = 0u64;
+        let max_batches = 4 * (total.div_ceil(PEEK_MAX as u64) + 2) + 100;
         // Entries to put back, by id (a receipt is replaced if an entry comes round again).
         let mut put_back: HashMap<String, Taken> = HashMap::new();
         let outcome = async {
@@ -511,7 +525,8 @@ impl Operator {
                 if batch.is_empty() {
                     return Ok(());
                 }
-                let mut new = 0;
+                batches += 1;
+                let (mut new, mut rehidden) = (0, 0);
                 for received in batch {
                     if let Some(again) = put_back.get_mut(&received.id) {
                         // Came round again (the scan outlasted the hiding, as a long one over a
@@ -522,6 +537,7 @@ impl Operator {
                             .await
                         {
                             Ok(receipt) => {
+                                rehidden += 1;
                                 again.received = Received {
                                     pop_receipt: receipt,
                                     ..received
@@ -555,12 +571,15 @@ impl Operator {
                         total,
                     });
                 }
-                // A batch of nothing new: every visible entry was seen (and could not be hidden
-                // again), so the scan has gone round.
-                if new == 0
-                    || selection.satisfied(&scan.found)
+                if selection.satisfied(&scan.found)
                     || keep_at_most.is_some_and(|most| scan.kept.len() >= most)
                 {
+                    return Ok(());
+                }
+                // Nothing new, and what came round could not be hidden again (or the queue keeps
+                // giving far more than it held): stop, and say the scan did not reach the end.
+                if (new == 0 && rehidden == 0) || batches > max_batches {
+                    scan.stopped_short = true;
                     return Ok(());
                 }
             }
@@ -619,20 +638,26 @@ impl Operator {
         };
         // Only now the entry goes: dying before this leaves it in both places.
         match self.delete_taken(&taken).await {
-            Ok(()) => scan.requeued.push(requeued),
-            Err(why) => {
+            Ok(()) => {}
+            Err(Removal::Gone) => scan.failed.push(Skipped {
+                id,
+                why: format!("requeued; removing the entry then {GONE}"),
+            }),
+            Err(Removal::Failed(why)) => {
                 scan.failed.push(Skipped {
                     id,
                     why: format!(
                         "requeued, but removing the entry failed ({why}); it stays in the poison queue"
                     ),
                 });
-                scan.requeued.push(requeued);
+                // Visible again at the end of the scan, and not taken up again before it.
+                put_back.insert(taken.received.id.clone(), taken);
             }
         }
+        scan.requeued.push(requeued);
     }
 
-    async fn purge_one(&self, taken: Taken, scan: &mut Scan, _put_back: &mut HashMap<String, Taken>) {
+    async fn purge_one(&self, taken: Taken, scan: &mut Scan, put_back: &mut HashMap<String, Taken>) {
         let id = taken.entry.id.clone();
         match self.delete_taken(&taken).await {
             Ok(()) => {
@@ -640,11 +665,18 @@ impl Operator {
                     record = ?taken.entry.record_id.as_ref().map(RecordId::as_str), "poison: purged an entry");
                 scan.purged.push(id);
             }
-            Err(why) => scan.failed.push(Skipped { id, why }),
+            Err(Removal::Gone) => scan.failed.push(Skipped {
+                id,
+                why: format!("removing the entry {GONE}"),
+            }),
+            Err(Removal::Failed(why)) => {
+                scan.failed.push(Skipped { id, why });
+                put_back.insert(taken.received.id.clone(), taken);
+            }
         }
     }
 
-    async fn delete_taken(&self, taken: &Taken) -> Result<(), String> {
+    async fn delete_taken(&self, taken: &Taken) -> Result<(), Removal> {
         let r = &taken.received;
         match self
             .inner
@@ -655,14 +687,23 @@ impl Operator {
             .await
         {
             Ok(()) => Ok(()),
-            // Someone else took it since (the hiding ran out): it is theirs now.
-            Err(e) if e.kind() == StoreErrorKind::NotFound => {
-                Err("another reader took the entry meanwhile".to_string())
-            }
-            Err(e) => Err(e.to_string()),
+            Err(e) if e.kind() == StoreErrorKind::NotFound => Err(Removal::Gone),
+            Err(e) => Err(Removal::Failed(e.to_string())),
         }
     }
 }
+
+/// Why an entry was not removed.
+enum Removal {
+    /// The queue no longer knows the receipt: an earlier try whose answer was lost removed the
+    /// entry, or the hiding ran out and another reader took it.
+    Gone,
+    /// Storage refused or did not answer; the entry is still there.
+    Failed(String),
+}
+
+const GONE: &str = "answered \"not found\": an earlier try whose answer was lost removed it, or another \
+                    reader took it meanwhile (look with `leasehold poison list`)";
 
 fn missing(selection: &PoisonSelection, found: &BTreeSet<String>) -> Vec<String> {
     selection
@@ -671,6 +712,14 @@ fn missing(selection: &PoisonSelection, found: &BTreeSet<String>) -> Vec<String>
         .filter(|id| !found.contains(*id))
         .cloned()
         .collect()
+}
+
+fn short_clause(stopped_short: bool) -> &'static str {
+    if stopped_short {
+        "; the scan stopped before the end of the queue (entries kept coming round): run it again for the rest"
+    } else {
+        ""
+    }
 }
 
 fn count_clause(n: usize, what: &str) -> String {
@@ -690,7 +739,167 @@ fn not_in_poison(queue: &str, id: &str) -> OpsError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use leasehold_runtime::{Error, TriggerKind};
+    use std::sync::Arc;
+
+    use async_trait::async_trait;
+    use leasehold_lock::memory::MemoryStore;
+    use leasehold_lock::{LeaseLock, LeaseOptions};
+    use leasehold_runtime::{Enqueued, Error, MemoryMarkers, MemoryQueue, Peeked, TriggerKind, TriggerQueue};
+    use leasehold_storage::azure::BlobContainer;
+    use leasehold_storage::{Op, OpCounters, StorageAccount, StoreError, StoreResult};
+
+    /// A queue over a memory queue whose puts take a second (of paused time) and whose
+    /// deletes can be made to fail.
+    #[derive(Debug)]
+    struct Slow {
+        inner: MemoryQueue,
+        put_takes: Duration,
+        deletes_fail: bool,
+    }
+
+    #[async_trait]
+    impl TriggerQueue for Slow {
+        fn name(&self) -> &str {
+            self.inner.name()
+        }
+        async fn put(&self, body: &str, delay: Duration) -> StoreResult<Enqueued> {
+            tokio::time::sleep(self.put_takes).await;
+            self.inner.put(body, delay).await
+        }
+        async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
+            self.inner.get(max, visibility).await
+        }
+        async fn delete(&self, id: &str, receipt: &str) -> StoreResult<()> {
+            if self.deletes_fail {
+                return Err(
+                    StoreError::new(StoreErrorKind::Rejected, Op::QueueDelete, "refused")
+                        .with_status(403, None),
+                );
+            }
+            self.inner.delete(id, receipt).await
+        }
+        async fn set_visibility(
+            &self,
+            id: &str,
+            receipt: &str,
+            body: &str,
+            v: Duration,
+        ) -> StoreResult<String> {
+            self.inner.set_visibility(id, receipt, body, v).await
+        }
+        async fn approximate_len(&self) -> StoreResult<u64> {
+            self.inner.approximate_len().await
+        }
+        async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
+            self.inner.peek(max).await
+        }
+        fn counters(&self) -> &OpCounters {
+            self.inner.counters()
+        }
+    }
+
+    fn slow(name: &str, put_takes: Duration, deletes_fail: bool) -> Arc<Slow> {
+        Arc::new(Slow {
+            inner: MemoryQueue::new(name, OpCounters::new()),
+            put_takes,
+            deletes_fail,
+        })
+    }
+
+    /// An operator over memory queues (the container is never contacted by poison operations).
+    fn operator(queue: Arc<Slow>, poison: Arc<Slow>) -> Operator {
+        let lock = LeaseLock::new(Arc::new(MemoryStore::new()), LeaseOptions::default()).unwrap();
+        let account = StorageAccount::emulator("127.0.0.1", 1, 2);
+        Operator::from_parts(
+            queue,
+            poison,
+            lock,
+            Arc::new(MemoryMarkers::new()),
+            BlobContainer::new(&account, "unused", OpCounters::new()),
+            OpCounters::new(),
+        )
+        .with_scan_hide(Duration::from_secs(1))
+    }
+
+    async fn fill(poison: &Slow, records: impl Iterator<Item = String>) {
+        for r in records {
+            let t = trigger(&r);
+            let error = Error::Logic(leasehold_runtime::LogicError::new("boom"));
+            let entry = PoisonMessage::new(t.encode(), Some(t), &error, 5).encode();
+            poison.inner.put(&entry, Duration::ZERO).await.unwrap();
+        }
+    }
+
+    /// A requeue that outlasts the hiding of the entries it keeps: they come round again
+    /// ahead of the rest of the queue, are hidden afresh, and the scan still reaches the end.
+    #[tokio::test(start_paused = true)]
+    async fn a_scan_that_outlasts_its_hiding_still_reaches_the_end_of_the_queue() {
+        let (queue, poison) = (
+            slow("q", Duration::from_secs(1), false),
+            slow("p", Duration::ZERO, false),
+        );
+        fill(&poison, (0..64).map(|i| format!("keep{i:02}"))).await;
+        fill(&poison, (0..36).map(|i| format!("go{i:02}"))).await;
+        // Requeue the "go" records by id: they sit behind 64 entries the scan keeps.
+        let ids: Vec<String> = {
+            let all = operator(queue.clone(), poison.clone())
+                .poison_list(&PoisonQuery { limit: Some(200) })
+                .await
+                .unwrap();
+            all.entries
+                .into_iter()
+                .filter(|e| e.record_id.as_ref().is_some_and(|r| r.as_str().starts_with("go")))
+                .map(|e| e.id)
+                .collect()
+        };
+        assert_eq!(ids.len(), 36);
+        let report = operator(queue.clone(), poison.clone())
+            .poison_requeue(&PoisonSelection::ids(ids), &|_| {})
+            .await
+            .unwrap();
+        assert_eq!(report.requeued.len(), 36, "{}", report.message);
+        assert!(
+            report.complete && report.not_found.is_empty(),
+            "{}",
+            report.message
+        );
+        assert_eq!(queue.inner.bodies().len(), 36);
+        // The kept entries are all there, and visible at once.
+        assert_eq!(poison.inner.bodies().len(), 64);
+        assert_eq!(
+            poison.inner.get(32, Duration::from_secs(30)).await.unwrap().len(),
+            32
+        );
+        assert_eq!(
+            poison.inner.get(32, Duration::from_secs(30)).await.unwrap().len(),
+            32
+        );
+    }
+
+    /// A requeue whose removal of the entry fails leaves the entry in the poison queue, visible
+    /// again at once (not hidden for the scan's hiding), and taken up only once.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_removal_puts_the_entry_back_and_requeues_it_once() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, true));
+        fill(&poison, (0..3).map(|i| format!("r{i}"))).await;
+        let report = operator(queue.clone(), poison.clone())
+            .poison_requeue(&PoisonSelection::all(), &|_| {})
+            .await
+            .unwrap();
+        assert_eq!(
+            (report.requeued.len(), report.failed.len()),
+            (3, 3),
+            "{}",
+            report.message
+        );
+        assert!(report.failed[0].why.contains("stays in the poison queue"));
+        assert_eq!(queue.inner.bodies().len(), 3, "each requeued once");
+        assert_eq!(
+            poison.inner.peek(32).await.unwrap().len(),
+            3,
+            "visible again at once"
+        );
+    }
 
     fn trigger(record: &str) -> TriggerMessage {
         TriggerMessage::new(Scope::parse("account").unwrap(), RecordId::parse(record).unwrap())
@@ -734,6 +943,9 @@ mod tests {
         assert!(!PoisonSelection::matching(scope, RecordId::parse("r2").ok()).selects(&e));
         let parsed: PoisonSelection = serde_json::from_str(r#"{"scope":"account","recordId":"r1"}"#).unwrap();
         assert!(parsed.check().is_ok() && parsed.selects(&e));
+        // A misspelt field is an error, not a wider selection.
+        let typo = serde_json::from_str::<PoisonSelection>(r#"{"scope":"account","recordID":"r1"}"#);
+        assert!(typo.unwrap_err().to_string().contains("recordID"));
     }
 
     #[test]
