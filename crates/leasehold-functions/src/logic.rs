@@ -267,6 +267,7 @@ impl CommandLogic {
 #[derive(Default)]
 struct Tail(Vec<u8>);
 
+#[cfg(unix)]
 impl Tail {
     fn push(&mut self, chunk: &[u8]) {
         self.0.extend_from_slice(chunk);

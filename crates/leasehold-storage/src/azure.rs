@@ -411,6 +411,52 @@ Time:2026-11-22T17:00:00Z</Message><AuthenticationErrorDetail>The MAC signature 
         assert_eq!(service_message(b"<Message></Message>"), None);
     }
 
+    /// Storage never redirects: a 3xx answer is surfaced as an error with its status, and the
+    /// request (signed for one URL) is not re-sent to the `Location`.
+    #[tokio::test]
+    async fn a_redirect_is_an_error_not_followed() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::net::TcpListener;
+
+        // Where the redirect points: counts whoever comes.
+        let elsewhere = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let elsewhere_port = elsewhere.local_addr().unwrap().port();
+        let followed = Arc::new(AtomicUsize::new(0));
+        let count = followed.clone();
+        let watcher = tokio::spawn(async move {
+            while let Ok((_stream, _)) = elsewhere.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        // The "storage account": answers every request with a redirect.
+        let server = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let redirector = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = server.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    let _ = stream.read(&mut buf).await;
+                    let answer = format!(
+                        "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:{elsewhere_port}/devstoreaccount1/c/x\r\nContent-Length: 0\r\n\r\n"
+                    );
+                    let _ = stream.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        let account = StorageAccount::emulator("127.0.0.1", port, port);
+        let container = BlobContainer::new(&account, "c", OpCounters::new());
+        let e = container.exists("x").await.unwrap_err();
+        assert_eq!(e.status(), Some(307), "{e}");
+        assert_eq!(
+            followed.load(Ordering::SeqCst),
+            0,
+            "the redirect was not followed"
+        );
+        redirector.abort();
+        watcher.abort();
+    }
+
     #[test]
     fn storage_answers_are_classified() {
         use StoreErrorKind::*;
