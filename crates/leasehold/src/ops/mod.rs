@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Result;
 use leasehold_lock::RetryOptions;
 use leasehold_runtime::{
-    MarkerStore, RecordId, Scope, TriggerMessage, TriggerQueue, poison_queue_name, record_key, record_status,
+    MarkerStore, RecordId, Scope, TriggerMessage, TriggerQueue, record_key, record_status,
 };
 use leasehold_storage::OpCounters;
 use leasehold_storage::azure::BlobContainer;
@@ -68,6 +68,7 @@ pub struct Operator {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     queue: Arc<dyn TriggerQueue>,
     poison: Arc<dyn TriggerQueue>,
@@ -157,17 +158,8 @@ impl Operator {
     /// The same operator, hiding the poison entries a scan looks at for `hide` (60 s unless
     /// set; tests shorten it).
     pub fn with_scan_hide(self, hide: Duration) -> Self {
-        let inner = Inner {
-            queue: self.inner.queue.clone(),
-            poison: self.inner.poison.clone(),
-            lock: self.inner.lock.clone(),
-            markers: self.inner.markers.clone(),
-            container: self.inner.container.clone(),
-            counters: self.inner.counters.clone(),
-            lease_seconds: self.inner.lease_seconds,
-            scan_hide: hide,
-            retry: self.inner.retry.clone(),
-        };
+        let mut inner = (*self.inner).clone();
+        inner.scan_hide = hide;
         Self {
             inner: Arc::new(inner),
         }
@@ -264,9 +256,4 @@ impl Operator {
             ))
         }
     }
-}
-
-/// The poison queue of `settings`' trigger queue.
-pub fn poison_name(settings: &Settings) -> String {
-    poison_queue_name(&settings.queue)
 }
