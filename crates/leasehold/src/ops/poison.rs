@@ -401,9 +401,15 @@ impl Operator {
             let scan = self
                 .scan(&PoisonSelection::default(), |_| Act::Keep, Some(limit), &|_| {})
                 .await?;
+            let taken = scan.kept.len();
+            // Every entry, unless the scan stopped short, kept more than the limit (it keeps
+            // whole batches of 32), or the queue holds more than it took.
             let complete = !scan.stopped_short
-                && (scan.kept.len() < limit || (scan.kept.len() as u64) >= poison.approximate_messages);
+                && taken <= limit
+                && (taken < limit || (taken as u64) >= poison.approximate_messages);
             let mut entries = scan.kept;
+            // The first `limit` in queue order.
+            entries.truncate(limit);
             entries.sort_by_key(|e| e.inserted_at);
             (entries, complete)
         };
@@ -748,13 +754,16 @@ mod tests {
     use leasehold_storage::azure::BlobContainer;
     use leasehold_storage::{Op, OpCounters, StorageAccount, StoreError, StoreResult};
 
-    /// A queue over a memory queue whose puts take a second (of paused time) and whose
-    /// deletes can be made to fail.
+    /// A queue over a memory queue whose puts take a while (of paused time), whose deletes
+    /// can be made to fail or to answer "not found", and which can hand out a new entry at
+    /// every get (a queue something keeps filling), counting gets.
     #[derive(Debug)]
     struct Slow {
         inner: MemoryQueue,
         put_takes: Duration,
         deletes_fail: bool,
+        deletes_not_found: bool,
+        endless: Option<std::sync::atomic::AtomicU64>,
     }
 
     #[async_trait]
@@ -767,9 +776,24 @@ mod tests {
             self.inner.put(body, delay).await
         }
         async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
+            if let Some(gets) = &self.endless {
+                let n = gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                return Ok(vec![Received {
+                    id: format!("endless{n}"),
+                    pop_receipt: "r".into(),
+                    dequeue_count: 1,
+                    body: "not a trigger".into(),
+                    inserted_at: None,
+                }]);
+            }
             self.inner.get(max, visibility).await
         }
         async fn delete(&self, id: &str, receipt: &str) -> StoreResult<()> {
+            if self.deletes_not_found {
+                return Err(
+                    StoreError::new(StoreErrorKind::NotFound, Op::QueueDelete, "").with_status(404, None)
+                );
+            }
             if self.deletes_fail {
                 return Err(
                     StoreError::new(StoreErrorKind::Rejected, Op::QueueDelete, "refused")
@@ -785,6 +809,9 @@ mod tests {
             body: &str,
             v: Duration,
         ) -> StoreResult<String> {
+            if self.endless.is_some() {
+                return Ok("r".into());
+            }
             self.inner.set_visibility(id, receipt, body, v).await
         }
         async fn approximate_len(&self) -> StoreResult<u64> {
@@ -803,6 +830,8 @@ mod tests {
             inner: MemoryQueue::new(name, OpCounters::new()),
             put_takes,
             deletes_fail,
+            deletes_not_found: false,
+            endless: None,
         })
     }
 
@@ -940,6 +969,16 @@ mod tests {
         assert!(!PoisonSelection::ids(["m2".to_string()]).selects(&e));
         let scope = Scope::parse("account").ok();
         assert!(PoisonSelection::matching(scope.clone(), None).selects(&e));
+        assert!(!PoisonSelection::matching(Scope::parse("contact").ok(), None).selects(&e));
+        assert!(PoisonSelection::matching(None, RecordId::parse("r1").ok()).selects(&e));
+        assert!(PoisonSelection::matching(scope.clone(), None).check().is_ok());
+        assert!(
+            PoisonSelection::matching(None, RecordId::parse("r1").ok())
+                .check()
+                .is_ok()
+        );
+        let empty = PoisonSelection::default().check().unwrap_err().to_string();
+        assert!(empty.starts_with("select the entries: "), "{empty}");
         assert!(!PoisonSelection::matching(scope, RecordId::parse("r2").ok()).selects(&e));
         let parsed: PoisonSelection = serde_json::from_str(r#"{"scope":"account","recordId":"r1"}"#).unwrap();
         assert!(parsed.check().is_ok() && parsed.selects(&e));
@@ -965,7 +1004,13 @@ mod tests {
             Some(t0 + Duration::from_secs(30)),
             &trigger("r2").encode(),
         );
-        let records = by_record(&[a, b, c]);
+        let mut older = entry_of(
+            "m0".into(),
+            Some(t0 - Duration::from_secs(10)),
+            &trigger("r1").encode(),
+        );
+        older.reason = "oldest".into();
+        let records = by_record(&[a, b, c, older]);
         assert_eq!(records[0].record_id.as_str(), "r1");
         assert_eq!(
             (
@@ -973,10 +1018,152 @@ mod tests {
                 records[0].attempts,
                 records[0].reason.as_str()
             ),
-            (2, 3, "second")
+            (3, 3, "second")
         );
-        assert_eq!(records[0].first_seen, Some(t0));
+        assert_eq!(records[0].first_seen, Some(t0 - Duration::from_secs(10)));
         assert_eq!(records[0].last_seen, Some(t0 + Duration::from_secs(60)));
         assert_eq!(records[1].record_id.as_str(), "r2");
+    }
+
+    fn ids_of(list: &PoisonList, prefix: &str) -> Vec<String> {
+        list.entries
+            .iter()
+            .filter(|e| {
+                e.record_id
+                    .as_ref()
+                    .is_some_and(|r| r.as_str().starts_with(prefix))
+            })
+            .map(|e| e.id.clone())
+            .collect()
+    }
+
+    /// Listing: a peek up to 32, a scan beyond, and `complete` says whether every entry is in.
+    #[tokio::test(start_paused = true)]
+    async fn a_listing_says_whether_it_holds_every_entry() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        fill(&poison, (0..10).map(|i| format!("r{i:02}"))).await;
+        let op = operator(queue.clone(), poison.clone());
+        let peeked = op.poison_list(&PoisonQuery::default()).await.unwrap();
+        assert_eq!((peeked.entries.len(), peeked.complete), (10, true));
+        let few = op.poison_list(&PoisonQuery { limit: Some(4) }).await.unwrap();
+        assert_eq!((few.entries.len(), few.complete), (4, false));
+        fill(&poison, (10..100).map(|i| format!("r{i:02}"))).await;
+        let peeked = op.poison_list(&PoisonQuery::default()).await.unwrap();
+        assert_eq!((peeked.entries.len(), peeked.complete), (32, false));
+        let all = op.poison_list(&PoisonQuery { limit: Some(200) }).await.unwrap();
+        assert_eq!((all.entries.len(), all.complete), (100, true));
+        let some = op.poison_list(&PoisonQuery { limit: Some(40) }).await.unwrap();
+        assert_eq!((some.entries.len(), some.complete), (40, false));
+        let most = op.poison_list(&PoisonQuery { limit: Some(90) }).await.unwrap();
+        assert_eq!(
+            (most.entries.len(), most.complete),
+            (90, false),
+            "cut to the limit"
+        );
+        // Oldest first, and every entry visible again after the scans.
+        assert_eq!(all.entries[0].record_id.as_ref().unwrap().as_str(), "r00");
+        assert_eq!(poison.inner.peek(32).await.unwrap().len(), 32);
+    }
+
+    /// Acting by id stops once every id is found; purge removes what it names and counts it.
+    #[tokio::test(start_paused = true)]
+    async fn purge_by_id_removes_those_entries_and_stops_when_it_found_them() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        fill(&poison, (0..100).map(|i| format!("r{i:02}"))).await;
+        let op = operator(queue.clone(), poison.clone());
+        let list = op.poison_list(&PoisonQuery { limit: Some(200) }).await.unwrap();
+        let front = ids_of(&list, "r0");
+        assert_eq!(front.len(), 10);
+        let report = op
+            .poison_purge(&PoisonSelection::ids(front.clone()))
+            .await
+            .unwrap();
+        assert_eq!(report.purged, front);
+        assert!(report.complete && report.failed.is_empty() && report.not_found.is_empty());
+        assert_eq!(
+            report.scanned, 32,
+            "it stopped after the batch that held the last id"
+        );
+        assert_eq!(poison.inner.bodies().len(), 90);
+        assert!(
+            queue.inner.bodies().is_empty(),
+            "a purge puts nothing on the trigger queue"
+        );
+    }
+
+    /// Progress counts what was looked at and what was done.
+    #[tokio::test(start_paused = true)]
+    async fn a_requeue_reports_its_progress() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        fill(&poison, (0..5).map(|i| format!("r{i}"))).await;
+        poison.inner.put("not a trigger", Duration::ZERO).await.unwrap();
+        let seen = std::sync::Mutex::new(Vec::new());
+        let report = operator(queue.clone(), poison.clone())
+            .poison_requeue(&PoisonSelection::all(), &|p| {
+                seen.lock().unwrap().push((p.scanned, p.done, p.total))
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            (report.requeued.len(), report.skipped.len(), report.scanned),
+            (5, 1, 6)
+        );
+        assert_eq!(
+            seen.into_inner().unwrap(),
+            [(1, 1, 6), (2, 2, 6), (3, 3, 6), (4, 4, 6), (5, 5, 6), (6, 5, 6)]
+        );
+    }
+
+    /// A delete answering "not found" (an earlier try removed it, or another reader took it)
+    /// is reported as such, and the entry is not put back under a stale receipt.
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_answered_not_found_is_reported_as_gone() {
+        let queue = slow("q", Duration::ZERO, false);
+        let poison = Arc::new(Slow {
+            inner: MemoryQueue::new("p", OpCounters::new()),
+            put_takes: Duration::ZERO,
+            deletes_fail: false,
+            deletes_not_found: true,
+            endless: None,
+        });
+        fill(&poison, std::iter::once("r1".to_string())).await;
+        let report = operator(queue, poison.clone())
+            .poison_purge(&PoisonSelection::all())
+            .await
+            .unwrap();
+        assert!(report.purged.is_empty());
+        assert!(report.failed[0].why.contains("not found"), "{:?}", report.failed);
+        // Not put back: it stays hidden under the scan's take until that ends.
+        assert!(poison.inner.peek(32).await.unwrap().is_empty());
+    }
+
+    /// A queue that never runs dry (something keeps filling it) does not keep a scan going for
+    /// ever: it stops after 4 × (batches the queue held + 2) + 100 batches, and says so.
+    #[tokio::test(start_paused = true)]
+    async fn a_scan_of_a_queue_that_never_runs_dry_stops_and_says_so() {
+        let queue = slow("q", Duration::ZERO, false);
+        let poison = Arc::new(Slow {
+            inner: MemoryQueue::new("p", OpCounters::new()),
+            put_takes: Duration::ZERO,
+            deletes_fail: false,
+            deletes_not_found: false,
+            endless: Some(0.into()),
+        });
+        let report = operator(queue, poison.clone())
+            .poison_purge(&PoisonSelection::all())
+            .await
+            .unwrap();
+        assert!(
+            !report.complete && report.message.contains("run it again"),
+            "{}",
+            report.message
+        );
+        // The queue held nothing when the scan began: 4 × (0 + 2) + 100 = 108 batches, then one more.
+        let gets = poison
+            .endless
+            .as_ref()
+            .unwrap()
+            .load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!((gets, report.scanned), (109, 109));
     }
 }
