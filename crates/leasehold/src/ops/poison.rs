@@ -951,7 +951,10 @@ mod tests {
         // Anything else is shown, not requeued.
         let e = entry_of("m3".into(), None, &"x".repeat(10_000));
         assert!(!e.is_trigger);
-        assert!(e.body.unwrap().ends_with("[…]"));
+        assert_eq!(e.body.unwrap(), format!("{} […]", "x".repeat(BODY_SHOWN)));
+        // Cut at a character boundary: 4,096 bytes of 3-byte characters keep 1,365 of them.
+        let e = entry_of("m4".into(), None, &"€".repeat(3_000));
+        assert_eq!(e.body.unwrap(), format!("{} […]", "€".repeat(BODY_SHOWN / 3)));
     }
 
     #[test]
@@ -1047,7 +1050,22 @@ mod tests {
         assert_eq!((peeked.entries.len(), peeked.complete), (10, true));
         let few = op.poison_list(&PoisonQuery { limit: Some(4) }).await.unwrap();
         assert_eq!((few.entries.len(), few.complete), (4, false));
-        fill(&poison, (10..100).map(|i| format!("r{i:02}"))).await;
+        // Entries another reader holds hidden are not "more": every visible one is shown.
+        let held = poison.inner.get(3, Duration::from_secs(30)).await.unwrap();
+        let visible = op.poison_list(&PoisonQuery::default()).await.unwrap();
+        assert_eq!((visible.entries.len(), visible.complete), (7, true));
+        for m in held {
+            poison
+                .inner
+                .set_visibility(&m.id, &m.pop_receipt, &m.body, Duration::ZERO)
+                .await
+                .unwrap();
+        }
+        fill(&poison, (10..50).map(|i| format!("r{i:02}"))).await;
+        // A scan takes whole batches (32 + 18 here): cut to 40 of 50, it is not complete.
+        let cut = op.poison_list(&PoisonQuery { limit: Some(40) }).await.unwrap();
+        assert_eq!((cut.entries.len(), cut.complete), (40, false));
+        fill(&poison, (50..100).map(|i| format!("r{i:02}"))).await;
         let peeked = op.poison_list(&PoisonQuery::default()).await.unwrap();
         assert_eq!((peeked.entries.len(), peeked.complete), (32, false));
         let all = op.poison_list(&PoisonQuery { limit: Some(200) }).await.unwrap();
