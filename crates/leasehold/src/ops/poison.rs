@@ -1054,6 +1054,8 @@ mod tests {
         let held = poison.inner.get(3, Duration::from_secs(30)).await.unwrap();
         let visible = op.poison_list(&PoisonQuery::default()).await.unwrap();
         assert_eq!((visible.entries.len(), visible.complete), (7, true));
+        let scanned = op.poison_list(&PoisonQuery { limit: Some(100) }).await.unwrap();
+        assert_eq!((scanned.entries.len(), scanned.complete), (7, true));
         for m in held {
             poison
                 .inner
