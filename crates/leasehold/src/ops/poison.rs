@@ -1186,4 +1186,65 @@ mod tests {
             .load(std::sync::atomic::Ordering::SeqCst);
         assert_eq!((gets, report.scanned), (109, 109));
     }
+
+    /// `show` finds an entry at the front (a peek) and behind it (a scan), and says when there
+    /// is none.
+    #[tokio::test(start_paused = true)]
+    async fn show_finds_an_entry_wherever_it_is() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        fill(&poison, (0..50).map(|i| format!("r{i:02}"))).await;
+        let op = operator(queue, poison.clone());
+        let list = op.poison_list(&PoisonQuery { limit: Some(100) }).await.unwrap();
+        for wanted in ["r01", "r45"] {
+            let id = ids_of(&list, wanted).remove(0);
+            let shown = op.poison_show(&id).await.unwrap();
+            assert_eq!(
+                (shown.id.as_str(), shown.record_id.unwrap().as_str()),
+                (id.as_str(), wanted)
+            );
+        }
+        assert_eq!(op.poison_show("nothing").await.unwrap_err().status(), 404);
+        assert_eq!(
+            poison.inner.peek(32).await.unwrap().len(),
+            32,
+            "all visible again"
+        );
+    }
+
+    /// What a scan took comes back by itself if the scan dies: after its hiding, which is 2 s
+    /// a batch of 32 entries in the queue when that is longer than the set hiding.
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_scans_entries_come_back_when_its_hiding_ends() {
+        let (queue, poison) = (
+            slow("q", Duration::from_secs(1000), false),
+            slow("p", Duration::ZERO, false),
+        );
+        fill(&poison, (0..100).map(|i| format!("r{i:02}"))).await;
+        let op = operator(queue, poison.clone());
+        // Dies in its first put: the first batch of 32 is taken, hidden for 2 × 4 = 8 s.
+        let died = tokio::time::timeout(
+            Duration::from_millis(10),
+            op.poison_requeue(&PoisonSelection::all(), &|_| {}),
+        )
+        .await;
+        assert!(died.is_err());
+        let front = || async {
+            let peeked = poison.inner.peek(1).await.unwrap();
+            TriggerMessage::decode(
+                &PoisonMessage::decode(&peeked[0].body)
+                    .unwrap()
+                    .trigger
+                    .unwrap()
+                    .encode(),
+            )
+            .unwrap()
+            .record_id
+            .to_string()
+        };
+        tokio::time::sleep(Duration::from_millis(7_900)).await;
+        assert_eq!(front().await, "r32", "still hidden just before 8 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(front().await, "r00", "back after 8 s");
+        assert_eq!(poison.inner.bodies().len(), 100, "nothing lost");
+    }
 }
