@@ -1247,4 +1247,25 @@ mod tests {
         assert_eq!(front().await, "r00", "back after 8 s");
         assert_eq!(poison.inner.bodies().len(), 100, "nothing lost");
     }
+
+    /// Ids not in the queue are named, and the message counts what was done and what not.
+    #[tokio::test(start_paused = true)]
+    async fn a_requeue_names_the_ids_it_did_not_find() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        fill(&poison, (0..3).map(|i| format!("r{i}"))).await;
+        let op = operator(queue, poison);
+        let list = op.poison_list(&PoisonQuery::default()).await.unwrap();
+        let wanted = vec![list.entries[1].id.clone(), "no-such-id".to_string()];
+        let report = op
+            .poison_requeue(&PoisonSelection::ids(wanted), &|_| {})
+            .await
+            .unwrap();
+        assert_eq!(report.not_found, ["no-such-id"]);
+        assert_eq!(report.message, "requeued 1 entry as fresh triggers; 1 not found");
+        let report = op
+            .poison_purge(&PoisonSelection::ids(["gone".to_string()]))
+            .await
+            .unwrap();
+        assert_eq!(report.message, "purged 0 entries; 1 not found");
+    }
 }
