@@ -951,10 +951,10 @@ mod tests {
         // Anything else is shown, not requeued.
         let e = entry_of("m3".into(), None, &"x".repeat(10_000));
         assert!(!e.is_trigger);
-        assert_eq!(e.body.unwrap(), format!("{} […]", "x".repeat(BODY_SHOWN)));
+        assert_eq!(e.body.unwrap(), format!("{} […]", "x".repeat(4096)));
         // Cut at a character boundary: 4,096 bytes of 3-byte characters keep 1,365 of them.
         let e = entry_of("m4".into(), None, &"€".repeat(3_000));
-        assert_eq!(e.body.unwrap(), format!("{} […]", "€".repeat(BODY_SHOWN / 3)));
+        assert_eq!(e.body.unwrap(), format!("{} […]", "€".repeat(1365)));
     }
 
     #[test]
