@@ -1074,6 +1074,9 @@ mod tests {
         assert_eq!((all.entries.len(), all.complete), (100, true));
         let some = op.poison_list(&PoisonQuery { limit: Some(40) }).await.unwrap();
         assert_eq!((some.entries.len(), some.complete), (40, false));
+        // Exactly two batches taken, exactly the limit, and more in the queue: not complete.
+        let two = op.poison_list(&PoisonQuery { limit: Some(64) }).await.unwrap();
+        assert_eq!((two.entries.len(), two.complete), (64, false));
         let most = op.poison_list(&PoisonQuery { limit: Some(90) }).await.unwrap();
         assert_eq!(
             (most.entries.len(), most.complete),
