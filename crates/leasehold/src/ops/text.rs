@@ -4,7 +4,7 @@ use std::fmt::Write;
 use std::time::SystemTime;
 
 use super::clock::readable;
-use super::{Overview, PoisonEntry, PoisonList, PurgeReport, QueueView, RecordView, RequeueReport};
+use super::{Overview, PoisonEntry, PoisonList, PurgeReport, QueueView, RecordView, RequeueReport, Skipped};
 
 fn when(at: Option<SystemTime>, now: SystemTime) -> String {
     at.map_or_else(|| "-".into(), |at| readable(at, now))
@@ -241,27 +241,26 @@ pub fn requeue(r: &RequeueReport) -> String {
     for s in &r.skipped {
         out.push(format!("skipped {}: {}", s.id, s.why));
     }
-    for f in &r.failed {
-        out.push(format!("failed {}: {}", f.id, f.why));
-    }
-    for id in &r.not_found {
-        out.push(format!("not found: {id}"));
-    }
-    out.push(r.message.clone());
+    outcome_lines(&mut out, &r.failed, &r.not_found, &r.message);
     out.join("\n")
 }
 
 /// `leasehold poison purge`.
 pub fn purge(r: &PurgeReport) -> String {
     let mut out = Vec::new();
-    for f in &r.failed {
+    outcome_lines(&mut out, &r.failed, &r.not_found, &r.message);
+    out.join("\n")
+}
+
+/// The lines both reports end with: what failed, what was not found, and the summary.
+fn outcome_lines(out: &mut Vec<String>, failed: &[Skipped], not_found: &[String], message: &str) {
+    for f in failed {
         out.push(format!("failed {}: {}", f.id, f.why));
     }
-    for id in &r.not_found {
+    for id in not_found {
         out.push(format!("not found: {id}"));
     }
-    out.push(r.message.clone());
-    out.join("\n")
+    out.push(message.to_string());
 }
 
 fn record_name(e: &PoisonEntry) -> String {
