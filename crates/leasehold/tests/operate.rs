@@ -285,13 +285,19 @@ async fn poison_entries_are_listed_shown_requeued_and_purged() {
     let operator = env.operator().with_scan_hide(Duration::from_secs(30));
 
     // A peek: the first 32, oldest first, with no side effect.
+    // A queue promises no order, so each entry is checked against its own record.
     let list = operator.poison_list(&PoisonQuery::default()).await.unwrap();
     assert_eq!(list.entries.len(), 32);
     assert!(!list.complete);
-    assert_eq!(list.entries[0].record_id.as_ref().unwrap().as_str(), "r00");
-    assert_eq!(list.entries[0].reason, "logic failed: failure 0");
-    assert_eq!(list.entries[0].attempts, 5);
-    assert_eq!(list.records.len(), 32);
+    for entry in &list.entries {
+        let Some(record) = &entry.record_id else {
+            continue; // the unreadable one, if the peek reached it
+        };
+        let n: u32 = record.as_str()[1..].parse().unwrap();
+        assert_eq!(entry.reason, format!("logic failed: failure {n}"), "{entry:?}");
+        assert_eq!(entry.attempts, 5, "{entry:?}");
+    }
+    assert!(list.records.len() >= 31, "{:?}", list.records);
     // A scan: every entry, and all of them visible again afterwards.
     let list = operator
         .poison_list(&PoisonQuery { limit: Some(100) })
@@ -347,10 +353,16 @@ async fn poison_entries_are_listed_shown_requeued_and_purged() {
     assert!(ok && out.contains("purged 1 entry"), "{out}");
 
     // The command line: list, show, requeue by scope with progress.
+    // Which 32 a peek shows after a scan has put entries back is the queue's choice, not ours.
     let (ok, out) = env.run(&["poison", "list"]).await;
     assert!(ok, "{out}");
+    let shown = out
+        .lines()
+        .filter(|line| line.contains("account/r") && line.contains("logic failed: failure "))
+        .count();
+    assert_eq!(shown, 32, "{out}");
     assert!(
-        out.contains("ATTEMPTS") && out.contains("account/r00") && out.contains("logic failed: failure 0"),
+        out.contains("ATTEMPTS") && out.contains("showing the first 32"),
         "{out}"
     );
     let (ok, out) = env.run(&["poison", "list", "--limit", "100", "--json"]).await;
