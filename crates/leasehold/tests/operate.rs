@@ -441,12 +441,17 @@ async fn a_requeue_interrupted_between_put_and_delete_leaves_the_trigger_in_both
         counters,
     )
     .with_scan_hide(Duration::from_secs(2));
-    let interrupted = tokio::time::timeout(
-        Duration::from_secs(3),
-        operator.poison_requeue(&PoisonSelection::all(), &|_| {}),
-    )
-    .await;
-    assert!(interrupted.is_err(), "the requeue was cut off in its delete");
+    // The requeue runs until its fresh trigger is on the queue (however long a loaded machine
+    // takes to get there), then is cut off: it can never finish, as its delete never answers.
+    let requeue = operator.poison_requeue(&PoisonSelection::all(), &|_| {});
+    tokio::pin!(requeue);
+    tokio::select! {
+        done = &mut requeue => panic!("the requeue finished though its delete never answers: {done:?}"),
+        () = eventually(Duration::from_secs(60), "the requeue to put the fresh trigger", || async {
+            (!triggers.peek(32).await.unwrap().is_empty()).then_some(())
+        }) => {}
+    }
+    drop(requeue);
     // The fresh trigger is on the queue ...
     let queued = triggers.peek(32).await.unwrap();
     assert_eq!(queued.len(), 1);
