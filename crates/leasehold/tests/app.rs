@@ -105,7 +105,11 @@ impl Env {
     }
 
     async fn spawn(&self, args: &[&str], extra: &[(&str, String)]) -> Child {
-        let child = self.command(args, extra).spawn().unwrap();
+        let child = if args[0] == "handler" {
+            self.spawn_handler(args, extra).await
+        } else {
+            self.command(args, extra).spawn().unwrap()
+        };
         if args[0] == "serve" {
             let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
                 let log = self.log("serve");
@@ -142,6 +146,41 @@ impl Env {
         })
         .await;
         child
+    }
+
+    /// Starts the handler on the port chosen in advance (`FUNCTIONS_CUSTOMHANDLER_PORT`), as the
+    /// Functions host does. Another process may take that port between its choice and the
+    /// handler's bind (and then answer GET / in its stead): this returns once the log says this
+    /// handler listens, and a handler that could not listen is started again on a new port.
+    async fn spawn_handler(&self, args: &[&str], extra: &[(&str, String)]) -> Child {
+        let mut attempts = 0;
+        loop {
+            let mut vars = extra.to_vec();
+            vars.push(("FUNCTIONS_CUSTOMHANDLER_PORT", self.port().to_string()));
+            let mut child = self.command(args, &vars).spawn().unwrap();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            let status = loop {
+                if self.log(args[0]).contains("custom handler listening") {
+                    return child;
+                }
+                if let Some(status) = child.try_wait().unwrap() {
+                    break status;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the handler did not listen within 30 s: {}",
+                    self.log(args[0])
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            let log = self.log(args[0]);
+            attempts += 1;
+            assert!(
+                attempts < 3 && log.contains("listening on 127.0.0.1"),
+                "the handler exited ({status}): {log}"
+            );
+            self.port.store(free_port(), std::sync::atomic::Ordering::SeqCst);
+        }
     }
 
     async fn output(&self, args: &[&str]) -> (bool, String) {
@@ -545,34 +584,18 @@ async fn bad_input_is_refused_and_nothing_is_enqueued() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn custom_handler_speaks_the_host_protocol() {
     let env = Env::new();
-    let port = env.port().to_string();
-    // No subcommand: FUNCTIONS_CUSTOMHANDLER_PORT selects handler mode.
+    // On the port chosen in advance (FUNCTIONS_CUSTOMHANDLER_PORT), as the host starts it.
     let mut child = {
-        let mut cmd = env.command(
-            &["handler"],
-            &[
-                (
+        let started = std::time::Instant::now();
+        let child = env
+            .spawn(
+                &["handler", "--log-format", "json"],
+                &[(
                     "LEASEHOLD_LOGIC_COMMAND",
                     env.logic("test \"$LEASEHOLD_RECORD_ID\" != fails"),
-                ),
-                ("FUNCTIONS_CUSTOMHANDLER_PORT", port),
-            ],
-        );
-        cmd.arg("--log-format").arg("json");
-        let started = std::time::Instant::now();
-        let child = cmd.spawn().unwrap();
-        let base = format!("http://127.0.0.1:{}/", env.port());
-        eventually(Duration::from_secs(30), "GET / to answer", || {
-            let base = base.clone();
-            async move {
-                reqwest::get(&base)
-                    .await
-                    .ok()
-                    .filter(|r| r.status().is_success())
-                    .map(|_| ())
-            }
-        })
-        .await;
+                )],
+            )
+            .await;
         println!(
             "[app] handler ready (GET / answered) {:.0?} after start",
             started.elapsed()
@@ -962,16 +985,14 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
         "if [ -e {f} ]; then exit 0; fi; touch {f}; exec sleep 600",
         f = first.display()
     ));
-    let settings = |e: &Env| {
-        vec![
-            ("LEASEHOLD_LOGIC_COMMAND", logic.clone()),
-            ("FUNCTIONS_CUSTOMHANDLER_PORT", e.port().to_string()),
-            ("LEASEHOLD_LEASE_SECONDS", LEASE_SECONDS.to_string()),
-            ("LEASEHOLD_LOG_FORMAT", "json".to_string()),
-        ]
-    };
-    let mut dying = env.spawn(&["handler"], &settings(&env)).await;
-    let mut survivor = other.spawn(&["handler"], &settings(&other)).await;
+    let settings = [
+        ("LEASEHOLD_LOGIC_COMMAND", logic),
+        ("LEASEHOLD_LEASE_SECONDS", LEASE_SECONDS.to_string()),
+        ("LEASEHOLD_LOG_FORMAT", "json".to_string()),
+    ];
+    // Each on a port chosen in advance (FUNCTIONS_CUSTOMHANDLER_PORT), as the host starts it.
+    let mut dying = env.spawn(&["handler"], &settings).await;
+    let mut survivor = other.spawn(&["handler"], &settings).await;
     let queue = env.queue(&env.queue);
     queue
         .put(
