@@ -266,14 +266,6 @@ async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
     app.stop().await;
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The fields the README documents for the metrics event (besides the gauges, absent when a
 /// sample failed, and the quantiles, absent without observations).
 const EVENT_FIELDS: &[&str] = &[
@@ -312,7 +304,6 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
     let dir = std::env::temp_dir().join(unique_name("leasehold-metrics"));
     std::fs::create_dir_all(&dir).unwrap();
     let (stdout, stderr): (PathBuf, PathBuf) = (dir.join("stdout.log"), dir.join("stderr.log"));
-    let port = free_port();
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"));
     command
         .arg("handler")
@@ -322,7 +313,8 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
             &unique_name("triggers"),
             &unique_name("locks"),
             &[
-                ("FUNCTIONS_CUSTOMHANDLER_PORT", &port.to_string()),
+                // Any free port, read from the log: none chosen in advance to race for.
+                ("FUNCTIONS_CUSTOMHANDLER_PORT", "0"),
                 ("LEASEHOLD_METRICS_INTERVAL_SECONDS", "1"),
                 ("LEASEHOLD_LOG_FORMAT", "json"),
                 (
@@ -337,6 +329,12 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
         .stderr(std::fs::File::create(&stderr).unwrap())
         .kill_on_drop(true);
     let mut child = command.spawn().unwrap();
+    let port = eventually(Duration::from_secs(30), "the handler to log its port", || async {
+        let log = std::fs::read_to_string(&stderr).unwrap_or_default();
+        let line = log.lines().find(|l| l.contains("custom handler listening"))?;
+        serde_json::from_str::<Json>(line).ok()?["port"].as_u64()
+    })
+    .await;
     let base = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();
     eventually(Duration::from_secs(30), "the handler to answer GET /", || {
