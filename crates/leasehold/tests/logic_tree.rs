@@ -337,11 +337,6 @@ struct Serve {
 
 impl Serve {
     async fn start(dir: &Path, logic: &str, extra: &[(&str, &str)]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         let log = dir.join("serve.log");
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"));
         cmd.arg("serve")
@@ -350,7 +345,8 @@ impl Serve {
             .env("AzureWebJobsStorage", Azurite::shared().connection_string())
             .env("LEASEHOLD_QUEUE", unique_name("triggers"))
             .env("LEASEHOLD_CONTAINER", unique_name("locks"))
-            .env("LEASEHOLD_PORT", port.to_string())
+            // Any free port, read from the log: none found free and released to race for.
+            .env("LEASEHOLD_PORT", "0")
             .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
             .env("LEASEHOLD_LOGIC_COMMAND", logic)
             .env("RUST_LOG", "info")
@@ -361,11 +357,15 @@ impl Serve {
         for (k, v) in extra {
             cmd.env(k, v);
         }
-        let serve = Self {
-            child: cmd.spawn().unwrap(),
-            port,
-            log,
-        };
+        let child = cmd.spawn().unwrap();
+        let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let rest = &text[text.find("addr=127.0.0.1:")? + "addr=127.0.0.1:".len()..];
+            // The whole number: what follows it is written too.
+            rest[..rest.find(|c: char| !c.is_ascii_digit())?].parse::<u16>().ok()
+        })
+        .await;
+        let serve = Self { child, port, log };
         let url = format!("http://127.0.0.1:{port}/healthz");
         eventually(Duration::from_secs(30), "leasehold serve to answer", || {
             let url = url.clone();
