@@ -300,7 +300,9 @@ async fn shutdown_closes_slow_clients_at_its_deadline() {
     assert_eq!(status, 202);
     let took = app.stop().await;
     println!("[hostile] stopped with 15 slow clients connected in {took:?}");
-    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+    // Cut at its 1 s deadline: under the 10 s default (were the setting ignored) and the 60 s
+    // read deadlines, with room for the hand-back on a loaded machine.
+    assert!(took < Duration::from_secs(9), "shutdown took {took:?}");
     for (kind, stream) in hostile {
         assert!(
             closed_within(stream, Duration::from_secs(1)).await.is_some(),
