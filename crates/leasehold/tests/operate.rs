@@ -443,7 +443,8 @@ async fn a_requeue_interrupted_between_put_and_delete_leaves_the_trigger_in_both
     .with_scan_hide(Duration::from_secs(2));
     // The requeue runs until its fresh trigger is on the queue (however long a loaded machine
     // takes to get there), then is cut off: it can never finish, as its delete never answers.
-    let requeue = operator.poison_requeue(&PoisonSelection::all(), &|_| {});
+    let everything = PoisonSelection::all();
+    let requeue = operator.poison_requeue(&everything, &|_| {});
     tokio::pin!(requeue);
     tokio::select! {
         done = &mut requeue => panic!("the requeue finished though its delete never answers: {done:?}"),
