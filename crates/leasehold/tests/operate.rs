@@ -444,8 +444,7 @@ async fn a_requeue_interrupted_between_put_and_delete_leaves_the_trigger_in_both
     // The requeue runs until its fresh trigger is on the queue (however long a loaded machine
     // takes to get there), then is cut off: it can never finish, as its delete never answers.
     let everything = PoisonSelection::all();
-    let requeue = operator.poison_requeue(&everything, &|_| {});
-    tokio::pin!(requeue);
+    let mut requeue = Box::pin(operator.poison_requeue(&everything, &|_| {}));
     tokio::select! {
         done = &mut requeue => panic!("the requeue finished though its delete never answers: {done:?}"),
         () = eventually(Duration::from_secs(60), "the requeue to put the fresh trigger", || async {
