@@ -394,10 +394,7 @@ async fn the_custom_handler_serves_the_dashboard_functions() {
     env.poison("hosted-poisoned", "gave up").await;
     // Any free port (the application says which): none found free and released to race for.
     let app = env
-        .start(
-            leasehold::Mode::Handler,
-            &[("FUNCTIONS_CUSTOMHANDLER_PORT", "0")],
-        )
+        .start(leasehold::Mode::Handler, &[("FUNCTIONS_CUSTOMHANDLER_PORT", "0")])
         .await;
     assert_ne!(app.port, 0);
     let base = "https://app.azurewebsites.net/api";

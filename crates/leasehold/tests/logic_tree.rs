@@ -205,12 +205,8 @@ async fn cancelling_a_run_stops_the_command_and_its_children() {
         err.to_string(),
         "the logic command was terminated (run cancelled)"
     );
-    tree.gone(
-        &[sh, child],
-        GONE_WITHIN,
-        "the shell and its child to be gone",
-    )
-    .await;
+    tree.gone(&[sh, child], GONE_WITHIN, "the shell and its child to be gone")
+        .await;
 }
 
 #[tokio::test]
@@ -222,12 +218,8 @@ async fn a_child_left_in_the_background_does_not_outlive_the_run() {
         .expect("the run ends when the shell exits")
         .unwrap();
     let (sh, child) = tree.pids().await;
-    tree.gone(
-        &[sh, child],
-        GONE_WITHIN,
-        "the background child to be gone",
-    )
-    .await;
+    tree.gone(&[sh, child], GONE_WITHIN, "the background child to be gone")
+        .await;
 }
 
 #[tokio::test]
@@ -288,8 +280,7 @@ async fn a_command_ignoring_sigterm_is_killed_after_the_grace() {
         took < grace + Duration::from_secs(2),
         "SIGKILL followed the grace, not the worker's fallback: {took:?}"
     );
-    tree.gone(&[sh, child], GONE_WITHIN, "the tree to be gone")
-        .await;
+    tree.gone(&[sh, child], GONE_WITHIN, "the tree to be gone").await;
 }
 
 #[tokio::test]
@@ -327,8 +318,7 @@ async fn the_supervisor_stops_on_a_stop_line_and_passes_exit_codes_on() {
         .expect("the supervisor exits after `stop`")
         .unwrap();
     assert_eq!(status.code(), Some(143));
-    tree.gone(&[sh, kid], GONE_WITHIN, "the tree to be gone")
-        .await;
+    tree.gone(&[sh, kid], GONE_WITHIN, "the tree to be gone").await;
 }
 
 // ---- End to end: the worker process (`leasehold serve`) dies or shuts down mid-run. ----
@@ -367,7 +357,9 @@ impl Serve {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             let rest = &text[text.find("addr=127.0.0.1:")? + "addr=127.0.0.1:".len()..];
             // The whole number: what follows it is written too.
-            rest[..rest.find(|c: char| !c.is_ascii_digit())?].parse::<u16>().ok()
+            rest[..rest.find(|c: char| !c.is_ascii_digit())?]
+                .parse::<u16>()
+                .ok()
         })
         .await;
         let serve = Self { child, port, log };
