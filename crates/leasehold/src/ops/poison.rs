@@ -518,8 +518,11 @@ impl Operator {
         let mut scan = Scan::default();
         let mut batches = 0u64;
         let max_batches = 4 * (total.div_ceil(PEEK_MAX as u64) + 2) + 100;
-        // Entries to put back, by id (a receipt is replaced if an entry comes round again).
+        // Entries to put back, by id (a receipt is replaced if an entry comes round again), and
+        // the order they were taken in: they are put back in that order, so the queue (which
+        // hands out entries by the time they became visible) keeps its oldest first.
         let mut put_back: HashMap<String, Taken> = HashMap::new();
+        let mut taken_order: Vec<String> = Vec::new();
         let outcome = async {
             loop {
                 let batch = self
@@ -555,6 +558,7 @@ impl Operator {
                     }
                     new += 1;
                     scan.scanned += 1;
+                    taken_order.push(received.id.clone());
                     let entry = entry_of(received.id.clone(), received.inserted_at, &received.body);
                     let selected = everything || selection.selects(&entry);
                     if selected {
@@ -593,7 +597,10 @@ impl Operator {
         .await;
         // Put back what was not acted on, whatever happened above; what cannot be put back
         // comes back by itself when its hiding ends.
-        for (id, taken) in put_back {
+        for id in taken_order {
+            let Some(taken) = put_back.remove(&id) else {
+                continue; // acted on: requeued or purged
+            };
             let r = &taken.received;
             if let Err(e) = poison
                 .set_visibility(&r.id, &r.pop_receipt, &r.body, Duration::ZERO)
