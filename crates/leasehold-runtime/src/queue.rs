@@ -121,12 +121,15 @@ impl MemoryState {
         z ^ (z >> 31)
     }
 
-    /// Indices of the messages visible at `now`, in the order a get hands them out: oldest
-    /// first, or in a seeded random order under shuffled delivery.
+    /// Indices of the messages visible at `now`, in the order a get hands them out: by the time
+    /// each became visible, then the order they were put in (as Azurite does, and as Azure
+    /// mostly does), or in a seeded random order under shuffled delivery.
     fn visible(&mut self, now: Instant) -> Vec<usize> {
         let mut visible: Vec<usize> = (0..self.messages.len())
             .filter(|&i| self.messages[i].visible_at <= now)
             .collect();
+        // Stable: equal times keep the order they were put in.
+        visible.sort_by_key(|&i| self.messages[i].visible_at);
         if let Some(state) = self.shuffle.as_mut() {
             // Fisher–Yates.
             for i in (1..visible.len()).rev() {
@@ -311,9 +314,12 @@ impl TriggerQueue for MemoryQueue {
 
     async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
         self.with(Op::QueuePeek, |s, now| {
-            Ok(s.messages
-                .iter()
-                .filter(|m| m.visible_at <= now)
+            // The front as a get would take it (a peek never shuffles).
+            let mut visible: Vec<&MemoryMessage> =
+                s.messages.iter().filter(|m| m.visible_at <= now).collect();
+            visible.sort_by_key(|m| m.visible_at);
+            Ok(visible
+                .into_iter()
                 .take(max.clamp(1, 32) as usize)
                 .map(|m| Peeked {
                     id: m.id.clone(),
@@ -592,6 +598,32 @@ mod tests {
             .unwrap_err();
         assert_eq!(refused.status(), Some(413));
         assert_eq!(queue.bodies(), [at_limit]);
+    }
+
+    /// Messages come out by when they became visible, as Azurite hands them out (and Azure
+    /// mostly does): one put with a delay comes after those put later without one, and one
+    /// hidden again goes behind those that stayed visible. A peek shows the same front.
+    #[tokio::test(start_paused = true)]
+    async fn messages_come_out_by_when_they_became_visible() {
+        let queue = MemoryQueue::new("q", OpCounters::new());
+        queue.put("delayed", Duration::from_secs(10)).await.unwrap();
+        queue.put("first", Duration::ZERO).await.unwrap();
+        let second = queue.put("second", Duration::ZERO).await.unwrap();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        queue
+            .set_visibility(&second.id, &second.pop_receipt, "second", Duration::from_secs(5))
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_secs(20)).await;
+        let peeked: Vec<String> = queue
+            .peek(32)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|m| m.body)
+            .collect();
+        assert_eq!(peeked, ["first", "second", "delayed"]);
+        assert_eq!(take_all(&queue, 32).await, ["first", "second", "delayed"]);
     }
 
     async fn take_all(queue: &MemoryQueue, per_get: u32) -> Vec<String> {
