@@ -106,6 +106,39 @@ pub struct MemoryQueue {
 struct MemoryState {
     messages: VecDeque<MemoryMessage>,
     next_id: u64,
+    /// Set by [`MemoryQueue::with_shuffled_delivery`]: the state of the generator that picks
+    /// which visible messages a get hands out.
+    shuffle: Option<u64>,
+}
+
+impl MemoryState {
+    /// The next number of a SplitMix64 sequence (small, seedable, and enough to pick an order).
+    fn next_random(state: &mut u64) -> u64 {
+        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Indices of the messages visible at `now`, in the order a get hands them out: by the time
+    /// each became visible, then the order they were put in (as Azurite does, and as Azure
+    /// mostly does), or in a seeded random order under shuffled delivery.
+    fn visible(&mut self, now: Instant) -> Vec<usize> {
+        let mut visible: Vec<usize> = (0..self.messages.len())
+            .filter(|&i| self.messages[i].visible_at <= now)
+            .collect();
+        // Stable: equal times keep the order they were put in.
+        visible.sort_by_key(|&i| self.messages[i].visible_at);
+        if let Some(state) = self.shuffle.as_mut() {
+            // Fisher–Yates.
+            for i in (1..visible.len()).rev() {
+                let j = (Self::next_random(state) % (i as u64 + 1)) as usize;
+                visible.swap(i, j);
+            }
+        }
+        visible
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -125,6 +158,14 @@ impl MemoryQueue {
             state: Mutex::default(),
             counters,
         }
+    }
+
+    /// Hands out visible messages in a seeded random order rather than oldest first. Azure
+    /// promises no order (it mostly hands out by the time a message became visible), so a
+    /// protocol must not rely on one; the simulation uses this to show it does not.
+    pub fn with_shuffled_delivery(self, seed: u64) -> Self {
+        self.state.lock().expect("poisoned").shuffle = Some(seed);
+        self
     }
 
     /// Bodies of every message, visible or not (for tests).
@@ -205,22 +246,18 @@ impl TriggerQueue for MemoryQueue {
             let mut out = Vec::new();
             s.next_id += 1;
             let receipt_base = s.next_id;
-            for (i, m) in s.messages.iter_mut().enumerate() {
-                if out.len() as u32 >= max {
-                    break;
-                }
-                if m.visible_at <= now {
-                    m.dequeue_count += 1;
-                    m.visible_at = now + visibility;
-                    m.pop_receipt = format!("r{receipt_base}.{i}");
-                    out.push(Received {
-                        id: m.id.clone(),
-                        pop_receipt: m.pop_receipt.clone(),
-                        dequeue_count: m.dequeue_count,
-                        body: m.body.clone(),
-                        inserted_at: Some(m.inserted_at),
-                    });
-                }
+            for i in s.visible(now).into_iter().take(max as usize) {
+                let m = &mut s.messages[i];
+                m.dequeue_count += 1;
+                m.visible_at = now + visibility;
+                m.pop_receipt = format!("r{receipt_base}.{i}");
+                out.push(Received {
+                    id: m.id.clone(),
+                    pop_receipt: m.pop_receipt.clone(),
+                    dequeue_count: m.dequeue_count,
+                    body: m.body.clone(),
+                    inserted_at: Some(m.inserted_at),
+                });
             }
             Ok(out)
         })
@@ -277,9 +314,12 @@ impl TriggerQueue for MemoryQueue {
 
     async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
         self.with(Op::QueuePeek, |s, now| {
-            Ok(s.messages
-                .iter()
-                .filter(|m| m.visible_at <= now)
+            // The front as a get would take it (a peek never shuffles).
+            let mut visible: Vec<&MemoryMessage> =
+                s.messages.iter().filter(|m| m.visible_at <= now).collect();
+            visible.sort_by_key(|m| m.visible_at);
+            Ok(visible
+                .into_iter()
                 .take(max.clamp(1, 32) as usize)
                 .map(|m| Peeked {
                     id: m.id.clone(),
@@ -558,5 +598,75 @@ mod tests {
             .unwrap_err();
         assert_eq!(refused.status(), Some(413));
         assert_eq!(queue.bodies(), [at_limit]);
+    }
+
+    /// Messages come out by when they became visible, as Azurite hands them out (and Azure
+    /// mostly does): one put with a delay comes after those put later without one, and one
+    /// hidden again goes behind those that stayed visible. A peek shows the same front.
+    #[tokio::test(start_paused = true)]
+    async fn messages_come_out_by_when_they_became_visible() {
+        let queue = MemoryQueue::new("q", OpCounters::new());
+        queue.put("delayed", Duration::from_secs(10)).await.unwrap();
+        queue.put("first", Duration::ZERO).await.unwrap();
+        let second = queue.put("second", Duration::ZERO).await.unwrap();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        queue
+            .set_visibility(&second.id, &second.pop_receipt, "second", Duration::from_secs(5))
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_secs(20)).await;
+        let peeked: Vec<String> = queue
+            .peek(32)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|m| m.body)
+            .collect();
+        assert_eq!(peeked, ["first", "second", "delayed"]);
+        assert_eq!(take_all(&queue, 32).await, ["first", "second", "delayed"]);
+    }
+
+    async fn take_all(queue: &MemoryQueue, per_get: u32) -> Vec<String> {
+        let mut taken = Vec::new();
+        loop {
+            let got = queue.get(per_get, Duration::from_secs(60)).await.unwrap();
+            if got.is_empty() {
+                return taken;
+            }
+            taken.extend(got.into_iter().map(|m| m.body));
+        }
+    }
+
+    /// Oldest first by default; under shuffled delivery each message still once, in an order
+    /// the seed decides (the same for the same seed), not the order they were put in.
+    #[tokio::test]
+    async fn shuffled_delivery_hands_out_each_visible_message_once_in_a_seeded_order() {
+        let put: Vec<String> = (0..20).map(|i| format!("m{i}")).collect();
+        let fill = |queue: MemoryQueue| {
+            let put = put.clone();
+            async move {
+                for body in &put {
+                    queue.put(body, Duration::ZERO).await.unwrap();
+                }
+                // Hidden ones are not handed out, whatever the order.
+                queue.put("later", Duration::from_secs(3600)).await.unwrap();
+                queue
+            }
+        };
+        let fifo = fill(MemoryQueue::new("q", OpCounters::new())).await;
+        assert_eq!(take_all(&fifo, 3).await, put);
+
+        let mut orders = Vec::new();
+        for seed in [1, 1, 2] {
+            let queue = fill(MemoryQueue::new("q", OpCounters::new()).with_shuffled_delivery(seed)).await;
+            let taken = take_all(&queue, 3).await;
+            let mut sorted = taken.clone();
+            sorted.sort_by_key(|b| b[1..].parse::<u32>().unwrap());
+            assert_eq!(sorted, put, "each visible message once, the hidden one not");
+            assert_ne!(taken, put, "seed {seed}: not the order they were put in");
+            orders.push(taken);
+        }
+        assert_eq!(orders[0], orders[1], "the same seed, the same order");
+        assert_ne!(orders[0], orders[2], "another seed, another order");
     }
 }

@@ -1,7 +1,8 @@
 //! The operator dashboard against a real Azurite: its JSON API and auth over HTTP, the custom
 //! handler's dashboard functions spoken to as the Functions host speaks, and the page itself in
 //! a real (headless) Chromium: the key form, held records, a poison entry's reason, the record
-//! detail, and a requeue that makes the record run.
+//! detail, a requeue that makes the record run, and a poison queue deeper than a peek shown
+//! whole and requeued all at once.
 //!
 //! The browser test needs Chromium (`scripts/install-chromium.sh`, run by `scripts/test.sh`);
 //! without it the test fails with that command, it does not skip.
@@ -689,4 +690,124 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
     app.stop().await;
     drop(browser);
     eprintln!("dashboard browser test took {:?}", started.elapsed());
+}
+
+/// Opens the dashboard at `app` and signs in with the admin key, as a person would.
+async fn sign_in(browser: &Browser, app: &Running) {
+    browser.navigate(&app.url("/admin")).await.unwrap();
+    wait(
+        browser,
+        "!document.getElementById('login').hidden",
+        "the key form",
+    )
+    .await;
+    eval(
+        browser,
+        &format!(
+            "document.getElementById('key-input').value = {key:?}; \
+             document.getElementById('key-form').requestSubmit(); true",
+            key = ADMIN_KEY
+        ),
+    )
+    .await;
+    wait(
+        browser,
+        "document.getElementById('login').hidden",
+        "the key accepted",
+    )
+    .await;
+}
+
+/// More poison entries than a peek shows: the page says so, shows them all on request (a scan),
+/// and "Requeue all" (confirmed) makes every record run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() {
+    let browser = Browser::launch(1280, 800)
+        .await
+        .unwrap_or_else(|e| panic!("the dashboard test needs a real browser: {e}"));
+    let env = Env::new();
+    let records: Vec<String> = (0..40).map(|i| format!("bulk-{i:02}")).collect();
+    for record in &records {
+        env.poison(record, "the logic exited with status 1").await;
+    }
+    let app = env
+        .start(
+            leasehold::Mode::Standalone {
+                port: None,
+                demo: false,
+            },
+            &[("LEASEHOLD_ADMIN_KEY", ADMIN_KEY)],
+        )
+        .await;
+    sign_in(&browser, &app).await;
+
+    // A peek: 32 rows, the count says there are more, and the way to see them is offered.
+    wait(
+        &browser,
+        "document.querySelectorAll('#poison tbody tr').length === 32 && \
+         document.getElementById('poison-title-count').textContent === '32+' && \
+         !document.getElementById('poison-more').hidden && !document.getElementById('poison-all').hidden",
+        "32 of the 40 entries, and a way to see the rest",
+    )
+    .await;
+    eval(&browser, "document.getElementById('poison-all').click(); true").await;
+    wait(
+        &browser,
+        "document.querySelectorAll('#poison tbody tr').length === 40 && \
+         document.getElementById('poison-title-count').textContent === '40' && \
+         document.getElementById('poison-more').hidden",
+        "all 40 entries after \"Show all\"",
+    )
+    .await;
+    let shown = eval(
+        &browser,
+        "Array.from(document.querySelectorAll('#poison tbody tr')).map(r => r.textContent).join('\\n')",
+    )
+    .await;
+    for record in &records {
+        assert!(
+            shown.as_str().unwrap().contains(record.as_str()),
+            "{record} in {shown}"
+        );
+    }
+    // The scan put every entry back.
+    let poison = env.queue(&poison_queue_name(&env.queue));
+    assert_eq!(poison.peek(32).await.unwrap().len(), 32);
+
+    // "Requeue all", confirmed: one request for the whole queue, and every record runs.
+    assert!(env.runs().is_empty());
+    eval(
+        &browser,
+        "window.confirm = (text) => { window.confirmed = text; return true; }; \
+         document.getElementById('requeue-all').click(); true",
+    )
+    .await;
+    let said = wait(
+        &browser,
+        "Array.from(document.querySelectorAll('#toasts .toast')).map(t => t.textContent).join(' | ')",
+        "the requeue's answer",
+    )
+    .await;
+    assert!(said.as_str().unwrap().contains("requeued 40 entries"), "{said}");
+    let asked = eval(&browser, "window.confirmed").await;
+    assert!(asked.as_str().unwrap().contains("about 40"), "{asked}");
+    eventually(
+        Duration::from_secs(60),
+        "every requeued record to run",
+        || async {
+            let runs = env.runs();
+            records.iter().all(|r| runs.contains(r)).then_some(())
+        },
+    )
+    .await;
+    wait(
+        &browser,
+        "document.querySelectorAll('#poison tbody tr').length === 0 && \
+         !document.getElementById('poison-empty').hidden && document.getElementById('requeue-all').hidden",
+        "an empty poison table, and no \"Requeue all\"",
+    )
+    .await;
+    assert_eq!(poison.approximate_len().await.unwrap(), 0);
+    assert_eq!(browser.exceptions(), Vec::<String>::new(), "the page threw");
+    app.stop().await;
 }

@@ -305,11 +305,21 @@ async fn poison_entries_are_listed_shown_requeued_and_purged() {
         .unwrap();
     assert_eq!(list.entries.len(), 36);
     assert!(list.complete);
-    assert_eq!(
-        poison.peek(32).await.unwrap().len(),
-        32,
-        "a scan puts back what it took"
-    );
+    // A scan puts back what it took, in the order it took it: oldest first still.
+    let front: Vec<String> = poison
+        .peek(32)
+        .await
+        .unwrap()
+        .iter()
+        .map(
+            |m| match PoisonMessage::decode(&m.body).ok().and_then(|e| e.trigger) {
+                Some(trigger) => trigger.record_id.as_str().to_string(),
+                None => format!("(unreadable: {})", m.body),
+            },
+        )
+        .collect();
+    let expected: Vec<String> = (0..32).map(|i| format!("r{i:02}")).collect();
+    assert_eq!(front, expected, "a scan puts back what it took, in order");
 
     // Show one beyond the peek's reach.
     let unreadable = list.entries.iter().find(|e| !e.is_trigger).unwrap().clone();

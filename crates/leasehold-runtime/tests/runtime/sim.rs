@@ -16,7 +16,9 @@
 //! - the Functions host lets a message's visibility lapse while its invocation still runs, so the
 //!   message is delivered again to another host while its first holder is alive;
 //! - an operator breaks a lease under a live run;
-//! - storage's clock runs up to 8 % fast against the workers' (leases expire early);
+//! - storage's clock runs up to 10 % fast against the workers' (leases expire early);
+//! - the queue hands out visible messages in a seeded random order, not oldest first (half the
+//!   seeds, fault-free ones too: Azure promises no order, so the protocol must need none);
 //! - logic fails, panics, runs past its time limit, or is slow to stop (beyond its grace);
 //! - a record's logic keeps failing for a while, so triggers reach the poison limit (5).
 //!
@@ -139,6 +141,9 @@ pub struct Plan {
     /// Triggers (by index) put by another tool with a 30,000-character correlation id, far over
     /// what Start accepts: their message is near the queue's 64 KiB limit.
     pub oversized: Vec<usize>,
+    /// The queue hands out visible messages in a random order (seeded) rather than oldest
+    /// first: Azure promises no order, so the protocol must not need one.
+    pub shuffled_delivery: bool,
 }
 
 impl Plan {
@@ -285,6 +290,8 @@ impl Plan {
             }
         }
         faults.sort();
+        // Drawn last of all, for every seed (reordering is no fault: Azure never promised order).
+        let shuffled_delivery = rng.random_bool(0.5);
         Self {
             seed,
             mode,
@@ -299,6 +306,7 @@ impl Plan {
             poison_outage,
             oversized,
             bad_record_spares,
+            shuffled_delivery,
         }
     }
 }
@@ -364,6 +372,7 @@ pub struct FaultCounts {
     pub visibility_lapses: u64,
     pub lease_breaks: u64,
     pub skewed_clock: u64,
+    pub shuffled_delivery: u64,
     pub logic_failures: u64,
     pub logic_panics: u64,
     pub slow_stops: u64,
@@ -465,6 +474,10 @@ impl FaultCounts {
                 "sweeps that ask the marker first (a sweep's chain given up in turn)",
                 self.conditional_sweeps,
             ),
+            (
+                "seeds whose queue hands out messages in random order",
+                self.shuffled_delivery,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -520,6 +533,7 @@ impl FaultCounts {
             host_poisoned: v[23],
             detached_logic: v[24],
             conditional_sweeps: v[25],
+            shuffled_delivery: v[26],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
         };
@@ -1589,7 +1603,14 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         // Storage's clock runs fast: its leases end early by the workers' clocks.
         blob: Arc::new(MemoryStore::new().with_clock_rate(1.0 + plan.skew)),
         markers: Arc::new(MemoryMarkers::new()),
-        queue: Arc::new(MemoryQueue::new("sim", OpCounters::new())),
+        queue: Arc::new({
+            let queue = MemoryQueue::new("sim", OpCounters::new());
+            if plan.shuffled_delivery {
+                queue.with_shuffled_delivery(plan.seed ^ 0x0bad_0bde)
+            } else {
+                queue
+            }
+        }),
         journal: Mutex::default(),
         epoch,
         logic_rng: Mutex::new(SmallRng::seed_from_u64(plan.seed.rotate_left(17))),
@@ -1610,6 +1631,9 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     });
     if plan.skew > 0.0 {
         world.count(|c| c.skewed_clock += 1);
+    }
+    if plan.shuffled_delivery {
+        world.count(|c| c.shuffled_delivery += 1);
     }
     let sim = Sim {
         world: world.clone(),

@@ -518,8 +518,11 @@ impl Operator {
         let mut scan = Scan::default();
         let mut batches = 0u64;
         let max_batches = 4 * (total.div_ceil(PEEK_MAX as u64) + 2) + 100;
-        // Entries to put back, by id (a receipt is replaced if an entry comes round again).
+        // Entries to put back, by id (a receipt is replaced if an entry comes round again), and
+        // the order they were taken in: they are put back in that order, so the queue (which
+        // hands out entries by the time they became visible) keeps its oldest first.
         let mut put_back: HashMap<String, Taken> = HashMap::new();
+        let mut taken_order: Vec<String> = Vec::new();
         let outcome = async {
             loop {
                 let batch = self
@@ -555,6 +558,7 @@ impl Operator {
                     }
                     new += 1;
                     scan.scanned += 1;
+                    taken_order.push(received.id.clone());
                     let entry = entry_of(received.id.clone(), received.inserted_at, &received.body);
                     let selected = everything || selection.selects(&entry);
                     if selected {
@@ -593,7 +597,10 @@ impl Operator {
         .await;
         // Put back what was not acted on, whatever happened above; what cannot be put back
         // comes back by itself when its hiding ends.
-        for (id, taken) in put_back {
+        for id in taken_order {
+            let Some(taken) = put_back.remove(&id) else {
+                continue; // acted on: requeued or purged
+            };
             let r = &taken.received;
             if let Err(e) = poison
                 .set_visibility(&r.id, &r.pop_receipt, &r.body, Duration::ZERO)
@@ -1247,8 +1254,26 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(7_900)).await;
         assert_eq!(front().await, "r32", "still hidden just before 8 s");
         tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_eq!(front().await, "r00", "back after 8 s");
-        assert_eq!(poison.inner.bodies().len(), 100, "nothing lost");
+        // Back after 8 s: every entry can be taken again, those the scan hid last (behind the
+        // rest, as the queue hands out by when a message became visible).
+        let mut taken = Vec::new();
+        loop {
+            let batch = poison.inner.get(32, Duration::from_secs(3600)).await.unwrap();
+            if batch.is_empty() {
+                break;
+            }
+            taken.extend(batch.into_iter().map(|m| entry_of(m.id, None, &m.body)));
+        }
+        let records: Vec<String> = taken
+            .iter()
+            .map(|e| e.record_id.as_ref().unwrap().to_string())
+            .collect();
+        assert_eq!(records.len(), 100, "back after 8 s, nothing lost: {records:?}");
+        assert_eq!(
+            (records[0].as_str(), records[68].as_str()),
+            ("r32", "r00"),
+            "{records:?}"
+        );
     }
 
     /// Ids not in the queue are named, and the message counts what was done and what not.
