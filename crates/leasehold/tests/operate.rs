@@ -397,10 +397,10 @@ async fn poison_entries_are_listed_shown_requeued_and_purged() {
     );
 }
 
-/// A poison queue whose deletes never answer: the operator "dies" (its future is dropped)
-/// between putting the fresh trigger and removing the entry.
+/// A poison queue whose deletes never answer (and say when one is asked for): the operator
+/// "dies" (its future is dropped) between putting the fresh trigger and removing the entry.
 #[derive(Debug)]
-struct DeleteHangs(AzureQueue);
+struct DeleteHangs(AzureQueue, Arc<tokio::sync::Notify>);
 
 #[async_trait]
 impl TriggerQueue for DeleteHangs {
@@ -414,6 +414,7 @@ impl TriggerQueue for DeleteHangs {
         self.0.get(max, visibility).await
     }
     async fn delete(&self, _id: &str, _pop_receipt: &str) -> StoreResult<()> {
+        self.1.notify_one();
         std::future::pending().await
     }
     async fn set_visibility(&self, id: &str, receipt: &str, body: &str, v: Duration) -> StoreResult<String> {
@@ -441,27 +442,31 @@ async fn a_requeue_interrupted_between_put_and_delete_leaves_the_trigger_in_both
         .unwrap();
     let triggers = env.queue(&env.queue);
     let counters = OpCounters::new();
+    let deleting = Arc::new(tokio::sync::Notify::new());
     let lock = env.lock("operator");
     let operator = Operator::from_parts(
         Arc::new(env.queue(&env.queue)),
-        Arc::new(DeleteHangs(env.poison())),
+        Arc::new(DeleteHangs(env.poison(), deleting.clone())),
         lock,
         Arc::new(AzureMarkers::new(&account, &env.container, counters.clone())),
         BlobContainer::new(&account, &env.container, counters.clone()),
         counters,
     )
     .with_scan_hide(Duration::from_secs(2));
-    // The requeue runs until its fresh trigger is on the queue (however long a loaded machine
-    // takes to get there), then is cut off: it can never finish, as its delete never answers.
+    // The requeue runs until it asks for its delete (however long a loaded machine takes to get
+    // there), and is cut off there, its future dropped: it can never finish, as its delete
+    // never answers. (Cut off while a request is in flight, it could leave the shared
+    // connection pool a closing connection for the next request of this test.)
     let everything = PoisonSelection::all();
-    let mut requeue = Box::pin(operator.poison_requeue(&everything, &|_| {}));
     tokio::select! {
-        done = &mut requeue => panic!("the requeue finished though its delete never answers: {done:?}"),
-        () = eventually(Duration::from_secs(60), "the requeue to put the fresh trigger", || async {
-            (!triggers.peek(32).await.unwrap().is_empty()).then_some(())
-        }) => {}
+        done = operator.poison_requeue(&everything, &|_| {}) => {
+            panic!("the requeue finished though its delete never answers: {done:?}")
+        }
+        () = deleting.notified() => {}
+        () = tokio::time::sleep(Duration::from_secs(60)) => {
+            panic!("the requeue did not reach its delete within 60 s")
+        }
     }
-    drop(requeue);
     // The fresh trigger is on the queue ...
     let queued = triggers.peek(32).await.unwrap();
     assert_eq!(queued.len(), 1);
@@ -477,7 +482,14 @@ async fn a_requeue_interrupted_between_put_and_delete_leaves_the_trigger_in_both
         Duration::from_secs(20),
         "the entry to be visible again",
         || async {
-            let peeked = poison.peek(32).await.unwrap();
+            // A transient failure is polled again: the process's one HTTP pool may hand out a
+            // connection of another test's runtime just as that runtime shuts down ("runtime
+            // dropped the dispatch task"), and this loop sends a request every 50 ms.
+            let peeked = match poison.peek(32).await {
+                Ok(peeked) => peeked,
+                Err(e) if e.is_transient() => return None,
+                Err(e) => panic!("peeking at the poison queue: {e}"),
+            };
             (!peeked.is_empty()).then_some(peeked)
         },
     )
