@@ -340,6 +340,20 @@ where
     }
 }
 
+/// For a storage call inside an [`eventually`] loop: its value, or `None` (poll again) for a
+/// transient failure; any other failure panics, naming `what`. Why: every storage client of the
+/// process shares one HTTP pool, while each `#[tokio::test]` has a runtime of its own, so a
+/// pooled connection can belong to another test's runtime that shuts down just as it is handed
+/// out ("runtime dropped the dispatch task"), a transient failure the product's callers retry
+/// and a loop of direct calls must too.
+pub fn unless_transient<T>(result: leasehold_storage::StoreResult<T>, what: &str) -> Option<T> {
+    match result {
+        Ok(value) => Some(value),
+        Err(e) if e.is_transient() => None,
+        Err(e) => panic!("{what}: {e}"),
+    }
+}
+
 /// A TCP proxy on a free port in front of `127.0.0.1:<target>` that counts the connections it
 /// accepts: how a test sees whether clients reuse connections. Each connection is relayed by two
 /// threads until either side closes; the listener lives as long as the test process.

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use leasehold_lock::OpCounters;
 use leasehold_runtime::{AzureQueue, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
-use leasehold_test_support::{Azurite, eventually, unique_name};
+use leasehold_test_support::{Azurite, eventually, unique_name, unless_transient};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
@@ -333,7 +333,7 @@ async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
     // Let anything else that was coming arrive, then count.
     let queue = env.queue(&env.queue);
     eventually(Duration::from_secs(30), "the queue to drain", || async {
-        (queue.approximate_len().await.unwrap() == 0).then_some(())
+        (unless_transient(queue.approximate_len().await, "the queue's length")? == 0).then_some(())
     })
     .await;
     let runs = env.runs();
@@ -570,7 +570,7 @@ async fn bad_input_is_refused_and_nothing_is_enqueued() {
     .await;
     let queue = env.queue(&env.queue);
     eventually(Duration::from_secs(20), "the queue to drain", || async {
-        (queue.approximate_len().await.unwrap() == 0).then_some(())
+        (unless_transient(queue.approximate_len().await, "the queue's length")? == 0).then_some(())
     })
     .await;
     let records: Vec<String> = env.runs().into_iter().map(|r| r.0).collect();
@@ -692,7 +692,7 @@ async fn custom_handler_speaks_the_host_protocol() {
     );
     let triggers = env.queue(&env.queue);
     let retry = eventually(Duration::from_secs(15), "the retry to become visible", || async {
-        let got = triggers.get(1, Duration::from_secs(60)).await.unwrap();
+        let got = unless_transient(triggers.get(1, Duration::from_secs(60)).await, "taking the retry")?;
         got.into_iter().next()
     })
     .await;
@@ -763,8 +763,9 @@ async fn a_failing_trigger_is_poisoned_and_shutdown_releases_the_lease() {
         Duration::from_secs(90),
         "the failing trigger and its sweep in the poison queue, nothing left to run",
         || async {
-            (poison.approximate_len().await.unwrap() == 2 && triggers.approximate_len().await.unwrap() == 0)
-                .then_some(())
+            let poisoned = unless_transient(poison.approximate_len().await, "the poison queue's length")?;
+            let waiting = unless_transient(triggers.approximate_len().await, "the queue's length")?;
+            (poisoned == 2 && waiting == 0).then_some(())
         },
     )
     .await;

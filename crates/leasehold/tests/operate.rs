@@ -15,7 +15,7 @@ use leasehold_runtime::{
 };
 use leasehold_storage::StoreResult;
 use leasehold_storage::azure::BlobContainer;
-use leasehold_test_support::{Azurite, eventually, unique_name};
+use leasehold_test_support::{Azurite, eventually, unique_name, unless_transient};
 use serde_json::Value;
 
 /// One isolated deployment: its own queue and container.
@@ -482,14 +482,7 @@ async fn a_requeue_interrupted_between_put_and_delete_leaves_the_trigger_in_both
         Duration::from_secs(20),
         "the entry to be visible again",
         || async {
-            // A transient failure is polled again: the process's one HTTP pool may hand out a
-            // connection of another test's runtime just as that runtime shuts down ("runtime
-            // dropped the dispatch task"), and this loop sends a request every 50 ms.
-            let peeked = match poison.peek(32).await {
-                Ok(peeked) => peeked,
-                Err(e) if e.is_transient() => return None,
-                Err(e) => panic!("peeking at the poison queue: {e}"),
-            };
+            let peeked = unless_transient(poison.peek(32).await, "peeking at the poison queue")?;
             (!peeked.is_empty()).then_some(peeked)
         },
     )
@@ -531,8 +524,9 @@ async fn start_up_creates_the_queues_and_the_container_and_goes_on_without_the_r
         Duration::from_secs(20),
         "the handler to create its queues",
         || async {
-            (env.queue(&env.queue).exists().await.unwrap() && env.poison().exists().await.unwrap())
-                .then_some(())
+            let queue = unless_transient(env.queue(&env.queue).exists().await, "the queue")?;
+            let poison = unless_transient(env.poison().exists().await, "the poison queue")?;
+            (queue && poison).then_some(())
         },
     )
     .await;

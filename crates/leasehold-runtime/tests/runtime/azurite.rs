@@ -12,7 +12,7 @@ use leasehold_runtime::{
     Outcome, RecordRunner, RunContext, RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
     record_status,
 };
-use leasehold_test_support::{Azurite, eventually, unique_name};
+use leasehold_test_support::{Azurite, eventually, unique_name, unless_transient};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -191,7 +191,10 @@ async fn deliver(setup: &Setup, runner: &RecordRunner, record: &str, watched: bo
         .await
         .unwrap();
     let received = eventually(Duration::from_secs(10), "the trigger to be visible", || async {
-        let mut got = setup.queue.get(1, Duration::from_secs(30)).await.unwrap();
+        let mut got = unless_transient(
+            setup.queue.get(1, Duration::from_secs(30)).await,
+            "taking the trigger",
+        )?;
         got.pop()
     })
     .await;
