@@ -521,22 +521,7 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
     env.trigger(held[0]).await;
 
     // The key form, filled in and sent as a person would.
-    browser.navigate(&app.url("/admin")).await.unwrap();
-    wait(
-        &browser,
-        "!document.getElementById('login').hidden",
-        "the key form",
-    )
-    .await;
-    eval(
-        &browser,
-        &format!(
-            "document.getElementById('key-input').value = {key:?}; \
-             document.getElementById('key-form').requestSubmit(); true",
-            key = ADMIN_KEY
-        ),
-    )
-    .await;
+    sign_in(&browser, &app).await;
 
     // The held records, and the poison entry with its reason (as text: no element injected).
     for record in held {
@@ -646,12 +631,7 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
         "document.querySelector('#poison tbody tr button.requeue').click(); true",
     )
     .await;
-    let said = wait(
-        &browser,
-        "Array.from(document.querySelectorAll('#toasts .toast')).map(t => t.textContent).join(' | ')",
-        "the requeue's answer",
-    )
-    .await;
+    let said = toasts(&browser, "the requeue's answer").await;
     assert!(said.as_str().unwrap().contains("requeued 1 entry"), "{said}");
     eventually(Duration::from_secs(30), "the requeued record to run", || async {
         env.runs().iter().any(|r| r == poisoned).then_some(())
@@ -690,6 +670,16 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
     app.stop().await;
     drop(browser);
     eprintln!("dashboard browser test took {:?}", started.elapsed());
+}
+
+/// The text of the toasts shown so far, once there is one.
+async fn toasts(browser: &Browser, what: &str) -> Value {
+    wait(
+        browser,
+        "Array.from(document.querySelectorAll('#toasts .toast')).map(t => t.textContent).join(' | ')",
+        what,
+    )
+    .await
 }
 
 /// Opens the dashboard at `app` and signs in with the admin key, as a person would.
@@ -782,12 +772,7 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
          document.getElementById('requeue-all').click(); true",
     )
     .await;
-    let said = wait(
-        &browser,
-        "Array.from(document.querySelectorAll('#toasts .toast')).map(t => t.textContent).join(' | ')",
-        "the requeue's answer",
-    )
-    .await;
+    let said = toasts(&browser, "the requeue's answer").await;
     assert!(said.as_str().unwrap().contains("requeued 40 entries"), "{said}");
     let asked = eval(&browser, "window.confirmed").await;
     assert!(asked.as_str().unwrap().contains("about 40"), "{asked}");
