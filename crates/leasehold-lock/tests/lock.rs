@@ -431,6 +431,60 @@ mod azurite {
         );
     }
 
+    /// Each tokio runtime has a pool of its own: a store used from a second runtime opens its
+    /// own connection rather than taking one the first runtime serves (whose shutdown would
+    /// fail a request handed that connection: "runtime dropped the dispatch task"), and goes
+    /// on working once the first runtime is gone.
+    #[tokio::test]
+    async fn each_runtime_has_a_connection_pool_of_its_own() {
+        let azurite = Azurite::shared();
+        let proxy = CountingProxy::start(azurite.blob_port);
+        let account = leasehold_lock::StorageAccount::emulator(&azurite.host, proxy.port, azurite.queue_port);
+        let counters = OpCounters::new();
+        let store = Arc::new(AzureBlobStore::new(
+            &account,
+            &unique_name("pools"),
+            counters.clone(),
+        ));
+        let options = LeaseOptions {
+            fencing: false,
+            ..fast_options()
+        };
+        let lock = LeaseLock::new(store, options).unwrap();
+        let cycle = |lock: LeaseLock, name: &'static str| async move {
+            let guard = lock.try_acquire(&key(name)).await.unwrap().expect("free");
+            guard.release().await.unwrap();
+        };
+        // Another runtime, alive throughout the first part: its idle connection is there to take.
+        let other = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let handle = other.handle().clone();
+        handle.spawn(cycle(lock.clone(), "other")).await.unwrap();
+        let opened_by_other = proxy.connections();
+        assert!(opened_by_other >= 1);
+        cycle(lock.clone(), "this").await;
+        assert!(
+            proxy.connections() > opened_by_other,
+            "this runtime took a connection the other runtime serves"
+        );
+        tokio::task::spawn_blocking(move || drop(other)).await.unwrap();
+        // Each cycle on an existing lock blob is an acquire and a release; a failed request
+        // would be retried and show.
+        cycle(lock.clone(), "after").await;
+        let before = counters.snapshot();
+        for _ in 0..20 {
+            cycle(lock.clone(), "after").await;
+        }
+        assert_eq!(
+            counters.snapshot().since(&before).total(),
+            40,
+            "no request failed"
+        );
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn contention() {
         scenarios::contention(store(), 8, 5).await;

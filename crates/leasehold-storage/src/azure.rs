@@ -30,19 +30,72 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// server closes it.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
-/// The one HTTP client of the process: every blob and queue client shares its connection pool,
-/// so a trigger's 6–10 requests reuse connections instead of opening one each.
-pub fn http_client() -> &'static reqwest::Client {
-    static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
-    CLIENT.get_or_init(|| {
-        reqwest::Client::builder()
+/// Most tokio runtimes whose pools are kept: past this many (only a process that keeps making
+/// runtimes, as a test binary does, gets there) the map starts afresh and live runtimes build
+/// their pools again on their next request.
+const MAX_RUNTIME_POOLS: usize = 64;
+
+/// The HTTP client every storage client sends through: one `reqwest` client, so one connection
+/// pool, per tokio runtime. A trigger's 6–10 requests reuse connections instead of opening one
+/// each, and every blob and queue client of a runtime shares them.
+///
+/// Per runtime because a pooled connection is served by a task of the runtime that opened it: a
+/// pool shared across runtimes can hand a request a connection whose runtime has just shut down,
+/// and the request fails ("runtime dropped the dispatch task"). The application has one runtime;
+/// a library user's tests, each `#[tokio::test]` on a runtime of its own, have many.
+#[derive(Debug, Default)]
+pub struct RuntimePools {
+    clients: std::sync::Mutex<std::collections::HashMap<Option<tokio::runtime::Id>, reqwest::Client>>,
+}
+
+impl RuntimePools {
+    /// The pools of this process.
+    pub fn global() -> &'static Arc<RuntimePools> {
+        static POOLS: OnceLock<Arc<RuntimePools>> = OnceLock::new();
+        POOLS.get_or_init(Arc::default)
+    }
+
+    /// The client (and pool) of the runtime this is called on.
+    pub fn current(&self) -> reqwest::Client {
+        let runtime = tokio::runtime::Handle::try_current().ok().map(|h| h.id());
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(client) = clients.get(&runtime) {
+            return client.clone();
+        }
+        if clients.len() >= MAX_RUNTIME_POOLS {
+            clients.clear();
+        }
+        let client = reqwest::Client::builder()
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             // Storage never redirects; a 3xx is an error to surface, not a request to re-send
             // (signed for one URL) somewhere else.
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .expect("an HTTP client with default TLS settings builds")
-    })
+            .expect("an HTTP client with default TLS settings builds");
+        clients.insert(runtime, client.clone());
+        client
+    }
+
+    /// How many runtimes have a pool (for tests).
+    pub fn len(&self) -> usize {
+        self.clients.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether no runtime has a pool yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[async_trait::async_trait]
+impl azure_core::http::HttpClient for RuntimePools {
+    async fn execute_request(
+        &self,
+        request: &azure_core::http::Request,
+    ) -> azure_core::Result<azure_core::http::AsyncRawResponse> {
+        let client = self.current();
+        client.execute_request(request).await
+    }
 }
 
 /// Client options for every storage client: the shared HTTP client, no SDK retries (callers
@@ -51,7 +104,7 @@ pub fn http_client() -> &'static reqwest::Client {
 pub fn client_options(account: &StorageAccount) -> ClientOptions {
     ClientOptions {
         retry: AzureRetryOptions::none(),
-        transport: Some(Transport::new(Arc::new(http_client().clone()))),
+        transport: Some(Transport::new(RuntimePools::global().clone())),
         per_try_policies: crate::auth::policy(account.account(), account.credential())
             .into_iter()
             .collect(),

@@ -341,11 +341,9 @@ where
 }
 
 /// For a storage call inside an [`eventually`] loop: its value, or `None` (poll again) for a
-/// transient failure; any other failure panics, naming `what`. Why: every storage client of the
-/// process shares one HTTP pool, while each `#[tokio::test]` has a runtime of its own, so a
-/// pooled connection can belong to another test's runtime that shuts down just as it is handed
-/// out ("runtime dropped the dispatch task"), a transient failure the product's callers retry
-/// and a loop of direct calls must too.
+/// transient failure; any other failure panics, naming `what`. The product's callers retry
+/// transient failures (a time-out, a connection reset on a loaded machine); a loop of direct
+/// calls must too, rather than fail the test on one.
 pub fn unless_transient<T>(result: leasehold_storage::StoreResult<T>, what: &str) -> Option<T> {
     match result {
         Ok(value) => Some(value),
