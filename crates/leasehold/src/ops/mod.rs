@@ -81,6 +81,8 @@ struct Inner {
     /// the scan dies).
     scan_hide: Duration,
     retry: RetryOptions,
+    /// Held by a poison scan while it runs (shared by clones: scans take turns).
+    scans: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl std::fmt::Debug for Operator {
@@ -151,6 +153,7 @@ impl Operator {
                 lease_seconds,
                 scan_hide: Duration::from_secs(60),
                 retry: RetryOptions::default(),
+                scans: Arc::default(),
             }),
         }
     }

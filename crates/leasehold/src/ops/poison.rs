@@ -504,6 +504,10 @@ impl Operator {
         keep_at_most: Option<usize>,
         progress: &(dyn Fn(&Progress) + Send + Sync),
     ) -> Result<Scan, OpsError> {
+        // One scan at a time per operator (the dashboard's requests share one): a second scan
+        // would hide the entries the first has yet to reach, and the first would stop short of
+        // them believing it reached the end.
+        let _turn = self.inner.scans.lock().await;
         let poison = &*self.inner.poison;
         let total = poison.approximate_len().await.unwrap_or(0);
         // Hidden long enough for the whole scan to get round before the first batch comes back
@@ -602,12 +606,27 @@ impl Operator {
                 continue; // acted on: requeued or purged
             };
             let r = &taken.received;
-            if let Err(e) = poison
-                .set_visibility(&r.id, &r.pop_receipt, &r.body, Duration::ZERO)
+            match self
+                .inner
+                .retry
+                .run("put a poison entry back", || {
+                    poison.set_visibility(&r.id, &r.pop_receipt, &r.body, Duration::ZERO)
+                })
                 .await
             {
-                tracing::warn!(id, error = %e, hide_seconds = hide.as_secs(),
-                    "poison: could not put an entry back at once; it comes back when its hiding ends");
+                Ok(_) => {}
+                // The receipt no longer fits: an earlier try whose answer was lost put it back
+                // (which changed the receipt), or its hiding ended and another reader took it.
+                Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                    tracing::debug!(
+                        id,
+                        "poison: an entry to put back was no longer ours (already back, or taken by another reader)"
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(id, error = %e, hide_seconds = hide.as_secs(),
+                        "poison: could not put an entry back at once; it comes back when its hiding ends");
+                }
             }
         }
         outcome.map(|()| scan)
@@ -1119,6 +1138,31 @@ mod tests {
             queue.inner.bodies().is_empty(),
             "a purge puts nothing on the trigger queue"
         );
+    }
+
+    /// A listing asked for while a requeue of everything runs (the dashboard refreshing during
+    /// "Requeue all") waits its turn: it does not hide the entries the requeue has yet to
+    /// reach, so the requeue gets every one, and the listing then finds the queue empty.
+    #[tokio::test(start_paused = true)]
+    async fn a_listing_during_a_requeue_waits_for_it() {
+        let (queue, poison) = (
+            slow("q", Duration::from_secs(1), false),
+            slow("p", Duration::ZERO, false),
+        );
+        fill(&poison, (0..40).map(|i| format!("r{i:02}"))).await;
+        let op = operator(queue.clone(), poison.clone());
+        let requeue = tokio::spawn({
+            let op = op.clone();
+            async move { op.poison_requeue(&PoisonSelection::all(), &|_| {}).await }
+        });
+        // Into the first batch of 32 (a second a put), then a listing that scans.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let listing = op.poison_list(&PoisonQuery { limit: Some(100) }).await.unwrap();
+        let report = requeue.await.unwrap().unwrap();
+        assert_eq!(report.requeued.len(), 40, "{}", report.message);
+        assert!(listing.entries.is_empty(), "{:?}", listing.entries);
+        assert_eq!(queue.inner.bodies().len(), 40);
+        assert!(poison.inner.bodies().is_empty());
     }
 
     /// Progress counts what was looked at and what was done.
