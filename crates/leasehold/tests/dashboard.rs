@@ -716,7 +716,7 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
         .await
         .unwrap_or_else(|e| panic!("the dashboard test needs a real browser: {e}"));
     let env = Env::new();
-    let records: Vec<String> = (0..40).map(|i| format!("bulk-{i:02}")).collect();
+    let mut records: Vec<String> = (0..40).map(|i| format!("bulk-{i:02}")).collect();
     for record in &records {
         env.poison(record, "the logic exited with status 1").await;
     }
@@ -764,6 +764,47 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
     let poison = env.queue(&poison_queue_name(&env.queue));
     assert_eq!(poison.peek(32).await.unwrap().len(), 32);
 
+    // Count the page's scans and requeues from here on.
+    eval(
+        &browser,
+        "window.calls = { scans: 0, requeues: 0 }; const fetched = window.fetch; \
+         window.fetch = (url, init) => { const u = String(url); \
+           if (u.includes('poison?limit=')) window.calls.scans++; \
+           if (u.includes('poison/requeue')) window.calls.requeues++; \
+           return fetched(url, init); }; true",
+    )
+    .await;
+    // One more entry: the depth moves, and the page says so rather than scan again on its timer.
+    records.push("bulk-40".to_string());
+    env.poison("bulk-40", "the logic exited with status 1").await;
+    wait(
+        &browser,
+        "!document.getElementById('poison-changed').hidden",
+        "the note that the poison queue changed",
+    )
+    .await;
+    assert_eq!(
+        eval(&browser, "[document.querySelectorAll('#poison tbody tr').length, window.calls.scans]").await,
+        json!([40, 0]),
+        "no scan on the timer"
+    );
+    eval(&browser, "document.getElementById('poison-reload').click(); true").await;
+    wait(
+        &browser,
+        "document.querySelectorAll('#poison tbody tr').length === 41 && \
+         document.getElementById('poison-changed').hidden && window.calls.scans === 1",
+        "all 41 entries, read again on request",
+    )
+    .await;
+
+    // "Requeue all", cancelled: nothing is sent.
+    let sent = eval(
+        &browser,
+        "window.confirm = () => false; document.getElementById('requeue-all').click(); window.calls.requeues",
+    )
+    .await;
+    assert_eq!(sent, 0, "a cancelled requeue sent a request");
+
     // "Requeue all", confirmed: one request for the whole queue, and every record runs.
     assert!(env.runs().is_empty());
     eval(
@@ -773,9 +814,10 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
     )
     .await;
     let said = toasts(&browser, "the requeue's answer").await;
-    assert!(said.as_str().unwrap().contains("requeued 40 entries"), "{said}");
+    assert!(said.as_str().unwrap().contains("requeued 41 entries"), "{said}");
     let asked = eval(&browser, "window.confirmed").await;
-    assert!(asked.as_str().unwrap().contains("about 40"), "{asked}");
+    assert!(asked.as_str().unwrap().contains("about 41"), "{asked}");
+    assert_eq!(eval(&browser, "window.calls.requeues").await, 1);
     eventually(
         Duration::from_secs(60),
         "every requeued record to run",
