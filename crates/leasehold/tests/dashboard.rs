@@ -784,7 +784,11 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
     )
     .await;
     assert_eq!(
-        eval(&browser, "[document.querySelectorAll('#poison tbody tr').length, window.calls.scans]").await,
+        eval(
+            &browser,
+            "[document.querySelectorAll('#poison tbody tr').length, window.calls.scans]"
+        )
+        .await,
         json!([40, 0]),
         "no scan on the timer"
     );

@@ -136,7 +136,7 @@ fn redundant_allowed(seeds: u64) -> usize {
 /// Safety (invariants 1, 2 and 5: exclusive runs with rising fencing tokens, nothing lost,
 /// bounded run time) and the recovery bound (4) must hold on every seed. Coalescing (3) has one
 /// known gap: a trigger that acquires the lease in the moment between another holder's release
-/// and that holder's marker check makes the holder's retrigger one redundant run (13 of 10,000
+/// and that holder's marker check makes the holder's retrigger one redundant run (12 of 10,000
 /// seeds). A fencing-generation check cannot remove it safely: the marker the holder consumed may
 /// have been set for the new holder's run, which does not cover it. Such seeds are printed and
 /// held to at most 0.2% of seeds, so a regression fails. Prints how often each fault class
