@@ -382,8 +382,8 @@ impl Operator {
     /// The poison entries, oldest first, and the same grouped by record.
     pub async fn poison_list(&self, query: &PoisonQuery) -> Result<PoisonList, OpsError> {
         let limit = query.limit.unwrap_or(PEEK_MAX).max(1);
-        let poison = self.queue_view(&*self.inner.poison).await?;
-        let (entries, complete) = if limit <= PEEK_MAX {
+        let (poison, entries, complete) = if limit <= PEEK_MAX {
+            let poison = self.queue_view(&*self.inner.poison).await?;
             let peeked = self
                 .inner
                 .retry
@@ -396,11 +396,14 @@ impl Operator {
                 .into_iter()
                 .map(|m| entry_of(m.id, m.inserted_at, &m.body))
                 .collect::<Vec<_>>();
-            (entries, complete)
+            (poison, entries, complete)
         } else {
             let scan = self
                 .scan(&PoisonSelection::default(), |_| Act::Keep, Some(limit), &|_| {})
                 .await?;
+            // Read after the scan (which may have waited for another to end), so the depth is
+            // of the queue this listing saw.
+            let poison = self.queue_view(&*self.inner.poison).await?;
             let taken = scan.kept.len();
             // Every entry, unless the scan stopped short, kept more than the limit (it keeps
             // whole batches of 32), or the queue holds more than it took.
@@ -411,7 +414,7 @@ impl Operator {
             // The first `limit` in queue order.
             entries.truncate(limit);
             entries.sort_by_key(|e| e.inserted_at);
-            (entries, complete)
+            (poison, entries, complete)
         };
         Ok(PoisonList {
             at: SystemTime::now(),
