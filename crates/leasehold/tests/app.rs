@@ -7,11 +7,14 @@
 //! the point: signals (SIGTERM hand-back, SIGKILL of a whole host), the command line and its
 //! exit codes, and the logs it writes.
 
+mod common;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
+use common::Running;
 use leasehold_lock::OpCounters;
 use leasehold_runtime::{AzureQueue, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
 use leasehold_test_support::{Azurite, eventually, unique_name, unless_transient};
@@ -200,51 +203,12 @@ impl Env {
     }
 }
 
-/// The application running in this test process (port 0: no port chosen in advance).
-struct InProcess {
-    port: u16,
-    stop: tokio_util::sync::CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl InProcess {
-    /// Stops it as SIGTERM would, and waits until it has handed its work back.
-    async fn stop(self) {
-        self.stop.cancel();
-        self.task.await.unwrap().unwrap();
-    }
-}
-
 impl Env {
     /// Builds and starts the application in-process with the same settings `command` passes
     /// the binary (and `LEASEHOLD_PORT` 0), logic commands supervised by the real binary.
-    async fn start(&self, mode: leasehold::Mode, extra: &[(&str, String)]) -> InProcess {
-        let mut vars = vec![
-            (
-                "AzureWebJobsStorage".to_string(),
-                Azurite::shared().connection_string(),
-            ),
-            ("LEASEHOLD_QUEUE".into(), self.queue.clone()),
-            ("LEASEHOLD_CONTAINER".into(), self.container.clone()),
-            ("LEASEHOLD_PORT".into(), "0".into()),
-            ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
-        ];
-        vars.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
-        // Later values win, as they do in an environment.
-        let vars: std::collections::BTreeMap<_, _> = vars.into_iter().collect();
-        let settings = leasehold::Settings::from_vars(vars).unwrap();
-        let app = leasehold::Application::build_with_supervisor(
-            settings,
-            mode,
-            Some(env!("CARGO_BIN_EXE_leasehold").into()),
-        )
-        .await
-        .unwrap();
-        let port = app.port();
-        assert_ne!(port, 0);
-        let stop = tokio_util::sync::CancellationToken::new();
-        let task = tokio::spawn(app.run_until_stopped(stop.clone()));
-        InProcess { port, stop, task }
+    async fn start(&self, mode: leasehold::Mode, extra: &[(&str, String)]) -> Running {
+        let vars = common::with(common::serve_vars(&self.queue, &self.container), extra);
+        Running::start(leasehold::Settings::from_vars(vars).unwrap(), mode).await
     }
 }
 
@@ -279,7 +243,7 @@ async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
             &[("LEASEHOLD_LOGIC_COMMAND", env.logic("sleep 2"))],
         )
         .await;
-    let url = format!("http://127.0.0.1:{}/api/start", app.port);
+    let url = app.url("/api/start");
 
     let posted = std::time::SystemTime::now();
     let (status, body) = post(
@@ -884,7 +848,7 @@ async fn start_answers_503_when_the_queue_is_unreachable() {
             ],
         )
         .await;
-    let url = format!("http://127.0.0.1:{}/api/start", app.port);
+    let url = app.url("/api/start");
     let (status, body) = post(&url, r#"{"recordId":"1"}"#, &[]).await;
     assert_eq!(status, 503, "{body}");
     assert!(
@@ -911,7 +875,7 @@ async fn handler_mode_coalesces_a_burst() {
             ],
         )
         .await;
-    let url = format!("http://127.0.0.1:{}/Worker", app.port);
+    let url = app.url("/Worker");
     let invocation = json!({
         "Data": { "trigger": TriggerMessage::parse("account", RECORD).unwrap().to_json() },
         "Metadata": { "DequeueCount": 1 }

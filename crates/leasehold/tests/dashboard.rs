@@ -7,9 +7,12 @@
 //! The browser test needs Chromium (`scripts/install-chromium.sh`, run by `scripts/test.sh`);
 //! without it the test fails with that command, it does not skip.
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use common::Running;
 use leasehold_lock::OpCounters;
 use leasehold_runtime::{
     AzureQueue, Error, LogicError, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name,
@@ -69,35 +72,14 @@ impl Env {
         AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
     }
 
-    fn vars(&self, extra: &[(&str, &str)]) -> Vec<(String, String)> {
-        let mut vars = vec![
-            (
-                "AzureWebJobsStorage".to_string(),
-                Azurite::shared().connection_string(),
-            ),
-            ("LEASEHOLD_QUEUE".into(), self.queue.clone()),
-            ("LEASEHOLD_CONTAINER".into(), self.container.clone()),
-            ("LEASEHOLD_PORT".into(), "0".into()),
-            ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
-            ("LEASEHOLD_LOGIC_COMMAND".into(), self.logic()),
-        ];
-        vars.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-        vars
+    fn vars(&self, extra: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+        let mut vars = common::serve_vars(&self.queue, &self.container);
+        vars.push(("LEASEHOLD_LOGIC_COMMAND".into(), self.logic()));
+        common::with(vars, extra)
     }
 
     async fn start(&self, mode: leasehold::Mode, extra: &[(&str, &str)]) -> Running {
-        let settings = leasehold::Settings::from_vars(self.vars(extra)).unwrap();
-        let app = leasehold::Application::build_with_supervisor(
-            settings,
-            mode,
-            Some(env!("CARGO_BIN_EXE_leasehold").into()),
-        )
-        .await
-        .unwrap();
-        let port = app.port();
-        let stop = tokio_util::sync::CancellationToken::new();
-        let task = tokio::spawn(app.run_until_stopped(stop.clone()));
-        Running { port, stop, task }
+        Running::start(leasehold::Settings::from_vars(self.vars(extra)).unwrap(), mode).await
     }
 
     /// Puts a trigger for `record` on the trigger queue.
@@ -129,30 +111,6 @@ impl Drop for Env {
     fn drop(&mut self) {
         // Lets held runs end (the app's shutdown would stop them anyway).
         let _ = std::fs::write(self.release_file(), "");
-    }
-}
-
-/// The application running in this test process; stopped on drop too.
-struct Running {
-    port: u16,
-    stop: tokio_util::sync::CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl Running {
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
-    }
-
-    async fn stop(mut self) {
-        self.stop.cancel();
-        (&mut self.task).await.unwrap().unwrap();
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.stop.cancel();
     }
 }
 

@@ -6,9 +6,12 @@
 //!
 //! Also: `serve` refuses to listen on a non-loopback address without a key unless told so.
 
+mod common;
+
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::Running;
 use leasehold_test_support::{Azurite, eventually, unique_name};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -18,31 +21,11 @@ use tokio::task::JoinSet;
 const KEY: &str = "k3y";
 const RECORD: &str = "8f9c1d2e-0000-4000-8000-000000000001";
 
-/// The application running in this test process.
-struct InProcess {
-    port: u16,
-    stop: tokio_util::sync::CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
 fn settings(extra: &[(&str, &str)]) -> anyhow::Result<leasehold::Settings> {
-    let mut vars: std::collections::BTreeMap<String, String> = [
-        (
-            "AzureWebJobsStorage".to_string(),
-            Azurite::shared().connection_string(),
-        ),
-        ("LEASEHOLD_QUEUE".into(), unique_name("triggers")),
-        ("LEASEHOLD_CONTAINER".into(), unique_name("locks")),
-        ("LEASEHOLD_PORT".into(), "0".into()),
-        ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
-        ("LEASEHOLD_DEMO_SECONDS".into(), "1".into()),
-        ("LEASEHOLD_API_KEY".into(), KEY.into()),
-    ]
-    .into_iter()
-    .collect();
-    for (k, v) in extra {
-        vars.insert(k.to_string(), v.to_string());
-    }
+    let mut vars = common::serve_vars(&unique_name("triggers"), &unique_name("locks"));
+    vars.push(("LEASEHOLD_DEMO_SECONDS".into(), "1".into()));
+    vars.push(("LEASEHOLD_API_KEY".into(), KEY.into()));
+    let mut vars = common::with(vars, extra);
     vars.retain(|_, v| !v.is_empty());
     leasehold::Settings::from_vars(vars)
 }
@@ -58,26 +41,8 @@ async fn build(extra: &[(&str, &str)]) -> anyhow::Result<leasehold::Application>
     .await
 }
 
-async fn start(extra: &[(&str, &str)]) -> InProcess {
-    let app = build(extra).await.unwrap();
-    let port = app.port();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(app.run_until_stopped(stop.clone()));
-    InProcess { port, stop, task }
-}
-
-impl InProcess {
-    /// Stops it as SIGTERM would; returns how long that took.
-    async fn stop(self) -> Duration {
-        let from = Instant::now();
-        self.stop.cancel();
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the application did not stop within 30 s")
-            .unwrap()
-            .unwrap();
-        from.elapsed()
-    }
+async fn start(extra: &[(&str, &str)]) -> Running {
+    Running::run(build(extra).await.unwrap())
 }
 
 /// A head for `POST /api/start` with `key`, declaring a body of `length` bytes.
