@@ -42,8 +42,7 @@ struct Env {
 
 impl Env {
     fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("leasehold-app"));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = common::scratch_dir("leasehold-app");
         Self {
             queue: unique_name("triggers"),
             container: unique_name("locks"),
@@ -84,23 +83,14 @@ impl Env {
     }
 
     fn command(&self, args: &[&str], extra: &[(&str, String)]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
-        cmd.args(args)
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-            .env("LEASEHOLD_QUEUE", &self.queue)
-            .env("LEASEHOLD_CONTAINER", &self.container)
-            // `serve` binds any free port and logs it (no port chosen in advance to race for).
-            .env("LEASEHOLD_PORT", "0")
-            .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
+        let mut cmd = common::leasehold(args);
+        // `serve` binds any free port and logs it (no port chosen in advance to race for).
+        cmd.envs(common::serve_vars(&self.queue, &self.container))
             .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(
                 std::fs::File::create(self.dir.join(format!("{}.log", args[0]))).unwrap(),
-            ))
-            .kill_on_drop(true);
+            ));
         for (k, v) in extra {
             cmd.env(k, v);
         }
@@ -114,19 +104,7 @@ impl Env {
             self.command(args, extra).spawn().unwrap()
         };
         if args[0] == "serve" {
-            let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
-                let log = self.log("serve");
-                // Text (`addr=127.0.0.1:N`) or JSON (`"addr":"127.0.0.1:N"`) logs.
-                let at = ["addr=127.0.0.1:", "\"addr\":\"127.0.0.1:"]
-                    .iter()
-                    .find_map(|p| log.find(p).map(|i| i + p.len()))?;
-                log[at..]
-                    .split(|c: char| !c.is_ascii_digit())
-                    .next()?
-                    .parse::<u16>()
-                    .ok()
-            })
-            .await;
+            let port = common::serve_port(&self.dir.join("serve.log")).await;
             self.port.store(port, std::sync::atomic::Ordering::SeqCst);
         }
         let url = format!(
@@ -134,20 +112,7 @@ impl Env {
             self.port(),
             if args[0] == "serve" { "healthz" } else { "" }
         );
-        let client = reqwest::Client::new();
-        eventually(Duration::from_secs(30), "leasehold to answer", || {
-            let (client, url) = (client.clone(), url.clone());
-            async move {
-                client
-                    .get(&url)
-                    .send()
-                    .await
-                    .ok()
-                    .filter(|r| r.status().is_success())
-                    .map(|_| ())
-            }
-        })
-        .await;
+        common::answers(&url, "leasehold to answer").await;
         child
     }
 

@@ -33,8 +33,7 @@ struct Env {
 
 impl Env {
     fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("leasehold-dashboard"));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = common::scratch_dir("leasehold-dashboard");
         Self {
             queue: unique_name("triggers"),
             container: unique_name("locks"),

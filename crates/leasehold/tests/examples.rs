@@ -3,6 +3,8 @@
 //! the web service (Node.js) as `LEASEHOLD_LOGIC_URL`, and the library example in-process. Each
 //! test checks that a record runs and that its fencing token and attempt reach the logic.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -27,8 +29,7 @@ struct Env {
 
 impl Env {
     fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("leasehold-examples"));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = common::scratch_dir("leasehold-examples");
         Self {
             queue: unique_name("triggers"),
             container: unique_name("locks"),
@@ -37,21 +38,12 @@ impl Env {
     }
 
     fn leasehold(&self, args: &[&str], extra: &[(&str, String)]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
-        cmd.args(args)
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-            .env("LEASEHOLD_QUEUE", &self.queue)
-            .env("LEASEHOLD_CONTAINER", &self.container)
-            .env("LEASEHOLD_PORT", "0")
-            .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
-            .stdin(Stdio::null())
+        let mut cmd = common::leasehold(args);
+        cmd.envs(common::serve_vars(&self.queue, &self.container))
             .stdout(Stdio::null())
             .stderr(Stdio::from(
                 std::fs::File::create(self.dir.join(format!("{}.log", args[0]))).unwrap(),
-            ))
-            .kill_on_drop(true);
+            ));
         for (k, v) in extra {
             cmd.env(k, v);
         }

@@ -6,7 +6,6 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::Running;
@@ -257,14 +256,10 @@ fn total(events: &[Json], field: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
-    let dir = std::env::temp_dir().join(unique_name("leasehold-metrics"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("leasehold-metrics");
     let (stdout, stderr): (PathBuf, PathBuf) = (dir.join("stdout.log"), dir.join("stderr.log"));
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"));
+    let mut command = common::leasehold(&["handler"]);
     command
-        .arg("handler")
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
         .envs(vars(&[
             // Any free port, read from the log: none chosen in advance to race for.
             ("FUNCTIONS_CUSTOMHANDLER_PORT", "0"),
@@ -276,10 +271,8 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
             ),
             ("RUST_LOG", "info"),
         ]))
-        .stdin(Stdio::null())
         .stdout(std::fs::File::create(&stdout).unwrap())
-        .stderr(std::fs::File::create(&stderr).unwrap())
-        .kill_on_drop(true);
+        .stderr(std::fs::File::create(&stderr).unwrap());
     let mut child = command.spawn().unwrap();
     let port = eventually(Duration::from_secs(30), "the handler to log its port", || async {
         let log = std::fs::read_to_string(&stderr).unwrap_or_default();
@@ -288,20 +281,8 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
     })
     .await;
     let base = format!("http://127.0.0.1:{port}");
+    common::answers(&format!("{base}/"), "the handler to answer GET /").await;
     let client = reqwest::Client::new();
-    eventually(Duration::from_secs(30), "the handler to answer GET /", || {
-        let (client, base) = (client.clone(), base.clone());
-        async move {
-            client
-                .get(format!("{base}/"))
-                .send()
-                .await
-                .ok()
-                .filter(|r| r.status().is_success())
-                .map(|_| ())
-        }
-    })
-    .await;
     let invoke = |function: &'static str, payload: Json| {
         let (client, url) = (client.clone(), format!("{base}/{function}"));
         async move {

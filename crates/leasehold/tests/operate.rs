@@ -2,6 +2,8 @@
 //! `poison list|show|requeue|purge` (the operations and the command line), the requeue's
 //! put-before-delete order under an interruption, and start-up creating what it uses.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -68,15 +70,9 @@ impl Env {
 
     /// The binary with this deployment's settings; its stdout, and whether it succeeded.
     async fn run(&self, args: &[&str]) -> (bool, String) {
-        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
-            .args(args)
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-            .env("LEASEHOLD_QUEUE", &self.queue)
-            .env("LEASEHOLD_CONTAINER", &self.container)
+        let out = common::leasehold(args)
+            .envs(common::storage_vars(&self.queue, &self.container))
             .env("RUST_LOG", "warn")
-            .kill_on_drop(true)
             .output()
             .await
             .unwrap();

@@ -6,10 +6,13 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use leasehold_test_support::{Azurite, unique_name};
+use leasehold_test_support::{Azurite, eventually, unique_name};
+use tokio::process::Command;
 
 /// The `leasehold` binary Cargo built for these tests.
 pub const BIN: &str = env!("CARGO_BIN_EXE_leasehold");
@@ -103,4 +106,54 @@ impl Drop for Running {
     fn drop(&mut self) {
         self.stop.cancel();
     }
+}
+
+/// `program` with `args`, nothing of this process's environment but `PATH`, no stdin, and
+/// killed when dropped; its settings and where its output goes are the caller's.
+pub fn command(program: impl AsRef<OsStr>, args: &[&str]) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// The `leasehold` binary as [`command`].
+pub fn leasehold(args: &[&str]) -> Command {
+    command(BIN, args)
+}
+
+/// The port `serve` logs it listens on (`addr=127.0.0.1:N` in text, `"addr":"127.0.0.1:N"` in
+/// JSON), once the whole number is written (something follows it).
+pub fn logged_port(log: &str) -> Option<u16> {
+    let at = ["addr=127.0.0.1:", "\"addr\":\"127.0.0.1:"]
+        .iter()
+        .find_map(|p| log.find(p).map(|i| i + p.len()))?;
+    let rest = &log[at..];
+    rest[..rest.find(|c: char| !c.is_ascii_digit())?].parse().ok()
+}
+
+/// Waits (30 s at most) for `serve` to log its port in the file `log`.
+pub async fn serve_port(log: &Path) -> u16 {
+    eventually(Duration::from_secs(30), "serve to log its address", || async {
+        logged_port(&std::fs::read_to_string(log).unwrap_or_default())
+    })
+    .await
+}
+
+/// Waits (30 s at most) until a GET of `url` succeeds.
+pub async fn answers(url: &str, what: &str) {
+    let client = reqwest::Client::new();
+    eventually(Duration::from_secs(30), what, || async {
+        client
+            .get(url)
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())
+            .map(|_| ())
+    })
+    .await;
 }
