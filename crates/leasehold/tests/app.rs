@@ -14,10 +14,9 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::Running;
-use leasehold_lock::OpCounters;
-use leasehold_runtime::{AzureQueue, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
-use leasehold_test_support::{Azurite, eventually, unique_name, unless_transient};
+use common::{Running, post};
+use leasehold_runtime::{PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
+use leasehold_test_support::{eventually, unique_name, unless_transient};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
@@ -159,10 +158,6 @@ impl Env {
         )
     }
 
-    fn queue(&self, name: &str) -> AzureQueue {
-        AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
-    }
-
     fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default()
     }
@@ -184,16 +179,6 @@ fn terminate(child: &Child) {
         .arg(pid.to_string())
         .status()
         .unwrap();
-}
-
-async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
-    let mut req = reqwest::Client::new().post(url).body(body.to_string());
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let r = req.send().await.unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -260,7 +245,7 @@ async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
     )
     .await;
     // Let anything else that was coming arrive, then count.
-    let queue = env.queue(&env.queue);
+    let queue = common::queue(&env.queue);
     eventually(Duration::from_secs(30), "the queue to drain", || async {
         (unless_transient(queue.approximate_len().await, "the queue's length")? == 0).then_some(())
     })
@@ -497,7 +482,7 @@ async fn bad_input_is_refused_and_nothing_is_enqueued() {
         (!env.runs().is_empty()).then_some(())
     })
     .await;
-    let queue = env.queue(&env.queue);
+    let queue = common::queue(&env.queue);
     eventually(Duration::from_secs(20), "the queue to drain", || async {
         (unless_transient(queue.approximate_len().await, "the queue's length")? == 0).then_some(())
     })
@@ -619,7 +604,7 @@ async fn custom_handler_speaks_the_host_protocol() {
         r["Logs"][0].as_str().unwrap().contains("exited with code 1"),
         "{r}"
     );
-    let triggers = env.queue(&env.queue);
+    let triggers = common::queue(&env.queue);
     let retry = eventually(Duration::from_secs(15), "the retry to become visible", || async {
         let got = unless_transient(triggers.get(1, Duration::from_secs(60)).await, "taking the retry")?;
         got.into_iter().next()
@@ -633,7 +618,7 @@ async fn custom_handler_speaks_the_host_protocol() {
     // Unreadable message: poisoned with its reason, invocation succeeds (nothing silently dropped).
     let (status, _) = invoke("Worker", worker(json!("not a trigger"), json!(1))).await;
     assert_eq!(status, 200);
-    let poison = env.queue(&poison_queue_name(&env.queue));
+    let poison = common::queue(&poison_queue_name(&env.queue));
     let got = poison.get(1, Duration::from_secs(30)).await.unwrap();
     let poisoned = PoisonMessage::decode(&got[0].body).unwrap();
     assert!(
@@ -686,8 +671,8 @@ async fn a_failing_trigger_is_poisoned_and_shutdown_releases_the_lease() {
     // Given up after 2 deliveries, with a sweep (run once more, for triggers that may have
     // coalesced onto it); the sweep fails too and is given up in turn, and the next, conditional
     // sweep finds no marker: the chain ends with two entries in the poison queue.
-    let poison = env.queue(&poison_queue_name(&env.queue));
-    let triggers = env.queue(&env.queue);
+    let poison = common::queue(&poison_queue_name(&env.queue));
+    let triggers = common::queue(&env.queue);
     eventually(
         Duration::from_secs(90),
         "the failing trigger and its sweep in the poison queue, nothing left to run",
@@ -879,7 +864,7 @@ async fn handler_mode_coalesces_a_burst() {
     std::fs::write(&gate, b"").unwrap();
     let r = first.await.unwrap();
     assert_eq!(r["ReturnValue"]["outcome"], "completed", "{r}");
-    let queue = env.queue(&env.queue);
+    let queue = common::queue(&env.queue);
     let waiting = queue.get(32, Duration::from_secs(30)).await.unwrap();
     assert_eq!(
         waiting.len(),
@@ -923,7 +908,7 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
     // Each on a port chosen in advance (FUNCTIONS_CUSTOMHANDLER_PORT), as the host starts it.
     let mut dying = env.spawn(&["handler"], &settings).await;
     let mut survivor = other.spawn(&["handler"], &settings).await;
-    let queue = env.queue(&env.queue);
+    let queue = common::queue(&env.queue);
     queue
         .put(
             &TriggerMessage::parse("account", RECORD).unwrap().encode(),
@@ -949,7 +934,7 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
 
     // Host 2 polls every second, as host.json's maxPollingInterval of 2 s allows.
     let host = tokio::spawn({
-        let queue = env.queue(&env.queue);
+        let queue = common::queue(&env.queue);
         let port = other.port();
         async move {
             loop {

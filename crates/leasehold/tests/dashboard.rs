@@ -12,13 +12,10 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::Running;
-use leasehold_lock::OpCounters;
-use leasehold_runtime::{
-    AzureQueue, Error, LogicError, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name,
-};
+use common::{Running, get};
+use leasehold_runtime::{Error, LogicError, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
 use leasehold_test_support::browser::Browser;
-use leasehold_test_support::{Azurite, eventually, unique_name, workspace_root};
+use leasehold_test_support::{eventually, unique_name, workspace_root};
 use serde_json::{Value, json};
 
 const ADMIN_KEY: &str = "dashboard-test-admin-key-3b9f";
@@ -67,10 +64,6 @@ impl Env {
             .collect()
     }
 
-    fn queue(&self, name: &str) -> AzureQueue {
-        AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
-    }
-
     fn vars(&self, extra: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
         let mut vars = common::serve_vars(&self.queue, &self.container);
         vars.push(("LEASEHOLD_LOGIC_COMMAND".into(), self.logic()));
@@ -84,7 +77,7 @@ impl Env {
     /// Puts a trigger for `record` on the trigger queue.
     async fn trigger(&self, record: &str) {
         let message = TriggerMessage::parse("account", record).unwrap();
-        self.queue(&self.queue)
+        common::queue(&self.queue)
             .put(&message.encode(), Duration::ZERO)
             .await
             .unwrap();
@@ -99,7 +92,7 @@ impl Env {
             &Error::Logic(LogicError::new(reason)),
             5,
         );
-        self.queue(&poison_queue_name(&self.queue))
+        common::queue(&poison_queue_name(&self.queue))
             .put(&entry.encode(), Duration::ZERO)
             .await
             .unwrap();
@@ -113,25 +106,10 @@ impl Drop for Env {
     }
 }
 
-async fn get(url: &str, headers: &[(&str, &str)]) -> reqwest::Response {
-    let mut request = reqwest::Client::new().get(url);
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    request.send().await.unwrap()
-}
-
+/// [`common::post`] of a JSON body.
 async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
-    let mut request = reqwest::Client::new()
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body.to_string());
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let response = request.send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
+    let json = [("content-type", "application/json")];
+    common::post(url, body, &[&json[..], headers].concat()).await
 }
 
 const KEY: (&str, &str) = ("x-leasehold-admin-key", ADMIN_KEY);
@@ -718,7 +696,7 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
         );
     }
     // The scan put every entry back.
-    let poison = env.queue(&poison_queue_name(&env.queue));
+    let poison = common::queue(&poison_queue_name(&env.queue));
     assert_eq!(poison.peek(32).await.unwrap().len(), 32);
 
     // Count the page's scans and requeues from here on.

@@ -10,8 +10,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lock::OpCounters;
-use leasehold_runtime::{AzureQueue, TriggerMessage, TriggerQueue};
+use leasehold_runtime::{TriggerMessage, TriggerQueue};
 use leasehold_test_support::{Azurite, eventually, unique_name, workspace_root};
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
@@ -224,7 +223,7 @@ async fn the_library_example_runs_a_record() {
             .map_err(|e| e.to_string())
         }
     });
-    let queue = AzureQueue::new(&Azurite::shared().account(), &env.queue, OpCounters::new());
+    let queue = common::queue(&env.queue);
     let trigger = TriggerMessage::parse("account", "42").unwrap();
     queue.put(&trigger.encode(), Duration::ZERO).await.unwrap();
     let report = tokio::time::timeout(Duration::from_secs(60), reports.recv())

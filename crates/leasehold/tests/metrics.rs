@@ -39,13 +39,8 @@ async fn serve(extra: &[(&str, &str)]) -> Running {
 }
 
 async fn scrape(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut request = reqwest::Client::new().get(url);
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let response = request.send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.text().await.unwrap())
+    let response = common::get(url, headers).await;
+    (response.status().as_u16(), response.text().await.unwrap())
 }
 
 fn parse(body: &str) -> Scrape {

@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use leasehold_lock::OpCounters;
+use leasehold_runtime::AzureQueue;
 use leasehold_test_support::{Azurite, eventually, unique_name};
+use serde_json::Value;
 use tokio::process::Command;
 
 /// The `leasehold` binary Cargo built for these tests.
@@ -156,4 +159,29 @@ pub async fn answers(url: &str, what: &str) {
             .map(|_| ())
     })
     .await;
+}
+
+/// A queue on the shared Azurite.
+pub fn queue(name: &str) -> AzureQueue {
+    AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
+}
+
+/// `GET url` with `headers`.
+pub async fn get(url: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut request = reqwest::Client::new().get(url);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    request.send().await.unwrap()
+}
+
+/// `POST url` of `body` with `headers`: the status, and the answer's JSON (`Null` if none).
+pub async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+    let mut request = reqwest::Client::new().post(url).body(body.to_string());
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
 }
