@@ -186,10 +186,7 @@ async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
     let env = Env::new();
     let app = env
         .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
+            common::standalone(),
             &[("LEASEHOLD_LOGIC_COMMAND", env.logic("sleep 2"))],
         )
         .await;
@@ -788,10 +785,7 @@ async fn start_answers_503_when_the_queue_is_unreachable() {
     );
     let app = env
         .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
+            common::standalone(),
             &[
                 ("LEASEHOLD_LOGIC_COMMAND", "true".into()),
                 ("AzureWebJobsStorage", nowhere),

@@ -12,32 +12,17 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{Running, get};
+use common::{Env, Running, get};
 use leasehold_runtime::{Error, LogicError, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
 use leasehold_test_support::browser::Browser;
-use leasehold_test_support::{eventually, unique_name, workspace_root};
+use leasehold_test_support::{eventually, workspace_root};
 use serde_json::{Value, json};
 
 const ADMIN_KEY: &str = "dashboard-test-admin-key-3b9f";
 const START_KEY: &str = "dashboard-test-start-key-81c2";
 
-/// One isolated deployment: its queue, container and a folder for the logic's run log.
-struct Env {
-    queue: String,
-    container: String,
-    dir: PathBuf,
-}
-
+/// The deployment's folder holds the logic's run log.
 impl Env {
-    fn new() -> Self {
-        let dir = common::scratch_dir("leasehold-dashboard");
-        Self {
-            queue: unique_name("triggers"),
-            container: unique_name("locks"),
-            dir,
-        }
-    }
-
     fn runs_file(&self) -> PathBuf {
         self.dir.join("runs.log")
     }
@@ -117,15 +102,7 @@ const KEY: (&str, &str) = ("x-leasehold-admin-key", ADMIN_KEY);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_an_admin_key_there_is_no_dashboard_and_the_key_must_differ_from_starts() {
     let env = Env::new();
-    let app = env
-        .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
-            &[],
-        )
-        .await;
+    let app = env.start(common::standalone(), &[]).await;
     for path in ["/admin", "/api/admin/overview", "/api/admin/poison"] {
         let response = get(&app.url(path), &[KEY]).await;
         assert_eq!(
@@ -155,10 +132,7 @@ async fn the_admin_api_needs_its_key_in_its_header_and_says_what_it_did() {
     env.poison("api-poisoned", "the logic exited with status 3").await;
     let app = env
         .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
+            common::standalone(),
             &[
                 ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
                 ("LEASEHOLD_API_KEY", START_KEY),
@@ -433,10 +407,7 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
     .await;
     let app = env
         .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
+            common::standalone(),
             &[
                 ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
                 ("LEASEHOLD_API_KEY", START_KEY),
@@ -656,13 +627,7 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
         env.poison(record, "the logic exited with status 1").await;
     }
     let app = env
-        .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
-            &[("LEASEHOLD_ADMIN_KEY", ADMIN_KEY)],
-        )
+        .start(common::standalone(), &[("LEASEHOLD_ADMIN_KEY", ADMIN_KEY)])
         .await;
     sign_in(&browser, &app).await;
 

@@ -10,8 +10,9 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::Env;
 use leasehold_runtime::{TriggerMessage, TriggerQueue};
-use leasehold_test_support::{Azurite, eventually, unique_name, workspace_root};
+use leasehold_test_support::{Azurite, eventually, workspace_root};
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
 
@@ -19,23 +20,7 @@ use tokio::process::{Child, Command};
 #[path = "../../../examples/library/main.rs"]
 mod library;
 
-/// An isolated deployment and a scratch directory.
-struct Env {
-    queue: String,
-    container: String,
-    dir: PathBuf,
-}
-
 impl Env {
-    fn new() -> Self {
-        let dir = common::scratch_dir("leasehold-examples");
-        Self {
-            queue: unique_name("triggers"),
-            container: unique_name("locks"),
-            dir,
-        }
-    }
-
     fn leasehold(&self, args: &[&str], extra: &[(&str, String)]) -> Command {
         let mut cmd = common::leasehold(args);
         cmd.envs(common::serve_vars(&self.queue, &self.container))

@@ -30,10 +30,7 @@ fn vars(extra: &[(&str, &str)]) -> BTreeMap<String, String> {
 async fn serve(extra: &[(&str, &str)]) -> Running {
     Running::start(
         leasehold::Settings::from_vars(vars(extra)).unwrap(),
-        leasehold::Mode::Standalone {
-            port: None,
-            demo: false,
-        },
+        common::standalone(),
     )
     .await
 }

@@ -27,6 +27,32 @@ pub fn scratch_dir(prefix: &str) -> PathBuf {
     dir
 }
 
+/// One isolated deployment on the shared Azurite: its own trigger queue and lock container, and
+/// a scratch directory (`leasehold-<test file>-…`). A test file adds the methods it needs.
+pub struct Env {
+    pub queue: String,
+    pub container: String,
+    pub dir: PathBuf,
+}
+
+impl Env {
+    pub fn new() -> Self {
+        Self {
+            queue: unique_name("triggers"),
+            container: unique_name("locks"),
+            dir: scratch_dir(concat!("leasehold-", env!("CARGO_CRATE_NAME"))),
+        }
+    }
+}
+
+/// The mode the tests run `serve` in: its port from the settings, the logic from them too.
+pub fn standalone() -> leasehold::Mode {
+    leasehold::Mode::Standalone {
+        port: None,
+        demo: false,
+    }
+}
+
 /// The settings of a deployment on the shared Azurite with its own trigger queue and lock
 /// container.
 pub fn storage_vars(queue: &str, container: &str) -> Vec<(String, String)> {
