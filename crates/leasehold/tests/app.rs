@@ -7,14 +7,16 @@
 //! the point: signals (SIGTERM hand-back, SIGKILL of a whole host), the command line and its
 //! exit codes, and the logs it writes.
 
+mod common;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use leasehold_lock::OpCounters;
-use leasehold_runtime::{AzureQueue, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
-use leasehold_test_support::{Azurite, eventually, unique_name, unless_transient};
+use common::{Running, post};
+use leasehold_runtime::{PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
+use leasehold_test_support::{eventually, unique_name, unless_transient};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
@@ -39,8 +41,7 @@ struct Env {
 
 impl Env {
     fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("leasehold-app"));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = common::scratch_dir("leasehold-app");
         Self {
             queue: unique_name("triggers"),
             container: unique_name("locks"),
@@ -81,23 +82,14 @@ impl Env {
     }
 
     fn command(&self, args: &[&str], extra: &[(&str, String)]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
-        cmd.args(args)
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-            .env("LEASEHOLD_QUEUE", &self.queue)
-            .env("LEASEHOLD_CONTAINER", &self.container)
-            // `serve` binds any free port and logs it (no port chosen in advance to race for).
-            .env("LEASEHOLD_PORT", "0")
-            .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
+        let mut cmd = common::leasehold(args);
+        // `serve` binds any free port and logs it (no port chosen in advance to race for).
+        cmd.envs(common::serve_vars(&self.queue, &self.container))
             .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(
                 std::fs::File::create(self.dir.join(format!("{}.log", args[0]))).unwrap(),
-            ))
-            .kill_on_drop(true);
+            ));
         for (k, v) in extra {
             cmd.env(k, v);
         }
@@ -111,19 +103,7 @@ impl Env {
             self.command(args, extra).spawn().unwrap()
         };
         if args[0] == "serve" {
-            let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
-                let log = self.log("serve");
-                // Text (`addr=127.0.0.1:N`) or JSON (`"addr":"127.0.0.1:N"`) logs.
-                let at = ["addr=127.0.0.1:", "\"addr\":\"127.0.0.1:"]
-                    .iter()
-                    .find_map(|p| log.find(p).map(|i| i + p.len()))?;
-                log[at..]
-                    .split(|c: char| !c.is_ascii_digit())
-                    .next()?
-                    .parse::<u16>()
-                    .ok()
-            })
-            .await;
+            let port = common::serve_port(&self.dir.join("serve.log")).await;
             self.port.store(port, std::sync::atomic::Ordering::SeqCst);
         }
         let url = format!(
@@ -131,20 +111,7 @@ impl Env {
             self.port(),
             if args[0] == "serve" { "healthz" } else { "" }
         );
-        let client = reqwest::Client::new();
-        eventually(Duration::from_secs(30), "leasehold to answer", || {
-            let (client, url) = (client.clone(), url.clone());
-            async move {
-                client
-                    .get(&url)
-                    .send()
-                    .await
-                    .ok()
-                    .filter(|r| r.status().is_success())
-                    .map(|_| ())
-            }
-        })
-        .await;
+        common::answers(&url, "leasehold to answer").await;
         child
     }
 
@@ -191,60 +158,17 @@ impl Env {
         )
     }
 
-    fn queue(&self, name: &str) -> AzureQueue {
-        AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
-    }
-
     fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default()
-    }
-}
-
-/// The application running in this test process (port 0: no port chosen in advance).
-struct InProcess {
-    port: u16,
-    stop: tokio_util::sync::CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl InProcess {
-    /// Stops it as SIGTERM would, and waits until it has handed its work back.
-    async fn stop(self) {
-        self.stop.cancel();
-        self.task.await.unwrap().unwrap();
     }
 }
 
 impl Env {
     /// Builds and starts the application in-process with the same settings `command` passes
     /// the binary (and `LEASEHOLD_PORT` 0), logic commands supervised by the real binary.
-    async fn start(&self, mode: leasehold::Mode, extra: &[(&str, String)]) -> InProcess {
-        let mut vars = vec![
-            (
-                "AzureWebJobsStorage".to_string(),
-                Azurite::shared().connection_string(),
-            ),
-            ("LEASEHOLD_QUEUE".into(), self.queue.clone()),
-            ("LEASEHOLD_CONTAINER".into(), self.container.clone()),
-            ("LEASEHOLD_PORT".into(), "0".into()),
-            ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
-        ];
-        vars.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
-        // Later values win, as they do in an environment.
-        let vars: std::collections::BTreeMap<_, _> = vars.into_iter().collect();
-        let settings = leasehold::Settings::from_vars(vars).unwrap();
-        let app = leasehold::Application::build_with_supervisor(
-            settings,
-            mode,
-            Some(env!("CARGO_BIN_EXE_leasehold").into()),
-        )
-        .await
-        .unwrap();
-        let port = app.port();
-        assert_ne!(port, 0);
-        let stop = tokio_util::sync::CancellationToken::new();
-        let task = tokio::spawn(app.run_until_stopped(stop.clone()));
-        InProcess { port, stop, task }
+    async fn start(&self, mode: leasehold::Mode, extra: &[(&str, String)]) -> Running {
+        let vars = common::with(common::serve_vars(&self.queue, &self.container), extra);
+        Running::start(leasehold::Settings::from_vars(vars).unwrap(), mode).await
     }
 }
 
@@ -257,29 +181,16 @@ fn terminate(child: &Child) {
         .unwrap();
 }
 
-async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
-    let mut req = reqwest::Client::new().post(url).body(body.to_string());
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let r = req.send().await.unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
     let env = Env::new();
     let app = env
         .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
+            common::standalone(),
             &[("LEASEHOLD_LOGIC_COMMAND", env.logic("sleep 2"))],
         )
         .await;
-    let url = format!("http://127.0.0.1:{}/api/start", app.port);
+    let url = app.url("/api/start");
 
     let posted = std::time::SystemTime::now();
     let (status, body) = post(
@@ -331,7 +242,7 @@ async fn serve_runs_a_posted_record_and_coalesces_a_burst() {
     )
     .await;
     // Let anything else that was coming arrive, then count.
-    let queue = env.queue(&env.queue);
+    let queue = common::queue(&env.queue);
     eventually(Duration::from_secs(30), "the queue to drain", || async {
         (unless_transient(queue.approximate_len().await, "the queue's length")? == 0).then_some(())
     })
@@ -568,7 +479,7 @@ async fn bad_input_is_refused_and_nothing_is_enqueued() {
         (!env.runs().is_empty()).then_some(())
     })
     .await;
-    let queue = env.queue(&env.queue);
+    let queue = common::queue(&env.queue);
     eventually(Duration::from_secs(20), "the queue to drain", || async {
         (unless_transient(queue.approximate_len().await, "the queue's length")? == 0).then_some(())
     })
@@ -690,7 +601,7 @@ async fn custom_handler_speaks_the_host_protocol() {
         r["Logs"][0].as_str().unwrap().contains("exited with code 1"),
         "{r}"
     );
-    let triggers = env.queue(&env.queue);
+    let triggers = common::queue(&env.queue);
     let retry = eventually(Duration::from_secs(15), "the retry to become visible", || async {
         let got = unless_transient(triggers.get(1, Duration::from_secs(60)).await, "taking the retry")?;
         got.into_iter().next()
@@ -704,7 +615,7 @@ async fn custom_handler_speaks_the_host_protocol() {
     // Unreadable message: poisoned with its reason, invocation succeeds (nothing silently dropped).
     let (status, _) = invoke("Worker", worker(json!("not a trigger"), json!(1))).await;
     assert_eq!(status, 200);
-    let poison = env.queue(&poison_queue_name(&env.queue));
+    let poison = common::queue(&poison_queue_name(&env.queue));
     let got = poison.get(1, Duration::from_secs(30)).await.unwrap();
     let poisoned = PoisonMessage::decode(&got[0].body).unwrap();
     assert!(
@@ -757,8 +668,8 @@ async fn a_failing_trigger_is_poisoned_and_shutdown_releases_the_lease() {
     // Given up after 2 deliveries, with a sweep (run once more, for triggers that may have
     // coalesced onto it); the sweep fails too and is given up in turn, and the next, conditional
     // sweep finds no marker: the chain ends with two entries in the poison queue.
-    let poison = env.queue(&poison_queue_name(&env.queue));
-    let triggers = env.queue(&env.queue);
+    let poison = common::queue(&poison_queue_name(&env.queue));
+    let triggers = common::queue(&env.queue);
     eventually(
         Duration::from_secs(90),
         "the failing trigger and its sweep in the poison queue, nothing left to run",
@@ -874,17 +785,14 @@ async fn start_answers_503_when_the_queue_is_unreachable() {
     );
     let app = env
         .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
+            common::standalone(),
             &[
                 ("LEASEHOLD_LOGIC_COMMAND", "true".into()),
                 ("AzureWebJobsStorage", nowhere),
             ],
         )
         .await;
-    let url = format!("http://127.0.0.1:{}/api/start", app.port);
+    let url = app.url("/api/start");
     let (status, body) = post(&url, r#"{"recordId":"1"}"#, &[]).await;
     assert_eq!(status, 503, "{body}");
     assert!(
@@ -911,7 +819,7 @@ async fn handler_mode_coalesces_a_burst() {
             ],
         )
         .await;
-    let url = format!("http://127.0.0.1:{}/Worker", app.port);
+    let url = app.url("/Worker");
     let invocation = json!({
         "Data": { "trigger": TriggerMessage::parse("account", RECORD).unwrap().to_json() },
         "Metadata": { "DequeueCount": 1 }
@@ -950,7 +858,7 @@ async fn handler_mode_coalesces_a_burst() {
     std::fs::write(&gate, b"").unwrap();
     let r = first.await.unwrap();
     assert_eq!(r["ReturnValue"]["outcome"], "completed", "{r}");
-    let queue = env.queue(&env.queue);
+    let queue = common::queue(&env.queue);
     let waiting = queue.get(32, Duration::from_secs(30)).await.unwrap();
     assert_eq!(
         waiting.len(),
@@ -994,7 +902,7 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
     // Each on a port chosen in advance (FUNCTIONS_CUSTOMHANDLER_PORT), as the host starts it.
     let mut dying = env.spawn(&["handler"], &settings).await;
     let mut survivor = other.spawn(&["handler"], &settings).await;
-    let queue = env.queue(&env.queue);
+    let queue = common::queue(&env.queue);
     queue
         .put(
             &TriggerMessage::parse("account", RECORD).unwrap().encode(),
@@ -1020,7 +928,7 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
 
     // Host 2 polls every second, as host.json's maxPollingInterval of 2 s allows.
     let host = tokio::spawn({
-        let queue = env.queue(&env.queue);
+        let queue = common::queue(&env.queue);
         let port = other.port();
         async move {
             loop {

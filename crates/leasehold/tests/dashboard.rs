@@ -7,38 +7,22 @@
 //! The browser test needs Chromium (`scripts/install-chromium.sh`, run by `scripts/test.sh`);
 //! without it the test fails with that command, it does not skip.
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use leasehold_lock::OpCounters;
-use leasehold_runtime::{
-    AzureQueue, Error, LogicError, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name,
-};
+use common::{Env, Running, get};
+use leasehold_runtime::{Error, LogicError, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
 use leasehold_test_support::browser::Browser;
-use leasehold_test_support::{Azurite, eventually, unique_name, workspace_root};
+use leasehold_test_support::{eventually, workspace_root};
 use serde_json::{Value, json};
 
 const ADMIN_KEY: &str = "dashboard-test-admin-key-3b9f";
 const START_KEY: &str = "dashboard-test-start-key-81c2";
 
-/// One isolated deployment: its queue, container and a folder for the logic's run log.
-struct Env {
-    queue: String,
-    container: String,
-    dir: PathBuf,
-}
-
+/// The deployment's folder holds the logic's run log.
 impl Env {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("leasehold-dashboard"));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self {
-            queue: unique_name("triggers"),
-            container: unique_name("locks"),
-            dir,
-        }
-    }
-
     fn runs_file(&self) -> PathBuf {
         self.dir.join("runs.log")
     }
@@ -65,45 +49,20 @@ impl Env {
             .collect()
     }
 
-    fn queue(&self, name: &str) -> AzureQueue {
-        AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
-    }
-
-    fn vars(&self, extra: &[(&str, &str)]) -> Vec<(String, String)> {
-        let mut vars = vec![
-            (
-                "AzureWebJobsStorage".to_string(),
-                Azurite::shared().connection_string(),
-            ),
-            ("LEASEHOLD_QUEUE".into(), self.queue.clone()),
-            ("LEASEHOLD_CONTAINER".into(), self.container.clone()),
-            ("LEASEHOLD_PORT".into(), "0".into()),
-            ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
-            ("LEASEHOLD_LOGIC_COMMAND".into(), self.logic()),
-        ];
-        vars.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-        vars
+    fn vars(&self, extra: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+        let mut vars = common::serve_vars(&self.queue, &self.container);
+        vars.push(("LEASEHOLD_LOGIC_COMMAND".into(), self.logic()));
+        common::with(vars, extra)
     }
 
     async fn start(&self, mode: leasehold::Mode, extra: &[(&str, &str)]) -> Running {
-        let settings = leasehold::Settings::from_vars(self.vars(extra)).unwrap();
-        let app = leasehold::Application::build_with_supervisor(
-            settings,
-            mode,
-            Some(env!("CARGO_BIN_EXE_leasehold").into()),
-        )
-        .await
-        .unwrap();
-        let port = app.port();
-        let stop = tokio_util::sync::CancellationToken::new();
-        let task = tokio::spawn(app.run_until_stopped(stop.clone()));
-        Running { port, stop, task }
+        Running::start(leasehold::Settings::from_vars(self.vars(extra)).unwrap(), mode).await
     }
 
     /// Puts a trigger for `record` on the trigger queue.
     async fn trigger(&self, record: &str) {
         let message = TriggerMessage::parse("account", record).unwrap();
-        self.queue(&self.queue)
+        common::queue(&self.queue)
             .put(&message.encode(), Duration::ZERO)
             .await
             .unwrap();
@@ -118,7 +77,7 @@ impl Env {
             &Error::Logic(LogicError::new(reason)),
             5,
         );
-        self.queue(&poison_queue_name(&self.queue))
+        common::queue(&poison_queue_name(&self.queue))
             .put(&entry.encode(), Duration::ZERO)
             .await
             .unwrap();
@@ -132,49 +91,10 @@ impl Drop for Env {
     }
 }
 
-/// The application running in this test process; stopped on drop too.
-struct Running {
-    port: u16,
-    stop: tokio_util::sync::CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl Running {
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
-    }
-
-    async fn stop(mut self) {
-        self.stop.cancel();
-        (&mut self.task).await.unwrap().unwrap();
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
-async fn get(url: &str, headers: &[(&str, &str)]) -> reqwest::Response {
-    let mut request = reqwest::Client::new().get(url);
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    request.send().await.unwrap()
-}
-
+/// [`common::post`] of a JSON body.
 async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
-    let mut request = reqwest::Client::new()
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body.to_string());
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let response = request.send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
+    let json = [("content-type", "application/json")];
+    common::post(url, body, &[&json[..], headers].concat()).await
 }
 
 const KEY: (&str, &str) = ("x-leasehold-admin-key", ADMIN_KEY);
@@ -182,15 +102,7 @@ const KEY: (&str, &str) = ("x-leasehold-admin-key", ADMIN_KEY);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_an_admin_key_there_is_no_dashboard_and_the_key_must_differ_from_starts() {
     let env = Env::new();
-    let app = env
-        .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
-            &[],
-        )
-        .await;
+    let app = env.start(common::standalone(), &[]).await;
     for path in ["/admin", "/api/admin/overview", "/api/admin/poison"] {
         let response = get(&app.url(path), &[KEY]).await;
         assert_eq!(
@@ -220,10 +132,7 @@ async fn the_admin_api_needs_its_key_in_its_header_and_says_what_it_did() {
     env.poison("api-poisoned", "the logic exited with status 3").await;
     let app = env
         .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
+            common::standalone(),
             &[
                 ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
                 ("LEASEHOLD_API_KEY", START_KEY),
@@ -498,10 +407,7 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
     .await;
     let app = env
         .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
+            common::standalone(),
             &[
                 ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
                 ("LEASEHOLD_API_KEY", START_KEY),
@@ -721,13 +627,7 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
         env.poison(record, "the logic exited with status 1").await;
     }
     let app = env
-        .start(
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
-            &[("LEASEHOLD_ADMIN_KEY", ADMIN_KEY)],
-        )
+        .start(common::standalone(), &[("LEASEHOLD_ADMIN_KEY", ADMIN_KEY)])
         .await;
     sign_in(&browser, &app).await;
 
@@ -761,7 +661,7 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
         );
     }
     // The scan put every entry back.
-    let poison = env.queue(&poison_queue_name(&env.queue));
+    let poison = common::queue(&poison_queue_name(&env.queue));
     assert_eq!(poison.peek(32).await.unwrap().len(), 32);
 
     // Count the page's scans and requeues from here on.

@@ -434,17 +434,34 @@ async fn plain_http_is_refused_except_on_loopback_and_a_key_in_the_start_url_too
     assert!(!run.ok && run.stderr.contains("?code="), "{}", run.stderr);
 }
 
-/// The stand-in refuses what the documentation says Dataverse refuses, so the tests above
-/// prove the shapes and not merely agreement with a lenient fake.
-#[tokio::test(flavor = "multi_thread")]
-async fn the_stand_in_refuses_what_dataverse_refuses() {
-    let server = FakeDataverse::start().await;
-    let http = reqwest::Client::new();
-    let api = format!("{}/api/data/v9.2/", server.url);
-    let send = |method: reqwest::Method, path: &str, body: Option<Value>, odata: bool| {
-        let mut r = http
-            .request(method, format!("{api}{path}"))
-            .bearer_auth(&server.token)
+/// Requests to the stand-in's Web API, authorised with its token.
+struct WebApi {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+}
+
+impl WebApi {
+    fn new(server: &FakeDataverse) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            base: format!("{}/api/data/v9.2/", server.url),
+            token: server.token.clone(),
+        }
+    }
+
+    /// `method path` with a JSON `body` (if any), with or without the OData headers.
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+        odata: bool,
+    ) -> reqwest::Response {
+        let mut r = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
             .header("Accept", "application/json");
         if odata {
             r = r.header("OData-Version", "4.0").header("OData-MaxVersion", "4.0");
@@ -454,19 +471,39 @@ async fn the_stand_in_refuses_what_dataverse_refuses() {
                 .header("Content-Type", "application/json; charset=utf-8")
                 .body(b.to_string());
         }
-        r.send()
-    };
+        r.send().await.unwrap()
+    }
+
+    async fn get(&self, path: &str) -> reqwest::Response {
+        self.send(reqwest::Method::GET, path, None, true).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> reqwest::Response {
+        self.send(reqwest::Method::POST, path, Some(body), true).await
+    }
+
+    async fn delete(&self, path: &str) -> reqwest::Response {
+        self.send(reqwest::Method::DELETE, path, None, true).await
+    }
+}
+
+/// The stand-in refuses what the documentation says Dataverse refuses, so the tests above
+/// prove the shapes and not merely agreement with a lenient fake.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_stand_in_refuses_what_dataverse_refuses() {
+    let server = FakeDataverse::start().await;
+    let api = WebApi::new(&server);
     let endpoint = json!({"name": "leasehold-x", "url": START, "contract": 8, "authtype": 4,
         "authvalue": "k", "messageformat": 2, "userclaim": 1, "connectionmode": 1});
     // Without the OData headers: 400 with the Web API's error body.
-    let r = send(
-        reqwest::Method::POST,
-        "serviceendpoints",
-        Some(endpoint.clone()),
-        false,
-    )
-    .await
-    .unwrap();
+    let r = api
+        .send(
+            reqwest::Method::POST,
+            "serviceendpoints",
+            Some(endpoint.clone()),
+            false,
+        )
+        .await;
     assert_eq!(r.status(), 400);
     let body: Value = r.json().await.unwrap();
     assert!(
@@ -474,59 +511,31 @@ async fn the_stand_in_refuses_what_dataverse_refuses() {
         "{body}"
     );
     // A create: 204 and OData-EntityId.
-    let r = send(
-        reqwest::Method::POST,
-        "serviceendpoints",
-        Some(endpoint.clone()),
-        true,
-    )
-    .await
-    .unwrap();
+    let r = api.post("serviceendpoints", endpoint.clone()).await;
     assert_eq!(r.status(), 204);
     let entity = r.headers()["OData-EntityId"].to_str().unwrap().to_owned();
-    assert!(entity.starts_with(&format!("{api}serviceendpoints(")), "{entity}");
+    assert!(
+        entity.starts_with(&format!("{}serviceendpoints(", api.base)),
+        "{entity}"
+    );
     let id = &entity[entity.find('(').unwrap() + 1..entity.len() - 1];
     // Another contract, an unknown property: refused.
     let mut wrong = endpoint.clone();
     wrong["contract"] = json!(1);
-    assert_eq!(
-        send(reqwest::Method::POST, "serviceendpoints", Some(wrong), true)
-            .await
-            .unwrap()
-            .status(),
-        400
-    );
+    assert_eq!(api.post("serviceendpoints", wrong).await.status(), 400);
     let mut wrong = endpoint.clone();
     wrong["Name"] = json!("x");
-    assert_eq!(
-        send(reqwest::Method::POST, "serviceendpoints", Some(wrong), true)
-            .await
-            .unwrap()
-            .status(),
-        400
-    );
+    assert_eq!(api.post("serviceendpoints", wrong).await.status(), 400);
     // authvalue cannot be read.
-    let r = send(
-        reqwest::Method::GET,
-        "serviceendpoints?$select=authvalue",
-        None,
-        true,
-    )
-    .await
-    .unwrap();
+    let r = api.get("serviceendpoints?$select=authvalue").await;
     assert_eq!(r.status(), 400);
     // A step bound with a PascalCase navigation property: the real "undeclared property" 400.
-    let filters: Value = send(
-        reqwest::Method::GET,
-        "sdkmessagefilters?$select=sdkmessagefilterid,_sdkmessageid_value&$filter=sdkmessageid/name%20eq%20'Update'%20and%20primaryobjecttypecode%20eq%20'account'",
-        None,
-        true,
-    )
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
+    let filters: Value = api
+        .get("sdkmessagefilters?$select=sdkmessagefilterid,_sdkmessageid_value&$filter=sdkmessageid/name%20eq%20'Update'%20and%20primaryobjecttypecode%20eq%20'account'")
+        .await
+        .json()
+        .await
+        .unwrap();
     let filter = &filters["value"][0];
     let step = |nav: &str| {
         json!({"name": "s", "stage": 40, "mode": 1, "rank": 1, "supporteddeployment": 0, "asyncautodelete": true,
@@ -534,14 +543,12 @@ async fn the_stand_in_refuses_what_dataverse_refuses() {
             "sdkmessageid@odata.bind": format!("/sdkmessages({})", filter["_sdkmessageid_value"].as_str().unwrap()),
             "sdkmessagefilterid@odata.bind": format!("/sdkmessagefilters({})", filter["sdkmessagefilterid"].as_str().unwrap())})
     };
-    let r = send(
-        reqwest::Method::POST,
-        "sdkmessageprocessingsteps",
-        Some(step("EventHandler_ServiceEndpoint@odata.bind")),
-        true,
-    )
-    .await
-    .unwrap();
+    let r = api
+        .post(
+            "sdkmessageprocessingsteps",
+            step("EventHandler_ServiceEndpoint@odata.bind"),
+        )
+        .await;
     assert_eq!(r.status(), 400);
     let body: Value = r.json().await.unwrap();
     assert!(
@@ -554,47 +561,20 @@ async fn the_stand_in_refuses_what_dataverse_refuses() {
     // Asynchronous but not post-operation: refused.
     let mut pre = step("eventhandler_serviceendpoint@odata.bind");
     pre["stage"] = json!(20);
-    assert_eq!(
-        send(
-            reqwest::Method::POST,
-            "sdkmessageprocessingsteps",
-            Some(pre),
-            true
-        )
-        .await
-        .unwrap()
-        .status(),
-        400
-    );
+    assert_eq!(api.post("sdkmessageprocessingsteps", pre).await.status(), 400);
     // Spaces as '+': refused.
-    let r = send(
-        reqwest::Method::GET,
-        "serviceendpoints?$filter=contract+eq+8",
-        None,
-        true,
-    )
-    .await
-    .unwrap();
+    let r = api.get("serviceendpoints?$filter=contract+eq+8").await;
     assert_eq!(r.status(), 400);
     // The right step: created; deleting the endpoint deletes it.
-    let r = send(
-        reqwest::Method::POST,
-        "sdkmessageprocessingsteps",
-        Some(step("eventhandler_serviceendpoint@odata.bind")),
-        true,
-    )
-    .await
-    .unwrap();
+    let r = api
+        .post(
+            "sdkmessageprocessingsteps",
+            step("eventhandler_serviceendpoint@odata.bind"),
+        )
+        .await;
     assert_eq!(r.status(), 204);
     assert_eq!(server.state().steps.len(), 1);
-    let r = send(
-        reqwest::Method::DELETE,
-        &format!("serviceendpoints({id})"),
-        None,
-        true,
-    )
-    .await
-    .unwrap();
+    let r = api.delete(&format!("serviceendpoints({id})")).await;
     assert_eq!(r.status(), 204);
     assert!(server.state().steps.is_empty());
 }

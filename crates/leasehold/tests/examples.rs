@@ -3,14 +3,16 @@
 //! the web service (Node.js) as `LEASEHOLD_LOGIC_URL`, and the library example in-process. Each
 //! test checks that a record runs and that its fencing token and attempt reach the logic.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lock::OpCounters;
-use leasehold_runtime::{AzureQueue, TriggerMessage, TriggerQueue};
-use leasehold_test_support::{Azurite, eventually, unique_name, workspace_root};
+use common::Env;
+use leasehold_runtime::{TriggerMessage, TriggerQueue};
+use leasehold_test_support::{Azurite, eventually, workspace_root};
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
 
@@ -18,40 +20,14 @@ use tokio::process::{Child, Command};
 #[path = "../../../examples/library/main.rs"]
 mod library;
 
-/// An isolated deployment and a scratch directory.
-struct Env {
-    queue: String,
-    container: String,
-    dir: PathBuf,
-}
-
 impl Env {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("leasehold-examples"));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self {
-            queue: unique_name("triggers"),
-            container: unique_name("locks"),
-            dir,
-        }
-    }
-
     fn leasehold(&self, args: &[&str], extra: &[(&str, String)]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
-        cmd.args(args)
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-            .env("LEASEHOLD_QUEUE", &self.queue)
-            .env("LEASEHOLD_CONTAINER", &self.container)
-            .env("LEASEHOLD_PORT", "0")
-            .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
-            .stdin(Stdio::null())
+        let mut cmd = common::leasehold(args);
+        cmd.envs(common::serve_vars(&self.queue, &self.container))
             .stdout(Stdio::null())
             .stderr(Stdio::from(
                 std::fs::File::create(self.dir.join(format!("{}.log", args[0]))).unwrap(),
-            ))
-            .kill_on_drop(true);
+            ));
         for (k, v) in extra {
             cmd.env(k, v);
         }
@@ -232,7 +208,7 @@ async fn the_library_example_runs_a_record() {
             .map_err(|e| e.to_string())
         }
     });
-    let queue = AzureQueue::new(&Azurite::shared().account(), &env.queue, OpCounters::new());
+    let queue = common::queue(&env.queue);
     let trigger = TriggerMessage::parse("account", "42").unwrap();
     queue.put(&trigger.encode(), Duration::ZERO).await.unwrap();
     let report = tokio::time::timeout(Duration::from_secs(60), reports.recv())

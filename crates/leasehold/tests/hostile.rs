@@ -6,10 +6,13 @@
 //!
 //! Also: `serve` refuses to listen on a non-loopback address without a key unless told so.
 
+mod common;
+
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use leasehold_test_support::{Azurite, eventually, unique_name};
+use common::Running;
+use leasehold_test_support::{eventually, unique_name};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -18,31 +21,11 @@ use tokio::task::JoinSet;
 const KEY: &str = "k3y";
 const RECORD: &str = "8f9c1d2e-0000-4000-8000-000000000001";
 
-/// The application running in this test process.
-struct InProcess {
-    port: u16,
-    stop: tokio_util::sync::CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
 fn settings(extra: &[(&str, &str)]) -> anyhow::Result<leasehold::Settings> {
-    let mut vars: std::collections::BTreeMap<String, String> = [
-        (
-            "AzureWebJobsStorage".to_string(),
-            Azurite::shared().connection_string(),
-        ),
-        ("LEASEHOLD_QUEUE".into(), unique_name("triggers")),
-        ("LEASEHOLD_CONTAINER".into(), unique_name("locks")),
-        ("LEASEHOLD_PORT".into(), "0".into()),
-        ("LEASEHOLD_POLL_MAX_SECONDS".into(), "1".into()),
-        ("LEASEHOLD_DEMO_SECONDS".into(), "1".into()),
-        ("LEASEHOLD_API_KEY".into(), KEY.into()),
-    ]
-    .into_iter()
-    .collect();
-    for (k, v) in extra {
-        vars.insert(k.to_string(), v.to_string());
-    }
+    let mut vars = common::serve_vars(&unique_name("triggers"), &unique_name("locks"));
+    vars.push(("LEASEHOLD_DEMO_SECONDS".into(), "1".into()));
+    vars.push(("LEASEHOLD_API_KEY".into(), KEY.into()));
+    let mut vars = common::with(vars, extra);
     vars.retain(|_, v| !v.is_empty());
     leasehold::Settings::from_vars(vars)
 }
@@ -58,26 +41,8 @@ async fn build(extra: &[(&str, &str)]) -> anyhow::Result<leasehold::Application>
     .await
 }
 
-async fn start(extra: &[(&str, &str)]) -> InProcess {
-    let app = build(extra).await.unwrap();
-    let port = app.port();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(app.run_until_stopped(stop.clone()));
-    InProcess { port, stop, task }
-}
-
-impl InProcess {
-    /// Stops it as SIGTERM would; returns how long that took.
-    async fn stop(self) -> Duration {
-        let from = Instant::now();
-        self.stop.cancel();
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the application did not stop within 30 s")
-            .unwrap()
-            .unwrap();
-        from.elapsed()
-    }
+async fn start(extra: &[(&str, &str)]) -> Running {
+    Running::run(build(extra).await.unwrap())
 }
 
 /// A head for `POST /api/start` with `key`, declaring a body of `length` bytes.
@@ -317,21 +282,14 @@ async fn shutdown_closes_slow_clients_at_its_deadline() {
 /// runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_under_a_1024_descriptor_limit_leaves_start_and_storage_working() {
-    let dir = std::env::temp_dir().join(unique_name("leasehold-hostile"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("leasehold-hostile");
     let runs = dir.join("runs.log");
     let log = dir.join("serve.log");
-    let mut child = tokio::process::Command::new("sh")
-        .arg("-c")
-        .arg("ulimit -n 1024 && exec \"$0\" serve")
-        .arg(env!("CARGO_BIN_EXE_leasehold"))
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-        .env("LEASEHOLD_QUEUE", unique_name("triggers"))
-        .env("LEASEHOLD_CONTAINER", unique_name("locks"))
-        .env("LEASEHOLD_PORT", "0")
-        .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
+    let mut child = common::command("sh", &["-c", "ulimit -n 1024 && exec \"$0\" serve", common::BIN])
+        .envs(common::serve_vars(
+            &unique_name("triggers"),
+            &unique_name("locks"),
+        ))
         .env("LEASEHOLD_API_KEY", KEY)
         .env("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", "2")
         .env(
@@ -339,22 +297,11 @@ async fn a_flood_under_a_1024_descriptor_limit_leaves_start_and_storage_working(
             format!("echo \"$LEASEHOLD_RECORD_ID\" >> {}", runs.display()),
         )
         .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
-        .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        let at = text.find("addr=127.0.0.1:")? + "addr=127.0.0.1:".len();
-        text[at..]
-            .split(|c: char| !c.is_ascii_digit())
-            .next()?
-            .parse::<u16>()
-            .ok()
-    })
-    .await;
+    let port = common::serve_port(&log).await;
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(
         text.contains("max_connections=832"),
@@ -418,20 +365,17 @@ async fn serve_refuses_a_non_loopback_address_without_a_key_unless_told_it_is_in
 
     // The binary: refused with the message and a failing exit; the flag lets it serve.
     let serve = |flag: Option<&str>| {
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"));
-        cmd.arg("serve")
-            .args(flag)
-            .env_clear()
-            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-            .env("LEASEHOLD_QUEUE", unique_name("triggers"))
-            .env("LEASEHOLD_CONTAINER", unique_name("locks"))
+        let mut cmd = common::leasehold(&["serve"]);
+        cmd.args(flag)
+            .envs(common::storage_vars(
+                &unique_name("triggers"),
+                &unique_name("locks"),
+            ))
             .env("LEASEHOLD_BIND", "0.0.0.0")
             .env("LEASEHOLD_PORT", "0")
             .env("LEASEHOLD_DEMO_SECONDS", "1")
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
+            .stderr(Stdio::piped());
         cmd
     };
     let out = tokio::time::timeout(Duration::from_secs(30), serve(None).output())

@@ -6,6 +6,8 @@
 //! basic`) with a certificate made for this test. Start, the lock, the markers and the queue all
 //! go through it, and tokens that expire during a run are refreshed.
 
+mod common;
+
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -26,17 +28,13 @@ struct Files {
 /// `leasehold serve` with only identity settings, its tokens from `identity` (presenting
 /// `secret`), logging to a fresh directory.
 fn serve_command(azurite: &Azurite, identity: &IdentityEndpoint, secret: &str) -> (Command, Files) {
-    let dir = std::env::temp_dir().join(unique_name("leasehold-identity"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("leasehold-identity");
     let files = Files {
         log: dir.join("serve.log"),
         runs: dir.join("runs.log"),
     };
-    let mut command = Command::new(env!("CARGO_BIN_EXE_leasehold"));
+    let mut command = common::leasehold(&["serve"]);
     command
-        .arg("serve")
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
         .env("AzureWebJobsStorage__blobServiceUri", azurite.blob_uri())
         .env("AzureWebJobsStorage__queueServiceUri", azurite.queue_uri())
         .env("AzureWebJobsStorage__credential", "managedidentity")
@@ -56,10 +54,8 @@ fn serve_command(azurite: &Azurite, identity: &IdentityEndpoint, secret: &str) -
             ),
         )
         .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::from(std::fs::File::create(&files.log).unwrap()))
-        .kill_on_drop(true);
+        .stderr(Stdio::from(std::fs::File::create(&files.log).unwrap()));
     (command, files)
 }
 
@@ -71,16 +67,7 @@ async fn serve(
 ) -> (tokio::process::Child, u16, std::path::PathBuf, std::path::PathBuf) {
     let (mut command, Files { log, runs }) = serve_command(azurite, identity, secret);
     let child = command.spawn().unwrap();
-    let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
-        let text = read(&log);
-        let at = text.find("addr=127.0.0.1:")? + "addr=127.0.0.1:".len();
-        text[at..]
-            .split(|c: char| !c.is_ascii_digit())
-            .next()?
-            .parse::<u16>()
-            .ok()
-    })
-    .await;
+    let port = common::serve_port(&log).await;
     (child, port, log, runs)
 }
 

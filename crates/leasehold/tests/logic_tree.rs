@@ -6,6 +6,8 @@
 //! unique to the test, inherited by the whole tree) and killed when the test ends, also when it
 //! fails.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -333,47 +335,26 @@ struct Serve {
 impl Serve {
     async fn start(dir: &Path, logic: &str, extra: &[(&str, &str)]) -> Self {
         let log = dir.join("serve.log");
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"));
-        cmd.arg("serve")
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-            .env("LEASEHOLD_QUEUE", unique_name("triggers"))
-            .env("LEASEHOLD_CONTAINER", unique_name("locks"))
-            // Any free port, read from the log: none found free and released to race for.
-            .env("LEASEHOLD_PORT", "0")
-            .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
-            .env("LEASEHOLD_LOGIC_COMMAND", logic)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .kill_on_drop(true);
+        let mut cmd = common::leasehold(&["serve"]);
+        // Any free port, read from the log: none found free and released to race for.
+        cmd.envs(common::serve_vars(
+            &unique_name("triggers"),
+            &unique_name("locks"),
+        ))
+        .env("LEASEHOLD_LOGIC_COMMAND", logic)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
         for (k, v) in extra {
             cmd.env(k, v);
         }
         let child = cmd.spawn().unwrap();
-        let port = eventually(Duration::from_secs(30), "serve to log its address", || async {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            let rest = &text[text.find("addr=127.0.0.1:")? + "addr=127.0.0.1:".len()..];
-            // The whole number: what follows it is written too.
-            rest[..rest.find(|c: char| !c.is_ascii_digit())?]
-                .parse::<u16>()
-                .ok()
-        })
-        .await;
+        let port = common::serve_port(&log).await;
         let serve = Self { child, port, log };
-        let url = format!("http://127.0.0.1:{port}/healthz");
-        eventually(Duration::from_secs(30), "leasehold serve to answer", || {
-            let url = url.clone();
-            async move {
-                reqwest::get(&url)
-                    .await
-                    .ok()
-                    .filter(|r| r.status().is_success())
-                    .map(|_| ())
-            }
-        })
+        common::answers(
+            &format!("http://127.0.0.1:{port}/healthz"),
+            "leasehold serve to answer",
+        )
         .await;
         serve
     }

@@ -2,14 +2,16 @@
 //! parser, behind Start's key), the handler's metrics event (JSON logs of the real binary), and
 //! the recent-outcomes store filled by a delivery.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
+use common::Running;
 use leasehold::telemetry::{EVENT_TARGET, OLDEST_MESSAGE_AGE_SECONDS, POISON_MESSAGES, QUEUE_MESSAGES};
 use leasehold_runtime::{RecordId, Scope, TriggerMessage};
-use leasehold_test_support::{Azurite, eventually, unique_name};
+use leasehold_test_support::{eventually, unique_name};
 use prometheus_parse::{Sample, Scrape, Value};
 use serde_json::{Value as Json, json};
 
@@ -17,80 +19,25 @@ const KEY: &str = "metrics-test-key";
 
 /// Settings of one isolated environment (its own queue and container), as the environment
 /// would give them.
-fn vars(queue: &str, container: &str, extra: &[(&str, &str)]) -> BTreeMap<String, String> {
-    let mut vars: BTreeMap<String, String> = [
-        ("AzureWebJobsStorage", Azurite::shared().connection_string()),
-        ("LEASEHOLD_QUEUE", queue.into()),
-        ("LEASEHOLD_CONTAINER", container.into()),
-        ("LEASEHOLD_PORT", "0".into()),
-        ("LEASEHOLD_POLL_MAX_SECONDS", "1".into()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
-    vars.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    vars
+fn vars(extra: &[(&str, &str)]) -> BTreeMap<String, String> {
+    common::with(
+        common::serve_vars(&unique_name("triggers"), &unique_name("locks")),
+        extra,
+    )
 }
 
-/// `serve` in this process; stopped (and awaited) by [`Serving::stop`], aborted if dropped.
-struct Serving {
-    port: u16,
-    stop: tokio_util::sync::CancellationToken,
-    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
-}
-
-impl Serving {
-    async fn start(extra: &[(&str, &str)]) -> Self {
-        let settings =
-            leasehold::Settings::from_vars(vars(&unique_name("triggers"), &unique_name("locks"), extra))
-                .unwrap();
-        let app = leasehold::Application::build_with_supervisor(
-            settings,
-            leasehold::Mode::Standalone {
-                port: None,
-                demo: false,
-            },
-            Some(env!("CARGO_BIN_EXE_leasehold").into()),
-        )
-        .await
-        .unwrap();
-        let port = app.port();
-        let stop = tokio_util::sync::CancellationToken::new();
-        let task = tokio::spawn(app.run_until_stopped(stop.clone()));
-        Self {
-            port,
-            stop,
-            task: Some(task),
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
-    }
-
-    async fn stop(mut self) {
-        self.stop.cancel();
-        self.task.take().unwrap().await.unwrap().unwrap();
-    }
-}
-
-impl Drop for Serving {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.take() {
-            self.stop.cancel();
-            task.abort();
-        }
-    }
+/// `serve` in this process.
+async fn serve(extra: &[(&str, &str)]) -> Running {
+    Running::start(
+        leasehold::Settings::from_vars(vars(extra)).unwrap(),
+        common::standalone(),
+    )
+    .await
 }
 
 async fn scrape(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut request = reqwest::Client::new().get(url);
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let response = request.send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.text().await.unwrap())
+    let response = common::get(url, headers).await;
+    (response.status().as_u16(), response.text().await.unwrap())
 }
 
 fn parse(body: &str) -> Scrape {
@@ -128,7 +75,7 @@ fn observations(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
-    let app = Serving::start(&[
+    let app = serve(&[
         ("LEASEHOLD_API_KEY", KEY),
         ("LEASEHOLD_ADMIN_KEY", "metrics-test-admin-key"),
         ("LEASEHOLD_DEMO_SECONDS", "0"),
@@ -251,7 +198,7 @@ async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
 
     // A second application in the same process (no key: loopback only) shares the one
     // recorder: its /metrics is open and shows the first one's counts.
-    let open = Serving::start(&[("LEASEHOLD_DEMO_SECONDS", "0")]).await;
+    let open = serve(&[("LEASEHOLD_DEMO_SECONDS", "0")]).await;
     let (status, body) = scrape(&open.url("/metrics"), &[]).await;
     assert_eq!(status, 200, "{body}");
     assert!(
@@ -301,33 +248,23 @@ fn total(events: &[Json], field: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
-    let dir = std::env::temp_dir().join(unique_name("leasehold-metrics"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("leasehold-metrics");
     let (stdout, stderr): (PathBuf, PathBuf) = (dir.join("stdout.log"), dir.join("stderr.log"));
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"));
+    let mut command = common::leasehold(&["handler"]);
     command
-        .arg("handler")
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(vars(
-            &unique_name("triggers"),
-            &unique_name("locks"),
-            &[
-                // Any free port, read from the log: none chosen in advance to race for.
-                ("FUNCTIONS_CUSTOMHANDLER_PORT", "0"),
-                ("LEASEHOLD_METRICS_INTERVAL_SECONDS", "1"),
-                ("LEASEHOLD_LOG_FORMAT", "json"),
-                (
-                    "LEASEHOLD_LOGIC_COMMAND",
-                    "test \"$LEASEHOLD_RECORD_ID\" != fails",
-                ),
-                ("RUST_LOG", "info"),
-            ],
-        ))
-        .stdin(Stdio::null())
+        .envs(vars(&[
+            // Any free port, read from the log: none chosen in advance to race for.
+            ("FUNCTIONS_CUSTOMHANDLER_PORT", "0"),
+            ("LEASEHOLD_METRICS_INTERVAL_SECONDS", "1"),
+            ("LEASEHOLD_LOG_FORMAT", "json"),
+            (
+                "LEASEHOLD_LOGIC_COMMAND",
+                "test \"$LEASEHOLD_RECORD_ID\" != fails",
+            ),
+            ("RUST_LOG", "info"),
+        ]))
         .stdout(std::fs::File::create(&stdout).unwrap())
-        .stderr(std::fs::File::create(&stderr).unwrap())
-        .kill_on_drop(true);
+        .stderr(std::fs::File::create(&stderr).unwrap());
     let mut child = command.spawn().unwrap();
     let port = eventually(Duration::from_secs(30), "the handler to log its port", || async {
         let log = std::fs::read_to_string(&stderr).unwrap_or_default();
@@ -336,20 +273,8 @@ async fn the_handler_logs_a_metrics_event_with_the_changes_of_each_interval() {
     })
     .await;
     let base = format!("http://127.0.0.1:{port}");
+    common::answers(&format!("{base}/"), "the handler to answer GET /").await;
     let client = reqwest::Client::new();
-    eventually(Duration::from_secs(30), "the handler to answer GET /", || {
-        let (client, base) = (client.clone(), base.clone());
-        async move {
-            client
-                .get(format!("{base}/"))
-                .send()
-                .await
-                .ok()
-                .filter(|r| r.status().is_success())
-                .map(|_| ())
-        }
-    })
-    .await;
     let invoke = |function: &'static str, payload: Json| {
         let (client, url) = (client.clone(), format!("{base}/{function}"));
         async move {

@@ -2,6 +2,8 @@
 //! `poison list|show|requeue|purge` (the operations and the command line), the requeue's
 //! put-before-delete order under an interruption, and start-up creating what it uses.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,12 +51,8 @@ impl Env {
         Operator::new(&self.settings()).unwrap()
     }
 
-    fn queue(&self, name: &str) -> AzureQueue {
-        AzureQueue::new(&Azurite::shared().account(), name, OpCounters::new())
-    }
-
     fn poison(&self) -> AzureQueue {
-        self.queue(&poison_queue_name(&self.queue))
+        common::queue(&poison_queue_name(&self.queue))
     }
 
     fn lock(&self, holder: &str) -> LeaseLock {
@@ -68,15 +66,9 @@ impl Env {
 
     /// The binary with this deployment's settings; its stdout, and whether it succeeded.
     async fn run(&self, args: &[&str]) -> (bool, String) {
-        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
-            .args(args)
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("AzureWebJobsStorage", Azurite::shared().connection_string())
-            .env("LEASEHOLD_QUEUE", &self.queue)
-            .env("LEASEHOLD_CONTAINER", &self.container)
+        let out = common::leasehold(args)
+            .envs(common::storage_vars(&self.queue, &self.container))
             .env("RUST_LOG", "warn")
-            .kill_on_drop(true)
             .output()
             .await
             .unwrap();
@@ -149,7 +141,7 @@ async fn status_shows_every_held_record_from_two_listings() {
         .set(&record_key(&scope("account"), &record("a05")))
         .await
         .unwrap();
-    let triggers = env.queue(&env.queue);
+    let triggers = common::queue(&env.queue);
     triggers
         .put(&trigger("account", "a05").encode(), Duration::ZERO)
         .await
@@ -270,7 +262,7 @@ async fn status_shows_every_held_record_from_two_listings() {
 async fn poison_entries_are_listed_shown_requeued_and_purged() {
     let env = Env::new();
     let poison = env.poison();
-    let triggers = env.queue(&env.queue);
+    let triggers = common::queue(&env.queue);
     // 36 entries: more than one peek shows. r00..r34 in scope account, and one unreadable.
     for i in 0..35 {
         poison
@@ -440,12 +432,12 @@ async fn a_requeue_interrupted_between_put_and_delete_leaves_the_trigger_in_both
         .put(&entry("account", "r1", "boom"), Duration::ZERO)
         .await
         .unwrap();
-    let triggers = env.queue(&env.queue);
+    let triggers = common::queue(&env.queue);
     let counters = OpCounters::new();
     let deleting = Arc::new(tokio::sync::Notify::new());
     let lock = env.lock("operator");
     let operator = Operator::from_parts(
-        Arc::new(env.queue(&env.queue)),
+        Arc::new(common::queue(&env.queue)),
         Arc::new(DeleteHangs(env.poison(), deleting.clone())),
         lock,
         Arc::new(AzureMarkers::new(&account, &env.container, counters.clone())),
@@ -506,7 +498,7 @@ async fn start_up_creates_the_queues_and_the_container_and_goes_on_without_the_r
     )
     .await
     .unwrap();
-    assert!(env.queue(&env.queue).exists().await.unwrap());
+    assert!(common::queue(&env.queue).exists().await.unwrap());
     assert!(env.poison().exists().await.unwrap());
     let container = BlobContainer::new(&account, &env.container, OpCounters::new());
     assert!(container.container_exists().await.unwrap());
@@ -524,7 +516,7 @@ async fn start_up_creates_the_queues_and_the_container_and_goes_on_without_the_r
         Duration::from_secs(20),
         "the handler to create its queues",
         || async {
-            let queue = unless_transient(env.queue(&env.queue).exists().await, "the queue")?;
+            let queue = unless_transient(common::queue(&env.queue).exists().await, "the queue")?;
             let poison = unless_transient(env.poison().exists().await, "the poison queue")?;
             (queue && poison).then_some(())
         },
@@ -545,7 +537,7 @@ async fn start_up_creates_the_queues_and_the_container_and_goes_on_without_the_r
     )
     .await;
     assert!(app.is_ok(), "start-up goes on: {:?}", app.err());
-    assert!(!env.queue(&env.queue).exists().await.unwrap());
+    assert!(!common::queue(&env.queue).exists().await.unwrap());
 }
 
 /// Measurement, not a check of the product (run it by name): `status` over 10,000 held
