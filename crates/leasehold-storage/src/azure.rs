@@ -75,16 +75,6 @@ impl RuntimePools {
         clients.insert(runtime, client.clone());
         client
     }
-
-    /// How many runtimes have a pool (for tests).
-    pub fn len(&self) -> usize {
-        self.clients.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    /// Whether no runtime has a pool yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 #[async_trait::async_trait]
@@ -98,7 +88,7 @@ impl azure_core::http::HttpClient for RuntimePools {
     }
 }
 
-/// Client options for every storage client: the shared HTTP client, no SDK retries (callers
+/// Client options for every storage client: the runtime's HTTP client, no SDK retries (callers
 /// retry transient errors with [`crate::RetryOptions`], so each call is one counted round trip),
 /// and the account's authorisation.
 pub fn client_options(account: &StorageAccount) -> ClientOptions {
