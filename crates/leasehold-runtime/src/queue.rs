@@ -106,9 +106,21 @@ pub struct MemoryQueue {
 struct MemoryState {
     messages: VecDeque<MemoryMessage>,
     next_id: u64,
-    /// Set by [`MemoryQueue::with_shuffled_delivery`]: the state of the generator that picks
-    /// which visible messages a get hands out.
-    shuffle: Option<u64>,
+    delivery: Delivery,
+}
+
+/// The order in which a [`MemoryQueue`] hands out visible messages. Azure promises none, so
+/// tests choose the one that tries the code hardest.
+#[derive(Debug, Default)]
+enum Delivery {
+    /// By when each became visible, then put order: as Azurite does, and as Azure mostly does.
+    #[default]
+    ByVisibility,
+    /// Put order, whenever each became visible: a message hidden again and back comes round
+    /// ahead of those put after it.
+    ByPut,
+    /// A seeded random order (the state of the generator).
+    Shuffled(u64),
 }
 
 impl MemoryState {
@@ -121,20 +133,22 @@ impl MemoryState {
         z ^ (z >> 31)
     }
 
-    /// Indices of the messages visible at `now`, in the order a get hands them out: by the time
-    /// each became visible, then the order they were put in (as Azurite does, and as Azure
-    /// mostly does), or in a seeded random order under shuffled delivery.
+    /// Indices of the messages visible at `now`, in the order a get hands them out (see
+    /// [`Delivery`]).
     fn visible(&mut self, now: Instant) -> Vec<usize> {
         let mut visible: Vec<usize> = (0..self.messages.len())
             .filter(|&i| self.messages[i].visible_at <= now)
             .collect();
-        // Stable: equal times keep the order they were put in.
-        visible.sort_by_key(|&i| self.messages[i].visible_at);
-        if let Some(state) = self.shuffle.as_mut() {
-            // Fisher–Yates.
-            for i in (1..visible.len()).rev() {
-                let j = (Self::next_random(state) % (i as u64 + 1)) as usize;
-                visible.swap(i, j);
+        match &mut self.delivery {
+            // Stable: equal times keep the order they were put in.
+            Delivery::ByVisibility => visible.sort_by_key(|&i| self.messages[i].visible_at),
+            Delivery::ByPut => {}
+            Delivery::Shuffled(state) => {
+                // Fisher–Yates.
+                for i in (1..visible.len()).rev() {
+                    let j = (Self::next_random(state) % (i as u64 + 1)) as usize;
+                    visible.swap(i, j);
+                }
             }
         }
         visible
@@ -164,7 +178,15 @@ impl MemoryQueue {
     /// promises no order (it mostly hands out by the time a message became visible), so a
     /// protocol must not rely on one; the simulation uses this to show it does not.
     pub fn with_shuffled_delivery(self, seed: u64) -> Self {
-        self.state.lock().expect("poisoned").shuffle = Some(seed);
+        self.state.lock().expect("poisoned").delivery = Delivery::Shuffled(seed);
+        self
+    }
+
+    /// Hands out visible messages in the order they were put, whenever each became visible: a
+    /// message hidden again comes round ahead of those put after it (which Azure, promising no
+    /// order, may do). For tests of code that must get past such messages.
+    pub fn with_put_order_delivery(self) -> Self {
+        self.state.lock().expect("poisoned").delivery = Delivery::ByPut;
         self
     }
 
@@ -317,7 +339,9 @@ impl TriggerQueue for MemoryQueue {
             // The front as a get would take it (a peek never shuffles).
             let mut visible: Vec<&MemoryMessage> =
                 s.messages.iter().filter(|m| m.visible_at <= now).collect();
-            visible.sort_by_key(|m| m.visible_at);
+            if !matches!(s.delivery, Delivery::ByPut) {
+                visible.sort_by_key(|m| m.visible_at);
+            }
             Ok(visible
                 .into_iter()
                 .take(max.clamp(1, 32) as usize)
@@ -624,6 +648,21 @@ mod tests {
             .collect();
         assert_eq!(peeked, ["first", "second", "delayed"]);
         assert_eq!(take_all(&queue, 32).await, ["first", "second", "delayed"]);
+
+        // In put order instead, whenever each became visible.
+        let queue = MemoryQueue::new("q", OpCounters::new()).with_put_order_delivery();
+        queue.put("delayed", Duration::from_secs(10)).await.unwrap();
+        queue.put("first", Duration::ZERO).await.unwrap();
+        tokio::time::advance(Duration::from_secs(20)).await;
+        let peeked: Vec<String> = queue
+            .peek(32)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|m| m.body)
+            .collect();
+        assert_eq!(peeked, ["delayed", "first"]);
+        assert_eq!(take_all(&queue, 32).await, ["delayed", "first"]);
     }
 
     async fn take_all(queue: &MemoryQueue, per_get: u32) -> Vec<String> {
