@@ -775,6 +775,7 @@ fn not_in_poison(queue: &str, id: &str) -> OpsError {
 mod tests {
     use super::*;
     use std::sync::Arc;
+    use std::sync::atomic::Ordering::SeqCst;
 
     use async_trait::async_trait;
     use leasehold_lock::memory::MemoryStore;
@@ -793,6 +794,22 @@ mod tests {
         deletes_fail: bool,
         deletes_not_found: bool,
         endless: Option<std::sync::atomic::AtomicU64>,
+        /// Putting an entry back (a visibility of zero) fails this many more times, transiently.
+        put_back_failures: std::sync::atomic::AtomicU32,
+    }
+
+    impl Slow {
+        /// Over `inner`, with nothing slow or failing.
+        fn over(inner: MemoryQueue) -> Self {
+            Self {
+                inner,
+                put_takes: Duration::ZERO,
+                deletes_fail: false,
+                deletes_not_found: false,
+                endless: None,
+                put_back_failures: 0.into(),
+            }
+        }
     }
 
     #[async_trait]
@@ -841,6 +858,17 @@ mod tests {
             if self.endless.is_some() {
                 return Ok("r".into());
             }
+            if v.is_zero()
+                && self
+                    .put_back_failures
+                    .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+            {
+                return Err(
+                    StoreError::new(StoreErrorKind::Transient, Op::QueueUpdate, "busy")
+                        .with_status(503, None),
+                );
+            }
             self.inner.set_visibility(id, receipt, body, v).await
         }
         async fn approximate_len(&self) -> StoreResult<u64> {
@@ -856,24 +884,18 @@ mod tests {
 
     fn slow(name: &str, put_takes: Duration, deletes_fail: bool) -> Arc<Slow> {
         Arc::new(Slow {
-            inner: MemoryQueue::new(name, OpCounters::new()),
             put_takes,
             deletes_fail,
-            deletes_not_found: false,
-            endless: None,
+            ..Slow::over(MemoryQueue::new(name, OpCounters::new()))
         })
     }
 
     /// [`slow`] over a queue that hands out in put order: an entry whose hiding ends comes round
     /// ahead of those put after it (Azure promises no order; this is the one that tries a scan).
     fn put_order(name: &str) -> Arc<Slow> {
-        Arc::new(Slow {
-            inner: MemoryQueue::new(name, OpCounters::new()).with_put_order_delivery(),
-            put_takes: Duration::ZERO,
-            deletes_fail: false,
-            deletes_not_found: false,
-            endless: None,
-        })
+        Arc::new(Slow::over(
+            MemoryQueue::new(name, OpCounters::new()).with_put_order_delivery(),
+        ))
     }
 
     /// An operator over memory queues (the container is never contacted by poison operations).
@@ -1200,17 +1222,37 @@ mod tests {
         );
     }
 
+    /// Putting an entry back is retried: a transient failure there does not leave it hidden
+    /// for the scan's whole hiding time.
+    #[tokio::test(start_paused = true)]
+    async fn putting_an_entry_back_is_retried() {
+        let queue = slow("q", Duration::ZERO, false);
+        let poison = Arc::new(Slow {
+            put_back_failures: 2.into(),
+            ..Slow::over(MemoryQueue::new("p", OpCounters::new()))
+        });
+        fill(&poison, (0..3).map(|i| format!("r{i}"))).await;
+        let list = operator(queue, poison.clone())
+            .poison_list(&PoisonQuery { limit: Some(100) })
+            .await
+            .unwrap();
+        assert_eq!(list.entries.len(), 3);
+        assert_eq!(poison.put_back_failures.load(SeqCst), 0, "both failures were met");
+        assert_eq!(
+            poison.inner.peek(32).await.unwrap().len(),
+            3,
+            "every entry back at once"
+        );
+    }
+
     /// A delete answering "not found" (an earlier try removed it, or another reader took it)
     /// is reported as such, and the entry is not put back under a stale receipt.
     #[tokio::test(start_paused = true)]
     async fn a_removal_answered_not_found_is_reported_as_gone() {
         let queue = slow("q", Duration::ZERO, false);
         let poison = Arc::new(Slow {
-            inner: MemoryQueue::new("p", OpCounters::new()),
-            put_takes: Duration::ZERO,
-            deletes_fail: false,
             deletes_not_found: true,
-            endless: None,
+            ..Slow::over(MemoryQueue::new("p", OpCounters::new()))
         });
         fill(&poison, std::iter::once("r1".to_string())).await;
         let report = operator(queue, poison.clone())
@@ -1229,11 +1271,8 @@ mod tests {
     async fn a_scan_of_a_queue_that_never_runs_dry_stops_and_says_so() {
         let queue = slow("q", Duration::ZERO, false);
         let poison = Arc::new(Slow {
-            inner: MemoryQueue::new("p", OpCounters::new()),
-            put_takes: Duration::ZERO,
-            deletes_fail: false,
-            deletes_not_found: false,
             endless: Some(0.into()),
+            ..Slow::over(MemoryQueue::new("p", OpCounters::new()))
         });
         let report = operator(queue, poison.clone())
             .poison_purge(&PoisonSelection::all())
