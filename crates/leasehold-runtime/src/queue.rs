@@ -133,22 +133,28 @@ impl MemoryState {
         z ^ (z >> 31)
     }
 
-    /// Indices of the messages visible at `now`, in the order a get hands them out (see
-    /// [`Delivery`]).
-    fn visible(&mut self, now: Instant) -> Vec<usize> {
+    /// Indices of the messages visible at `now`, front first: by when each became visible
+    /// (stable: equal times keep put order), or in put order under [`Delivery::ByPut`]. What a
+    /// peek shows.
+    fn front(&self, now: Instant) -> Vec<usize> {
         let mut visible: Vec<usize> = (0..self.messages.len())
             .filter(|&i| self.messages[i].visible_at <= now)
             .collect();
-        match &mut self.delivery {
-            // Stable: equal times keep the order they were put in.
-            Delivery::ByVisibility => visible.sort_by_key(|&i| self.messages[i].visible_at),
-            Delivery::ByPut => {}
-            Delivery::Shuffled(state) => {
-                // Fisher–Yates.
-                for i in (1..visible.len()).rev() {
-                    let j = (Self::next_random(state) % (i as u64 + 1)) as usize;
-                    visible.swap(i, j);
-                }
+        if !matches!(self.delivery, Delivery::ByPut) {
+            visible.sort_by_key(|&i| self.messages[i].visible_at);
+        }
+        visible
+    }
+
+    /// Indices of the messages visible at `now`, in the order a get hands them out: the
+    /// [`front`](Self::front), shuffled under [`Delivery::Shuffled`].
+    fn visible(&mut self, now: Instant) -> Vec<usize> {
+        let mut visible = self.front(now);
+        if let Delivery::Shuffled(state) = &mut self.delivery {
+            // Fisher–Yates.
+            for i in (1..visible.len()).rev() {
+                let j = (Self::next_random(state) % (i as u64 + 1)) as usize;
+                visible.swap(i, j);
             }
         }
         visible
@@ -336,15 +342,11 @@ impl TriggerQueue for MemoryQueue {
 
     async fn peek(&self, max: u32) -> StoreResult<Vec<Peeked>> {
         self.with(Op::QueuePeek, |s, now| {
-            // The front as a get would take it (a peek never shuffles).
-            let mut visible: Vec<&MemoryMessage> =
-                s.messages.iter().filter(|m| m.visible_at <= now).collect();
-            if !matches!(s.delivery, Delivery::ByPut) {
-                visible.sort_by_key(|m| m.visible_at);
-            }
-            Ok(visible
+            // A peek never shuffles.
+            Ok(s.front(now)
                 .into_iter()
                 .take(max.clamp(1, 32) as usize)
+                .map(|i| &s.messages[i])
                 .map(|m| Peeked {
                     id: m.id.clone(),
                     dequeue_count: m.dequeue_count,
@@ -639,13 +641,7 @@ mod tests {
             .await
             .unwrap();
         tokio::time::advance(Duration::from_secs(20)).await;
-        let peeked: Vec<String> = queue
-            .peek(32)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|m| m.body)
-            .collect();
+        let peeked = peek_bodies(&queue).await;
         assert_eq!(peeked, ["first", "second", "delayed"]);
         assert_eq!(take_all(&queue, 32).await, ["first", "second", "delayed"]);
 
@@ -654,15 +650,19 @@ mod tests {
         queue.put("delayed", Duration::from_secs(10)).await.unwrap();
         queue.put("first", Duration::ZERO).await.unwrap();
         tokio::time::advance(Duration::from_secs(20)).await;
-        let peeked: Vec<String> = queue
+        let peeked = peek_bodies(&queue).await;
+        assert_eq!(peeked, ["delayed", "first"]);
+        assert_eq!(take_all(&queue, 32).await, ["delayed", "first"]);
+    }
+
+    async fn peek_bodies(queue: &MemoryQueue) -> Vec<String> {
+        queue
             .peek(32)
             .await
             .unwrap()
             .into_iter()
             .map(|m| m.body)
-            .collect();
-        assert_eq!(peeked, ["delayed", "first"]);
-        assert_eq!(take_all(&queue, 32).await, ["delayed", "first"]);
+            .collect()
     }
 
     async fn take_all(queue: &MemoryQueue, per_get: u32) -> Vec<String> {
