@@ -395,10 +395,9 @@ mod azurite {
         assert!(!e.contains("sig="), "{e}");
     }
 
-    /// A store's requests share one connection pool: a few connections carry hundreds of
-    /// requests (the legacy SDK this replaced opened a connection per request).
-    #[tokio::test]
-    async fn connections_are_reused() {
+    /// A lock (fencing off: two requests a cycle) whose blob requests go through a proxy that
+    /// counts connections, and the counters of its requests.
+    fn lock_behind_a_counting_proxy() -> (LeaseLock, CountingProxy, OpCounters) {
         let azurite = Azurite::shared();
         let proxy = CountingProxy::start(azurite.blob_port);
         let account = leasehold_lock::StorageAccount::emulator(&azurite.host, proxy.port, azurite.queue_port);
@@ -412,7 +411,14 @@ mod azurite {
             fencing: false,
             ..fast_options()
         };
-        let lock = LeaseLock::new(store, options).unwrap();
+        (LeaseLock::new(store, options).unwrap(), proxy, counters)
+    }
+
+    /// A store's requests share one connection pool: a few connections carry hundreds of
+    /// requests (the legacy SDK this replaced opened a connection per request).
+    #[tokio::test]
+    async fn connections_are_reused() {
+        let (lock, proxy, counters) = lock_behind_a_counting_proxy();
         let k = key("pooled");
         for _ in 0..250 {
             let guard = lock.try_acquire(&k).await.unwrap().expect("free");
@@ -437,20 +443,7 @@ mod azurite {
     /// on working once the first runtime is gone.
     #[tokio::test]
     async fn each_runtime_has_a_connection_pool_of_its_own() {
-        let azurite = Azurite::shared();
-        let proxy = CountingProxy::start(azurite.blob_port);
-        let account = leasehold_lock::StorageAccount::emulator(&azurite.host, proxy.port, azurite.queue_port);
-        let counters = OpCounters::new();
-        let store = Arc::new(AzureBlobStore::new(
-            &account,
-            &unique_name("pools"),
-            counters.clone(),
-        ));
-        let options = LeaseOptions {
-            fencing: false,
-            ..fast_options()
-        };
-        let lock = LeaseLock::new(store, options).unwrap();
+        let (lock, proxy, counters) = lock_behind_a_counting_proxy();
         let cycle = |lock: LeaseLock, name: &'static str| async move {
             let guard = lock.try_acquire(&key(name)).await.unwrap().expect("free");
             guard.release().await.unwrap();
