@@ -250,16 +250,20 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         // The handler's HTTP limits (its only client is the host, on loopback): the defaults.
         { name: 'LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS', value: '' }
         { name: 'LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS', value: '' }
+        { name: 'LEASEHOLD_HTTP_WRITE_TIMEOUT_SECONDS', value: '' }
         { name: 'LEASEHOLD_HTTP_SHUTDOWN_SECONDS', value: '' }
         { name: 'LEASEHOLD_HTTP_MAX_CONNECTIONS', value: '' }
         // Standalone-only settings: unused under the Functions host (the host polls the queue and
         // checks function keys), set empty so every environment states every setting.
         { name: 'LEASEHOLD_API_KEY', value: '' }
         { name: 'LEASEHOLD_INSECURE_NO_START_KEY', value: '' }
-        // The dashboard's key is serve's; under Functions the host's master key guards it.
+        // The dashboard's key (both modes: the handler checks it for the Ops function). Empty: the
+        // dashboard's API is off; set it (at least 32 random characters, or a Key Vault reference)
+        // to turn it on.
         { name: 'LEASEHOLD_ADMIN_KEY', value: '' }
         { name: 'LEASEHOLD_PORT', value: '' }
         { name: 'LEASEHOLD_BIND', value: '' }
+        { name: 'LEASEHOLD_HEALTH_PORT', value: '' }
         { name: 'LEASEHOLD_CONCURRENCY', value: '' }
         { name: 'LEASEHOLD_MAX_DEQUEUE_COUNT', value: '' }
         { name: 'LEASEHOLD_POLL_MAX_SECONDS', value: '' }

@@ -44,17 +44,19 @@ fn start_and_worker_bindings_match_the_handler() {
     assert_eq!(trigger["connection"], "AzureWebJobsStorage");
 }
 
-/// The dashboard's functions (handled by the `leasehold` crate's `admin` module): the API only
-/// with the master key, the page (which holds no data) anonymous, and no route the host
-/// reserves for itself (it refuses to load a function whose route starts with `admin`).
+/// The dashboard's functions (handled by the `leasehold` crate's `admin` module): anonymous to
+/// the host, because the handler checks `LEASEHOLD_ADMIN_KEY` itself (a key that opens only the
+/// dashboard, where the master key opens the whole Function App, and a check that also stands
+/// for local processes reaching the handler's port); the page holds no data; and no route the
+/// host reserves for itself (it refuses to load a function whose route starts with `admin`).
 #[test]
-fn the_dashboard_functions_need_the_master_key_for_the_api() {
+fn the_dashboard_functions_leave_the_key_to_the_handler_and_never_ask_for_the_master_key() {
     let ops = read("Ops/function.json");
     let req = binding(&ops, HTTP_IN);
     assert_eq!(req["type"], "httpTrigger");
     assert_eq!(
-        req["authLevel"], "admin",
-        "the operations API must need the host's master key"
+        req["authLevel"], "anonymous",
+        "the handler checks LEASEHOLD_ADMIN_KEY; the master key is never asked for"
     );
     assert_eq!(req["methods"], serde_json::json!(["get", "post"]));
     assert_eq!(req["route"], "ops/{*path}");
@@ -256,7 +258,8 @@ fn infrastructure_sets_every_setting_for_every_environment() {
 }
 
 /// The Kubernetes manifest: the Start key is required (a missing secret must not mean an open
-/// endpoint), the pod is locked down, and a disruption budget keeps Start up through drains.
+/// endpoint), the pod is locked down, a disruption budget keeps Start up through drains, and the
+/// liveness probe has a port of its own (a flood of Start's cannot get the pod restarted).
 #[test]
 fn the_kubernetes_manifest_requires_the_start_key_and_locks_the_pod_down() {
     let text = std::fs::read_to_string(format!(
@@ -274,6 +277,15 @@ fn the_kubernetes_manifest_requires_the_start_key_and_locks_the_pod_down() {
         "the Start key must be required: {key}"
     );
     assert!(!text.contains("AccountKey="), "no account key in the manifest");
+    let liveness = text
+        .lines()
+        .skip_while(|l| !l.contains("livenessProbe:"))
+        .nth(1)
+        .expect("a liveness probe");
+    assert!(
+        liveness.contains("port: 7072"),
+        "the liveness probe uses the health port: {liveness}"
+    );
     for required in [
         "runAsNonRoot: true",
         "readOnlyRootFilesystem: true",
@@ -285,6 +297,7 @@ fn the_kubernetes_manifest_requires_the_start_key_and_locks_the_pod_down() {
         "azure.workload.identity/use: \"true\"",
         "name: AzureWebJobsStorage__accountName",
         "provider: azure-workload",
+        "{ name: LEASEHOLD_HEALTH_PORT, value: \"7072\" }",
     ] {
         assert!(
             text.contains(required),

@@ -40,6 +40,8 @@ pub enum Mode {
 pub struct Application {
     listener: TcpListener,
     port: u16,
+    /// The liveness probe's own listener (`LEASEHOLD_HEALTH_PORT`, standalone).
+    health: Option<TcpListener>,
     shutdown: CancellationToken,
     router: axum::Router,
     consumer: Option<Consumer>,
@@ -152,6 +154,14 @@ impl Application {
         self.port
     }
 
+    /// The port of the health listener, when `LEASEHOLD_HEALTH_PORT` is set.
+    pub fn health_port(&self) -> Option<u16> {
+        self.health
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map(|a| a.port())
+    }
+
     /// Serves until `stop` fires, then stops taking work and hands back what is in flight
     /// (standalone: runs get the shutdown grace; the custom handler: the host's own drain).
     pub async fn run_until_stopped(self, stop: CancellationToken) -> Result<()> {
@@ -161,6 +171,9 @@ impl Application {
             shutdown.cancel();
         });
         let sampler = tokio::spawn(self.sampler.run(self.shutdown.clone()));
+        let health = self
+            .health
+            .map(|listener| tokio::spawn(server::serve_health(listener, self.shutdown.clone())));
         let http = server::serve(self.listener, self.router, &self.http, self.shutdown.clone());
         match self.consumer {
             Some(consumer) => {
@@ -170,8 +183,11 @@ impl Application {
             None => http.await,
         }
         link.abort();
-        // It stops at the shutdown, at its next await.
+        // They stop at the shutdown, at their next await.
         let _ = sampler.await;
+        if let Some(health) = health {
+            let _ = health.await;
+        }
         tracing::info!(mode = %self.description, "stopped");
         Ok(())
     }
@@ -224,11 +240,17 @@ impl Application {
         let http = Self::http_options(&settings);
         tracing::info!(port, queue = %settings.queue, container = %settings.container,
             max_connections = http.max_connections, "custom handler listening");
-        // The dashboard's functions (Dashboard, Ops): the host checks the master key for Ops.
-        let dashboard = admin::handler_router(Operator::new(&settings)?, settings.http.body_timeout);
+        // The dashboard's functions (Dashboard, Ops): the handler checks LEASEHOLD_ADMIN_KEY for
+        // Ops itself (every local process can reach its port, not only the host).
+        let dashboard = admin::handler_router(
+            Operator::new(&settings)?,
+            settings.admin_key.clone(),
+            settings.http.body_timeout,
+        );
         Ok(Self {
             listener,
             port,
+            health: None,
             shutdown,
             router: handler_router(app).merge(dashboard),
             consumer: None,
@@ -266,6 +288,22 @@ impl Application {
                 )
             })?;
         let addr = listener.local_addr()?;
+        let health = match settings.health_port {
+            Some(port) => Some(
+                TcpListener::bind((settings.bind.as_str(), port))
+                    .await
+                    .with_context(|| {
+                        format!(
+                            "listening on {}:{port} for the liveness probe (LEASEHOLD_BIND, LEASEHOLD_HEALTH_PORT)",
+                            settings.bind
+                        )
+                    })?,
+            ),
+            None => None,
+        };
+        if let Some(health) = &health {
+            tracing::info!(addr = %health.local_addr()?, "serving GET /healthz for the liveness probe");
+        }
         if settings.policy.api_key.is_none() && !addr.ip().is_loopback() {
             if !settings.insecure_no_start_key {
                 bail!(
@@ -320,6 +358,7 @@ impl Application {
         Ok(Self {
             listener,
             port: addr.port(),
+            health,
             shutdown,
             router,
             consumer: Some(consumer),

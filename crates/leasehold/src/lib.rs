@@ -11,5 +11,5 @@ pub mod telemetry;
 
 pub use app::{Application, Mode};
 pub use recent::{RecentOutcome, recent_outcome, recent_outcomes};
-pub use server::{HttpOptions, MAX_HEADER_BYTES};
+pub use server::{HttpOptions, MAX_HEADER_BYTES, MAX_REQUESTS_PER_CONNECTION};
 pub use settings::{LogicSetting, Settings};

@@ -242,6 +242,8 @@ fn init_tracing(format: LogFormat) {
 }
 
 fn main() -> std::process::ExitCode {
+    // First, before a secret is read: see `protect_secrets`.
+    protect_secrets();
     let cli = Cli::parse();
     // The supervisor of a logic command runs without the async runtime and without logging.
     if let Some(Command::Supervise { grace_ms, command }) = cli.command {
@@ -263,6 +265,23 @@ fn main() -> std::process::ExitCode {
         }
     }
 }
+
+/// Makes this process non-dumpable (`PR_SET_DUMPABLE` 0), in every mode and in the supervisor
+/// of a logic command: its `/proc/<pid>/environ`, `mem`, `maps` and `fd/` then belong to root,
+/// and it cannot be traced, by any process without `CAP_SYS_PTRACE`, the same user's included.
+/// A logic command runs as this process's user; without this it read `AzureWebJobsStorage`,
+/// `LEASEHOLD_API_KEY` and `LEASEHOLD_ADMIN_KEY` from `/proc/<worker>/environ`. The flag is not
+/// inherited across `exec`, so the logic itself is an ordinary process. The cost: no core
+/// dumps of Leasehold.
+#[cfg(target_os = "linux")]
+fn protect_secrets() {
+    if let Err(e) = nix::sys::prctl::set_dumpable(false) {
+        eprintln!("leasehold: could not make the process non-dumpable (PR_SET_DUMPABLE): {e}");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn protect_secrets() {}
 
 #[cfg(unix)]
 fn supervise(grace_ms: u64, mut command: Vec<OsString>) -> std::process::ExitCode {

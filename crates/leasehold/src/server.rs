@@ -10,6 +10,15 @@
 //!   the idle-connection timeout *is* the header-read timeout.
 //! - **Body**: read only after Start checked the key from the head, and all of it within
 //!   `body_timeout`, else 408 (`leasehold_functions::http`).
+//! - **Answers**: once a write cannot complete at once, everything the connection has to send
+//!   must be taken by the client within `write_timeout`, else the connection is closed
+//!   ([`Deadlined`]). That one deadline covers a client that stops reading (no progress) and one
+//!   that reads a byte at a time (progress, but a response pending too long). Without it, a
+//!   client that pipelines requests and never reads its answers held its slot for ever.
+//! - **Requests per connection**: at most [`MAX_REQUESTS_PER_CONNECTION`]; the last one's
+//!   answer says `Connection: close`. With hyper's bounded read buffer (pipelined requests not
+//!   yet answered wait there, at most [`READ_BUFFER_BYTES`]), a pipelining client costs a bounded
+//!   amount of memory and time.
 //! - **Connections**: at most `max_connections` open; the accept loop takes no more until one
 //!   closes, so further clients wait in the kernel's listen backlog, costing this process no
 //!   descriptor. The bound is kept below the descriptor limit with room left for storage and the
@@ -17,18 +26,32 @@
 //!   request waits for a slot (at most the header-read deadline, which frees the slot of any
 //!   client that sends nothing useful) instead of the process running out of descriptors, and
 //!   runs in progress keep their storage connections.
+//! - **Health**: with a health port set ([`serve_health`]), the liveness probe has a listener
+//!   of its own that a flood of the main port cannot starve, and whose few slots go to the newest
+//!   connections (a flood of the health port itself has to outpace the probe).
 //! - **Shutdown**: connections are told to finish; any still open after `shutdown_timeout` are
 //!   closed.
 
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use axum::http::{HeaderValue, Request, header};
+use tower::ServiceExt;
 
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
+use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
 /// Largest request head (request line and headers) accepted; a larger one is answered 431.
@@ -38,8 +61,9 @@ pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 /// Most header fields in a request head (more: 431).
 const MAX_HEADERS: usize = 64;
 
-/// hyper's read buffer per connection (the head must fit in it; body chunks pass through it).
-const READ_BUFFER_BYTES: usize = 64 * 1024;
+/// hyper's read buffer per connection (the head must fit in it; body chunks pass through it;
+/// pipelined requests wait in it).
+pub const READ_BUFFER_BYTES: usize = 64 * 1024;
 
 /// Descriptors kept for everything but HTTP connections whatever the concurrency: the listener,
 /// the runtime's, logs, the queue consumer's and the storage clients' own connections.
@@ -52,6 +76,16 @@ const DESCRIPTORS_PER_RUN: u64 = 16;
 /// Fewest connections the bound goes down to, even under a tiny descriptor limit.
 const MIN_CONNECTIONS: usize = 8;
 
+/// Most requests one connection may make; the answer to the last says `Connection: close`.
+/// Honest clients (the Functions host, Dataverse, a browser) reconnect without a fuss.
+pub const MAX_REQUESTS_PER_CONNECTION: usize = 1000;
+
+/// Connections the health listener keeps open at once; a newer one closes the oldest.
+const HEALTH_CONNECTIONS: usize = 4;
+
+/// The health listener's deadline for a request head and for its answer to be taken.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The limits of the HTTP side, from the `LEASEHOLD_HTTP_*` settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpOptions {
@@ -60,6 +94,9 @@ pub struct HttpOptions {
     pub header_timeout: Duration,
     /// A request body must arrive, all of it, within this (408 otherwise).
     pub body_timeout: Duration,
+    /// Once a write cannot complete at once, the client must take everything there is to send
+    /// within this, else the connection is closed.
+    pub write_timeout: Duration,
     /// On shutdown, connections still open after this are closed.
     pub shutdown_timeout: Duration,
     /// Most connections open at once (before [`connection_bound`] caps it to the descriptors).
@@ -71,6 +108,7 @@ impl Default for HttpOptions {
         Self {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(10),
             max_connections: 1024,
         }
@@ -143,23 +181,12 @@ pub async fn serve(
             () = stop.cancelled() => break,
             slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
         };
-        let (stream, _peer) = tokio::select! {
-            () = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Out of descriptors or memory, or the client gave up: pause so a persistent
-                    // error does not spin, then take the next one.
-                    tracing::warn!(error = %e, "http: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
+        let Some(stream) = accept(&listener, &stop).await else {
+            break;
         };
         while connections.try_join_next().is_some() {}
-        let _ = stream.set_nodelay(true);
-        let connection =
-            http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router.clone()));
+        let io = TokioIo::new(Deadlined::new(stream, options.write_timeout));
+        let connection = http.serve_connection(io, counted(router.clone()));
         let connection = graceful.watch(connection);
         connections.spawn(async move {
             if let Err(e) = connection.await {
@@ -185,9 +212,287 @@ pub async fn serve(
     while connections.join_next().await.is_some() {}
 }
 
+/// The next connection, or `None` once `stop` fires. A failed accept (out of descriptors or
+/// memory, or the client gave up) pauses a little, so a persistent error does not spin.
+async fn accept(listener: &TcpListener, stop: &CancellationToken) -> Option<tokio::net::TcpStream> {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return None,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    return Some(stream);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "http: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
+    }
+}
+
+/// `router` as one connection's service: the answer to its
+/// [`MAX_REQUESTS_PER_CONNECTION`]th request says `Connection: close`, and hyper closes the
+/// connection once it is written.
+fn counted(
+    router: axum::Router,
+) -> impl hyper::service::Service<
+    Request<hyper::body::Incoming>,
+    Response = axum::response::Response,
+    Error = Infallible,
+    Future = impl Future<Output = Result<axum::response::Response, Infallible>> + Send,
+> + Clone {
+    let served = Arc::new(AtomicUsize::new(0));
+    hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+        let last = served.fetch_add(1, Ordering::Relaxed) + 1 >= MAX_REQUESTS_PER_CONNECTION;
+        let router = router.clone();
+        async move {
+            let mut response = router.oneshot(request).await?;
+            if last {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok(response)
+        }
+    })
+}
+
+/// Serves `GET /healthz` (`{"status":"ok"}`) on a listener of its own until `stop` fires: the
+/// liveness probe's, which a flood of the main listener cannot starve. It keeps at most
+/// [`HEALTH_CONNECTIONS`] connections, closing the oldest when a new one arrives (so a client
+/// holding connections open cannot keep the probe out: it would have to open them faster than
+/// the probe is answered), each with a 2 s deadline on its request head and on its answer, and
+/// one request per connection.
+pub async fn serve_health(listener: TcpListener, stop: CancellationToken) {
+    let router = axum::Router::new().route(
+        "/healthz",
+        axum::routing::get(|| async { axum::Json(serde_json::json!({ "status": "ok" })) }),
+    );
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(HEALTH_TIMEOUT)
+        .keep_alive(false)
+        .max_header_size(MAX_HEADER_BYTES)
+        .max_headers(MAX_HEADERS);
+    let mut open: VecDeque<tokio::task::AbortHandle> = VecDeque::new();
+    let mut connections = JoinSet::new();
+    while let Some(stream) = accept(&listener, &stop).await {
+        while connections.try_join_next().is_some() {}
+        open.retain(|c| !c.is_finished());
+        while open.len() >= HEALTH_CONNECTIONS {
+            if let Some(oldest) = open.pop_front() {
+                oldest.abort();
+            }
+        }
+        let io = TokioIo::new(Deadlined::new(stream, HEALTH_TIMEOUT));
+        let connection = http.serve_connection(io, TowerToHyperService::new(router.clone()));
+        open.push_back(connections.spawn(async move {
+            let _ = tokio::time::timeout(HEALTH_TIMEOUT * 2, connection).await;
+        }));
+    }
+    connections.abort_all();
+    while connections.join_next().await.is_some() {}
+}
+
+/// A connection's stream with a deadline on its output: once a write cannot complete at once
+/// (the client's window is full), everything the server has to send must be taken within
+/// `deadline`, counted from that first blocked write until the output is flushed; past it, every
+/// write fails with [`io::ErrorKind::TimedOut`] and hyper closes the connection.
+///
+/// hyper flushes the stream (`poll_flush`) only once its own buffer is empty, so a completed
+/// flush means every byte of every answer so far was taken: that disarms the deadline.
+#[derive(Debug)]
+pub struct Deadlined<S> {
+    inner: S,
+    deadline: Duration,
+    /// Armed while output waits for the client.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl<S> Deadlined<S> {
+    pub fn new(inner: S, deadline: Duration) -> Self {
+        Self {
+            inner,
+            deadline,
+            stalled: None,
+        }
+    }
+
+    /// Arms the deadline if it is not armed yet.
+    fn waiting(&mut self) {
+        if self.stalled.is_none() {
+            self.stalled = Some(Box::pin(tokio::time::sleep(self.deadline)));
+        }
+    }
+
+    /// `Err` once the armed deadline has passed (and registers for its wake-up otherwise).
+    fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        let expired = match &mut self.stalled {
+            Some(sleep) => sleep.as_mut().poll(cx).is_ready(),
+            None => false,
+        };
+        if expired {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client did not take the answer within {:?}", self.deadline),
+            ));
+        }
+        Ok(())
+    }
+
+    /// After a write of `offered` bytes answered `result`.
+    fn wrote(
+        &mut self,
+        cx: &mut Context<'_>,
+        offered: usize,
+        result: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match result {
+            Poll::Ready(Ok(n)) => {
+                if n < offered {
+                    self.waiting();
+                }
+                Poll::Ready(Ok(n))
+            }
+            Poll::Pending => {
+                self.waiting();
+                match self.check(cx) {
+                    Ok(()) => Poll::Pending,
+                    Err(e) => Poll::Ready(Err(e)),
+                }
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Deadlined<S> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Deadlined<S> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if let Err(e) = this.check(cx) {
+            return Poll::Ready(Err(e));
+        }
+        let result = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.wrote(cx, buf.len(), result)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if let Err(e) = this.check(cx) {
+            return Poll::Ready(Err(e));
+        }
+        let offered = bufs.iter().map(|b| b.len()).sum();
+        let result = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.wrote(cx, offered, result)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Err(e) = this.check(cx) {
+            return Poll::Ready(Err(e));
+        }
+        match Pin::new(&mut this.inner).poll_flush(cx) {
+            Poll::Ready(Ok(())) => {
+                this.stalled = None;
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                this.waiting();
+                match this.check(cx) {
+                    Ok(()) => Poll::Pending,
+                    Err(e) => Poll::Ready(Err(e)),
+                }
+            }
+            other => other,
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server-side stream whose client (the other end, 64 bytes of buffer) reads nothing.
+    fn stalled_pair(deadline: Duration) -> (Deadlined<tokio::io::DuplexStream>, tokio::io::DuplexStream) {
+        let (server, client) = tokio::io::duplex(64);
+        (Deadlined::new(server, deadline), client)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_reads_nothing_fails_the_write_at_the_deadline() {
+        let (mut server, _client) = stalled_pair(Duration::from_secs(5));
+        let from = tokio::time::Instant::now();
+        let e = server.write_all(&[b'x'; 1000]).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(from.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_reads_a_byte_at_a_time_fails_the_write_at_the_deadline_too() {
+        let (mut server, mut client) = stalled_pair(Duration::from_secs(5));
+        let trickle = tokio::spawn(async move {
+            let mut byte = [0u8; 1];
+            while client.read(&mut byte).await.unwrap_or(0) == 1 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        });
+        let from = tokio::time::Instant::now();
+        // Progress every 0.5 s, but 1,000 bytes would take 8 minutes.
+        let e = server.write_all(&[b'x'; 1000]).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(from.elapsed(), Duration::from_secs(5));
+        drop(server);
+        trickle.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn output_that_is_taken_in_time_disarms_the_deadline() {
+        let (mut server, mut client) = stalled_pair(Duration::from_secs(5));
+        let reader = tokio::spawn(async move {
+            let mut buf = vec![0u8; 100];
+            let mut total = 0;
+            loop {
+                // A client that takes 4 s per answer: each within the deadline.
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                match client.read(&mut buf).await.unwrap() {
+                    0 => return total,
+                    n => total += n,
+                }
+            }
+        });
+        for _ in 0..5 {
+            // 100 bytes: 64 fit, the rest wait for the reader's next read, 4 s later.
+            server.write_all(&[b'x'; 100]).await.unwrap();
+            server.flush().await.unwrap();
+            // Then the next answer's output waits again: a fresh deadline, not the first's.
+            tokio::time::sleep(Duration::from_secs(4)).await;
+        }
+        server.shutdown().await.unwrap();
+        drop(server);
+        assert_eq!(reader.await.unwrap(), 500);
+    }
 
     #[test]
     fn the_connection_bound_leaves_descriptors_for_storage_and_the_logic() {

@@ -55,8 +55,10 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", Some("30")),
     setting("LEASEHOLD_PORT", Some("7071")),
     setting("LEASEHOLD_BIND", Some("127.0.0.1")),
+    setting("LEASEHOLD_HEALTH_PORT", None),
     setting("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", Some("10")),
     setting("LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS", Some("30")),
+    setting("LEASEHOLD_HTTP_WRITE_TIMEOUT_SECONDS", Some("30")),
     setting("LEASEHOLD_HTTP_SHUTDOWN_SECONDS", Some("10")),
     setting("LEASEHOLD_HTTP_MAX_CONNECTIONS", Some("1024")),
     setting("LEASEHOLD_METRICS_INTERVAL_SECONDS", Some("60")),
@@ -89,7 +91,9 @@ struct Raw {
     leasehold_admin_key: Option<String>,
     leasehold_http_header_timeout_seconds: Option<String>,
     leasehold_http_body_timeout_seconds: Option<String>,
+    leasehold_http_write_timeout_seconds: Option<String>,
     leasehold_http_shutdown_seconds: Option<String>,
+    leasehold_health_port: Option<String>,
     leasehold_http_max_connections: Option<String>,
     leasehold_metrics_interval_seconds: Option<String>,
     leasehold_port: Option<String>,
@@ -130,12 +134,17 @@ pub struct Settings {
     pub policy: StartPolicy,
     pub port: u16,
     pub bind: String,
+    /// `LEASEHOLD_HEALTH_PORT`: `serve` also answers `GET /healthz` on this port of
+    /// `LEASEHOLD_BIND`, a listener of its own that a flood of Start's port cannot starve (for a
+    /// liveness probe). Unset: none (`/healthz` is on Start's port either way).
+    pub health_port: Option<u16>,
     /// `LEASEHOLD_INSECURE_NO_START_KEY` (or `serve --insecure-no-start-key`): serve Start on a
     /// non-loopback address without `LEASEHOLD_API_KEY`. Without it, `serve` refuses to.
     pub insecure_no_start_key: bool,
-    /// `LEASEHOLD_ADMIN_KEY`: the key of the operator dashboard and its JSON API in `serve`
-    /// (sent as the `x-leasehold-admin-key` header). Unset: `serve` has no dashboard. Never the
-    /// Start key. Under Functions the host's master key guards the dashboard instead.
+    /// `LEASEHOLD_ADMIN_KEY`: the key of the operator dashboard's JSON API in both modes (sent
+    /// as the `x-leasehold-admin-key` header; under Functions the handler checks it in the
+    /// forwarded headers). Unset: no dashboard API. Never the Start key; at least
+    /// [`crate::admin::MIN_KEY_CHARS`] characters.
     pub admin_key: Option<Secret>,
     /// Deadlines and the connection bound of the HTTP side (`LEASEHOLD_HTTP_*`).
     pub http: HttpOptions,
@@ -391,6 +400,16 @@ impl Settings {
                  so that whoever may trigger runs (Dataverse, a webhook) cannot also requeue and purge the poison queue"
             );
         }
+        if let Some(admin) = &admin_key {
+            let chars = admin.expose().chars().count();
+            if chars < crate::admin::MIN_KEY_CHARS {
+                bail!(
+                    "LEASEHOLD_ADMIN_KEY is {chars} characters: it opens requeue and purge of the poison queue, \
+                     so it must be at least {} random characters (make one with `openssl rand -base64 32`)",
+                    crate::admin::MIN_KEY_CHARS
+                );
+            }
+        }
         let http_defaults = HttpOptions::default();
         let seconds = |name: &str, value: &Option<String>, default: Duration| -> Result<Duration> {
             let secs = number(name, value, default.as_secs())?;
@@ -409,6 +428,11 @@ impl Settings {
                 "LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS",
                 &raw.leasehold_http_body_timeout_seconds,
                 http_defaults.body_timeout,
+            )?,
+            write_timeout: seconds(
+                "LEASEHOLD_HTTP_WRITE_TIMEOUT_SECONDS",
+                &raw.leasehold_http_write_timeout_seconds,
+                http_defaults.write_timeout,
             )?,
             shutdown_timeout: seconds(
                 "LEASEHOLD_HTTP_SHUTDOWN_SECONDS",
@@ -441,6 +465,10 @@ impl Settings {
             logic_env: list(&raw.leasehold_logic_env),
             policy,
             port: number("LEASEHOLD_PORT", &raw.leasehold_port, 7071u16)?,
+            health_port: match raw.leasehold_health_port.as_deref().map(str::trim) {
+                None | Some("") => None,
+                Some(_) => Some(number("LEASEHOLD_HEALTH_PORT", &raw.leasehold_health_port, 0u16)?),
+            },
             bind: raw
                 .leasehold_bind
                 .filter(|b| !b.trim().is_empty())
@@ -488,6 +516,28 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_admin_key_must_be_at_least_32_characters_and_is_never_shown() {
+        let with_key = |key: &str| {
+            Settings::from_vars([
+                ("AzureWebJobsStorage", "UseDevelopmentStorage=true"),
+                ("LEASEHOLD_ADMIN_KEY", key),
+            ])
+        };
+        let short = format!("{:#}", with_key("hunter2-hunter2").unwrap_err());
+        assert!(
+            short.contains("LEASEHOLD_ADMIN_KEY is 15 characters") && short.contains("at least 32"),
+            "{short}"
+        );
+        assert!(!short.contains("hunter2"), "the key is never shown: {short}");
+        let long = "k".repeat(31) + "€";
+        assert!(
+            with_key(&long).unwrap().admin_key.is_some(),
+            "32 characters (not bytes) do"
+        );
+        assert!(with_key("").unwrap().admin_key.is_none(), "empty: off");
+    }
+
     /// The defaults the table documents are the ones parsing applies.
     #[test]
     fn the_settings_table_states_the_defaults_parsing_applies() {
@@ -508,6 +558,7 @@ mod tests {
                 "LEASEHOLD_INSECURE_NO_START_KEY" => s.insecure_no_start_key.to_string(),
                 "LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS" => s.http.header_timeout.as_secs().to_string(),
                 "LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS" => s.http.body_timeout.as_secs().to_string(),
+                "LEASEHOLD_HTTP_WRITE_TIMEOUT_SECONDS" => s.http.write_timeout.as_secs().to_string(),
                 "LEASEHOLD_HTTP_SHUTDOWN_SECONDS" => s.http.shutdown_timeout.as_secs().to_string(),
                 "LEASEHOLD_HTTP_MAX_CONNECTIONS" => s.http.max_connections.to_string(),
                 "LEASEHOLD_METRICS_INTERVAL_SECONDS" => s.metrics_interval.as_secs().to_string(),

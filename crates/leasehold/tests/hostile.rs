@@ -4,7 +4,8 @@
 //! (in-process on port 0, or the binary where the descriptor limit is the point) against a real
 //! Azurite, with short deadlines so it is quick; raw TCP streams play the hostile clients.
 //!
-//! Also: `serve` refuses to listen on a non-loopback address without a key unless told so.
+//! Also: clients that pipeline requests and never read the answers (the write deadline), the
+//! per-connection request bound, the health listener under a flood, and: `serve` refuses to listen on a non-loopback address without a key unless told so.
 
 mod common;
 
@@ -335,6 +336,262 @@ async fn a_flood_under_a_1024_descriptor_limit_leaves_start_and_storage_working(
     assert!(!text.contains("Too many open files"), "{text}");
     child.start_kill().unwrap();
     let _ = child.wait().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A client that pipelines `GET /healthz` without end and never reads an answer: a small
+/// receive buffer, so the server's writes block early. Returns the half it never reads from
+/// (read it to see what the server sent, and whether it closed) and the writing task.
+async fn slow_reader(port: u16) -> (tokio::net::tcp::OwnedReadHalf, tokio::task::JoinHandle<()>) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let stream = socket.connect(([127, 0, 0, 1], port).into()).await.unwrap();
+    let (read, mut write) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        let request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(100);
+        // Until the server closes the connection (or the test ends).
+        while write.write_all(&request).await.is_ok() {}
+    });
+    (read, writer)
+}
+
+/// Reads until the server closes; `None` if it is still open after `limit`. The count of
+/// answers received.
+async fn answers_until_closed(mut read: tokio::net::tcp::OwnedReadHalf, limit: Duration) -> Option<usize> {
+    let mut received = Vec::new();
+    let drained = tokio::time::timeout(limit, async {
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            match read.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => received.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    drained.ok()?;
+    Some(String::from_utf8_lossy(&received).matches("HTTP/1.1 200").count())
+}
+
+/// Issue 22, item 1: clients that pipelined requests and never read the answers held their
+/// slots for ever, so once they held every slot Start answered nobody, and the liveness probe
+/// (on the same port) failed. Now an answer the client does not take within the write deadline
+/// closes its connection, and the probe has a listener of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_never_read_their_answers_are_closed_at_the_write_deadline_and_the_probe_answers_meanwhile()
+ {
+    let app = start(&[
+        ("LEASEHOLD_HTTP_MAX_CONNECTIONS", "8"),
+        ("LEASEHOLD_HTTP_WRITE_TIMEOUT_SECONDS", "2"),
+        ("LEASEHOLD_HEALTH_PORT", "0"),
+    ])
+    .await;
+    let health = app.health_port.expect("a health listener");
+    let opened = Instant::now();
+    let mut readers = Vec::new();
+    for _ in 0..8 {
+        readers.push(slow_reader(app.port).await);
+    }
+
+    // Every slot of Start's port is held: the probe's own listener answers all the same.
+    let probe = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{health}/healthz"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .expect("the health listener answers while Start's slots are held");
+    assert_eq!(probe.status(), 200);
+    assert_eq!(
+        probe.json::<serde_json::Value>().await.unwrap(),
+        json!({"status": "ok"})
+    );
+
+    // An honest POST is answered once the write deadline closed a slow reader (2 s after its
+    // answers stopped being taken), not never.
+    let (status, took) = honest_post(app.port).await;
+    println!("[hostile] honest POST among 8 slow readers holding every slot: {status} in {took:?}");
+    assert_eq!(status, 202);
+    assert!(took < Duration::from_secs(10), "honest POST took {took:?}");
+
+    // Each slow reader's connection was closed by the server: reading it now finds the answers
+    // the socket buffers held, then the end, far short of the 100s of requests it sent.
+    for (read, writer) in readers {
+        let answered = answers_until_closed(read, Duration::from_secs(10))
+            .await
+            .expect("a slow reader's connection is still open after its write deadline");
+        assert!(
+            answered < leasehold::MAX_REQUESTS_PER_CONNECTION,
+            "{answered} answers: closed by the request bound, not the write deadline"
+        );
+        writer.abort();
+    }
+    println!(
+        "[hostile] all 8 slow readers closed within {:?}",
+        opened.elapsed()
+    );
+    app.stop().await;
+}
+
+/// The request bound: a connection that pipelines more requests than
+/// `MAX_REQUESTS_PER_CONNECTION`, and reads every answer, gets that many answers, the last
+/// saying `Connection: close`, then the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_is_closed_after_its_request_bound() {
+    let app = start(&[]).await;
+    let bound = leasehold::MAX_REQUESTS_PER_CONNECTION;
+    let stream = connect(app.port).await;
+    let (read, mut write) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        let request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(bound + 50);
+        let _ = write.write_all(&request).await;
+        write
+    });
+    let mut read = read;
+    let mut received = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), read.read_to_end(&mut received))
+        .await
+        .expect("closed after the bound")
+        .unwrap();
+    let text = String::from_utf8_lossy(&received);
+    assert_eq!(text.matches("HTTP/1.1 200").count(), bound);
+    assert_eq!(
+        text.matches("connection: close").count(),
+        1,
+        "only the last answer closes"
+    );
+    drop(writer.await);
+    app.stop().await;
+}
+
+/// The health listener keeps only its newest few connections: a client holding many open (idle,
+/// or half-sent) cannot keep the probe out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_held_open_on_the_health_port_do_not_keep_the_probe_out() {
+    let app = start(&[("LEASEHOLD_HEALTH_PORT", "0")]).await;
+    let health = app.health_port.unwrap();
+    let mut held = Vec::new();
+    for i in 0..200 {
+        let mut s = connect(health).await;
+        if i % 2 == 0 {
+            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                .await
+                .unwrap();
+        }
+        held.push(s);
+    }
+    let from = Instant::now();
+    let probe = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{health}/healthz"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .expect("the probe is answered");
+    assert_eq!(probe.status(), 200);
+    println!(
+        "[hostile] probe among 200 held health connections: {:?}",
+        from.elapsed()
+    );
+    assert!(from.elapsed() < Duration::from_secs(2), "{:?}", from.elapsed());
+    // Only the health route is there.
+    let other = reqwest::get(format!("http://127.0.0.1:{health}/api/start"))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 404);
+    drop(held);
+    app.stop().await;
+}
+
+/// Issue 22, item 4: a logic command runs as the worker's user, and read the worker's
+/// `AzureWebJobsStorage`, `LEASEHOLD_API_KEY` and `LEASEHOLD_ADMIN_KEY` from
+/// `/proc/<worker>/environ`. Now the worker and the supervisor are non-dumpable: a logic that
+/// tries every way we know (`tests/fixtures/spy.py`: each ancestor's environment, per thread,
+/// its memory through `/proc/<pid>/mem`, its descriptors, ptrace, and every process's
+/// environment) finds none of them.
+///
+/// Root holds `CAP_SYS_PTRACE`, which reads any process whatever its flags; so, as the
+/// deployments do (`capabilities: drop: ["ALL"]` in deploy/keda), the binary runs without
+/// capabilities when the test runs as root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_logic_cannot_read_the_workers_secrets() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = common::scratch_dir("leasehold-spy");
+    let out = dir.join("spy.out");
+    let log = dir.join("serve.log");
+    let spy = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/spy.py");
+    let api_key = format!("api-{}", unique_name("secret"));
+    let admin_key = format!("admin-{}-0123456789abcdef", unique_name("secret"));
+    let root = std::fs::metadata("/proc/self").unwrap().uid() == 0;
+    let mut cmd = if root {
+        common::command(
+            "setpriv",
+            &[
+                "--inh-caps=-all",
+                "--ambient-caps=-all",
+                "--bounding-set=-all",
+                "--",
+                common::BIN,
+                "serve",
+            ],
+        )
+    } else {
+        common::leasehold(&["serve"])
+    };
+    let mut child = cmd
+        .envs(common::serve_vars(
+            &unique_name("triggers"),
+            &unique_name("locks"),
+        ))
+        .env("LEASEHOLD_API_KEY", &api_key)
+        .env("LEASEHOLD_ADMIN_KEY", &admin_key)
+        .env(
+            "LEASEHOLD_LOGIC_COMMAND",
+            format!("python3 {spy} {}", out.display()),
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+        .spawn()
+        .unwrap();
+    let port = common::serve_port(&log).await;
+    let (status, _) = common::post(
+        &format!("http://127.0.0.1:{port}/api/start"),
+        &json!({"recordId": RECORD}).to_string(),
+        &[
+            ("x-functions-key", &api_key),
+            ("content-type", "application/json"),
+        ],
+    )
+    .await;
+    assert_eq!(status, 202);
+    let text = eventually(Duration::from_secs(60), "the spy's report", || async {
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        text.ends_with("done\n").then_some(text)
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    println!(
+        "[hostile] the spy's report:\n{}",
+        text.chars().take(6000).collect::<String>()
+    );
+    // It found the worker and tried it...
+    assert!(
+        text.contains("\nworker "),
+        "the spy did not find the worker: {text}"
+    );
+    assert!(text.contains(&format!("ran {RECORD}")), "{text}");
+    // ...and learned none of the secrets.
+    for secret in [&api_key, &admin_key] {
+        assert!(
+            !text.contains(secret.as_str()),
+            "a logic read a key of the worker"
+        );
+    }
+    let (chain, _everyone) = text.split_once("== every process").unwrap();
+    assert!(
+        !chain.contains("AccountKey=") && !chain.contains("AzureWebJobsStorage="),
+        "a logic read the worker's storage connection string"
+    );
+    assert!(!text.contains("ptrace attached"), "a logic traced the worker");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

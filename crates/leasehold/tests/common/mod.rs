@@ -94,6 +94,8 @@ pub async fn build(
 /// by [`Running::stop`]; told to stop when dropped too (a failed test).
 pub struct Running {
     pub port: u16,
+    /// The health listener's port (`LEASEHOLD_HEALTH_PORT`).
+    pub health_port: Option<u16>,
     stop: tokio_util::sync::CancellationToken,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
@@ -107,10 +109,16 @@ impl Running {
     /// Runs an application built by the test.
     pub fn run(app: leasehold::Application) -> Self {
         let port = app.port();
+        let health_port = app.health_port();
         assert_ne!(port, 0);
         let stop = tokio_util::sync::CancellationToken::new();
         let task = tokio::spawn(app.run_until_stopped(stop.clone()));
-        Self { port, stop, task }
+        Self {
+            port,
+            health_port,
+            stop,
+            task,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
