@@ -131,6 +131,15 @@ pub enum Rejection {
     WrongKey,
     #[error("unsupported content type {0:?}: send application/json")]
     UnsupportedContentType(String),
+    /// No `Content-Type`: a web page can send such a POST cross-site without asking the server
+    /// first (no CORS preflight), so Start never takes one.
+    #[error("no Content-Type: send Content-Type: application/json")]
+    MissingContentType,
+    /// A Start without a key (on loopback) refuses what only a web page in a browser sends: an
+    /// `Origin` header, or a `Host` that is a name other than `localhost` (a DNS-rebinding page
+    /// reaches 127.0.0.1 under its own name).
+    #[error("{0}")]
+    FromAWebPage(String),
     #[error("body of {0} bytes is over the limit of {MAX_BODY_BYTES}")]
     BodyTooLarge(usize),
     #[error("empty body: send {{\"recordId\": \"...\"}} or a Dataverse webhook body")]
@@ -203,7 +212,8 @@ impl Rejection {
         match self {
             Rejection::MethodNotAllowed(_) => 405,
             Rejection::WrongKey => 401,
-            Rejection::UnsupportedContentType(_) => 415,
+            Rejection::UnsupportedContentType(_) | Rejection::MissingContentType => 415,
+            Rejection::FromAWebPage(_) => 403,
             Rejection::BodyTooLarge(_) => 413,
             Rejection::OrganizationNotAllowed(_) | Rejection::OrganizationNotNamed => 403,
             Rejection::EmptyBody
@@ -279,12 +289,16 @@ pub fn check_head(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<(), Re
     if req.check_key && !key_accepted(policy, req.header("x-functions-key"), req.query("code")) {
         return Err(Rejection::WrongKey);
     }
-    if let Some(ct) = req.header("content-type") {
-        let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-        let json = mime == "application/json" || mime == "text/json" || mime.ends_with("+json");
-        if !json {
-            return Err(Rejection::UnsupportedContentType(mime));
-        }
+    if req.check_key && policy.api_key.is_none() {
+        from_a_program(req)?;
+    }
+    let Some(ct) = req.header("content-type") else {
+        return Err(Rejection::MissingContentType);
+    };
+    let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let json = mime == "application/json" || mime == "text/json" || mime.ends_with("+json");
+    if !json {
+        return Err(Rejection::UnsupportedContentType(mime));
     }
     if let Some(length) = req
         .header("content-length")
@@ -294,6 +308,43 @@ pub fn check_head(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<(), Re
         return Err(Rejection::BodyTooLarge(length));
     }
     Ok(())
+}
+
+/// For a Start without a key: refuses a request a web page made. Browsers send `Origin` with
+/// every POST a page makes (cross-site or not); programs (Dataverse, a plug-in, curl) send none.
+/// A page that rebound its own DNS name to 127.0.0.1 is same-origin, but its requests carry its
+/// name as `Host`: only an IP address or `localhost` is taken.
+fn from_a_program(req: &StartRequest<'_>) -> Result<(), Rejection> {
+    if let Some(origin) = req.header("origin") {
+        return Err(Rejection::FromAWebPage(format!(
+            "a request from a web page (Origin {:?}) is refused: this Start has no key \
+             (LEASEHOLD_API_KEY), so only programs on this machine may call it",
+            printable(origin)
+        )));
+    }
+    if let Some(host) = req.header("host") {
+        let name = match host.strip_prefix('[') {
+            Some(v6) => v6.split(']').next().unwrap_or(""),
+            None => host.rsplit_once(':').map_or(host, |(name, _port)| name),
+        };
+        let local = name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok();
+        if !local {
+            return Err(Rejection::FromAWebPage(format!(
+                "Host {:?} is refused: this Start has no key (LEASEHOLD_API_KEY), so it answers only \
+                 requests addressed to an IP address or localhost",
+                printable(host)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `text` cut to 100 characters with control characters replaced, for an error message.
+fn printable(text: &str) -> String {
+    text.chars()
+        .take(100)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect()
 }
 
 /// Whether a request presenting `header` (its `x-functions-key`) and `code` (its `code` query
@@ -425,12 +476,96 @@ mod tests {
         }
     }
 
+    fn json_type() -> Vec<(String, String)> {
+        vec![("Content-Type".into(), "application/json".into())]
+    }
+
+    /// Issue 22, item 6: with no Content-Type a web page's POST needs no CORS preflight, and a
+    /// keyless Start on loopback took one. Now a Content-Type of JSON is required everywhere,
+    /// and a keyless Start refuses what only a page sends (Origin, a DNS name as Host).
+    #[test]
+    fn start_takes_json_only_and_a_keyless_start_refuses_web_pages() {
+        let open = StartPolicy::default();
+        let keyed = StartPolicy {
+            api_key: Some("s3cret".into()),
+            ..StartPolicy::default()
+        };
+        let head = |headers: &[(&str, &str)]| StartRequest {
+            method: "POST",
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            check_key: true,
+            ..StartRequest::default()
+        };
+        // What a page's `fetch(url, {method: "POST", body})` sends: no preflight, no Content-Type
+        // (or text/plain).
+        for policy in [&open, &keyed] {
+            let key = ("x-functions-key", "s3cret");
+            let no_type = check_head(policy, &head(&[key])).unwrap_err();
+            assert_eq!(no_type, Rejection::MissingContentType);
+            assert_eq!(no_type.status(), 415);
+            assert!(no_type.to_string().contains("Content-Type: application/json"));
+            assert_eq!(
+                check_head(policy, &head(&[key, ("content-type", "text/plain")])),
+                Err(Rejection::UnsupportedContentType("text/plain".into()))
+            );
+        }
+        let json = ("content-type", "application/json");
+        // Keyless: programs on this machine are served...
+        for host in [
+            "127.0.0.1:7071",
+            "localhost:7071",
+            "LOCALHOST",
+            "[::1]:7071",
+            "10.0.0.4",
+        ] {
+            assert_eq!(
+                check_head(&open, &head(&[json, ("host", host)])),
+                Ok(()),
+                "{host}"
+            );
+        }
+        assert_eq!(check_head(&open, &head(&[json])), Ok(()));
+        // ...a page is not, cross-site (Origin) or rebound to 127.0.0.1 under its own name.
+        for headers in [
+            &[
+                json,
+                ("host", "127.0.0.1:7071"),
+                ("origin", "https://evil.example"),
+            ][..],
+            &[json, ("host", "127.0.0.1:7071"), ("origin", "null")][..],
+            &[json, ("host", "rebind.evil.example:7071")][..],
+        ] {
+            let refused = check_head(&open, &head(headers)).unwrap_err();
+            assert!(matches!(refused, Rejection::FromAWebPage(_)), "{headers:?}");
+            assert_eq!(refused.status(), 403);
+            assert!(refused.to_string().contains("LEASEHOLD_API_KEY"), "{refused}");
+        }
+        // With a key, the key is the guard: a browser-based caller with the key is served.
+        let keyed_page = [
+            json,
+            ("x-functions-key", "s3cret"),
+            ("origin", "https://crm.example"),
+            ("host", "leasehold.example"),
+        ];
+        assert_eq!(check_head(&keyed, &head(&keyed_page)), Ok(()));
+        // Under Functions (the host checks the key) none of this applies but the type.
+        let hosted = StartRequest {
+            check_key: false,
+            ..head(&[json, ("origin", "https://crm.example"), ("host", "app.example")])
+        };
+        assert_eq!(check_head(&open, &hosted), Ok(()));
+    }
+
     fn post(body: &Value) -> Decision {
         let text = body.to_string();
         decide(
             &policy(),
             &StartRequest {
                 method: "POST",
+                headers: json_type(),
                 body: text.as_bytes(),
                 ..StartRequest::default()
             },
@@ -502,6 +637,7 @@ mod tests {
                 &open,
                 &StartRequest {
                     method: "POST",
+                    headers: json_type(),
                     body: text.as_bytes(),
                     ..StartRequest::default()
                 },
@@ -520,7 +656,11 @@ mod tests {
         let text = json!({"recordId": "x"}).to_string();
         let with_org = StartRequest {
             method: "POST",
-            headers: vec![("X-MS-Dynamics-Organization".into(), "Contoso".into())],
+            headers: [
+                json_type(),
+                vec![("X-MS-Dynamics-Organization".into(), "Contoso".into())],
+            ]
+            .concat(),
             body: text.as_bytes(),
             ..StartRequest::default()
         };
@@ -606,7 +746,7 @@ mod tests {
         let body = br#"{"recordId":"1"}"#;
         let req = |headers: Vec<(String, String)>, query: Vec<(String, String)>| StartRequest {
             method: "POST",
-            headers,
+            headers: [json_type(), headers].concat(),
             query,
             body,
             check_key: true,
@@ -672,8 +812,8 @@ mod tests {
         };
         let head = |headers: Vec<(&str, &str)>| StartRequest {
             method: "POST",
-            headers: headers
-                .into_iter()
+            headers: std::iter::once(("content-type", "application/json"))
+                .chain(headers)
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             check_key: true,
@@ -708,7 +848,10 @@ mod tests {
             &StartPolicy::default(),
             &StartRequest {
                 method: "POST",
-                headers: headers.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                headers: json_type()
+                    .into_iter()
+                    .chain(headers.into_iter().map(|(k, v)| (k.to_string(), v)))
+                    .collect(),
                 body: text.as_bytes(),
                 ..StartRequest::default()
             },

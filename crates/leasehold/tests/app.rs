@@ -14,11 +14,27 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{Running, post};
+use common::Running;
 use leasehold_runtime::{PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
 use leasehold_test_support::{eventually, unique_name, unless_transient};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
+
+/// [`common::post`] as a program calls Start: `Content-Type: application/json` unless the
+/// headers name another (Start takes JSON only); a `content-type` of `""` sends none.
+async fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+    let is_type = |k: &str| k.eq_ignore_ascii_case("content-type");
+    let typed = headers.iter().any(|(k, _)| is_type(k));
+    let mut headers: Vec<(&str, &str)> = headers
+        .iter()
+        .copied()
+        .filter(|(k, v)| !(is_type(k) && v.is_empty()))
+        .collect();
+    if !typed {
+        headers.push(("content-type", "application/json"));
+    }
+    common::post(url, body, &headers).await
+}
 
 const RECORD: &str = "8f9c1d2e-0000-4000-8000-000000000001";
 
@@ -402,6 +418,14 @@ async fn bad_input_is_refused_and_nothing_is_enqueued() {
             &long_id,
             400,
             "longer than",
+        ),
+        (
+            "no content type (a web page's POST needs no preflight without one)",
+            url.clone(),
+            vec![org, ("content-type", "")],
+            "{\"recordId\": \"1\"}",
+            415,
+            "no Content-Type",
         ),
         (
             "form content type",
