@@ -55,7 +55,7 @@ echo "azurite: blob 127.0.0.1:$blob_port, queue 127.0.0.1:$queue_port (log: .azu
 export AzureWebJobsStorage="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;BlobEndpoint=http://127.0.0.1:$blob_port/devstoreaccount1;QueueEndpoint=http://127.0.0.1:$queue_port/devstoreaccount1;"
 export LEASEHOLD_PORT="$port"
 # The dashboard, with a key made for this session (or yours in LEASEHOLD_ADMIN_KEY).
-export LEASEHOLD_ADMIN_KEY=${LEASEHOLD_ADMIN_KEY:-dev-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')}
+export LEASEHOLD_ADMIN_KEY=${LEASEHOLD_ADMIN_KEY:-dev-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 "$root/target/debug/leasehold" serve --demo &
 pids+=($!)
 for _ in $(seq 1 100); do

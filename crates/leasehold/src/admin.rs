@@ -3,7 +3,7 @@
 //! | `serve` | Functions | what |
 //! | --- | --- | --- |
 //! | `GET /admin` | `GET /api/dashboard` (function `Dashboard`, anonymous) | the page (holds no data) |
-//! | `GET /api/admin/overview` | `GET /api/ops/overview` (function `Ops`, `authLevel: admin`) | queues, held records, pending retriggers |
+//! | `GET /api/admin/overview` | `GET /api/ops/overview` (function `Ops`; the handler checks the key) | queues, held records, pending retriggers |
 //! | `GET /api/admin/records/{scope}/{recordId}` | `GET /api/ops/records/…` | a record's lease, marker and recent outcome |
 //! | `GET /api/admin/poison` | `GET /api/ops/poison` | poison entries and their reasons |
 //! | `GET /api/admin/poison/{id}` | `GET /api/ops/poison/{id}` | one entry |
@@ -14,10 +14,13 @@
 //! load such a function), hence `ops/` there. The page is told its API base and key header by
 //! `<meta>` tags filled in when it is served ([`Page`]).
 //!
-//! Auth: in `serve`, `LEASEHOLD_ADMIN_KEY` as the `x-leasehold-admin-key` header (never a cookie
-//! or the query string, so a link or a cross-site form cannot act with it), compared in
-//! constant time; without the setting none of these paths exist. Under Functions the host checks
-//! its master key (`x-functions-key`) before the handler sees the request.
+//! Auth, in both modes: `LEASEHOLD_ADMIN_KEY` as the `x-leasehold-admin-key` header (never a
+//! cookie or the query string, so a link or a cross-site form cannot act with it), compared in
+//! constant time, by Leasehold itself. Under Functions the host forwards the header in the
+//! invocation and the handler checks it: the handler's port is open to every process on the
+//! machine (a logic command among them), so a check left to the host alone was no check for
+//! them. Without the setting the API does not exist (`serve`: 404; Functions: `Ops` answers 404
+//! saying so). Refused keys are logged at most once a minute, with their count ([`Refusals`]).
 //!
 //! This layer has no logic of its own: it reads the request, calls the [`Operator`] and writes
 //! what it answered (its errors with their status).
@@ -43,8 +46,9 @@ use crate::ops::{Operator, OpsError, OverviewQuery, PoisonQuery, PoisonSelection
 
 /// The header `serve`'s dashboard key travels in.
 pub const KEY_HEADER: &str = "x-leasehold-admin-key";
-/// The header the Functions host reads its keys from (the master key, for `authLevel: admin`).
-pub const FUNCTIONS_KEY_HEADER: &str = "x-functions-key";
+/// Shortest `LEASEHOLD_ADMIN_KEY` taken (characters): it opens requeue and purge of the poison
+/// queue, and is the only key between the network and them.
+pub const MIN_KEY_CHARS: usize = 32;
 /// Largest request body the API reads (a selection of poison entry ids).
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
 /// `serve`'s page and API base.
@@ -272,9 +276,9 @@ impl Page {
         Self::new(API_BASE, KEY_HEADER)
     }
 
-    /// The page under Functions (`/api/ops`, the master key as `x-functions-key`).
+    /// The page under Functions (`/api/ops`, the same key header).
     pub fn functions() -> Self {
-        Self::new(FUNCTIONS_API_BASE, FUNCTIONS_KEY_HEADER)
+        Self::new(FUNCTIONS_API_BASE, KEY_HEADER)
     }
 
     fn new(api_base: &str, key_header: &str) -> Self {
@@ -375,6 +379,58 @@ struct Served {
     key: Secret,
     page: Page,
     body_timeout: Duration,
+    refusals: Refusals,
+}
+
+/// Refused keys, logged quietly: the first at once, then at most one line a minute with the count
+/// since the last (a client guessing keys cannot fill the log, and the operator still sees it).
+#[derive(Debug, Default)]
+pub struct Refusals {
+    state: std::sync::Mutex<RefusalState>,
+}
+
+#[derive(Debug, Default)]
+struct RefusalState {
+    logged_at: Option<std::time::Instant>,
+    unlogged: u64,
+}
+
+impl Refusals {
+    /// How often a line is written at most.
+    pub const EVERY: Duration = Duration::from_secs(60);
+
+    /// Counts a refusal of a request for `path`; returns how many refusals the line it wrote
+    /// covers, or `None` when it wrote none (the next line will count this one).
+    pub fn refused(&self, path: &str) -> Option<u64> {
+        self.refused_at(path, std::time::Instant::now())
+    }
+
+    fn refused_at(&self, path: &str, now: std::time::Instant) -> Option<u64> {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.unlogged += 1;
+        if state
+            .logged_at
+            .is_some_and(|at| now.duration_since(at) < Self::EVERY)
+        {
+            return None;
+        }
+        let count = std::mem::take(&mut state.unlogged);
+        state.logged_at = Some(now);
+        tracing::warn!(%path, refused = count,
+            "dashboard: requests without the right {KEY_HEADER} refused (this line is written at most once a minute)");
+        Some(count)
+    }
+}
+
+/// The refusal of a request without the right key (the same in both modes).
+fn refused_answer() -> ApiAnswer {
+    error(
+        401,
+        format!("send LEASEHOLD_ADMIN_KEY in the {KEY_HEADER} header"),
+    )
 }
 
 /// `GET /admin` and `/api/admin/*` for `serve`, guarded by `key` (`LEASEHOLD_ADMIN_KEY`).
@@ -384,6 +440,7 @@ pub fn serve_router(operator: Operator, key: Secret, body_timeout: Duration) -> 
         key,
         page: Page::serve(),
         body_timeout,
+        refusals: Refusals::default(),
     });
     Router::new()
         .route(PAGE_PATH, get(serve_page))
@@ -406,11 +463,8 @@ async fn serve_api(State(served): State<Arc<Served>>, request: Request) -> Respo
     // The key first: without it not a byte of the body is read.
     let presented = parts.headers.get(KEY_HEADER).and_then(|v| v.to_str().ok());
     if !served.key.matches(presented) {
-        tracing::warn!(path = %parts.uri.path(), "dashboard: request without the right {KEY_HEADER} refused");
-        let mut response = api_response(error(
-            401,
-            format!("send LEASEHOLD_ADMIN_KEY in the {KEY_HEADER} header"),
-        ));
+        served.refusals.refused(parts.uri.path());
+        let mut response = api_response(refused_answer());
         response.headers_mut().insert(
             header::WWW_AUTHENTICATE,
             HeaderValue::from_static("LeaseholdAdminKey"),
@@ -478,17 +532,24 @@ fn url_pairs(query: &str) -> Result<Vec<(String, String)>, String> {
 #[derive(Debug)]
 struct Hosted {
     operator: Operator,
+    /// `LEASEHOLD_ADMIN_KEY`; `None`: the API is off.
+    key: Option<Secret>,
     page: Page,
     body_timeout: Duration,
+    refusals: Refusals,
 }
 
 /// `POST /Ops` and `POST /Dashboard` for `leasehold handler`: the Functions host's invocations
-/// of the dashboard's functions (the host has checked the master key for `Ops`).
-pub fn handler_router(operator: Operator, body_timeout: Duration) -> Router {
+/// of the dashboard's functions. `Ops` checks `key` (`LEASEHOLD_ADMIN_KEY`) in the forwarded
+/// `x-leasehold-admin-key` header itself: whoever reaches the handler's port, the host or any
+/// local process, needs it.
+pub fn handler_router(operator: Operator, key: Option<Secret>, body_timeout: Duration) -> Router {
     let hosted = Arc::new(Hosted {
         operator,
+        key,
         page: Page::functions(),
         body_timeout,
+        refusals: Refusals::default(),
     });
     Router::new()
         .route(&format!("/{OPS_FUNCTION}"), post(invoke_ops))
@@ -538,7 +599,9 @@ async fn invoke_ops(State(hosted): State<Arc<Hosted>>, request: Request) -> Resp
         Ok(r) => r,
         Err((status, body)) => return with_headers(status, Body::from(body.to_string()), &API_HEADERS),
     };
-    let answer = if req.body.len() > MAX_BODY_BYTES {
+    let answer = if let Some(refused) = hosted_refusal(&hosted, &req) {
+        refused
+    } else if req.body.len() > MAX_BODY_BYTES {
         error(
             413,
             format!("the body is {} bytes, over {MAX_BODY_BYTES}", req.body.len()),
@@ -555,6 +618,24 @@ async fn invoke_ops(State(hosted): State<Arc<Hosted>>, request: Request) -> Resp
     };
     let log = format!("ops: {} {} answered {}", req.method, hosted_path(&req), answer.0);
     host_answer(answer.0, &answer.1.to_string(), &API_HEADERS, log)
+}
+
+/// The refusal of an `Ops` invocation, if it is refused: the API is off, or the forwarded key
+/// is not the key.
+fn hosted_refusal(hosted: &Hosted, req: &HostHttpRequest) -> Option<ApiAnswer> {
+    let Some(key) = &hosted.key else {
+        return Some(error(
+            404,
+            "the dashboard's API is off: set LEASEHOLD_ADMIN_KEY (at least 32 characters) in the app settings",
+        ));
+    };
+    if key.matches(req.header(KEY_HEADER)) {
+        return None;
+    }
+    hosted
+        .refusals
+        .refused(&format!("{FUNCTIONS_API_BASE}/{}", hosted_path(req)));
+    Some(refused_answer())
 }
 
 async fn invoke_dashboard(State(hosted): State<Arc<Hosted>>, request: Request) -> Response {
@@ -581,7 +662,7 @@ mod tests {
         assert!(!page.html().contains("{{"), "every placeholder is filled in");
         let functions = Page::functions();
         assert!(functions.html().contains(r#"content="/api/ops""#));
-        assert!(functions.html().contains(r#"content="x-functions-key""#));
+        assert!(functions.html().contains(r#"content="x-leasehold-admin-key""#));
         let csp = page
             .headers()
             .into_iter()
@@ -629,8 +710,23 @@ mod tests {
             format!("/api/{}", ops["bindings"][0]["route"].as_str().unwrap()),
             format!("{FUNCTIONS_API_BASE}/{{*path}}")
         );
-        assert_eq!(ops["bindings"][0]["authLevel"], "admin");
+        assert_eq!(ops["bindings"][0]["authLevel"], "anonymous");
         assert_eq!(read(DASHBOARD_FUNCTION)["bindings"][0]["route"], "dashboard");
+    }
+
+    #[test]
+    fn refused_keys_are_logged_at_most_once_a_minute_with_their_count() {
+        let refusals = Refusals::default();
+        let t0 = std::time::Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(refusals.refused_at("/api/admin/overview", at(0)), Some(1));
+        for s in [1, 2, 30, 59] {
+            assert_eq!(refusals.refused_at("/api/admin/overview", at(s)), None, "{s} s");
+        }
+        // The next line counts the four it did not write and its own.
+        assert_eq!(refusals.refused_at("/api/admin/poison", at(60)), Some(5));
+        assert_eq!(refusals.refused_at("/api/admin/poison", at(61)), None);
+        assert_eq!(refusals.refused_at("/api/admin/poison", at(200)), Some(2));
     }
 
     #[test]

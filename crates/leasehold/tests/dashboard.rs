@@ -18,8 +18,8 @@ use leasehold_test_support::browser::Browser;
 use leasehold_test_support::{eventually, workspace_root};
 use serde_json::{Value, json};
 
-const ADMIN_KEY: &str = "dashboard-test-admin-key-3b9f";
-const START_KEY: &str = "dashboard-test-start-key-81c2";
+const ADMIN_KEY: &str = "dashboard-test-admin-key-3b9f-5e0a1724";
+const START_KEY: &str = "dashboard-test-start-key-81c2-0d9e4b33";
 
 /// The deployment's folder holds the logic's run log.
 impl Env {
@@ -279,13 +279,17 @@ async fn the_admin_api_needs_its_key_in_its_header_and_says_what_it_did() {
     app.stop().await;
 }
 
-/// An HTTP-trigger invocation as the Functions host sends it.
+/// An HTTP-trigger invocation as the Functions host sends it, the caller's admin key forwarded.
 fn invocation(method: &str, url: &str, path: Option<&str>, body: Option<&str>) -> String {
+    invocation_with_key(method, url, path, body, ADMIN_KEY)
+}
+
+fn invocation_with_key(method: &str, url: &str, path: Option<&str>, body: Option<&str>, key: &str) -> String {
     let mut req = json!({
         "Url": url,
         "Method": method,
         "Query": {},
-        "Headers": { "x-functions-key": ["master"], "Content-Type": ["application/json"] },
+        "Headers": { "x-leasehold-admin-key": [key], "Content-Type": ["application/json"] },
         "Params": {},
         "Identities": [],
     });
@@ -304,10 +308,41 @@ async fn the_custom_handler_serves_the_dashboard_functions() {
     env.poison("hosted-poisoned", "gave up").await;
     // Any free port (the application says which): none found free and released to race for.
     let app = env
-        .start(leasehold::Mode::Handler, &[("FUNCTIONS_CUSTOMHANDLER_PORT", "0")])
+        .start(
+            leasehold::Mode::Handler,
+            &[
+                ("FUNCTIONS_CUSTOMHANDLER_PORT", "0"),
+                ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
+            ],
+        )
         .await;
     assert_ne!(app.port, 0);
     let base = "https://app.azurewebsites.net/api";
+
+    // The handler checks the key itself: without it, or with another, the caller gets 401 (the
+    // invocation itself succeeds) and nothing is done.
+    for key in ["", "wrong", START_KEY] {
+        let (status, answer) = post(
+            &app.url("/Ops"),
+            &invocation_with_key(
+                "POST",
+                "",
+                Some("poison/purge"),
+                Some(r#"{"all":true,"confirm":true}"#),
+                key,
+            ),
+            &[],
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["Outputs"]["res"]["statusCode"], 401, "{key:?}: {answer}");
+        assert!(
+            answer["Outputs"]["res"]["body"]
+                .as_str()
+                .unwrap()
+                .contains("x-leasehold-admin-key")
+        );
+    }
 
     let (status, answer) = post(
         &app.url("/Ops"),
@@ -364,7 +399,78 @@ async fn the_custom_handler_serves_the_dashboard_functions() {
             .starts_with("default-src 'none'")
     );
     let html = res["body"].as_str().unwrap();
-    assert!(html.contains(r#"content="x-functions-key""#) && html.contains(r#"content="/api/ops""#));
+    assert!(html.contains(r#"content="x-leasehold-admin-key""#) && html.contains(r#"content="/api/ops""#));
+    assert!(
+        !html.contains("master key"),
+        "the page never asks for the master key"
+    );
+    app.stop().await;
+}
+
+/// Issue 22, item 5: under Functions the handler served `/Ops` on loopback with no check of its
+/// own, and a logic command found the port and purged the poison queue. Now a logic that
+/// finds every listening loopback port (`tests/fixtures/ops_spy.py`, from `/proc/net/tcp`) and
+/// asks each to purge is refused by the handler, and the entry stays; and with no
+/// `LEASEHOLD_ADMIN_KEY` the API is off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_logic_on_the_handlers_machine_cannot_drive_the_admin_api() {
+    let env = Env::new();
+    env.poison("stays-poisoned", "gave up").await;
+    let report = env.dir.join("ops_spy.out");
+    let spy = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/ops_spy.py");
+    let command = format!("python3 {spy} {}", report.display());
+    let app = env
+        .start(
+            leasehold::Mode::Handler,
+            &[
+                ("FUNCTIONS_CUSTOMHANDLER_PORT", "0"),
+                ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
+                ("LEASEHOLD_LOGIC_COMMAND", &command),
+            ],
+        )
+        .await;
+    // The host delivers a trigger: the logic runs on the handler's machine.
+    let trigger = TriggerMessage::parse("account", "spy").unwrap();
+    let worker = json!({
+        "Data": { "trigger": trigger.to_json() },
+        "Metadata": { "DequeueCount": 1, "Id": "\"spy\"" }
+    });
+    let (status, answer) = post(&app.url("/Worker"), &worker.to_string(), &[]).await;
+    assert_eq!(status, 200, "{answer}");
+    let text = std::fs::read_to_string(&report).unwrap();
+    println!("[dashboard] the logic's report:\n{text}");
+    assert!(
+        text.contains(&format!("handler on {}", app.port)),
+        "the logic found the handler's port: {text}"
+    );
+    assert!(
+        text.contains(&format!("purge on {}: 401", app.port)),
+        "the handler refused the logic's purge: {text}"
+    );
+    let left = common::queue(&poison_queue_name(&env.queue))
+        .peek(32)
+        .await
+        .unwrap();
+    assert_eq!(left.len(), 1, "the poison entry is still there");
+    app.stop().await;
+
+    // No LEASEHOLD_ADMIN_KEY: the API is off, whatever key is sent.
+    let app = env
+        .start(leasehold::Mode::Handler, &[("FUNCTIONS_CUSTOMHANDLER_PORT", "0")])
+        .await;
+    let (_, answer) = post(
+        &app.url("/Ops"),
+        &invocation("GET", "", Some("overview"), None),
+        &[],
+    )
+    .await;
+    assert_eq!(answer["Outputs"]["res"]["statusCode"], 404, "{answer}");
+    assert!(
+        answer["Outputs"]["res"]["body"]
+            .as_str()
+            .unwrap()
+            .contains("set LEASEHOLD_ADMIN_KEY")
+    );
     app.stop().await;
 }
 

@@ -77,7 +77,7 @@ fn observations(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
 async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
     let app = serve(&[
         ("LEASEHOLD_API_KEY", KEY),
-        ("LEASEHOLD_ADMIN_KEY", "metrics-test-admin-key"),
+        ("LEASEHOLD_ADMIN_KEY", "metrics-test-admin-key-0f1e2d3c4b5a6978"),
         ("LEASEHOLD_DEMO_SECONDS", "0"),
     ])
     .await;
@@ -111,7 +111,7 @@ async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
     // The dashboard shows it with the record.
     let shown: Json = reqwest::Client::new()
         .get(app.url(&format!("/api/admin/records/account/{record}")))
-        .header("x-leasehold-admin-key", "metrics-test-admin-key")
+        .header("x-leasehold-admin-key", "metrics-test-admin-key-0f1e2d3c4b5a6978")
         .send()
         .await
         .unwrap()
