@@ -51,7 +51,7 @@ async fn leasehold(token: Option<&str>, key: Option<&str>, args: &[&str]) -> Run
         stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
         took: started.elapsed(),
     };
-    for secret in [KEY_1, KEY_2].into_iter().chain(token) {
+    for secret in [KEY_1, KEY_2, "PRIYAS-SECRET-CODE"].into_iter().chain(token) {
         assert!(
             !run.stdout.contains(secret) && !run.stderr.contains(secret),
             "a secret was printed:\n{}\n{}",
@@ -219,7 +219,7 @@ async fn register_creates_then_changes_nothing_then_rotates_only_the_key_then_un
     let run = leasehold(
         Some(&token),
         None,
-        &["unregister", "--environment-url", &server.url],
+        &["unregister", "--environment-url", &server.url, "--yes"],
     )
     .await;
     assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
@@ -577,4 +577,480 @@ async fn the_stand_in_refuses_what_dataverse_refuses() {
     let r = api.delete(&format!("serviceendpoints({id})")).await;
     assert_eq!(r.status(), 204);
     assert!(server.state().steps.is_empty());
+}
+
+/// A description `register` writes: the marker line for `name`.
+fn marked(name: &str) -> String {
+    format!(
+        "Leasehold's Start webhook\n[leasehold-managed endpoint={name}] written by `leasehold dataverse register`, which updates and deletes this endpoint and its steps; without this line it leaves the endpoint alone"
+    )
+}
+
+/// An endpoint's fields as the Web API stores them.
+fn endpoint_record(name: &str, url: &str, description: &str) -> Value {
+    json!({"name": name, "url": url, "contract": 8, "authtype": 4, "authvalue": "someone-elses-key",
+        "messageformat": 2, "userclaim": 1, "connectionmode": 1, "description": description})
+}
+
+/// Someone else's webhook, named like Leasehold's: `leasehold-sync`, with two steps.
+fn seed_foreign(server: &FakeDataverse) -> uuid::Uuid {
+    let mut st = server.state();
+    let priya = st.add_user("Priya Shah");
+    let id = st.seed_endpoint(
+        endpoint_record(
+            "leasehold-sync",
+            "https://sync.contoso-property.example/hooks/lease?code=PRIYAS-SECRET-CODE",
+            "Pushes lease changes to the property ledger",
+        ),
+        priya,
+    );
+    st.seed_step(id, "account", "Create", json!({}), priya);
+    st.seed_step(id, "account", "Update", json!({}), priya);
+    id
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unregister_leaves_someone_elses_endpoint_alone_and_refuses_it_by_name() {
+    let server = FakeDataverse::start().await;
+    let token = server.token.clone();
+    let foreign = seed_foreign(&server);
+
+    // Without --name: Leasehold has nothing here; the foreign endpoint is left alone and named
+    // (and nothing is asked: there is nothing to delete).
+    let run = leasehold(
+        Some(&token),
+        None,
+        &["unregister", "--environment-url", &server.url],
+    )
+    .await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("nothing to remove"), "{}", run.stdout);
+    assert!(
+        run.stdout
+            .contains(&format!("left alone: endpoint leasehold-sync ({foreign})")),
+        "{}",
+        run.stdout
+    );
+    assert!(server.state().writes.is_empty(), "{:?}", server.state().writes);
+
+    // By name: refused, saying whose it looks like and how to force it.
+    let run = leasehold(
+        Some(&token),
+        None,
+        &[
+            "unregister",
+            "--environment-url",
+            &server.url,
+            "--name",
+            "leasehold-sync",
+        ],
+    )
+    .await;
+    assert!(!run.ok, "{}", run.stdout);
+    for expect in [
+        "is not Leasehold's",
+        &format!("endpoint leasehold-sync ({foreign})"),
+        "https://sync.contoso-property.example/hooks/lease?code=<redacted>",
+        "\"Pushes lease changes to the property ledger\"",
+        "by Priya Shah",
+        "someone else's",
+        "--name leasehold-sync --force",
+    ] {
+        assert!(
+            run.stderr.contains(expect),
+            "the refusal lacks '{expect}':\n{}",
+            run.stderr
+        );
+    }
+    assert!(server.state().writes.is_empty(), "{:?}", server.state().writes);
+    assert_eq!(server.state().endpoints.len(), 1);
+    assert_eq!(server.state().steps.len(), 2);
+
+    // list says so too.
+    let run = leasehold(Some(&token), None, &["list", "--environment-url", &server.url]).await;
+    assert!(run.stdout.contains("NOT LEASEHOLD'S"), "{}", run.stdout);
+
+    // Forced: deleted.
+    let run = leasehold(
+        Some(&token),
+        None,
+        &[
+            "unregister",
+            "--environment-url",
+            &server.url,
+            "--name",
+            "leasehold-sync",
+            "--force",
+            "--yes",
+        ],
+    )
+    .await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(server.state().endpoints.is_empty());
+    assert!(server.state().steps.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn register_refuses_someone_elses_endpoint_of_its_name() {
+    let server = FakeDataverse::start().await;
+    let foreign = seed_foreign(&server);
+    let before = server.state().endpoints[&foreign].clone();
+    let run = leasehold(
+        Some(&server.token),
+        Some(KEY_1),
+        &register_args(&server, &["--messages", "Create", "--name", "leasehold-sync"]),
+    )
+    .await;
+    assert!(!run.ok, "{}", run.stdout);
+    for expect in [
+        "is not Leasehold's",
+        "so `register` does not change it",
+        "https://sync.contoso-property.example/hooks/lease",
+        "by Priya Shah",
+        "--adopt",
+    ] {
+        assert!(
+            run.stderr.contains(expect),
+            "the refusal lacks '{expect}':\n{}",
+            run.stderr
+        );
+    }
+    assert!(server.state().writes.is_empty(), "{:?}", server.state().writes);
+    assert_eq!(server.state().endpoints[&foreign], before);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_endpoint_from_before_the_marker_is_refused_until_adopted() {
+    let server = FakeDataverse::start().await;
+    let token = server.token.clone();
+    let earlier = {
+        let mut st = server.state();
+        let deployer = st.caller;
+        let id = st.seed_endpoint(
+            endpoint_record(
+                NAME,
+                START,
+                "Leasehold's Start webhook, managed by `leasehold dataverse register`; key fingerprint sha256:0123456789abcdef",
+            ),
+            deployer,
+        );
+        st.seed_step(
+            id,
+            "account",
+            "Create",
+            json!({"name": format!("{NAME}: Create of account")}),
+            deployer,
+        );
+        id
+    };
+    let run = leasehold(
+        Some(&token),
+        Some(KEY_1),
+        &register_args(&server, &["--messages", "Create"]),
+    )
+    .await;
+    assert!(!run.ok, "{}", run.stdout);
+    assert!(
+        run.stderr.contains("an earlier leasehold's") && run.stderr.contains("--adopt"),
+        "{}",
+        run.stderr
+    );
+    assert!(server.state().writes.is_empty());
+    let run = leasehold(
+        Some(&token),
+        None,
+        &[
+            "unregister",
+            "--environment-url",
+            &server.url,
+            "--name",
+            NAME,
+            "--yes",
+        ],
+    )
+    .await;
+    assert!(!run.ok && run.stderr.contains("--adopt"), "{}", run.stderr);
+
+    // Adopted: the same endpoint, rewritten with the marker; its step kept.
+    let run = leasehold(
+        Some(&token),
+        Some(KEY_1),
+        &register_args(&server, &["--messages", "Create", "--adopt"]),
+    )
+    .await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("adopted: marker written"), "{}", run.stdout);
+    {
+        let st = server.state();
+        assert_eq!(st.endpoints.len(), 1);
+        let description = st.endpoints[&earlier]["description"].as_str().unwrap().to_owned();
+        assert!(
+            description.contains(&format!("[leasehold-managed endpoint={NAME}]")),
+            "{description}"
+        );
+        assert_eq!(st.endpoints[&earlier]["authvalue"], json!(KEY_1));
+        assert_eq!(st.steps.len(), 1);
+    }
+    // From now on it is Leasehold's: no flag needed.
+    let run = leasehold(
+        Some(&token),
+        Some(KEY_1),
+        &register_args(&server, &["--messages", "Create"]),
+    )
+    .await;
+    assert!(
+        run.ok && run.stdout.contains("nothing changed"),
+        "{}\n{}",
+        run.stdout,
+        run.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unregister_lists_what_it_deletes_and_without_a_terminal_deletes_only_with_yes() {
+    let server = FakeDataverse::start().await;
+    let token = server.token.clone();
+    let run = leasehold(Some(&token), Some(KEY_1), &register_args(&server, CREATE_UPDATE)).await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    let writes = server.state().writes.len();
+    let (endpoint, steps) = {
+        let st = server.state();
+        let steps: Vec<(uuid::Uuid, String)> = st
+            .steps
+            .iter()
+            .map(|(id, s)| (*id, s["name"].as_str().unwrap().to_owned()))
+            .collect();
+        (*st.endpoints.keys().next().unwrap(), steps)
+    };
+    // The test's stdin is not a terminal: no question can be asked, so nothing is deleted.
+    let run = leasehold(
+        Some(&token),
+        None,
+        &["unregister", "--environment-url", &server.url],
+    )
+    .await;
+    assert!(!run.ok, "{}", run.stdout);
+    assert!(
+        run.stderr.contains(&format!("endpoint {NAME} ({endpoint})")),
+        "{}",
+        run.stderr
+    );
+    for (id, name) in &steps {
+        assert!(
+            run.stderr.contains(&format!("step {name} ({id})")),
+            "the listing lacks step {name} ({id}):\n{}",
+            run.stderr
+        );
+    }
+    assert!(
+        run.stderr.contains("nothing deleted") && run.stderr.contains("--yes"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(server.state().writes.len(), writes, "{:?}", server.state().writes);
+    assert_eq!(server.state().endpoints.len(), 1);
+    // --yes: deleted.
+    let run = leasehold(
+        Some(&token),
+        None,
+        &["unregister", "--environment-url", &server.url, "--yes"],
+    )
+    .await;
+    assert!(
+        run.ok && run.stdout.contains("removed endpoint"),
+        "{}\n{}",
+        run.stdout,
+        run.stderr
+    );
+    assert!(server.state().endpoints.is_empty() && server.state().steps.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_registers_at_once_end_with_one_endpoint_and_one_set_of_steps() {
+    let server = FakeDataverse::start().await;
+    let token = server.token.clone();
+    // Both runs read "nothing there" before either create lands: the stand-in holds the first
+    // create until the second has arrived.
+    server.hold_creates("serviceendpoints", 2);
+    let args = register_args(&server, CREATE_UPDATE);
+    let (a, b) = tokio::join!(
+        leasehold(Some(&token), Some(KEY_1), &args),
+        leasehold(Some(&token), Some(KEY_1), &args)
+    );
+    for run in [&a, &b] {
+        assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    }
+    {
+        let st = server.state();
+        assert_eq!(st.holds_released, 1, "the two creates were not held together");
+        assert_eq!(
+            st.writes
+                .iter()
+                .filter(|w| w.starts_with("POST /api/data/v9.2/serviceendpoints"))
+                .count(),
+            2,
+            "{:?}",
+            st.writes
+        );
+        assert_eq!(
+            st.endpoints.len(),
+            1,
+            "two registers at once left {:?}",
+            st.endpoints
+        );
+        let (kept, endpoint) = st.endpoints.iter().next().unwrap();
+        assert!(
+            endpoint["description"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("[leasehold-managed endpoint={NAME}]"))
+        );
+        // The older of the two is the one kept.
+        assert_eq!(
+            endpoint["createdon"],
+            json!("2026-11-23T09:00:00Z"),
+            "{endpoint:?}"
+        );
+        assert_eq!(st.steps.len(), 2, "{:?}", st.steps);
+        for s in st.steps.values() {
+            assert_eq!(s["_eventhandler_value"], json!(kept.to_string()));
+        }
+    }
+    let removed = format!("{}{}", a.stdout, b.stdout);
+    assert!(removed.contains("duplicate endpoint"), "{removed}");
+    // And then all is as asked: a third run writes nothing.
+    let writes = server.state().writes.len();
+    let run = leasehold(Some(&token), Some(KEY_1), &args).await;
+    assert!(
+        run.ok && run.stdout.contains("nothing changed"),
+        "{}\n{}",
+        run.stdout,
+        run.stderr
+    );
+    assert_eq!(server.state().writes.len(), writes);
+
+    // Steps race the same way: a table added by two runs at once gets one step.
+    server.hold_creates("sdkmessageprocessingsteps", 2);
+    let contact = [
+        "register",
+        "--environment-url",
+        &server.url,
+        "--start-url",
+        START,
+        "--table",
+        "contact",
+        "--messages",
+        "Create",
+    ];
+    let (a, b) = tokio::join!(
+        leasehold(Some(&token), Some(KEY_1), &contact),
+        leasehold(Some(&token), Some(KEY_1), &contact)
+    );
+    for run in [&a, &b] {
+        assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    }
+    let st = server.state();
+    assert_eq!(
+        st.holds_released, 2,
+        "the two step creates were not held together"
+    );
+    let contact_steps = st
+        .steps
+        .values()
+        .filter(|s| s["name"] == json!(format!("{NAME}: Create of contact")))
+        .count();
+    assert_eq!(contact_steps, 1, "{:?}", st.steps);
+    assert_eq!(st.steps.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn register_repairs_the_duplicate_a_run_that_stopped_half_way_left() {
+    let server = FakeDataverse::start().await;
+    let token = server.token.clone();
+    let (older, newer, moved) = {
+        let mut st = server.state();
+        let deployer = st.caller;
+        let older = st.seed_endpoint(endpoint_record(NAME, START, &marked(NAME)), deployer);
+        let newer = st.seed_endpoint(endpoint_record(NAME, START, &marked(NAME)), deployer);
+        st.seed_step(
+            older,
+            "account",
+            "Create",
+            json!({"name": format!("{NAME}: Create of account")}),
+            deployer,
+        );
+        st.seed_step(
+            newer,
+            "account",
+            "Create",
+            json!({"name": format!("{NAME}: Create of account")}),
+            deployer,
+        );
+        let moved = st.seed_step(
+            newer,
+            "contact",
+            "Create",
+            json!({"name": format!("{NAME}: Create of contact")}),
+            deployer,
+        );
+        (older, newer, moved)
+    };
+    let run = leasehold(
+        Some(&token),
+        Some(KEY_1),
+        &register_args(&server, &["--messages", "Create"]),
+    )
+    .await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout
+            .contains(&format!("duplicate endpoint {NAME} ({newer}"))
+            && run.stdout.contains("removed"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains(&format!("contact Create ({moved})")),
+        "{}",
+        run.stdout
+    );
+    let st = server.state();
+    assert_eq!(st.endpoints.keys().collect::<Vec<_>>(), [&older]);
+    assert_eq!(st.steps.len(), 2, "{:?}", st.steps);
+    assert_eq!(st.steps[&moved]["_eventhandler_value"], json!(older.to_string()));
+    for s in st.steps.values() {
+        assert_eq!(s["_eventhandler_value"], json!(older.to_string()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn register_enables_a_disabled_step_and_says_so() {
+    let server = FakeDataverse::start().await;
+    let token = server.token.clone();
+    let args = register_args(&server, CREATE_UPDATE);
+    assert!(leasehold(Some(&token), Some(KEY_1), &args).await.ok);
+    let disabled = {
+        let mut st = server.state();
+        let (id, step) = st
+            .steps
+            .iter_mut()
+            .find(|(_, s)| s["name"] == json!(format!("{NAME}: Create of account")))
+            .unwrap();
+        step.insert("statecode".into(), json!(1));
+        step.insert("statuscode".into(), json!(2));
+        *id
+    };
+    let run = leasehold(Some(&token), Some(KEY_1), &args).await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains(&format!(
+            "step account Create ({disabled}): updated (it was disabled: enabled)"
+        )),
+        "{}",
+        run.stdout
+    );
+    assert!(!run.stdout.contains("nothing changed"), "{}", run.stdout);
+    let st = server.state();
+    assert_eq!(st.steps[&disabled]["statecode"], json!(0));
+    assert_eq!(st.steps[&disabled]["statuscode"], json!(1));
 }

@@ -15,6 +15,29 @@ use uuid::Uuid;
 
 use super::credential::Credential;
 
+/// An error answer of the Web API (the message says what and why; the status lets a caller
+/// tell "it is gone" from other failures).
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    message: String,
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+/// Whether `e` is the Web API answering 404 (the record is not there, or no longer).
+pub fn is_not_found(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<ApiError>())
+        .any(|a| a.status == StatusCode::NOT_FOUND)
+}
+
 /// The Web API version every request uses.
 pub const API_PATH: &str = "api/data/v9.2/";
 
@@ -234,6 +257,15 @@ impl WebApi {
         Ok(())
     }
 
+    /// DELETE a record that may already be gone (another run deleted it): whether it was here.
+    pub async fn delete_if_there(&self, path: &str) -> Result<bool> {
+        match self.delete(path).await {
+            Ok(()) => Ok(true),
+            Err(e) if is_not_found(&e) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     async fn send(&self, method: Method, path: &str, body: Option<&Value>) -> Result<reqwest::Response> {
         let url = self.url(path)?;
         let idempotent = method != Method::POST;
@@ -341,7 +373,7 @@ impl WebApi {
             }
             _ => {}
         }
-        anyhow!(message)
+        anyhow::Error::new(ApiError { status, message })
     }
 }
 

@@ -1,13 +1,15 @@
 //! The `leasehold dataverse …` command line (clap), kept here so `main.rs` only names it.
 
+use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
 
 use super::{
     Credential, RegisterSpec, RetryPolicy, StartKey, WebApi, client, list, plan_register, plan_unregister,
-    register, text_list, text_plan, text_register, text_unregister, unregister,
+    plan_unregister_live, register, text_list, text_plan, text_register, text_unregister,
+    text_unregister_plan, unregister,
 };
 
 macro_rules! credentials {
@@ -42,10 +44,17 @@ pub enum DataverseCommand {
     /// which is what Functions keys expect. The key cannot be read back from Dataverse, so the
     /// endpoint's description holds a fingerprint of it (16 hex digits of a SHA-256) to see a
     /// rotation. For the tables named, the endpoint's steps become exactly the messages named
-    /// (a step for a message no longer named is removed); steps for other tables are left alone.
+    /// (a step for a message no longer named is removed, a disabled one is enabled); steps for
+    /// other tables are left alone.
+    ///
+    /// The description also carries a marker line, `[leasehold-managed endpoint=<name>] …`: an
+    /// endpoint of that name without it is not Leasehold's and is refused (it says whose it
+    /// looks like), unless --adopt. Two registers at once converge to one endpoint (the oldest
+    /// is kept); duplicates left by an earlier run are repaired the same way.
     #[command(after_help = register_examples!(), after_long_help = concat!(register_examples!(), "\n\n", credentials!()))]
     Register(RegisterArgs),
-    /// Show Leasehold's webhook endpoints (names starting with "leasehold") and their steps.
+    /// Show the webhook endpoints named leasehold… and their steps, and which of them are
+    /// Leasehold's (carry the marker `register` writes).
     #[command(
         after_help = "Examples:\n  leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com\n  \
         leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com --json",
@@ -53,13 +62,18 @@ pub enum DataverseCommand {
         leasehold dataverse list --environment-url https://contoso-dev.crm4.dynamics.com --json", "\n\n", credentials!())
     )]
     List(ListArgs),
-    /// Remove a webhook endpoint; Dataverse removes its steps with it. Without --name, the one
-    /// Leasehold endpoint there is (several: say which with --name).
+    /// Remove a webhook endpoint; Dataverse removes its steps with it. Without --name, the
+    /// Leasehold endpoint there is (several: say which with --name). Only an endpoint carrying
+    /// the marker `register` writes is Leasehold's: any other is refused (left alone without
+    /// --name) unless --force. Lists the endpoints and steps it deletes and asks first; without a
+    /// terminal to ask on it refuses unless --yes.
     #[command(
         after_help = "Examples:\n  leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --dry-run\n  \
-        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net",
+        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com   # lists, asks\n  \
+        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net --yes",
         after_long_help = concat!("Examples:\n  leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --dry-run\n  \
-        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net", "\n\n", credentials!())
+        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com   # lists, asks\n  \
+        leasehold dataverse unregister --environment-url https://contoso-dev.crm4.dynamics.com --name leasehold-func-leaseholddev.azurewebsites.net --yes", "\n\n", credentials!())
     )]
     Unregister(UnregisterArgs),
 }
@@ -97,6 +111,11 @@ pub struct RegisterArgs {
     /// Read the Start key from this file instead of LEASEHOLD_START_KEY.
     #[arg(long, value_name = "PATH")]
     pub start_key_file: Option<PathBuf>,
+    /// Take over an endpoint of this name that does not carry Leasehold's marker (one an
+    /// earlier leasehold registered, say): register rewrites it and writes the marker. Only for
+    /// an endpoint that is Leasehold's: a refusal says whose it looks like.
+    #[arg(long)]
+    pub adopt: bool,
     /// Print the requests (the key redacted) and send nothing; needs no credentials.
     #[arg(long)]
     pub dry_run: bool,
@@ -124,6 +143,13 @@ pub struct UnregisterArgs {
     /// The endpoint to remove [default: the only Leasehold endpoint there is].
     #[arg(long)]
     pub name: Option<String>,
+    /// Delete without asking (needed when there is no terminal to ask on: scripts, CI).
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+    /// Delete the endpoint named by --name even though it does not carry Leasehold's marker
+    /// (it is not Leasehold's, or an earlier leasehold's registered before the marker).
+    #[arg(long, requires = "name")]
+    pub force: bool,
     /// Print the requests and send nothing; needs no credentials.
     #[arg(long)]
     pub dry_run: bool,
@@ -135,6 +161,15 @@ pub struct UnregisterArgs {
 fn connect(environment: &Environment) -> Result<WebApi> {
     let url = client::environment_url(&environment.environment_url)?;
     WebApi::new(url, Credential::from_env()?, RetryPolicy::default())
+}
+
+/// Asks on `output` whether to go ahead; yes only for an answer of y or yes.
+fn confirm(input: &mut impl BufRead, output: &mut impl Write, question: &str) -> std::io::Result<bool> {
+    write!(output, "{question} [y/N] ")?;
+    output.flush()?;
+    let mut answer = String::new();
+    input.read_line(&mut answer)?;
+    Ok(matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes"))
 }
 
 fn to_json(value: &impl serde::Serialize) -> Result<String> {
@@ -155,6 +190,10 @@ pub async fn run(command: DataverseCommand) -> Result<String> {
                 &a.filtering_attributes,
                 key,
             )?;
+            let spec = RegisterSpec {
+                adopt: a.adopt,
+                ..spec
+            };
             if a.dry_run {
                 let plan = plan_register(&spec)?;
                 return if a.json {
@@ -188,12 +227,50 @@ pub async fn run(command: DataverseCommand) -> Result<String> {
                     Ok(text_plan(&plan))
                 };
             }
-            let report = unregister(&connect(&a.environment)?, a.name.as_deref()).await?;
+            let api = connect(&a.environment)?;
+            let plan = plan_unregister_live(&api, a.name.as_deref(), a.force).await?;
+            if !plan.endpoints.is_empty() && !a.yes {
+                let listing = text_unregister_plan(&plan);
+                if !(std::io::stdin().is_terminal() && std::io::stderr().is_terminal()) {
+                    bail!(
+                        "{listing}\nnothing deleted: unregister asks before it deletes, and there is no terminal to ask on; rerun with --yes to delete the above"
+                    );
+                }
+                eprintln!("{listing}");
+                let mut stderr = std::io::stderr();
+                if !confirm(&mut std::io::stdin().lock(), &mut stderr, "Delete them?")? {
+                    bail!("nothing deleted (not confirmed)");
+                }
+            }
+            let report = unregister(&api, plan).await?;
             if a.json {
                 to_json(&report)
             } else {
                 Ok(text_unregister(&report))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn confirm_takes_only_yes() {
+        for (answer, yes) in [
+            ("y\n", true),
+            ("YES\n", true),
+            (" yes \n", true),
+            ("\n", false),
+            ("n\n", false),
+            ("yep\n", false),
+            ("", false),
+        ] {
+            let mut out = Vec::new();
+            let got = confirm(&mut answer.as_bytes(), &mut out, "Delete them?").unwrap();
+            assert_eq!(got, yes, "{answer:?}");
+            assert_eq!(String::from_utf8(out).unwrap(), "Delete them? [y/N] ");
         }
     }
 }

@@ -15,7 +15,14 @@
 //! - create answers 204 with `OData-EntityId`; errors are `{"error":{"code","message"}}`;
 //!   deleting an endpoint deletes its steps; a table without a filter for a message answers
 //!   an empty `value`;
-//! - switches force the next N requests to 401 or to 429 with `Retry-After`.
+//! - `createdon` (whole seconds, from a clock that ticks one second per record, so the order of
+//!   creates is the order of `createdon`) and `_createdby_value` on endpoints and steps, and
+//!   `$expand=createdby($select=fullname)` on endpoints; `systemusers` are only for that expand;
+//! - a step's `statecode`/`statuscode` pair (0/1 enabled, 1/2 disabled), set by PATCH as the
+//!   reference documents for SetState;
+//! - switches force the next N requests to 401 or to 429 with `Retry-After`, and hold the next
+//!   N creates of a set until all N have arrived (two `register` runs racing, made
+//!   deterministic: both have read "nothing there" before either create lands).
 
 #![allow(dead_code)]
 // Test code: the error of these helpers is the HTTP answer itself.
@@ -43,6 +50,8 @@ const SE_READ: &[&str] = &[
     "connectionmode",
     "description",
     "isauthvalueset",
+    "createdon",
+    "_createdby_value",
 ];
 const STEP_READ: &[&str] = &[
     "sdkmessageprocessingstepid",
@@ -59,6 +68,8 @@ const STEP_READ: &[&str] = &[
     "_sdkmessageid_value",
     "_sdkmessagefilterid_value",
     "_eventhandler_value",
+    "createdon",
+    "_createdby_value",
 ];
 const FILTER_READ: &[&str] = &[
     "sdkmessagefilterid",
@@ -90,6 +101,97 @@ pub struct State {
     /// Successful POST/PATCH/DELETE.
     pub writes: Vec<String>,
     pub force: Option<Force>,
+    /// fullname by systemuserid; `caller` is the token's user.
+    pub users: BTreeMap<Uuid, String>,
+    pub caller: Uuid,
+    /// Seconds past the base time of the next `createdon`.
+    clock: u64,
+    /// How many holds released all their requests together.
+    pub holds_released: u32,
+}
+
+/// Creates of `set` held until `remaining` more have arrived.
+#[derive(Debug)]
+struct Hold {
+    set: String,
+    remaining: usize,
+    barrier: Arc<tokio::sync::Barrier>,
+}
+
+impl State {
+    /// The next `createdon`: 2026-11-23T09:00:00Z plus one second per record.
+    pub fn tick(&mut self) -> String {
+        let n = self.clock;
+        self.clock += 1;
+        format!(
+            "2026-11-23T{:02}:{:02}:{:02}Z",
+            9 + n / 3600,
+            (n / 60) % 60,
+            n % 60
+        )
+    }
+
+    /// A user (for `createdby`).
+    pub fn add_user(&mut self, fullname: &str) -> Uuid {
+        let id = Uuid::new_v4();
+        self.users.insert(id, fullname.to_owned());
+        id
+    }
+
+    /// An endpoint made by someone else (`fields` as the Web API stores them, `authvalue`
+    /// included), created by `creator`. Its id.
+    pub fn seed_endpoint(&mut self, fields: Value, creator: Uuid) -> Uuid {
+        let Value::Object(mut record) = fields else {
+            panic!("an endpoint is an object")
+        };
+        record.insert("createdon".into(), json!(self.tick()));
+        record.insert("_createdby_value".into(), json!(creator.to_string()));
+        let id = Uuid::new_v4();
+        self.endpoints.insert(id, record);
+        id
+    }
+
+    /// A step of `endpoint` for `message` of `table`, made by `creator`, with `fields` on top
+    /// of the usual ones (stage 40, mode 1, rank 1, enabled). Its id.
+    pub fn seed_step(
+        &mut self,
+        endpoint: Uuid,
+        table: &str,
+        message: &str,
+        fields: Value,
+        creator: Uuid,
+    ) -> Uuid {
+        let (filter, (message_id, _)) = self
+            .filters
+            .iter()
+            .find(|(_, (m, t))| t == table && self.messages.get(m).is_some_and(|n| n == message))
+            .map(|(f, v)| (*f, v.clone()))
+            .expect("a filter for that table and message");
+        let mut record = Record::new();
+        for (k, v) in [
+            ("name", json!(format!("{message} of {table}"))),
+            ("stage", json!(40)),
+            ("mode", json!(1)),
+            ("rank", json!(1)),
+            ("supporteddeployment", json!(0)),
+            ("asyncautodelete", json!(true)),
+            ("statecode", json!(0)),
+            ("statuscode", json!(1)),
+        ] {
+            record.insert(k.into(), v);
+        }
+        record.insert("_eventhandler_value".into(), json!(endpoint.to_string()));
+        record.insert("_sdkmessageid_value".into(), json!(message_id.to_string()));
+        record.insert("_sdkmessagefilterid_value".into(), json!(filter.to_string()));
+        if let Value::Object(extra) = fields {
+            record.extend(extra);
+        }
+        record.insert("createdon".into(), json!(self.tick()));
+        record.insert("_createdby_value".into(), json!(creator.to_string()));
+        let id = Uuid::new_v4();
+        self.steps.insert(id, record);
+        id
+    }
 }
 
 /// The running server; stops when dropped.
@@ -98,6 +200,7 @@ pub struct FakeDataverse {
     pub url: String,
     pub token: String,
     state: Arc<Mutex<State>>,
+    hold: Arc<Mutex<Option<Hold>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -117,6 +220,7 @@ impl FakeDataverse {
             token: token.clone(),
             ..State::default()
         };
+        state.caller = state.add_user("Leasehold Deployer (the token's user)");
         let mut message_ids = BTreeMap::new();
         for m in ["Create", "Update", "Delete"] {
             let id = Uuid::new_v4();
@@ -136,11 +240,37 @@ impl FakeDataverse {
             }
         }
         let state = Arc::new(Mutex::new(state));
+        let hold: Arc<Mutex<Option<Hold>>> = Arc::new(Mutex::new(None));
         let shared = state.clone();
+        let holds = hold.clone();
         let app =
             axum::Router::new().fallback(move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
                 let state = shared.clone();
-                async move { handle(&state, method, uri, headers, body) }
+                let holds = holds.clone();
+                async move {
+                    let barrier = if method == Method::POST {
+                        let mut h = holds.lock().unwrap();
+                        match h.as_mut() {
+                            Some(x) if x.remaining > 0 && uri.path().ends_with(&format!("/{}", x.set)) => {
+                                x.remaining -= 1;
+                                Some(x.barrier.clone())
+                            }
+                            _ => None,
+                        }
+                    } else {
+                        None
+                    };
+                    if let Some(b) = barrier {
+                        // Both held, or 30 s passed (then the test sees holds_released 0).
+                        if let Ok(r) =
+                            tokio::time::timeout(std::time::Duration::from_secs(30), b.wait()).await
+                            && r.is_leader()
+                        {
+                            state.lock().unwrap().holds_released += 1;
+                        }
+                    }
+                    handle(&state, method, uri, headers, body)
+                }
             });
         let task = tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
@@ -149,8 +279,18 @@ impl FakeDataverse {
             url,
             token,
             state,
+            hold,
             task,
         }
+    }
+
+    /// Holds the next `n` POSTs to `set` until all `n` have arrived, then answers them.
+    pub fn hold_creates(&self, set: &str, n: usize) {
+        *self.hold.lock().unwrap() = Some(Hold {
+            set: set.to_owned(),
+            remaining: n,
+            barrier: Arc::new(tokio::sync::Barrier::new(n)),
+        });
     }
 
     pub fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -396,6 +536,16 @@ fn rows(st: &State, set: &str) -> Vec<Record> {
                 r
             })
             .collect(),
+        "systemusers" => st
+            .users
+            .iter()
+            .map(|(id, name)| {
+                let mut r = Record::new();
+                r.insert("systemuserid".into(), json!(id.to_string()));
+                r.insert("fullname".into(), json!(name));
+                r
+            })
+            .collect(),
         "sdkmessages" => st
             .messages
             .iter()
@@ -415,6 +565,7 @@ fn readable(set: &str) -> &'static [&'static str] {
         "serviceendpoints" => SE_READ,
         "sdkmessageprocessingsteps" => STEP_READ,
         "sdkmessagefilters" => FILTER_READ,
+        "systemusers" => &["systemuserid", "fullname"],
         _ => MESSAGE_READ,
     }
 }
@@ -424,6 +575,7 @@ fn id_column(set: &str) -> &'static str {
         "serviceendpoints" => "serviceendpointid",
         "sdkmessageprocessingsteps" => "sdkmessageprocessingstepid",
         "sdkmessagefilters" => "sdkmessagefilterid",
+        "systemusers" => "systemuserid",
         _ => "sdkmessageid",
     }
 }
@@ -521,7 +673,7 @@ fn matches(st: &State, set: &str, record: &Record, filter: &str) -> Result<bool,
 }
 
 /// `sdkmessagefilterid($select=primaryobjecttypecode),sdkmessageid($select=name)`
-fn expand(st: &State, record: &mut Record, raw: &str) -> Result<(), Response> {
+fn expand(st: &State, set: &str, record: &mut Record, raw: &str) -> Result<(), Response> {
     let mut depth = 0;
     let mut start = 0;
     let mut items = Vec::new();
@@ -543,12 +695,16 @@ fn expand(st: &State, record: &mut Record, raw: &str) -> Result<(), Response> {
             None => (item, None),
         };
         let sel = inner.and_then(|i| i.strip_prefix("$select=")).map(str::to_owned);
-        let (target_set, key) = match nav {
-            "sdkmessagefilterid" => ("sdkmessagefilters", "_sdkmessagefilterid_value"),
-            "sdkmessageid" => ("sdkmessages", "_sdkmessageid_value"),
-            other => {
+        let (target_set, key) = match (set, nav) {
+            ("sdkmessageprocessingsteps", "sdkmessagefilterid") => {
+                ("sdkmessagefilters", "_sdkmessagefilterid_value")
+            }
+            ("sdkmessageprocessingsteps", "sdkmessageid") => ("sdkmessages", "_sdkmessageid_value"),
+            ("serviceendpoints", "createdby") => ("systemusers", "_createdby_value"),
+            (set, other) => {
                 return Err(bad(&format!(
-                    "Could not find a navigation property named '{other}' on type 'Microsoft.Dynamics.CRM.sdkmessageprocessingstep'."
+                    "Could not find a navigation property named '{other}' on type 'Microsoft.Dynamics.CRM.{}'.",
+                    type_name(set)
                 )));
             }
         };
@@ -586,15 +742,17 @@ fn get(st: &State, set: &str, id: Option<Uuid>, options: &BTreeMap<String, Strin
             Err(e) => return e,
         };
         if let Some(x) = options.get("$expand") {
-            if set != "sdkmessageprocessingsteps" {
-                return bad("$expand is supported here only on sdkmessageprocessingsteps.");
+            if set != "sdkmessageprocessingsteps" && set != "serviceendpoints" {
+                return bad(
+                    "$expand is supported here only on sdkmessageprocessingsteps and serviceendpoints.",
+                );
             }
             // Expand reads the lookup values even when $select left them out.
             let mut full = r.clone();
-            if let Err(e) = expand(st, &mut full, x) {
+            if let Err(e) = expand(st, set, &mut full, x) {
                 return e;
             }
-            for nav in ["sdkmessagefilterid", "sdkmessageid"] {
+            for nav in ["sdkmessagefilterid", "sdkmessageid", "createdby"] {
                 if let Some(v) = full.remove(nav) {
                     selected.insert(nav.into(), v);
                 }
@@ -734,6 +892,9 @@ fn create_endpoint(st: &mut State, body: Record) -> Response {
     if let Err(e) = check_endpoint(&body, true) {
         return e;
     }
+    let mut body = body;
+    body.insert("createdon".into(), json!(st.tick()));
+    body.insert("_createdby_value".into(), json!(st.caller.to_string()));
     let id = Uuid::new_v4();
     st.endpoints.insert(id, body);
     no_content(Some(format!("{}serviceendpoints({id})", st.base)))
@@ -789,6 +950,14 @@ fn bind(st: &State, value: &Value, set: &str) -> Result<Uuid, Response> {
 }
 
 fn apply_step(st: &State, current: &mut Record, body: Record, creating: bool) -> Result<(), Response> {
+    // SetState by PATCH: a statecode without a statuscode takes that state's default status.
+    if body.contains_key("statecode") && !body.contains_key("statuscode") {
+        let default = match body.get("statecode").and_then(Value::as_i64) {
+            Some(1) => 2,
+            _ => 1,
+        };
+        current.insert("statuscode".into(), json!(default));
+    }
     let mut binds = Map::new();
     for (key, value) in body {
         match key.as_str() {
@@ -825,6 +994,14 @@ fn apply_step(st: &State, current: &mut Record, body: Record, creating: bool) ->
     check_choice(current, "stage", &[10, 20, 40])?;
     check_choice(current, "mode", &[0, 1])?;
     check_choice(current, "supporteddeployment", &[0, 1, 2])?;
+    check_choice(current, "statecode", &[0, 1])?;
+    let pair = (int(current, "statecode")?, int(current, "statuscode")?);
+    if !matches!(pair, (Some(0), Some(1)) | (Some(1), Some(2)) | (None, _)) {
+        return Err(bad(&format!(
+            "statuscode {:?} is not valid for statecode {:?} (Enabled 0 goes with 1, Disabled 1 with 2).",
+            pair.1, pair.0
+        )));
+    }
     if let Some(v) = current.get("asyncautodelete")
         && !v.is_boolean()
     {
@@ -898,6 +1075,8 @@ fn create_step(st: &mut State, body: Record) -> Response {
     if let Err(e) = apply_step(st, &mut record, body, true) {
         return e;
     }
+    record.insert("createdon".into(), json!(st.tick()));
+    record.insert("_createdby_value".into(), json!(st.caller.to_string()));
     let id = Uuid::new_v4();
     st.steps.insert(id, record);
     no_content(Some(format!("{}sdkmessageprocessingsteps({id})", st.base)))
