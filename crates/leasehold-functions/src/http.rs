@@ -89,12 +89,22 @@ async fn answer_start(app: &App, request: Request) -> Response {
     let mut request = start_request(&parts);
     // Method, key, content type and declared length first: a client without the key is answered
     // without a byte of its body being read.
+    let mut body = body;
     if let Err(rejection) = check_head(&app.policy, &request) {
+        if matches!(rejection, Rejection::BodyTooLarge(_)) {
+            // Only once the key checked out (it is checked first): see `drain`.
+            drain(&mut body).await;
+        }
         return refuse(rejection);
     }
-    let bytes = match read_body(body, MAX_BODY_BYTES, app.body_timeout).await {
+    let bytes = match read_body(&mut body, MAX_BODY_BYTES, app.body_timeout).await {
         Ok(b) => b,
-        Err(rejection) => return refuse(rejection),
+        Err(rejection) => {
+            if matches!(rejection, Rejection::BodyTooLarge(_)) {
+                drain(&mut body).await;
+            }
+            return refuse(rejection);
+        }
     };
     request.body = &bytes;
     let decision = decide(&app.policy, &request);
@@ -124,8 +134,8 @@ fn refuse(rejection: Rejection) -> Response {
     log_decision(&decision);
     let (status, body) = decision.response();
     let mut response = json_response(status, body);
-    if status == 408 {
-        // The rest of a late body is not read: the connection cannot carry another request.
+    if status == 408 || status == 413 {
+        // The rest of the body is not read: the connection cannot carry another request.
         response.headers_mut().insert(
             axum::http::header::CONNECTION,
             axum::http::HeaderValue::from_static("close"),
@@ -135,19 +145,48 @@ fn refuse(rejection: Rejection) -> Response {
 }
 
 /// Reads a body of at most `limit` bytes, all of it within `deadline` (however it trickles in).
-async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes, Rejection> {
-    match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
-        Ok(Ok(bytes)) => Ok(bytes),
-        Ok(Err(e)) => {
-            let e = e.into_inner();
-            if e.is::<http_body_util::LengthLimitError>() {
-                Err(Rejection::BodyTooLarge(limit + 1))
-            } else {
-                Err(Rejection::BodyUnreadable(e.to_string()))
+/// Past the limit it stops, leaving the rest in `body` (to [`drain`]).
+async fn read_body(body: &mut Body, limit: usize, deadline: Duration) -> Result<Bytes, Rejection> {
+    use http_body_util::BodyExt;
+    let read = async {
+        let mut bytes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| Rejection::BodyUnreadable(e.to_string()))?;
+            if let Some(data) = frame.data_ref() {
+                if bytes.len() + data.len() > limit {
+                    return Err(Rejection::BodyTooLarge(limit + 1));
+                }
+                bytes.extend_from_slice(data);
             }
         }
+        Ok(Bytes::from(bytes))
+    };
+    match tokio::time::timeout(deadline, read).await {
+        Ok(result) => result,
         Err(_) => Err(Rejection::BodyTimeout(deadline.as_secs())),
     }
+}
+
+/// Most of a refused body read and thrown away before the 413, and for how long.
+const DRAIN_BYTES: usize = 4 * 1024 * 1024;
+const DRAIN_TIME: Duration = Duration::from_secs(5);
+
+/// Reads and throws away what is left of a body that is too large (at most [`DRAIN_BYTES`],
+/// within [`DRAIN_TIME`]) before the 413 is sent and the connection closed. A client that writes
+/// its whole body before reading the answer (most do: curl, Python's urllib, .NET) otherwise
+/// meets a connection reset mid-write, closed with its unread bytes, and never sees the 413.
+async fn drain(body: &mut Body) {
+    use http_body_util::BodyExt;
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        let mut drained = 0;
+        while drained < DRAIN_BYTES {
+            match body.frame().await {
+                Some(Ok(frame)) => drained += frame.data_ref().map_or(0, Bytes::len),
+                _ => break,
+            }
+        }
+    })
+    .await;
 }
 
 fn url_pairs(query: &str) -> Vec<(String, String)> {
@@ -202,7 +241,7 @@ fn log_decision(decision: &Decision) {
 }
 
 async fn invoke(State(app): State<Arc<App>>, Path(function): Path<String>, request: Request) -> Response {
-    let body = match read_body(request.into_body(), MAX_INVOCATION_BYTES, app.body_timeout).await {
+    let body = match read_body(&mut request.into_body(), MAX_INVOCATION_BYTES, app.body_timeout).await {
         Ok(b) => b,
         Err(rejection) => return refuse(rejection),
     };
