@@ -58,11 +58,33 @@ import json, sys
 res = json.loads(sys.argv[1])["Outputs"]["res"]
 assert res["statusCode"] == 200, res["statusCode"]
 assert res["headers"]["Content-Security-Policy"].startswith("default-src 'none'"), res["headers"]
-assert "x-functions-key" in res["body"], "the page under Functions sends the host key"
+assert 'content="x-leasehold-admin-key"' in res["body"], "the page under Functions sends the admin key"
+assert "master key" not in res["body"], "the page never asks for the master key"
 print("packaged handler serves the Dashboard function's page")
 PY
 
 kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true; pid=""
+
+# A logic folder with dotfiles (secrets, VCS data) and a link out of it: the dotfiles are left
+# out (and said so), the link is refused (it could pack a file from anywhere, ~/.ssh included).
+mkdir -p "$work/logic-dots/.git" "$work/logic-dots/bin"
+echo 'SECRET=1' >"$work/logic-dots/.env"; echo x >"$work/logic-dots/.git/config"
+printf '#!/bin/sh\ntrue\n' >"$work/logic-dots/bin/run.sh"
+dots_zip=$(scripts/package.sh --logic "$work/logic-dots" "$work/package-dots" 2>"$work/dots.err")
+grep -q "left out" "$work/dots.err" || { echo "check-package: package.sh did not say it left the dotfiles out:" >&2; cat "$work/dots.err" >&2; exit 1; }
+python3 - "$dots_zip" <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+assert "logic/bin/run.sh" in names, names
+assert not any("/." in n for n in names), f"dotfiles packed: {names}"
+print("package.sh --logic leaves dotfiles out")
+PY
+ln -s /etc/hostname "$work/logic-dots/bin/linked"
+if scripts/package.sh --logic "$work/logic-dots" "$work/package-link" >/dev/null 2>"$work/link.err"; then
+  echo "check-package: package.sh packed a symbolic link" >&2; exit 1
+fi
+grep -q "symbolic link" "$work/link.err" || { echo "check-package: package.sh refused the link without saying why:" >&2; cat "$work/link.err" >&2; exit 1; }
+echo "package.sh --logic refuses a symbolic link"
 
 # The package with the example script as its logic, run end to end.
 zip=$(scripts/package.sh --logic examples/logic-script "$root/target/package-logic")

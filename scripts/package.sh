@@ -9,7 +9,9 @@
 #
 # Usage: scripts/package.sh [--logic DIR] [OUTPUT_DIR]   (default target/package; prints the zip's path)
 #   --logic DIR   also pack DIR's files under logic/ (mode bits kept), so the Function App's
-#                 LEASEHOLD_LOGIC_COMMAND can name them relative to the app root (logic/run.sh)
+#                 LEASEHOLD_LOGIC_COMMAND can name them relative to the app root (logic/run.sh).
+#                 Dotfiles and dot-folders (.env, .git/) are left out, and said so; a symbolic
+#                 link is refused (it could pack a file from anywhere): copy the file in.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 logic=""
@@ -21,7 +23,7 @@ while [ $# -gt 0 ]; do
              shift 2 ;;
     --logic=*) d=${1#--logic=}; logic=$(cd "$d" 2>/dev/null && pwd) || { echo "package.sh: --logic $d: no such directory" >&2; exit 2; }
              shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) args+=("$1"); shift ;;
   esac
 done
@@ -65,14 +67,34 @@ entries = [("host.json", "host.json", 0o644),
            ("Dashboard/function.json", "Dashboard/function.json", 0o644)]
 if logic:
     packed = len(entries)
+    left_out, links = [], []
     for folder, dirs, files in os.walk(logic):
-        dirs.sort()
+        for name in sorted(dirs):
+            path = os.path.join(folder, name)
+            if name.startswith("."):
+                left_out.append(os.path.relpath(path, logic) + "/")
+            elif os.path.islink(path):
+                links.append(path)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not os.path.islink(os.path.join(folder, d)))
         for name in sorted(files):
             path = os.path.join(folder, name)
+            if os.path.islink(path):
+                links.append(path)
+                continue
+            if name.startswith("."):
+                left_out.append(os.path.relpath(path, logic))
+                continue
             if not os.path.isfile(path):
                 continue
             rel = os.path.relpath(path, logic).replace(os.sep, "/")
             entries.append(("logic/" + rel, path, stat.S_IMODE(os.stat(path).st_mode)))
+    if links:
+        sys.exit("package.sh: --logic: refusing to pack a symbolic link (it could pack a file from anywhere, "
+                 "a key under ~/.ssh included); copy the file into the folder instead: "
+                 + ", ".join(f"{p} -> {os.readlink(p)}" for p in links))
+    if left_out:
+        print("package.sh: --logic: dotfiles and dot-folders are left out (they hold secrets and version-control "
+              "data; rename a file to pack it): " + ", ".join(left_out), file=sys.stderr)
     if len(entries) == packed:
         sys.exit(f"package.sh: --logic {logic} holds no files")
 with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:
