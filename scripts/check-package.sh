@@ -155,7 +155,10 @@ for expect in "# 6. Dataverse: register Start as the webhook of https://contoso-
   echo "$plan" | grep -qF -- "$expect" || { echo "check-package: deploy.sh dev --dry-run (with a CRM) lacks '$expect':" >&2; echo "$plan" >&2; exit 1; }
 done
 [ "$(echo "$plan" | tail -n 1 | grep -c 'dataverse register')" = 1 ] || { echo "check-package: the registration is not deploy.sh's last step" >&2; exit 1; }
+echo "$plan" | grep -q -- "--adopt" && { echo "check-package: deploy.sh adopts without --adopt" >&2; exit 1; }
+plan=$(LEASEHOLD_PARAMETERS="$work/dev-crm.json" scripts/deploy.sh dev --dry-run --adopt)
+[ "$(echo "$plan" | grep 'dataverse register' | grep -c -- '--adopt')" = 2 ] || { echo "check-package: deploy.sh --adopt does not reach each registration:" >&2; echo "$plan" >&2; exit 1; }
 plan=$(LEASEHOLD_PARAMETERS="$work/dev-crm.json" scripts/deploy.sh dev --dry-run --no-register)
 echo "$plan" | grep -q "dataverse register" && { echo "check-package: deploy.sh --no-register still registers" >&2; exit 1; }
-echo "deploy.sh --dry-run ok (prod; dev on FC1, EP1 and Y1; the Dataverse registration with a CRM, none without or with --no-register)"
+echo "deploy.sh --dry-run ok (prod; dev on FC1, EP1 and Y1; the Dataverse registration with a CRM, --adopt passed on, none without or with --no-register)"
 echo "check-package: all checks passed"

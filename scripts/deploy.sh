@@ -5,10 +5,13 @@
 # which az ignores: it reads only "parameters"), the webhook registration
 # (`leasehold dataverse register`, once per table entry) with Start's URL and function key.
 #
-# Usage: scripts/deploy.sh <dev|test|prod> [--plan FC1|EP1|EP2|EP3|Y1] [--no-register] [--dry-run]
+# Usage: scripts/deploy.sh <dev|test|prod> [--plan FC1|EP1|EP2|EP3|Y1] [--no-register] [--adopt] [--dry-run]
 #   --plan         the hosting plan, instead of the environment's (deploy/parameters/<env>.json;
 #                  the template's default is FC1, Flex Consumption)
 #   --no-register  skip the Dataverse registration
+#   --adopt        pass --adopt to the registration: once, after upgrading from a leasehold that
+#                  registered its webhook before the ownership marker (register refuses an
+#                  unmarked endpoint of its name otherwise, saying whose it looks like)
 #   --dry-run      print the commands instead of running them (no Azure login needed; the key
 #                  is never fetched, shown as <redacted>)
 # Environment: LEASEHOLD_RESOURCE_GROUP (default rg-leasehold-<env>),
@@ -22,18 +25,20 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-usage() { echo "usage: scripts/deploy.sh <dev|test|prod> [--plan FC1|EP1|EP2|EP3|Y1] [--no-register] [--dry-run]" >&2; exit 2; }
+usage() { echo "usage: scripts/deploy.sh <dev|test|prod> [--plan FC1|EP1|EP2|EP3|Y1] [--no-register] [--adopt] [--dry-run]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 env=$1
 shift
 case "$env" in dev|test|prod) ;; *) usage ;; esac
 dry=false
 register=true
+adopt=()
 plan_override=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=true ;;
     --no-register) register=false ;;
+    --adopt) adopt=(--adopt) ;;
     --plan)
       [ $# -ge 2 ] || usage
       case "$2" in FC1|EP1|EP2|EP3|Y1) plan_override=(planSku="$2") ;; *) usage ;; esac
@@ -133,6 +138,7 @@ fi
 while IFS=$'\t' read -r url table messages columns; do
   args=(dataverse register --environment-url "$url" --start-url "$start_url" --table "$table" --messages "$messages")
   [ -z "$columns" ] || args+=(--filtering-attributes "$columns")
+  args+=("${adopt[@]}")
   if $dry; then
     # As run() prints, but with $START_URL left for the shell to expand.
     printf '%q ' "${leasehold[@]}" "${args[@]}" | sed 's/\\\$START_URL/"$START_URL"/'; echo
