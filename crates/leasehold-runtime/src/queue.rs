@@ -76,6 +76,24 @@ pub trait TriggerQueue: Send + Sync + fmt::Debug + 'static {
         visibility: Duration,
     ) -> StoreResult<String>;
 
+    /// Hides a taken message for `visibility` from now (zero: visible at once) and keeps its
+    /// body: an update that sends no body. Returns the new pop receipt. For operators' scans,
+    /// which hold many messages and should not keep each one's body to change when it shows.
+    /// A queue that cannot do this answers `Rejected`.
+    async fn update_visibility(
+        &self,
+        id: &str,
+        pop_receipt: &str,
+        visibility: Duration,
+    ) -> StoreResult<String> {
+        let _ = (id, pop_receipt, visibility);
+        Err(StoreError::new(
+            StoreErrorKind::Rejected,
+            Op::QueueUpdate,
+            format!("queue {} cannot change a message's visibility alone", self.name()),
+        ))
+    }
+
     /// Approximate number of messages (visible or not).
     async fn approximate_len(&self) -> StoreResult<u64>;
 
@@ -207,6 +225,25 @@ impl MemoryQueue {
             .collect()
     }
 
+    /// How many messages are visible now (for tests).
+    pub fn visible_len(&self) -> usize {
+        let now = Instant::now();
+        let state = self.state.lock().expect("poisoned");
+        state.messages.iter().filter(|m| m.visible_at <= now).count()
+    }
+
+    /// When every message is visible (the end of the longest hiding; now or before when none is
+    /// hidden), if there are any (for tests).
+    pub fn all_visible_at(&self) -> Option<Instant> {
+        self.state
+            .lock()
+            .expect("poisoned")
+            .messages
+            .iter()
+            .map(|m| m.visible_at)
+            .max()
+    }
+
     /// Time at which the next hidden message becomes visible, if any.
     pub fn next_visible_at(&self) -> Option<Instant> {
         self.state
@@ -329,6 +366,30 @@ impl TriggerQueue for MemoryQueue {
                     m.visible_at = now + visibility;
                     m.pop_receipt = fresh.clone();
                     m.body = body.to_string();
+                    Ok(fresh)
+                }
+                None => Err(receipt_mismatch(Op::QueueUpdate)),
+            }
+        })
+    }
+
+    async fn update_visibility(
+        &self,
+        id: &str,
+        pop_receipt: &str,
+        visibility: Duration,
+    ) -> StoreResult<String> {
+        self.with(Op::QueueUpdate, |s, now| {
+            s.next_id += 1;
+            let fresh = format!("u{}", s.next_id);
+            match s
+                .messages
+                .iter_mut()
+                .find(|m| m.id == id && m.pop_receipt == pop_receipt)
+            {
+                Some(m) => {
+                    m.visible_at = now + visibility;
+                    m.pop_receipt = fresh.clone();
                     Ok(fresh)
                 }
                 None => Err(receipt_mismatch(Op::QueueUpdate)),
@@ -544,6 +605,25 @@ impl TriggerQueue for AzureQueue {
         let fut = self
             .client
             .update_message(id, pop_receipt, seconds(visibility, false), Some(options));
+        let response = self.call(op, fut).await?;
+        response
+            .headers()
+            .get_optional_str(&POP_RECEIPT)
+            .map(str::to_string)
+            .ok_or_else(|| malformed(op, "no pop receipt"))
+    }
+
+    async fn update_visibility(
+        &self,
+        id: &str,
+        pop_receipt: &str,
+        visibility: Duration,
+    ) -> StoreResult<String> {
+        let op = Op::QueueUpdate;
+        // No message in the request: the service keeps the body.
+        let fut = self
+            .client
+            .update_message(id, pop_receipt, seconds(visibility, false), None);
         let response = self.call(op, fut).await?;
         response
             .headers()

@@ -151,6 +151,19 @@ impl<I: Interceptor> TriggerQueue for FaultyQueue<I> {
         .await
     }
 
+    async fn update_visibility(
+        &self,
+        id: &str,
+        pop_receipt: &str,
+        visibility: Duration,
+    ) -> StoreResult<String> {
+        let (i, r) = (id.to_string(), pop_receipt.to_string());
+        self.send(Op::QueueUpdate, id, move |q| async move {
+            q.update_visibility(&i, &r, visibility).await
+        })
+        .await
+    }
+
     async fn approximate_len(&self) -> StoreResult<u64> {
         self.send(
             Op::QueueProperties,

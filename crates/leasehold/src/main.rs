@@ -138,11 +138,16 @@ enum PoisonCommand {
     /// record the first and last time it was given up.
     ///
     /// Up to 32 entries are peeked, with no side effect. More (--limit over 32) are scanned:
-    /// taken 32 at a time and put back, hidden from other readers meanwhile (60 s, or 2 s per 32
-    /// entries for a deeper queue, if the scan dies).
+    /// taken 32 at a time and put back at the end, hidden from other readers meanwhile (30 s at
+    /// a time, hidden again while the scan runs: if it dies, they are back within 30 s; Ctrl-C
+    /// puts them back at once). A scan holds at most 10,000 entries.
+    ///
+    /// Reasons and bodies are printed with control characters escaped (`\u{1b}`); --json
+    /// carries them exactly. A listing holds the first 512 bytes of each reason; `show` prints
+    /// it whole.
     #[command(after_help = "Examples:\n  leasehold poison list\n  leasehold poison list --limit 500 --json")]
     List {
-        /// Show at most this many entries.
+        /// Show at most this many entries (at most 10,000).
         #[arg(long, default_value_t = 32)]
         limit: usize,
         /// Print JSON instead of text.
@@ -161,9 +166,17 @@ enum PoisonCommand {
     /// Requeue entries as fresh triggers (a new chain with no attempts behind it): the trigger
     /// is put on the queue first and the entry removed only after, so an interruption leaves
     /// it in both places, never in neither.
+    ///
+    /// It ends by comparing the poison queue's approximate count (hidden entries included) with
+    /// what it left there: if entries remain that it could not see (another scan holds them), it
+    /// says "incomplete: N hidden, run again after T" and exits with status 3. Ctrl-C stops it
+    /// between entries and puts back what it holds (exit status 130).
     #[command(
         after_help = "Examples:\n  leasehold poison requeue 7c0e9a4e-1f52-4c2b-9d43-3f0d6f0e2a11\n  \
-        leasehold poison requeue --scope account\n  leasehold poison requeue --all"
+        leasehold poison requeue --scope account\n  leasehold poison requeue --scope account --record 42\n  \
+        leasehold poison requeue --record 42          # the record 42 of the scope \"default\"\n  \
+        leasehold poison requeue --all\n\n\
+        Exit status: 0 done, 1 error, 3 incomplete (run it again when it says), 130 interrupted."
     )]
     Requeue {
         #[command(flatten)]
@@ -173,9 +186,13 @@ enum PoisonCommand {
         json: bool,
     },
     /// Remove entries for good (needs --yes).
+    ///
+    /// Like requeue, it says "incomplete: N hidden, run again after T" (exit status 3) when the
+    /// queue holds entries it could not see, and Ctrl-C puts back what it holds (130).
     #[command(
         after_help = "Examples:\n  leasehold poison purge 7c0e9a4e-1f52-4c2b-9d43-3f0d6f0e2a11 --yes\n  \
-        leasehold poison purge --all --yes"
+        leasehold poison purge --all --yes\n\n\
+        Exit status: 0 done, 1 error, 3 incomplete (run it again when it says), 130 interrupted."
     )]
     Purge {
         #[command(flatten)]
@@ -196,10 +213,11 @@ struct Select {
     /// Entry ids (from `poison list`).
     #[arg(conflicts_with_all = ["scope", "record", "all"])]
     ids: Vec<String>,
-    /// Every entry of this scope.
+    /// Every entry of this scope (with --record, of that record only).
     #[arg(long, conflicts_with = "all")]
     scope: Option<Scope>,
-    /// Every entry of this record (with --scope, of that scope only).
+    /// Every entry of this record: of --scope, or of the scope "default" without one (as in
+    /// `enqueue`, `status` and `break`).
     #[arg(long, conflicts_with = "all")]
     record: Option<RecordId>,
     /// Every entry.
@@ -349,7 +367,15 @@ async fn run(cli: Cli) -> Result<()> {
             return Ok(());
         }
         Command::Poison(command) => {
-            println!("{}", poison(&settings, command).await?);
+            let (out, status) = poison(&settings, command).await?;
+            if !out.is_empty() {
+                println!("{out}");
+            }
+            if status != 0 {
+                use std::io::Write;
+                std::io::stdout().flush().ok();
+                std::process::exit(status);
+            }
             return Ok(());
         }
         Command::Break {
@@ -412,26 +438,61 @@ async fn status(
     Ok(ops::text::record(&record, Some((&queue, &poison))))
 }
 
-async fn poison(settings: &Settings, command: PoisonCommand) -> Result<String> {
-    let operator = ops::Operator::new(settings)?;
+/// Exit status of a requeue or purge that could not reach every entry (run it again).
+const EXIT_INCOMPLETE: i32 = 3;
+/// Exit status after Ctrl-C (128 + SIGINT).
+const EXIT_INTERRUPTED: i32 = 130;
+
+/// The status a requeue or purge exits with.
+fn report_status(complete: bool, interrupted: bool) -> i32 {
+    if interrupted {
+        EXIT_INTERRUPTED
+    } else if complete {
+        0
+    } else {
+        EXIT_INCOMPLETE
+    }
+}
+
+/// What a poison command prints, and the status it exits with.
+async fn poison(settings: &Settings, command: PoisonCommand) -> Result<(String, i32)> {
+    // Ctrl-C (or SIGTERM) stops a scan, which puts back what it holds; a second one quits at
+    // once (what the scan holds then comes back by itself within its hiding).
+    let operator = ops::Operator::new(settings)?.with_interrupt(interrupt_signal()?);
+    let interrupted = |e: &ops::OpsError| matches!(e, ops::OpsError::Interrupted(_));
     match command {
         PoisonCommand::List { limit, json } => {
-            let list = operator
+            let list = match operator
                 .poison_list(&ops::PoisonQuery { limit: Some(limit) })
-                .await?;
-            if json {
-                to_json(&list)
+                .await
+            {
+                Err(e) if interrupted(&e) => {
+                    eprintln!("leasehold: {e}");
+                    return Ok((String::new(), EXIT_INTERRUPTED));
+                }
+                other => other?,
+            };
+            let out = if json {
+                to_json(&list)?
             } else {
-                Ok(ops::text::poison_list(&list))
-            }
+                ops::text::poison_list(&list)
+            };
+            Ok((out, 0))
         }
         PoisonCommand::Show { id, json } => {
-            let entry = operator.poison_show(&id).await?;
-            if json {
-                to_json(&entry)
+            let entry = match operator.poison_show(&id).await {
+                Err(e) if interrupted(&e) => {
+                    eprintln!("leasehold: {e}");
+                    return Ok((String::new(), EXIT_INTERRUPTED));
+                }
+                other => other?,
+            };
+            let out = if json {
+                to_json(&entry)?
             } else {
-                Ok(ops::text::poison_entry(&entry))
-            }
+                ops::text::poison_entry(&entry)
+            };
+            Ok((out, 0))
         }
         PoisonCommand::Requeue { select, json } => {
             use std::io::IsTerminal;
@@ -446,11 +507,13 @@ async fn poison(settings: &Settings, command: PoisonCommand) -> Result<String> {
                 }
             };
             let report = operator.poison_requeue(&select.selection(), &progress).await?;
-            if json {
-                to_json(&report)
+            let status = report_status(report.complete, report.interrupted);
+            let out = if json {
+                to_json(&report)?
             } else {
-                Ok(ops::text::requeue(&report))
-            }
+                ops::text::requeue(&report)
+            };
+            Ok((out, status))
         }
         PoisonCommand::Purge { select, yes, json } => {
             if !yes {
@@ -459,13 +522,58 @@ async fn poison(settings: &Settings, command: PoisonCommand) -> Result<String> {
                 );
             }
             let report = operator.poison_purge(&select.selection()).await?;
-            if json {
-                to_json(&report)
+            let status = report_status(report.complete, report.interrupted);
+            let out = if json {
+                to_json(&report)?
             } else {
-                Ok(ops::text::purge(&report))
-            }
+                ops::text::purge(&report)
+            };
+            Ok((out, status))
         }
     }
+}
+
+/// Cancelled on the first SIGINT or SIGTERM (the handlers are in place when this returns); the
+/// second quits at once with status 130.
+fn interrupt_signal() -> Result<CancellationToken> {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    let hide = ops::SCAN_HIDE.as_secs();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut term = signal(SignalKind::terminate())?;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!(
+                "leasehold: interrupted: putting back what the scan holds (again to quit at once: it then comes back \
+                 by itself within {hide} s)"
+            );
+            t.cancel();
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("leasehold: quit; what the scan held comes back by itself within {hide} s");
+            std::process::exit(EXIT_INTERRUPTED);
+        });
+    }
+    #[cfg(not(unix))]
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("leasehold: interrupted: putting back what the scan holds (again to quit at once)");
+            t.cancel();
+        }
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("leasehold: quit; what the scan held comes back by itself within {hide} s");
+            std::process::exit(EXIT_INTERRUPTED);
+        }
+    });
+    Ok(token)
 }
 
 /// Fires on SIGINT or SIGTERM.

@@ -25,7 +25,7 @@ use serde::Serialize;
 pub use overview::{HeldRecord, Overview, OverviewQuery, QueueView, RecordRef};
 pub use poison::{
     PoisonEntry, PoisonList, PoisonQuery, PoisonRecord, PoisonSelection, Progress, PurgeReport,
-    RequeueReport, Requeued, Skipped,
+    RequeueReport, Requeued, SCAN_HIDE, SCAN_HOLD_MAX, Skipped,
 };
 
 use crate::app::wire;
@@ -44,15 +44,19 @@ pub enum OpsError {
     /// Storage refused or did not answer (after retries).
     #[error("storage: {0}")]
     Storage(String),
+    /// The operator was told to stop (Ctrl-C) and did, putting back what it held.
+    #[error("{0}")]
+    Interrupted(String),
 }
 
 impl OpsError {
-    /// The HTTP status for this error: 404, 400 or 503.
+    /// The HTTP status for this error: 404, 400 or 503 (an interruption, which only the
+    /// command line asks for, is 503 too).
     pub fn status(&self) -> u16 {
         match self {
             OpsError::NotFound(_) => 404,
             OpsError::BadRequest(_) => 400,
-            OpsError::Storage(_) => 503,
+            OpsError::Storage(_) | OpsError::Interrupted(_) => 503,
         }
     }
 
@@ -77,9 +81,13 @@ struct Inner {
     container: BlobContainer,
     counters: OpCounters,
     lease_seconds: u64,
-    /// How long a poison scan hides the entries it looks at (they come back on their own if
-    /// the scan dies).
+    /// How long a poison scan hides an entry it holds at a time (it hides it again before that
+    /// ends; the entries come back on their own within this if the scan dies).
     scan_hide: Duration,
+    /// Most entries a poison scan holds at once.
+    scan_hold_max: usize,
+    /// Told to stop: a poison scan puts back what it holds and ends (the command line's Ctrl-C).
+    interrupt: Option<tokio_util::sync::CancellationToken>,
     retry: RetryOptions,
     /// Held by a poison scan while it runs (shared by clones: scans take turns).
     scans: Arc<tokio::sync::Mutex<()>>,
@@ -151,18 +159,38 @@ impl Operator {
                 container,
                 counters,
                 lease_seconds,
-                scan_hide: Duration::from_secs(60),
+                scan_hide: poison::SCAN_HIDE,
+                scan_hold_max: poison::SCAN_HOLD_MAX,
+                interrupt: None,
                 retry: RetryOptions::default(),
                 scans: Arc::default(),
             }),
         }
     }
 
-    /// The same operator, hiding the poison entries a scan looks at for `hide` (60 s unless
-    /// set; tests shorten it).
+    /// The same operator, hiding each poison entry a scan holds for `hide` at a time (30 s
+    /// unless set; tests shorten it).
     pub fn with_scan_hide(self, hide: Duration) -> Self {
+        self.with(|inner| inner.scan_hide = hide)
+    }
+
+    /// The same operator, its poison scans holding at most `most` entries at once
+    /// ([`SCAN_HOLD_MAX`] unless set; tests lower it).
+    pub fn with_scan_hold_max(self, most: usize) -> Self {
+        self.with(|inner| inner.scan_hold_max = most.max(1))
+    }
+
+    /// The same operator, its poison scans stopping when `interrupt` is cancelled: a scan then
+    /// stops taking entries, puts back what it holds and ends (a requeue or purge reports what it
+    /// did, `interrupted`; a listing or `show` answers [`OpsError::Interrupted`]). A requeue
+    /// stops between entries, never between putting an entry's trigger and removing it.
+    pub fn with_interrupt(self, interrupt: tokio_util::sync::CancellationToken) -> Self {
+        self.with(|inner| inner.interrupt = Some(interrupt))
+    }
+
+    fn with(self, change: impl FnOnce(&mut Inner)) -> Self {
         let mut inner = (*self.inner).clone();
-        inner.scan_hide = hide;
+        change(&mut inner);
         Self {
             inner: Arc::new(inner),
         }

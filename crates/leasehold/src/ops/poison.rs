@@ -2,35 +2,61 @@
 //!
 //! Azure queues can show (peek) only the first 32 visible messages, and can delete or change a
 //! message only with the receipt of taking it. So anything beyond a peek *scans*: it takes the
-//! entries 32 at a time, hiding them for a while (60 s, or two seconds a batch for a deep
-//! queue), acts on the ones selected, and puts the others back (visible at once). If the scan dies, the entries it hid come back on their
-//! own when the hiding ends: nothing is lost.
+//! entries 32 at a time, hiding each for a short while ([`SCAN_HIDE`], 30 s) and hiding it again
+//! before that ends for as long as the scan holds it; it acts on the ones selected and puts the
+//! others back (visible at once) when it ends, is interrupted or fails. If the scan dies, what it
+//! held comes back by itself within the short hiding: nothing is lost, and nothing stays out of
+//! sight for long, however deep the queue.
 //!
-//! A requeue puts a fresh trigger for the entry's record on the trigger queue first and removes
+//! A scan holds only what it needs of an entry: its id and receipt (an update that sends no body
+//! keeps the body in the queue), and for a listing a preview of the reason and body; and at most
+//! [`SCAN_HOLD_MAX`] entries at once (a listing stops there and says so).
+//!
+//! A requeue or purge ends by comparing the queue's approximate count, which counts hidden
+//! entries too, with the entries it saw and left there: entries it never saw (another scan
+//! holds them, or they came after it passed) make it incomplete, and it says so and when to run
+//! it again.
+//!
+//! A requeue puts a fresh trigger on the trigger queue for the entry's record first and removes
 //! the entry only after that put succeeded. Dying between the two leaves the trigger in both
 //! places (the record runs, and the entry is still there to look at or purge), never in
 //! neither.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
-use leasehold_runtime::{PoisonMessage, Received, RecordId, Scope, TriggerMessage};
-use leasehold_storage::StoreErrorKind;
+use futures::StreamExt;
+use leasehold_runtime::{PoisonMessage, RecordId, Scope, TriggerMessage};
+use leasehold_storage::{StoreErrorKind, StoreResult};
 use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
 
 use super::{Operator, OpsError, QueueView, clock};
 
 /// Most entries one peek shows (the service's limit).
 pub const PEEK_MAX: usize = 32;
-/// Most of an unreadable entry's body shown, in bytes.
+/// How long a scan hides an entry it holds at a time. It hides it again before that ends for as
+/// long as it holds it, so a scan that dies leaves its entries hidden at most this long.
+pub const SCAN_HIDE: Duration = Duration::from_secs(30);
+/// Most entries one scan holds at once (each is hidden again every 15 s while held, one request
+/// each: 10,000 is about 670 requests a second, a third of a queue's throughput target).
+pub const SCAN_HOLD_MAX: usize = 10_000;
+/// Requests hiding held entries again (or putting them back) in flight at once.
+const RENEWALS_AT_ONCE: usize = 32;
+/// Most of an unreadable entry's body `show` prints, in bytes.
 const BODY_SHOWN: usize = 4 * 1024;
+/// Most of an entry's reason a listing holds, in bytes (`show` prints it whole).
+const REASON_PREVIEW: usize = 512;
+/// Most of an unreadable entry's body a listing holds, in bytes.
+const BODY_PREVIEW: usize = 256;
 
 /// What [`Operator::poison_list`] shows.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PoisonQuery {
     /// At most this many entries (default 32). Up to 32 are peeked, with no side effect; more
-    /// are scanned (taken and put back, see the module documentation).
+    /// are scanned (taken and put back, see the module documentation), at most
+    /// [`SCAN_HOLD_MAX`].
     pub limit: Option<usize>,
 }
 
@@ -47,14 +73,16 @@ pub struct PoisonEntry {
     pub record_id: Option<RecordId>,
     /// The given-up message's kind (`trigger`, `retrigger`, `sweep`, …).
     pub kind: Option<String>,
-    /// Why it was given up.
+    /// Why it was given up (in a listing its first 512 bytes, ending ` […]` when cut; `show`
+    /// has it whole).
     pub reason: String,
     /// Failed deliveries of the trigger, counting those of the messages it was carried over from.
     pub attempts: u32,
     pub correlation_id: Option<String>,
     /// Whether the entry holds a trigger (and can be requeued); an unreadable message cannot.
     pub is_trigger: bool,
-    /// The body of a message that is no trigger (its start, when long).
+    /// The body of a message that is no trigger (its start, when long: 256 bytes in a listing,
+    /// 4 KiB in `show`).
     pub body: Option<String>,
     /// The trigger to requeue (not shown: `scope`, `recordId` and `correlationId` say it).
     #[serde(skip)]
@@ -91,10 +119,20 @@ pub struct PoisonList {
     pub records: Vec<PoisonRecord>,
     /// Whether `entries` is every visible entry (not cut at the limit).
     pub complete: bool,
+    /// Entries in the queue that were not visible to the listing (another reader holds them
+    /// hidden: another scan, whose entries come back within 30 s of its end), as far as the
+    /// queue's approximate count says; 0 when the listing stopped at its limit.
+    pub hidden: u64,
+    /// The listing stopped at the most entries one scan holds ([`SCAN_HOLD_MAX`]).
+    pub capped: bool,
+    /// Entries the scan could not put back (after retries): they come back by themselves when
+    /// their hiding ends, within 30 s.
+    pub not_put_back: usize,
 }
 
 /// Which entries [`Operator::poison_requeue`] and [`Operator::poison_purge`] act on: JSON
-/// `{"ids": [..]}`, `{"scope": "..", "recordId": ".."}` (either or both), or `{"all": true}`.
+/// `{"ids": [..]}`, `{"scope": "..", "recordId": ".."}` (either or both; a record id without
+/// a scope is a record of the scope `default`, as everywhere else), or `{"all": true}`.
 ///
 /// Unknown fields are refused: a misspelt `recordID` must not quietly widen a purge to the whole
 /// scope.
@@ -126,7 +164,8 @@ impl PoisonSelection {
         }
     }
 
-    /// Entries of a scope, or of one record.
+    /// Entries of a scope, or of one record (of `scope`, or of the scope `default` when none
+    /// is given).
     pub fn matching(scope: Option<Scope>, record_id: Option<RecordId>) -> Self {
         Self {
             scope,
@@ -149,6 +188,15 @@ impl PoisonSelection {
         }
     }
 
+    /// The scope entries must be of: the one named, or `default` for a record named alone.
+    fn scope(&self) -> Option<Scope> {
+        match (&self.scope, &self.record_id) {
+            (Some(scope), _) => Some(scope.clone()),
+            (None, Some(_)) => Some(Scope::default()),
+            (None, None) => None,
+        }
+    }
+
     fn selects(&self, entry: &PoisonEntry) -> bool {
         if self.all {
             return true;
@@ -156,9 +204,7 @@ impl PoisonSelection {
         if !self.ids.is_empty() {
             return self.ids.contains(&entry.id);
         }
-        self.scope
-            .as_ref()
-            .is_none_or(|s| entry.scope.as_ref() == Some(s))
+        self.scope().is_none_or(|s| entry.scope.as_ref() == Some(&s))
             && self
                 .record_id
                 .as_ref()
@@ -214,8 +260,21 @@ pub struct RequeueReport {
     /// Ids asked for that are not in the poison queue (or are hidden by another scan).
     pub not_found: Vec<String>,
     pub scanned: usize,
-    /// Whether the scan reached the end of the queue (else run it again for the rest).
+    /// Whether every selected entry was reached: the scan reached the end of the queue, and
+    /// the queue holds no entry it did not see (else run it again, after `retryAfter`).
     pub complete: bool,
+    /// Entries in the queue the scan did not see: the queue's approximate count (hidden
+    /// entries included) beyond the entries the scan left there. Another scan holds them, or
+    /// they came after this one passed.
+    pub hidden: u64,
+    /// When entries hidden by a scan that has ended are visible again: run it again after this.
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub retry_after: Option<SystemTime>,
+    /// Interrupted (Ctrl-C): it stopped early and put back what it held.
+    pub interrupted: bool,
+    /// Entries the scan could not put back (after retries): they come back by themselves when
+    /// their hiding ends, within 30 s.
+    pub not_put_back: usize,
     /// What was done, in one sentence.
     pub message: String,
 }
@@ -228,8 +287,14 @@ pub struct PurgeReport {
     pub failed: Vec<Skipped>,
     pub not_found: Vec<String>,
     pub scanned: usize,
-    /// Whether the scan reached the end of the queue (else run it again for the rest).
+    /// As in [`RequeueReport::complete`].
     pub complete: bool,
+    /// As in [`RequeueReport::hidden`].
+    pub hidden: u64,
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub retry_after: Option<SystemTime>,
+    pub interrupted: bool,
+    pub not_put_back: usize,
     pub message: String,
 }
 
@@ -241,16 +306,41 @@ enum Act {
     Purge,
 }
 
+/// How much of an entry's reason and body to keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Detail {
+    /// What a listing shows (bounded: a listing may hold thousands).
+    Preview,
+    /// What `show` prints.
+    Full,
+}
+
+impl Detail {
+    fn reason_max(self) -> usize {
+        match self {
+            Detail::Preview => REASON_PREVIEW,
+            Detail::Full => usize::MAX,
+        }
+    }
+
+    fn body_max(self) -> usize {
+        match self {
+            Detail::Preview => BODY_PREVIEW,
+            Detail::Full => BODY_SHOWN,
+        }
+    }
+}
+
 /// Reads a poison queue message: an entry Leasehold wrote, a bare trigger (the Functions host
 /// moves a message there itself after `maxDequeueCount` deliveries), or something else.
-fn entry_of(id: String, inserted_at: Option<SystemTime>, body: &str) -> PoisonEntry {
-    let from_trigger = |trigger: TriggerMessage, reason: String, attempts: u32| PoisonEntry {
+fn entry_of(id: String, inserted_at: Option<SystemTime>, body: &str, detail: Detail) -> PoisonEntry {
+    let from_trigger = |trigger: TriggerMessage, reason: &str, attempts: u32| PoisonEntry {
         id: id.clone(),
         inserted_at,
         scope: Some(trigger.scope.clone()),
         record_id: Some(trigger.record_id.clone()),
         kind: Some(kind_name(&trigger)),
-        reason,
+        reason: cut(reason, detail.reason_max(), false),
         attempts,
         correlation_id: trigger.correlation_id.clone(),
         is_trigger: true,
@@ -260,18 +350,18 @@ fn entry_of(id: String, inserted_at: Option<SystemTime>, body: &str) -> PoisonEn
     if let Ok(poison) = PoisonMessage::decode(body) {
         let attempts = poison.dequeue_count + poison.trigger.as_ref().map_or(0, |t| t.prior_attempts);
         return match poison.trigger.clone() {
-            Some(trigger) => from_trigger(trigger, poison.reason().to_string(), attempts),
+            Some(trigger) => from_trigger(trigger, poison.reason(), attempts),
             None => PoisonEntry {
                 id,
                 inserted_at,
                 scope: None,
                 record_id: None,
                 kind: None,
-                reason: poison.reason().to_string(),
+                reason: cut(poison.reason(), detail.reason_max(), false),
                 attempts,
                 correlation_id: None,
                 is_trigger: false,
-                body: Some(shown(&poison.body(), poison.is_cut())),
+                body: Some(cut(&poison.body(), detail.body_max(), poison.is_cut())),
                 trigger: None,
             },
         };
@@ -283,8 +373,7 @@ fn entry_of(id: String, inserted_at: Option<SystemTime>, body: &str) -> PoisonEn
         return from_trigger(
             trigger,
             "moved here by the Functions host after its maxDequeueCount deliveries (host.json): \
-             the handler could not be reached or kept failing without answering"
-                .into(),
+             the handler could not be reached or kept failing without answering",
             attempts,
         );
     }
@@ -298,7 +387,7 @@ fn entry_of(id: String, inserted_at: Option<SystemTime>, body: &str) -> PoisonEn
         attempts: 0,
         correlation_id: None,
         is_trigger: false,
-        body: Some(shown(body, false)),
+        body: Some(cut(body, detail.body_max(), false)),
         trigger: None,
     }
 }
@@ -310,19 +399,21 @@ fn kind_name(trigger: &TriggerMessage) -> String {
         .unwrap_or_default()
 }
 
-fn shown(body: &str, cut_already: bool) -> String {
-    if body.len() <= BODY_SHOWN {
+/// At most `max` bytes of `text` (cut at a character boundary), ending ` […]` when cut here or
+/// before (`cut_already`).
+fn cut(text: &str, max: usize, cut_already: bool) -> String {
+    if text.len() <= max {
         return if cut_already {
-            format!("{body} […]")
+            format!("{text} […]")
         } else {
-            body.to_string()
+            text.to_string()
         };
     }
-    let mut end = BODY_SHOWN;
-    while !body.is_char_boundary(end) {
+    let mut end = max;
+    while !text.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{} […]", &body[..end])
+    format!("{} […]", &text[..end])
 }
 
 /// Entries grouped by record, the most recently poisoned first.
@@ -358,10 +449,61 @@ fn by_record(entries: &[PoisonEntry]) -> Vec<PoisonRecord> {
     out
 }
 
-/// An entry taken by a scan, with what it takes to change it.
-struct Taken {
-    received: Received,
-    entry: PoisonEntry,
+/// An entry a scan holds hidden: what it takes to hide it again, put it back or remove it.
+#[derive(Debug)]
+struct Held {
+    /// The order it was taken in (entries are put back in that order).
+    seq: u64,
+    receipt: String,
+    /// When to hide it again: half its hiding from when it was last hidden.
+    renew_at: Instant,
+}
+
+/// The entries a scan holds, by id.
+#[derive(Debug, Default)]
+struct Holding {
+    held: HashMap<String, Held>,
+    taken: u64,
+    /// The earliest `renew_at` (none when nothing is held).
+    next_renewal: Option<Instant>,
+    /// Entries another reader took while the scan held them (their hiding ran out): still in
+    /// the queue, no longer the scan's to put back.
+    lost: HashSet<String>,
+    /// Renewals that failed (after retries) and will be tried again.
+    renew_failures: u64,
+}
+
+impl Holding {
+    fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Holds an entry just taken; false if the scan held it already (it came round again: its
+    /// hiding ran out before the scan could hide it again), whose receipt is now this one.
+    fn take(&mut self, id: &str, receipt: String, renew_at: Instant) -> bool {
+        self.next_renewal = Some(self.next_renewal.map_or(renew_at, |at| at.min(renew_at)));
+        if let Some(held) = self.held.get_mut(id) {
+            held.receipt = receipt;
+            held.renew_at = renew_at;
+            return false;
+        }
+        if self.lost.contains(id) {
+            // Seen already, then taken by another reader, and back: not new, and not ours
+            // either until the end (put back with the rest).
+            self.lost.remove(id);
+        } else {
+            self.taken += 1;
+        }
+        self.held.insert(
+            id.to_string(),
+            Held {
+                seq: self.taken,
+                receipt,
+                renew_at,
+            },
+        );
+        true
+    }
 }
 
 /// The result of a scan.
@@ -376,13 +518,62 @@ struct Scan {
     found: BTreeSet<String>,
     /// The scan stopped before the end of the queue (see [`Operator::scan`]).
     stopped_short: bool,
+    /// It stopped because it held [`SCAN_HOLD_MAX`] entries.
+    capped: bool,
+    /// It stopped because it was interrupted.
+    interrupted: bool,
+    /// Entries it saw and left in the queue (put back, or held by another reader meanwhile).
+    left: u64,
+    not_put_back: usize,
+}
+
+impl Scan {
+    /// The clauses a report's message ends with for how the scan ended.
+    fn ending(&self, hold_max: usize, hide: Duration, hidden: Option<u64>) -> String {
+        let mut out = String::new();
+        if self.interrupted {
+            out.push_str("; incomplete: interrupted, it stopped early and put back what it held");
+        } else if self.capped {
+            out += &format!(
+                "; incomplete: it stopped after holding {hold_max} entries it does not act on (the most one scan \
+                 holds), so entries behind them were not reached: act on those first, then run it again"
+            );
+        } else if self.stopped_short {
+            out.push_str(
+                "; incomplete: the scan stopped before the end of the queue (entries kept coming round): run it again for the rest",
+            );
+        }
+        match hidden {
+            Some(0) => {}
+            Some(n) => {
+                let now = SystemTime::now();
+                out += &format!(
+                    "; incomplete: {n} hidden, run again after {} (another scan holds them, and a scan's entries \
+                     come back within {} of its end; or they came after this one passed)",
+                    clock::readable(now + hide, now),
+                    clock::span(hide)
+                );
+            }
+            None => out.push_str(
+                "; incomplete, maybe: the queue's count could not be read to check for entries this scan did not see",
+            ),
+        }
+        if self.not_put_back > 0 {
+            out += &format!(
+                "; {} could not be put back (they come back by themselves within {})",
+                self.not_put_back,
+                clock::span(hide)
+            );
+        }
+        out
+    }
 }
 
 impl Operator {
     /// The poison entries, oldest first, and the same grouped by record.
     pub async fn poison_list(&self, query: &PoisonQuery) -> Result<PoisonList, OpsError> {
         let limit = query.limit.unwrap_or(PEEK_MAX).max(1);
-        let (poison, entries, complete) = if limit <= PEEK_MAX {
+        let (poison, mut entries, complete, hidden, capped, not_put_back) = if limit <= PEEK_MAX {
             let poison = self.queue_view(&*self.inner.poison).await?;
             let peeked = self
                 .inner
@@ -390,17 +581,32 @@ impl Operator {
                 .run("peek poison", || self.inner.poison.peek(limit as u32))
                 .await
                 .map_err(|e| OpsError::storage("peek poison", e))?;
+            let shown = peeked.len() as u64;
             // Every visible entry, unless the queue holds more than were shown.
-            let complete = peeked.len() < limit || (peeked.len() as u64) >= poison.approximate_messages;
+            let complete = peeked.len() < limit || shown >= poison.approximate_messages;
+            let hidden = if peeked.len() < limit {
+                poison.approximate_messages.saturating_sub(shown)
+            } else {
+                0
+            };
             let entries = peeked
                 .into_iter()
-                .map(|m| entry_of(m.id, m.inserted_at, &m.body))
+                .map(|m| entry_of(m.id, m.inserted_at, &m.body, Detail::Preview))
                 .collect::<Vec<_>>();
-            (poison, entries, complete)
+            (poison, entries, complete, hidden, false, 0)
         } else {
             let scan = self
-                .scan(&PoisonSelection::default(), |_| Act::Keep, Some(limit), &|_| {})
+                .scan(
+                    &PoisonSelection::default(),
+                    |_| Act::Keep,
+                    Some(limit),
+                    Detail::Preview,
+                    &|_| {},
+                )
                 .await?;
+            if scan.interrupted {
+                return Err(interrupted(&scan));
+            }
             // Read after the scan (which may have waited for another to end), so the depth is
             // of the queue this listing saw.
             let poison = self.queue_view(&*self.inner.poison).await?;
@@ -410,18 +616,26 @@ impl Operator {
             let complete = !scan.stopped_short
                 && taken <= limit
                 && (taken < limit || (taken as u64) >= poison.approximate_messages);
+            let hidden = if !scan.stopped_short && taken < limit {
+                poison.approximate_messages.saturating_sub(scan.left)
+            } else {
+                0
+            };
             let mut entries = scan.kept;
             // The first `limit` in queue order.
             entries.truncate(limit);
-            entries.sort_by_key(|e| e.inserted_at);
-            (poison, entries, complete)
+            (poison, entries, complete, hidden, scan.capped, scan.not_put_back)
         };
+        entries.sort_by_key(|e| e.inserted_at);
         Ok(PoisonList {
             at: SystemTime::now(),
             poison,
             records: by_record(&entries),
             entries,
             complete,
+            hidden,
+            capped,
+            not_put_back,
         })
     }
 
@@ -435,14 +649,28 @@ impl Operator {
             .await
             .map_err(|e| OpsError::storage("peek poison", e))?;
         if let Some(m) = peeked.into_iter().find(|m| m.id == id) {
-            return Ok(entry_of(m.id, m.inserted_at, &m.body));
+            return Ok(entry_of(m.id, m.inserted_at, &m.body, Detail::Full));
         }
         let selection = PoisonSelection::ids([id.to_string()]);
-        let scan = self.scan(&selection, |_| Act::Keep, None, &|_| {}).await?;
-        scan.kept
-            .into_iter()
-            .find(|e| e.id == id)
-            .ok_or_else(|| not_in_poison(self.poison_name(), id))
+        let scan = self
+            .scan(&selection, |_| Act::Keep, None, Detail::Full, &|_| {})
+            .await?;
+        if scan.interrupted {
+            return Err(interrupted(&scan));
+        }
+        if let Some(entry) = scan.kept.into_iter().find(|e| e.id == id) {
+            return Ok(entry);
+        }
+        let mut error = not_in_poison(self.poison_name(), id);
+        if let Some(hidden) = self.unseen(scan.left).await.filter(|n| *n > 0) {
+            let now = SystemTime::now();
+            error = OpsError::NotFound(format!(
+                "{error}; {hidden} entries are hidden (another scan holds them): it may be one of them, look again \
+                 after {}",
+                clock::readable(now + self.inner.scan_hide, now)
+            ));
+        }
+        Err(error)
     }
 
     /// Puts a fresh trigger on the trigger queue for each selected entry, then removes the
@@ -453,8 +681,11 @@ impl Operator {
         progress: &(dyn Fn(&Progress) + Send + Sync),
     ) -> Result<RequeueReport, OpsError> {
         selection.check()?;
-        let scan = self.scan(selection, |_| Act::Requeue, None, progress).await?;
+        let scan = self
+            .scan(selection, |_| Act::Requeue, None, Detail::Preview, progress)
+            .await?;
         let not_found = missing(selection, &scan.found);
+        let (hidden, complete) = self.coverage(selection, &scan, &not_found).await;
         let message = format!(
             "requeued {} entr{} as fresh triggers{}{}{}",
             scan.requeued.len(),
@@ -462,9 +693,13 @@ impl Operator {
             count_clause(scan.skipped.len(), "skipped (no trigger in them)"),
             count_clause(scan.failed.len(), "failed (still in the poison queue)"),
             count_clause(not_found.len(), "not found"),
-        ) + short_clause(scan.stopped_short);
+        ) + &scan.ending(self.inner.scan_hold_max, self.inner.scan_hide, hidden);
         Ok(RequeueReport {
-            complete: !scan.stopped_short,
+            complete,
+            hidden: hidden.unwrap_or(0),
+            retry_after: self.retry_after(hidden),
+            interrupted: scan.interrupted,
+            not_put_back: scan.not_put_back,
             requeued: scan.requeued,
             skipped: scan.skipped,
             failed: scan.failed,
@@ -477,17 +712,24 @@ impl Operator {
     /// Removes the selected entries for good.
     pub async fn poison_purge(&self, selection: &PoisonSelection) -> Result<PurgeReport, OpsError> {
         selection.check()?;
-        let scan = self.scan(selection, |_| Act::Purge, None, &|_| {}).await?;
+        let scan = self
+            .scan(selection, |_| Act::Purge, None, Detail::Preview, &|_| {})
+            .await?;
         let not_found = missing(selection, &scan.found);
+        let (hidden, complete) = self.coverage(selection, &scan, &not_found).await;
         let message = format!(
             "purged {} entr{}{}{}",
             scan.purged.len(),
             if scan.purged.len() == 1 { "y" } else { "ies" },
             count_clause(scan.failed.len(), "failed (still in the poison queue)"),
             count_clause(not_found.len(), "not found"),
-        ) + short_clause(scan.stopped_short);
+        ) + &scan.ending(self.inner.scan_hold_max, self.inner.scan_hide, hidden);
         Ok(PurgeReport {
-            complete: !scan.stopped_short,
+            complete,
+            hidden: hidden.unwrap_or(0),
+            retry_after: self.retry_after(hidden),
+            interrupted: scan.interrupted,
+            not_put_back: scan.not_put_back,
             purged: scan.purged,
             failed: scan.failed,
             not_found,
@@ -496,15 +738,62 @@ impl Operator {
         })
     }
 
-    /// Takes the poison entries 32 at a time (hidden for the scan's hiding time), does `act`
-    /// with those `selection` selects (every entry for an empty selection) and puts the rest
-    /// back. Stops at the end of the queue, once `keep_at_most` entries are kept, or once every
-    /// id selected is found.
+    /// Entries the queue holds beyond the `left` a scan saw and left there (its approximate
+    /// count includes hidden entries); `None` if the count cannot be read.
+    async fn unseen(&self, left: u64) -> Option<u64> {
+        match self
+            .inner
+            .retry
+            .run("poison queue length", || self.inner.poison.approximate_len())
+            .await
+        {
+            Ok(n) => Some(n.saturating_sub(left)),
+            Err(e) => {
+                tracing::warn!(error = %e, "poison: could not read the queue's count after a scan");
+                None
+            }
+        }
+    }
+
+    /// Entries a requeue or purge did not see (`Some(0)` when that does not matter), and
+    /// whether it reached every selected entry.
+    async fn coverage(
+        &self,
+        selection: &PoisonSelection,
+        scan: &Scan,
+        not_found: &[String],
+    ) -> (Option<u64>, bool) {
+        // By id: every id found is all there is to reach, whatever else the queue holds.
+        if !selection.ids.is_empty() && not_found.is_empty() {
+            return (Some(0), !scan.interrupted);
+        }
+        let hidden = self.unseen(scan.left).await;
+        let complete = !scan.stopped_short && !scan.interrupted && hidden == Some(0);
+        (hidden, complete)
+    }
+
+    fn retry_after(&self, hidden: Option<u64>) -> Option<SystemTime> {
+        hidden
+            .filter(|n| *n > 0)
+            .map(|_| SystemTime::now() + self.inner.scan_hide)
+    }
+
+    /// Whether the operator has been told to stop (Ctrl-C on the command line).
+    fn interrupted(&self) -> bool {
+        self.inner.interrupt.as_ref().is_some_and(|t| t.is_cancelled())
+    }
+
+    /// Takes the poison entries 32 at a time (each hidden for the scan's hiding, and hidden
+    /// again before that ends while the scan holds it), does `act` with those `selection`
+    /// selects (every entry for an empty selection), keeping them in `detail`, and puts the
+    /// rest back. Stops at the end of the queue, once `keep_at_most` entries are kept, once every
+    /// id selected is found, once it holds [`SCAN_HOLD_MAX`] entries, or when interrupted.
     async fn scan(
         &self,
         selection: &PoisonSelection,
         act: impl Fn(&PoisonEntry) -> Act,
         keep_at_most: Option<usize>,
+        detail: Detail,
         progress: &(dyn Fn(&Progress) + Send + Sync),
     ) -> Result<Scan, OpsError> {
         // One scan at a time per operator (the dashboard's requests share one): a second scan
@@ -513,25 +802,23 @@ impl Operator {
         let _turn = self.inner.scans.lock().await;
         let poison = &*self.inner.poison;
         let total = poison.approximate_len().await.unwrap_or(0);
-        // Hidden long enough for the whole scan to get round before the first batch comes back
-        // (two seconds a batch of 32, acting on each, is generous against Azure's latencies);
-        // what is not acted on is put back at once at the end anyway.
-        let hide = self
-            .inner
-            .scan_hide
-            .max(Duration::from_secs(2 * total.div_ceil(PEEK_MAX as u64)));
+        let hide = self.inner.scan_hide;
+        let hold_max = self.inner.scan_hold_max;
         // An empty selection (a listing) takes in every entry.
         let everything = selection.check().is_err();
+        let by_id = !selection.ids.is_empty();
         let mut scan = Scan::default();
+        let mut holding = Holding::default();
         let mut batches = 0u64;
         let max_batches = 4 * (total.div_ceil(PEEK_MAX as u64) + 2) + 100;
-        // Entries to put back, by id (a receipt is replaced if an entry comes round again), and
-        // the order they were taken in: they are put back in that order, so the queue (which
-        // hands out entries by the time they became visible) keeps its oldest first.
-        let mut put_back: HashMap<String, Taken> = HashMap::new();
-        let mut taken_order: Vec<String> = Vec::new();
         let outcome = async {
             loop {
+                if self.interrupted() {
+                    scan.interrupted = true;
+                    return Ok(());
+                }
+                self.renew(&mut holding).await;
+                let asked = Instant::now();
                 let batch = self
                     .inner
                     .retry
@@ -542,60 +829,65 @@ impl Operator {
                     return Ok(());
                 }
                 batches += 1;
-                let (mut new, mut rehidden) = (0, 0);
+                // The whole batch is held at once: its entries wait their turn hidden again as
+                // needed, and an interruption puts back those not reached.
+                let mut new = Vec::with_capacity(batch.len());
+                let mut again = 0;
                 for received in batch {
-                    if let Some(again) = put_back.get_mut(&received.id) {
-                        // Came round again (the scan outlasted the hiding, as a long one over a
-                        // deep queue can): hide it afresh so the rest of the queue can be
-                        // reached, and keep the receipt that now changes it.
-                        match poison
-                            .set_visibility(&received.id, &received.pop_receipt, &received.body, hide)
-                            .await
-                        {
-                            Ok(receipt) => {
-                                rehidden += 1;
-                                again.received = Received {
-                                    pop_receipt: receipt,
-                                    ..received
-                                }
-                            }
-                            Err(_) => again.received = received,
-                        }
-                        continue;
+                    if holding.take(&received.id, received.pop_receipt, asked + hide / 2) {
+                        new.push((received.id, received.inserted_at, received.body));
+                    } else {
+                        again += 1;
                     }
-                    new += 1;
+                }
+                let fresh = new.len();
+                for (id, inserted_at, body) in new {
+                    if self.interrupted() {
+                        scan.interrupted = true;
+                        return Ok(());
+                    }
                     scan.scanned += 1;
-                    taken_order.push(received.id.clone());
-                    let entry = entry_of(received.id.clone(), received.inserted_at, &received.body);
+                    let mut entry = entry_of(id, inserted_at, &body, Detail::Preview);
                     let selected = everything || selection.selects(&entry);
-                    if selected {
+                    if selected && by_id {
                         scan.found.insert(entry.id.clone());
                     }
-                    let taken = Taken { received, entry };
-                    match if selected { act(&taken.entry) } else { Act::Keep } {
+                    if selected && detail == Detail::Full {
+                        entry = entry_of(entry.id, inserted_at, &body, Detail::Full);
+                    }
+                    drop(body);
+                    match if selected { act(&entry) } else { Act::Keep } {
                         Act::Keep => {
                             if selected {
-                                scan.kept.push(taken.entry.clone());
+                                // A listing shows the trigger's fields; the trigger is not kept.
+                                entry.trigger = None;
+                                scan.kept.push(entry);
                             }
-                            put_back.insert(taken.received.id.clone(), taken);
                         }
-                        Act::Requeue => self.requeue_one(taken, &mut scan, &mut put_back).await,
-                        Act::Purge => self.purge_one(taken, &mut scan, &mut put_back).await,
+                        Act::Requeue => self.requeue_one(entry, &mut scan, &mut holding).await,
+                        Act::Purge => self.purge_one(entry, &mut scan, &mut holding).await,
                     }
                     progress(&Progress {
                         scanned: scan.scanned,
                         done: scan.requeued.len() + scan.purged.len(),
                         total,
                     });
+                    self.renew(&mut holding).await;
                 }
                 if selection.satisfied(&scan.found)
                     || keep_at_most.is_some_and(|most| scan.kept.len() >= most)
                 {
                     return Ok(());
                 }
-                // Nothing new, and what came round could not be hidden again (or the queue keeps
-                // giving far more than it held): stop, and say the scan did not reach the end.
-                if (new == 0 && rehidden == 0) || batches > max_batches {
+                if holding.len() >= hold_max {
+                    scan.stopped_short = true;
+                    scan.capped = true;
+                    return Ok(());
+                }
+                // Nothing new (what came round was hidden again by the take, but the queue
+                // shows nothing else), or the queue keeps giving far more than it held: stop, and
+                // say the scan did not reach the end.
+                if (fresh == 0 && again == 0) || batches > max_batches {
                     scan.stopped_short = true;
                     return Ok(());
                 }
@@ -604,51 +896,121 @@ impl Operator {
         .await;
         // Put back what was not acted on, whatever happened above; what cannot be put back
         // comes back by itself when its hiding ends.
-        for id in taken_order {
-            let Some(taken) = put_back.remove(&id) else {
-                continue; // acted on: requeued or purged
-            };
-            let r = &taken.received;
-            match self
-                .inner
-                .retry
-                .run("put a poison entry back", || {
-                    poison.set_visibility(&r.id, &r.pop_receipt, &r.body, Duration::ZERO)
-                })
-                .await
-            {
-                Ok(_) => {}
-                // The receipt no longer fits: an earlier try whose answer was lost put it back
-                // (which changed the receipt), or its hiding ended and another reader took it.
-                Err(e) if e.kind() == StoreErrorKind::NotFound => {
-                    tracing::debug!(
-                        id,
-                        "poison: an entry to put back was no longer ours (already back, or taken by another reader)"
-                    );
-                }
-                Err(e) => {
-                    tracing::warn!(id, error = %e, hide_seconds = hide.as_secs(),
-                        "poison: could not put an entry back at once; it comes back when its hiding ends");
-                }
-            }
-        }
+        scan.left = (holding.len() + holding.lost.len()) as u64;
+        scan.not_put_back = self.put_back(holding).await;
         outcome.map(|()| scan)
     }
 
-    async fn requeue_one(&self, taken: Taken, scan: &mut Scan, put_back: &mut HashMap<String, Taken>) {
-        let Some(original) = taken.entry.trigger.clone() else {
+    /// Hides again, for the scan's hiding from now, the held entries due for it (several at a
+    /// time); drops those another reader took meanwhile. Nothing to do most times it is asked.
+    async fn renew(&self, holding: &mut Holding) {
+        let now = Instant::now();
+        if holding.next_renewal.is_none_or(|at| at > now) {
+            return;
+        }
+        let hide = self.inner.scan_hide;
+        let due: Vec<(String, String)> = holding
+            .held
+            .iter()
+            .filter(|(_, h)| h.renew_at <= now)
+            .map(|(id, h)| (id.clone(), h.receipt.clone()))
+            .collect();
+        let poison = &*self.inner.poison;
+        let retry = &self.inner.retry;
+        let answers: Vec<(String, StoreResult<String>)> = futures::stream::iter(due)
+            .map(|(id, receipt)| async move {
+                let answer = retry
+                    .run("hide a poison entry again", || {
+                        poison.update_visibility(&id, &receipt, hide)
+                    })
+                    .await;
+                (id, answer)
+            })
+            .buffer_unordered(RENEWALS_AT_ONCE)
+            .collect()
+            .await;
+        for (id, answer) in answers {
+            match answer {
+                Ok(receipt) => {
+                    if let Some(h) = holding.held.get_mut(&id) {
+                        h.receipt = receipt;
+                        h.renew_at = now + hide / 2;
+                    }
+                }
+                // Its hiding ran out and another reader took it (or removed it).
+                Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                    holding.held.remove(&id);
+                    holding.lost.insert(id);
+                }
+                Err(e) => {
+                    holding.renew_failures += 1;
+                    tracing::warn!(id, error = %e, hide_seconds = hide.as_secs(),
+                        "poison: could not hide a held entry again; trying again in a second (if its hiding ends \
+                         first, it comes round again and is hidden again then)");
+                    if let Some(h) = holding.held.get_mut(&id) {
+                        h.renew_at = Instant::now() + Duration::from_secs(1).min(hide / 4);
+                    }
+                }
+            }
+        }
+        holding.next_renewal = holding.held.values().map(|h| h.renew_at).min();
+    }
+
+    /// Makes the held entries visible again, in the order they were taken (the queue hands out
+    /// entries by when they became visible, so the oldest stay first; a batch of 32 goes at
+    /// once, batch after batch). Returns how many could not be (after retries).
+    async fn put_back(&self, holding: Holding) -> usize {
+        let mut back: Vec<(String, Held)> = holding.held.into_iter().collect();
+        back.sort_by_key(|(_, h)| h.seq);
+        let poison = &*self.inner.poison;
+        let retry = &self.inner.retry;
+        let mut failed = 0;
+        for chunk in back.chunks(RENEWALS_AT_ONCE) {
+            let answers = futures::future::join_all(chunk.iter().map(|(id, h)| async move {
+                let answer = retry
+                    .run("put a poison entry back", || {
+                        poison.update_visibility(id, &h.receipt, Duration::ZERO)
+                    })
+                    .await;
+                (id, answer)
+            }))
+            .await;
+            for (id, answer) in answers {
+                match answer {
+                    Ok(_) => {}
+                    // The receipt no longer fits: an earlier try whose answer was lost put it back
+                    // (which changed the receipt), or its hiding ended and another reader took it.
+                    Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                        tracing::debug!(
+                            id,
+                            "poison: an entry to put back was no longer ours (already back, or taken by another reader)"
+                        );
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        tracing::warn!(id, error = %e, hide_seconds = self.inner.scan_hide.as_secs(),
+                            "poison: could not put an entry back at once; it comes back when its hiding ends");
+                    }
+                }
+            }
+        }
+        failed
+    }
+
+    async fn requeue_one(&self, entry: PoisonEntry, scan: &mut Scan, holding: &mut Holding) {
+        let Some(original) = entry.trigger else {
+            // Held: put back at the end.
             scan.skipped.push(Skipped {
-                id: taken.entry.id.clone(),
+                id: entry.id,
                 why: "the entry holds no trigger (an unreadable message): purge it".into(),
             });
-            put_back.insert(taken.received.id.clone(), taken);
             return;
         };
         // A fresh trigger: a new chain with no attempts behind it, the source's correlation id.
         let mut fresh = TriggerMessage::new(original.scope.clone(), original.record_id.clone());
         fresh.correlation_id = original.correlation_id.clone();
         let body = fresh.encode();
-        let id = taken.entry.id.clone();
+        let id = entry.id;
         if let Err(e) = self
             .inner
             .retry
@@ -659,7 +1021,6 @@ impl Operator {
                 id,
                 why: format!("putting the trigger failed: {e}"),
             });
-            put_back.insert(taken.received.id.clone(), taken);
             return;
         }
         tracing::info!(scope = %fresh.scope, record = %fresh.record_id, poison_id = %id,
@@ -672,57 +1033,58 @@ impl Operator {
             correlation_id: fresh.correlation_id,
         };
         // Only now the entry goes: dying before this leaves it in both places.
-        match self.delete_taken(&taken).await {
+        match self.remove_held(&id, holding).await {
             Ok(()) => {}
             Err(Removal::Gone) => scan.failed.push(Skipped {
                 id,
                 why: format!("requeued; removing the entry then {GONE}"),
             }),
-            Err(Removal::Failed(why)) => {
-                scan.failed.push(Skipped {
-                    id,
-                    why: format!(
-                        "requeued, but removing the entry failed ({why}); it stays in the poison queue"
-                    ),
-                });
-                // Visible again at the end of the scan, and not taken up again before it.
-                put_back.insert(taken.received.id.clone(), taken);
-            }
+            // Still held: visible again at the end of the scan, and not taken up again before it.
+            Err(Removal::Failed(why)) => scan.failed.push(Skipped {
+                id,
+                why: format!("requeued, but removing the entry failed ({why}); it stays in the poison queue"),
+            }),
         }
         scan.requeued.push(requeued);
     }
 
-    async fn purge_one(&self, taken: Taken, scan: &mut Scan, put_back: &mut HashMap<String, Taken>) {
-        let id = taken.entry.id.clone();
-        match self.delete_taken(&taken).await {
+    async fn purge_one(&self, entry: PoisonEntry, scan: &mut Scan, holding: &mut Holding) {
+        let id = entry.id;
+        match self.remove_held(&id, holding).await {
             Ok(()) => {
-                tracing::info!(poison_id = %id, scope = ?taken.entry.scope.as_ref().map(Scope::as_str),
-                    record = ?taken.entry.record_id.as_ref().map(RecordId::as_str), "poison: purged an entry");
+                tracing::info!(poison_id = %id, scope = ?entry.scope.as_ref().map(Scope::as_str),
+                    record = ?entry.record_id.as_ref().map(RecordId::as_str), "poison: purged an entry");
                 scan.purged.push(id);
             }
             Err(Removal::Gone) => scan.failed.push(Skipped {
                 id,
                 why: format!("removing the entry {GONE}"),
             }),
-            Err(Removal::Failed(why)) => {
-                scan.failed.push(Skipped { id, why });
-                put_back.insert(taken.received.id.clone(), taken);
-            }
+            // Still held: put back at the end.
+            Err(Removal::Failed(why)) => scan.failed.push(Skipped { id, why }),
         }
     }
 
-    async fn delete_taken(&self, taken: &Taken) -> Result<(), Removal> {
-        let r = &taken.received;
+    /// Removes a held entry with the receipt of its latest hiding; it is no longer held unless
+    /// storage failed.
+    async fn remove_held(&self, id: &str, holding: &mut Holding) -> Result<(), Removal> {
+        let Some(receipt) = holding.held.get(id).map(|h| h.receipt.clone()) else {
+            return Err(Removal::Gone);
+        };
         match self
             .inner
             .retry
-            .run("remove poison entry", || {
-                self.inner.poison.delete(&r.id, &r.pop_receipt)
-            })
+            .run("remove poison entry", || self.inner.poison.delete(id, &receipt))
             .await
         {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == StoreErrorKind::NotFound => Err(Removal::Gone),
+            Ok(()) => {
+                holding.held.remove(id);
+                Ok(())
+            }
+            Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                holding.held.remove(id);
+                Err(Removal::Gone)
+            }
             Err(e) => Err(Removal::Failed(e.to_string())),
         }
     }
@@ -749,20 +1111,28 @@ fn missing(selection: &PoisonSelection, found: &BTreeSet<String>) -> Vec<String>
         .collect()
 }
 
-fn short_clause(stopped_short: bool) -> &'static str {
-    if stopped_short {
-        "; the scan stopped before the end of the queue (entries kept coming round): run it again for the rest"
-    } else {
-        ""
-    }
-}
-
 fn count_clause(n: usize, what: &str) -> String {
     if n == 0 {
         String::new()
     } else {
         format!("; {n} {what}")
     }
+}
+
+fn interrupted(scan: &Scan) -> OpsError {
+    let failed = if scan.not_put_back > 0 {
+        format!(
+            "; {} could not be put back (they come back by themselves within {})",
+            scan.not_put_back,
+            clock::span(SCAN_HIDE)
+        )
+    } else {
+        String::new()
+    };
+    OpsError::Interrupted(format!(
+        "interrupted: put back the {} entries the scan held{failed}",
+        scan.left
+    ))
 }
 
 fn not_in_poison(queue: &str, id: &str) -> OpsError {
@@ -780,7 +1150,9 @@ mod tests {
     use async_trait::async_trait;
     use leasehold_lock::memory::MemoryStore;
     use leasehold_lock::{LeaseLock, LeaseOptions};
-    use leasehold_runtime::{Enqueued, Error, MemoryMarkers, MemoryQueue, Peeked, TriggerKind, TriggerQueue};
+    use leasehold_runtime::{
+        Enqueued, Error, MemoryMarkers, MemoryQueue, Peeked, Received, TriggerKind, TriggerQueue,
+    };
     use leasehold_storage::azure::BlobContainer;
     use leasehold_storage::{Op, OpCounters, StorageAccount, StoreError, StoreResult};
 
@@ -796,6 +1168,8 @@ mod tests {
         endless: Option<std::sync::atomic::AtomicU64>,
         /// Putting an entry back (a visibility of zero) fails this many more times, transiently.
         put_back_failures: std::sync::atomic::AtomicU32,
+        /// How long a get takes (of paused time).
+        get_takes: Duration,
     }
 
     impl Slow {
@@ -808,6 +1182,7 @@ mod tests {
                 deletes_not_found: false,
                 endless: None,
                 put_back_failures: 0.into(),
+                get_takes: Duration::ZERO,
             }
         }
     }
@@ -822,6 +1197,7 @@ mod tests {
             self.inner.put(body, delay).await
         }
         async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
+            tokio::time::sleep(self.get_takes).await;
             if let Some(gets) = &self.endless {
                 let n = gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 return Ok(vec![Received {
@@ -855,6 +1231,9 @@ mod tests {
             body: &str,
             v: Duration,
         ) -> StoreResult<String> {
+            self.inner.set_visibility(id, receipt, body, v).await
+        }
+        async fn update_visibility(&self, id: &str, receipt: &str, v: Duration) -> StoreResult<String> {
             if self.endless.is_some() {
                 return Ok("r".into());
             }
@@ -869,7 +1248,7 @@ mod tests {
                         .with_status(503, None),
                 );
             }
-            self.inner.set_visibility(id, receipt, body, v).await
+            self.inner.update_visibility(id, receipt, v).await
         }
         async fn approximate_len(&self) -> StoreResult<u64> {
             self.inner.approximate_len().await
@@ -1000,21 +1379,30 @@ mod tests {
         t.prior_attempts = 2;
         t.kind = TriggerKind::Sweep;
         let ours = PoisonMessage::new(t.encode(), Some(t.clone()), &Error::LeaseLost, 5);
-        let e = entry_of("m1".into(), None, &ours.encode());
+        let e = entry_of("m1".into(), None, &ours.encode(), Detail::Full);
         assert!(e.is_trigger);
         assert_eq!((e.attempts, e.kind.as_deref()), (7, Some("sweep")));
         assert_eq!(e.reason, "lease lost during the run");
         // The host's own move: a bare trigger.
-        let e = entry_of("m2".into(), None, &trigger("r2").encode());
+        let e = entry_of("m2".into(), None, &trigger("r2").encode(), Detail::Full);
         assert!(e.is_trigger && e.reason.contains("maxDequeueCount"));
         assert_eq!(e.attempts, 0);
         // Anything else is shown, not requeued.
-        let e = entry_of("m3".into(), None, &"x".repeat(10_000));
+        let e = entry_of("m3".into(), None, &"x".repeat(10_000), Detail::Full);
         assert!(!e.is_trigger);
         assert_eq!(e.body.unwrap(), format!("{} […]", "x".repeat(4096)));
         // Cut at a character boundary: 4,096 bytes of 3-byte characters keep 1,365 of them.
-        let e = entry_of("m4".into(), None, &"€".repeat(3_000));
+        let e = entry_of("m4".into(), None, &"€".repeat(3_000), Detail::Full);
         assert_eq!(e.body.unwrap(), format!("{} […]", "€".repeat(1365)));
+        // A listing holds a preview: 256 bytes of a body, 512 of a reason.
+        let e = entry_of("m3".into(), None, &"x".repeat(10_000), Detail::Preview);
+        assert_eq!(e.body.unwrap(), format!("{} […]", "x".repeat(256)));
+        let long = Error::Logic(leasehold_runtime::LogicError::new("y".repeat(5_000)));
+        let ours = PoisonMessage::new(t.encode(), Some(t.clone()), &long, 5).encode();
+        let e = entry_of("m5".into(), None, &ours, Detail::Preview);
+        assert_eq!(e.reason.len(), 512 + " […]".len());
+        let e = entry_of("m5".into(), None, &ours, Detail::Full);
+        assert!(e.reason.len() > 5_000);
     }
 
     #[test]
@@ -1026,14 +1414,23 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(both.check().unwrap_err().status(), 400);
-        let e = entry_of("m1".into(), None, &trigger("r1").encode());
+        let e = entry_of("m1".into(), None, &trigger("r1").encode(), Detail::Preview);
         assert!(PoisonSelection::all().selects(&e));
         assert!(PoisonSelection::ids(["m1".to_string()]).selects(&e));
         assert!(!PoisonSelection::ids(["m2".to_string()]).selects(&e));
         let scope = Scope::parse("account").ok();
         assert!(PoisonSelection::matching(scope.clone(), None).selects(&e));
         assert!(!PoisonSelection::matching(Scope::parse("contact").ok(), None).selects(&e));
-        assert!(PoisonSelection::matching(None, RecordId::parse("r1").ok()).selects(&e));
+        // A record without a scope is one of the scope "default", as everywhere else.
+        assert!(!PoisonSelection::matching(None, RecordId::parse("r1").ok()).selects(&e));
+        let in_default = entry_of(
+            "m9".into(),
+            None,
+            &TriggerMessage::new(Scope::default(), RecordId::parse("r1").unwrap()).encode(),
+            Detail::Preview,
+        );
+        assert!(PoisonSelection::matching(None, RecordId::parse("r1").ok()).selects(&in_default));
+        assert!(PoisonSelection::matching(scope.clone(), RecordId::parse("r1").ok()).selects(&e));
         assert!(PoisonSelection::matching(scope.clone(), None).check().is_ok());
         assert!(
             PoisonSelection::matching(None, RecordId::parse("r1").ok())
@@ -1053,12 +1450,13 @@ mod tests {
     #[test]
     fn entries_group_by_record_with_first_and_last_seen() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
-        let mut a = entry_of("m1".into(), Some(t0), &trigger("r1").encode());
+        let mut a = entry_of("m1".into(), Some(t0), &trigger("r1").encode(), Detail::Preview);
         a.reason = "first".into();
         let mut b = entry_of(
             "m2".into(),
             Some(t0 + Duration::from_secs(60)),
             &trigger("r1").encode(),
+            Detail::Preview,
         );
         b.reason = "second".into();
         b.attempts = 3;
@@ -1066,11 +1464,13 @@ mod tests {
             "m3".into(),
             Some(t0 + Duration::from_secs(30)),
             &trigger("r2").encode(),
+            Detail::Preview,
         );
         let mut older = entry_of(
             "m0".into(),
             Some(t0 - Duration::from_secs(10)),
             &trigger("r1").encode(),
+            Detail::Preview,
         );
         older.reason = "oldest".into();
         let records = by_record(&[a, b, c, older]);
@@ -1113,9 +1513,15 @@ mod tests {
         // Entries another reader holds hidden are not "more": every visible one is shown.
         let held = poison.inner.get(3, Duration::from_secs(30)).await.unwrap();
         let visible = op.poison_list(&PoisonQuery::default()).await.unwrap();
-        assert_eq!((visible.entries.len(), visible.complete), (7, true));
+        assert_eq!(
+            (visible.entries.len(), visible.complete, visible.hidden),
+            (7, true, 3)
+        );
         let scanned = op.poison_list(&PoisonQuery { limit: Some(100) }).await.unwrap();
-        assert_eq!((scanned.entries.len(), scanned.complete), (7, true));
+        assert_eq!(
+            (scanned.entries.len(), scanned.complete, scanned.hidden),
+            (7, true, 3)
+        );
         for m in held {
             poison
                 .inner
@@ -1316,39 +1722,314 @@ mod tests {
         );
     }
 
-    /// What a scan took comes back by itself if the scan dies: after its hiding, which is 2 s
-    /// a batch of 32 entries in the queue when that is longer than the set hiding.
+    /// A poison queue over a memory queue whose gets take a second: a scan of 2,000 entries
+    /// runs over a minute, longer than two hidings.
+    async fn deep(entries: usize) -> Arc<Slow> {
+        let poison = Arc::new(Slow {
+            get_takes: Duration::from_secs(1),
+            ..Slow::over(MemoryQueue::new("p", OpCounters::new()))
+        });
+        fill(&poison, (0..entries).map(|i| format!("r{i:04}"))).await;
+        poison
+    }
+
+    /// What a scan holds comes back by itself if the scan dies, within its short hiding (30 s)
+    /// however deep the queue and however long the scan ran: it hides entries again while it
+    /// runs, not for the whole scan up front.
     #[tokio::test(start_paused = true)]
-    async fn a_dead_scans_entries_come_back_when_its_hiding_ends() {
-        // In put order, so the entries the scan hid are at the front as soon as they are back.
-        let (queue, poison) = (slow("q", Duration::from_secs(1000), false), put_order("p"));
-        fill(&poison, (0..100).map(|i| format!("r{i:02}"))).await;
-        let op = operator(queue, poison.clone());
-        // Dies in its first put: the first batch of 32 is taken, hidden for 2 × 4 = 8 s.
+    async fn a_dead_scans_entries_are_back_within_its_short_hiding_however_deep_the_queue() {
+        let poison = deep(2000).await;
+        let op = operator(slow("q", Duration::ZERO, false), poison.clone()).with_scan_hide(SCAN_HIDE);
+        // It dies 45.5 s in, having taken 45 batches, the first of them longer ago than a hiding.
         let died = tokio::time::timeout(
-            Duration::from_millis(10),
-            op.poison_requeue(&PoisonSelection::all(), &|_| {}),
+            Duration::from_millis(45_500),
+            op.poison_list(&PoisonQuery { limit: Some(5000) }),
         )
         .await;
         assert!(died.is_err());
-        let front = || async {
-            let peeked = poison.inner.peek(1).await.unwrap();
-            TriggerMessage::decode(
-                &PoisonMessage::decode(&peeked[0].body)
-                    .unwrap()
-                    .trigger
-                    .unwrap()
-                    .encode(),
-            )
-            .unwrap()
-            .record_id
-            .to_string()
+        let death = Instant::now();
+        let held = 2000 - poison.inner.visible_len();
+        assert_eq!(held, 45 * 32, "it held all it took until it died");
+        let back = poison.inner.all_visible_at().unwrap();
+        assert!(
+            back <= death + SCAN_HIDE,
+            "every entry back within 30 s of the scan's death, not {:?}",
+            back - death
+        );
+        tokio::time::sleep(SCAN_HIDE).await;
+        assert_eq!(poison.inner.visible_len(), 2000);
+        assert_eq!(poison.inner.bodies().len(), 2000, "nothing lost");
+    }
+
+    /// A scan longer than its hiding hides its entries again in time: none comes round, each is
+    /// listed once, and all are visible at once at the end.
+    #[tokio::test(start_paused = true)]
+    async fn a_long_scan_hides_what_it_holds_again_in_time() {
+        let poison = deep(2000).await;
+        let op = operator(slow("q", Duration::ZERO, false), poison.clone()).with_scan_hide(SCAN_HIDE);
+        let started = Instant::now();
+        let list = op.poison_list(&PoisonQuery { limit: Some(5000) }).await.unwrap();
+        assert!(started.elapsed() > 2 * SCAN_HIDE, "{:?}", started.elapsed());
+        let ids: BTreeSet<&str> = list.entries.iter().map(|e| e.id.as_str()).collect();
+        assert_eq!((list.entries.len(), ids.len(), list.complete), (2000, 2000, true));
+        assert_eq!(poison.inner.visible_len(), 2000, "all put back at once");
+        // Taken once each by the scan (and once more here): none came round again.
+        let mut counts = BTreeSet::new();
+        loop {
+            let batch = poison.inner.get(32, Duration::from_secs(600)).await.unwrap();
+            if batch.is_empty() {
+                break;
+            }
+            counts.extend(batch.iter().map(|m| m.dequeue_count));
+        }
+        assert_eq!(counts, BTreeSet::from([2]));
+        // Each entry was hidden again about every 15 s it was held, one request each.
+        let updates = poison.inner.counters().snapshot().get(Op::QueueUpdate);
+        assert!((2000..12_000).contains(&updates), "{updates} updates");
+    }
+
+    /// Interrupted, a scan stops taking entries and puts back what it holds at once: a listing
+    /// answers "interrupted", a requeue reports what it did (never a trigger put without its
+    /// entry removed), and every other entry is visible again at once.
+    #[tokio::test(start_paused = true)]
+    async fn an_interrupted_scan_puts_back_what_it_holds_at_once() {
+        let poison = deep(500).await;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let op = operator(slow("q", Duration::ZERO, false), poison.clone())
+            .with_scan_hide(SCAN_HIDE)
+            .with_interrupt(stop.clone());
+        let listing = tokio::spawn({
+            let op = op.clone();
+            async move { op.poison_list(&PoisonQuery { limit: Some(5000) }).await }
+        });
+        tokio::time::sleep(Duration::from_millis(5_500)).await;
+        assert_eq!(poison.inner.visible_len(), 500 - 5 * 32);
+        stop.cancel();
+        let Err(answer) = listing.await.unwrap() else {
+            panic!("the listing was not interrupted");
         };
-        tokio::time::sleep(Duration::from_millis(7_900)).await;
-        assert_eq!(front().await, "r32", "still hidden just before 8 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_eq!(front().await, "r00", "back after 8 s");
-        assert_eq!(poison.inner.bodies().len(), 100, "nothing lost");
+        assert!(matches!(answer, OpsError::Interrupted(_)), "{answer}");
+        // The five batches taken, and the one whose take was under way: it lets that finish
+        // (the entries of a take cut off would stay hidden until their hiding ends).
+        assert!(
+            answer.to_string().contains("put back the 192 entries"),
+            "{answer}"
+        );
+        assert_eq!(poison.inner.visible_len(), 500, "all visible at once");
+
+        // A requeue whose puts take a second, interrupted in its fifth put: it finishes that
+        // entry (put, then remove), then stops.
+        let queue = slow("q", Duration::from_secs(1), false);
+        let poison = slow("p", Duration::ZERO, false);
+        fill(&poison, (0..100).map(|i| format!("r{i:02}"))).await;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let op = operator(queue.clone(), poison.clone())
+            .with_scan_hide(SCAN_HIDE)
+            .with_interrupt(stop.clone());
+        let requeue = tokio::spawn(async move { op.poison_requeue(&PoisonSelection::all(), &|_| {}).await });
+        tokio::time::sleep(Duration::from_millis(4_500)).await;
+        stop.cancel();
+        let report = requeue.await.unwrap().unwrap();
+        assert!(report.interrupted && !report.complete, "{}", report.message);
+        assert_eq!(report.requeued.len(), 5, "{}", report.message);
+        assert!(
+            report.message.contains("incomplete: interrupted"),
+            "{}",
+            report.message
+        );
+        assert_eq!(queue.inner.bodies().len(), 5);
+        assert_eq!(
+            (poison.inner.bodies().len(), poison.inner.visible_len()),
+            (95, 95)
+        );
+    }
+
+    /// A requeue or purge that cannot see every entry (another reader holds some hidden) says
+    /// so: incomplete, how many, and when to run it again. Run again then, it gets the rest.
+    #[tokio::test(start_paused = true)]
+    async fn a_pass_that_cannot_see_every_entry_says_it_is_incomplete() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        fill(&poison, (0..100).map(|i| format!("r{i:02}"))).await;
+        let op = operator(queue.clone(), poison.clone()).with_scan_hide(SCAN_HIDE);
+        // Another scan holds 40 (for 30 s).
+        let mut other = poison.inner.get(32, SCAN_HIDE).await.unwrap();
+        other.extend(poison.inner.get(8, SCAN_HIDE).await.unwrap());
+        let report = op.poison_requeue(&PoisonSelection::all(), &|_| {}).await.unwrap();
+        assert_eq!(report.requeued.len(), 60);
+        assert!(!report.complete, "{}", report.message);
+        assert_eq!(report.hidden, 40);
+        assert!(report.retry_after.is_some());
+        assert!(
+            report.message.contains("incomplete: 40 hidden, run again after "),
+            "{}",
+            report.message
+        );
+        // By id, every id found is complete, whatever else is hidden.
+        fill(&poison, std::iter::once("x1".to_string())).await;
+        let x1 = op.poison_list(&PoisonQuery::default()).await.unwrap().entries[0]
+            .id
+            .clone();
+        let by_id = op.poison_purge(&PoisonSelection::ids([x1])).await.unwrap();
+        assert!(by_id.complete && by_id.hidden == 0, "{}", by_id.message);
+        // An id not found while entries are hidden: it may be one of them.
+        let missing = op
+            .poison_purge(&PoisonSelection::ids(["nope".to_string()]))
+            .await
+            .unwrap();
+        assert!(!missing.complete && missing.hidden == 40, "{}", missing.message);
+        tokio::time::sleep(SCAN_HIDE).await;
+        let report = op.poison_purge(&PoisonSelection::all()).await.unwrap();
+        assert_eq!(report.purged.len(), 40);
+        assert!(report.complete && report.hidden == 0, "{}", report.message);
+        assert!(!report.message.contains("incomplete"), "{}", report.message);
+        assert!(poison.inner.bodies().is_empty());
+    }
+
+    /// A scan holds at most so many entries: a listing stops there and says so; a requeue of a
+    /// scope whose entries are behind more than that says it did not reach them.
+    #[tokio::test(start_paused = true)]
+    async fn a_scan_holds_at_most_so_many_entries() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        fill(&poison, (0..300).map(|i| format!("r{i:03}"))).await;
+        let op = operator(queue.clone(), poison.clone()).with_scan_hold_max(100);
+        let list = op.poison_list(&PoisonQuery { limit: Some(1000) }).await.unwrap();
+        // Whole batches: the fourth takes it to 128.
+        assert_eq!(
+            (list.entries.len(), list.capped, list.complete),
+            (128, true, false)
+        );
+        assert!(super::super::text::poison_list(&list).contains("the most one scan holds"));
+        assert_eq!(poison.inner.visible_len(), 300);
+        // The scope "other" is behind 300 entries of "account".
+        for i in 0..5 {
+            let t = TriggerMessage::new(
+                Scope::parse("other").unwrap(),
+                RecordId::parse(&format!("o{i}")).unwrap(),
+            );
+            let error = Error::Logic(leasehold_runtime::LogicError::new("boom"));
+            poison
+                .inner
+                .put(
+                    &PoisonMessage::new(t.encode(), Some(t), &error, 5).encode(),
+                    Duration::ZERO,
+                )
+                .await
+                .unwrap();
+        }
+        let report = op
+            .poison_requeue(
+                &PoisonSelection::matching(Scope::parse("other").ok(), None),
+                &|_| {},
+            )
+            .await
+            .unwrap();
+        assert!(
+            report.requeued.is_empty() && !report.complete,
+            "{}",
+            report.message
+        );
+        assert!(
+            report
+                .message
+                .contains("incomplete: it stopped after holding 100 entries"),
+            "{}",
+            report.message
+        );
+        assert_eq!(poison.inner.visible_len(), 305);
+        // With room to hold them, it gets there.
+        let report = operator(queue, poison.clone())
+            .poison_requeue(
+                &PoisonSelection::matching(Scope::parse("other").ok(), None),
+                &|_| {},
+            )
+            .await
+            .unwrap();
+        assert_eq!(report.requeued.len(), 5, "{}", report.message);
+        assert!(report.complete, "{}", report.message);
+    }
+
+    /// Entries that cannot be put back (after retries) are counted and said; they come back by
+    /// themselves when their short hiding ends.
+    #[tokio::test(start_paused = true)]
+    async fn entries_that_cannot_be_put_back_are_said_and_come_back_by_themselves() {
+        let poison = Arc::new(Slow {
+            put_back_failures: u32::MAX.into(),
+            ..Slow::over(MemoryQueue::new("p", OpCounters::new()))
+        });
+        fill(&poison, (0..40).map(|i| format!("r{i:02}"))).await;
+        poison.inner.put("not a trigger", Duration::ZERO).await.unwrap();
+        let op = operator(slow("q", Duration::ZERO, false), poison.clone()).with_scan_hide(SCAN_HIDE);
+        let list = op.poison_list(&PoisonQuery { limit: Some(100) }).await.unwrap();
+        assert_eq!((list.entries.len(), list.not_put_back), (41, 41));
+        assert!(
+            super::super::text::poison_list(&list).contains("41 could not be put back"),
+            "{}",
+            super::super::text::poison_list(&list)
+        );
+        assert!(poison.inner.all_visible_at().unwrap() <= Instant::now() + SCAN_HIDE);
+        tokio::time::sleep(SCAN_HIDE).await;
+        let report = op.poison_requeue(&PoisonSelection::all(), &|_| {}).await.unwrap();
+        assert_eq!((report.requeued.len(), report.not_put_back), (40, 1));
+        assert!(
+            report.message.contains("1 could not be put back"),
+            "{}",
+            report.message
+        );
+    }
+
+    /// What a logic wrote to its stderr reaches the operator's terminal escaped: no escape
+    /// sequence, carriage return or bidi override of a reason or body gets through `list` or
+    /// `show` as it is; the JSON carries the text exactly.
+    #[tokio::test(start_paused = true)]
+    async fn reasons_and_bodies_reach_a_terminal_escaped_and_json_exactly() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        let hostile = "boom\u{1b}]0;owned\u{7}\u{1b}[2J\rall fine \u{9b}31m\u{202e}txt.exe";
+        let t = trigger("r1");
+        let error = Error::Logic(leasehold_runtime::LogicError::new(hostile));
+        let entry = PoisonMessage::new(t.encode(), Some(t), &error, 5).encode();
+        poison.inner.put(&entry, Duration::ZERO).await.unwrap();
+        poison
+            .inner
+            .put(&format!("junk\u{1b}[31m{hostile}\nsecond line"), Duration::ZERO)
+            .await
+            .unwrap();
+        let op = operator(queue, poison);
+        let list = op.poison_list(&PoisonQuery::default()).await.unwrap();
+        let text = super::super::text::poison_list(&list);
+        let junk = list.entries.iter().find(|e| !e.is_trigger).unwrap();
+        let shown = [
+            super::super::text::poison_entry(&op.poison_show(&list.entries[0].id).await.unwrap()),
+            super::super::text::poison_entry(&op.poison_show(&junk.id).await.unwrap()),
+        ];
+        for out in [&text, &shown[0], &shown[1]] {
+            let raw: Vec<char> = out
+                .chars()
+                .filter(|c| (c.is_control() && *c != '\n') || *c == '\u{202e}')
+                .collect();
+            assert!(raw.is_empty(), "{raw:?} in {out}");
+            assert!(
+                out.contains("boom\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\u{d}all fine"),
+                "{out}"
+            );
+        }
+        assert!(shown[1].contains("junk\\u{1b}[31m"), "{}", shown[1]);
+        assert!(
+            shown[1].contains("\nsecond line"),
+            "show keeps line breaks: {}",
+            shown[1]
+        );
+        // The JSON is exact: it decodes to the very text.
+        let json: serde_json::Value = serde_json::from_str(&serde_json::to_string(&list).unwrap()).unwrap();
+        let reasons: Vec<&str> = json["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["reason"].as_str().unwrap())
+            .collect();
+        assert!(
+            reasons.contains(&format!("logic failed: {hostile}").as_str()),
+            "{reasons:?}"
+        );
     }
 
     /// Ids not in the queue are named, and the message counts what was done and what not.

@@ -3,7 +3,7 @@
 use std::fmt::Write;
 use std::time::SystemTime;
 
-use super::clock::readable;
+use super::clock::{readable, span};
 use super::{Overview, PoisonEntry, PoisonList, PurgeReport, QueueView, RecordView, RequeueReport, Skipped};
 
 fn when(at: Option<SystemTime>, now: SystemTime) -> String {
@@ -165,11 +165,11 @@ pub fn poison_list(list: &PoisonList) -> String {
         .iter()
         .map(|e| {
             vec![
-                e.id.clone(),
+                printable(&e.id, false),
                 record_name(e),
                 e.attempts.to_string(),
                 when(e.inserted_at, now),
-                one_line(&e.reason, 100),
+                printable(&one_line(&e.reason, 100), false),
             ]
         })
         .collect();
@@ -195,12 +195,35 @@ pub fn poison_list(list: &PoisonList) -> String {
             &rows,
         ));
     }
-    if !list.complete {
-        out.push(String::new());
-        out.push(format!(
+    let mut notes = Vec::new();
+    if list.capped {
+        notes.push(format!(
+            "showing the first {}: the most one scan holds at once (requeue and purge act on any number)",
+            list.entries.len()
+        ));
+    } else if !list.complete {
+        notes.push(format!(
             "showing the first {}; pass --limit N for more (over 32 takes the entries briefly and puts them back)",
             list.entries.len()
         ));
+    }
+    if list.hidden > 0 {
+        notes.push(format!(
+            "{} more hidden: another scan holds them (a scan's entries come back within {} of its end)",
+            list.hidden,
+            span(super::SCAN_HIDE)
+        ));
+    }
+    if list.not_put_back > 0 {
+        notes.push(format!(
+            "{} could not be put back: they come back by themselves within {}",
+            list.not_put_back,
+            span(super::SCAN_HIDE)
+        ));
+    }
+    if !notes.is_empty() {
+        out.push(String::new());
+        out.extend(notes);
     }
     out.join("\n")
 }
@@ -208,26 +231,30 @@ pub fn poison_list(list: &PoisonList) -> String {
 /// `leasehold poison show ID`.
 pub fn poison_entry(e: &PoisonEntry) -> String {
     let now = SystemTime::now();
+    let id = printable(&e.id, false);
     let mut out = vec![
-        format!("id           {}", e.id),
+        format!("id           {id}"),
         format!("record       {}", record_name(e)),
-        format!("kind         {}", e.kind.as_deref().unwrap_or("-")),
+        format!(
+            "kind         {}",
+            printable(e.kind.as_deref().unwrap_or("-"), false)
+        ),
         format!("given up     {}", when(e.inserted_at, now)),
         format!("attempts     {}", e.attempts),
-        format!("correlation  {}", e.correlation_id.as_deref().unwrap_or("-")),
-        format!("reason       {}", e.reason),
+        format!(
+            "correlation  {}",
+            printable(e.correlation_id.as_deref().unwrap_or("-"), false)
+        ),
+        format!("reason       {}", printable(&e.reason, true)),
     ];
     if let Some(body) = &e.body {
-        out.push(format!("body         {body}"));
+        out.push(format!("body         {}", printable(body, true)));
     }
     out.push(String::new());
     out.push(if e.is_trigger {
-        format!("requeue it: leasehold poison requeue {}", e.id)
+        format!("requeue it: leasehold poison requeue {id}")
     } else {
-        format!(
-            "it holds no trigger; remove it: leasehold poison purge {} --yes",
-            e.id
-        )
+        format!("it holds no trigger; remove it: leasehold poison purge {id} --yes")
     });
     out.join("\n")
 }
@@ -236,10 +263,19 @@ pub fn poison_entry(e: &PoisonEntry) -> String {
 pub fn requeue(r: &RequeueReport) -> String {
     let mut out = Vec::new();
     for q in &r.requeued {
-        out.push(format!("requeued {}/{} (entry {})", q.scope, q.record_id, q.id));
+        out.push(format!(
+            "requeued {}/{} (entry {})",
+            q.scope,
+            q.record_id,
+            printable(&q.id, false)
+        ));
     }
     for s in &r.skipped {
-        out.push(format!("skipped {}: {}", s.id, s.why));
+        out.push(format!(
+            "skipped {}: {}",
+            printable(&s.id, false),
+            printable(&s.why, false)
+        ));
     }
     outcome_lines(&mut out, &r.failed, &r.not_found, &r.message);
     out.join("\n")
@@ -255,19 +291,50 @@ pub fn purge(r: &PurgeReport) -> String {
 /// The lines both reports end with: what failed, what was not found, and the summary.
 fn outcome_lines(out: &mut Vec<String>, failed: &[Skipped], not_found: &[String], message: &str) {
     for f in failed {
-        out.push(format!("failed {}: {}", f.id, f.why));
+        out.push(format!(
+            "failed {}: {}",
+            printable(&f.id, false),
+            printable(&f.why, false)
+        ));
     }
     for id in not_found {
-        out.push(format!("not found: {id}"));
+        out.push(format!("not found: {}", printable(id, false)));
     }
-    out.push(message.to_string());
+    out.push(printable(message, false));
 }
 
 fn record_name(e: &PoisonEntry) -> String {
     match (&e.scope, &e.record_id) {
-        (Some(s), Some(r)) => format!("{s}/{r}"),
+        (Some(s), Some(r)) => printable(&format!("{s}/{r}"), false),
         _ => "(no trigger)".into(),
     }
+}
+
+/// `text` safe to print on a terminal: control characters (escape sequences, carriage returns,
+/// backspaces, C1 controls) and the invisible characters that reorder or hide text (bidi
+/// overrides and isolates, zero-width marks) are written as `\u{1b}`, so what a logic wrote
+/// to its stderr cannot move the cursor, recolour, retitle or rewrite the operator's screen.
+/// Line breaks are kept with `newlines` (else written `\n`), tabs always. The JSON output
+/// carries the text exactly.
+pub fn printable(text: &str, newlines: bool) -> String {
+    let unsafe_char = |c: char| {
+        (c.is_control() && c != '\t' && !(newlines && c == '\n'))
+            || matches!(c, '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
+    };
+    if !text.chars().any(unsafe_char) {
+        return text.to_string();
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if c == '\n' && !newlines {
+            out.push_str("\\n");
+        } else if unsafe_char(c) {
+            let _ = write!(out, "\\u{{{:x}}}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn one_line(text: &str, max: usize) -> String {
