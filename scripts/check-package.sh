@@ -79,6 +79,23 @@ assert "logic/bin/run.sh" in names, names
 assert not any("/." in n for n in names), f"dotfiles packed: {names}"
 print("package.sh --logic leaves dotfiles out")
 PY
+echo '{"Values":{"AzureWebJobsStorage":"secret"}}' >"$work/logic-dots/local.settings.json"
+dots_zip=$(scripts/package.sh --logic "$work/logic-dots" "$work/package-dots" 2>"$work/dots.err")
+python3 - "$dots_zip" <<'PY'
+import sys, zipfile
+assert "logic/local.settings.json" not in zipfile.ZipFile(sys.argv[1]).namelist()
+print("package.sh --logic leaves local.settings.json out")
+PY
+ln "$work/logic-dots/bin/run.sh" "$work/logic-dots/bin/hard.sh"
+if scripts/package.sh --logic "$work/logic-dots" "$work/package-link" >/dev/null 2>"$work/link.err"; then
+  echo "check-package: package.sh packed a hard-linked file" >&2; exit 1
+fi
+grep -q "hard link" "$work/link.err" || { echo "check-package: package.sh refused the hard link without saying why:" >&2; cat "$work/link.err" >&2; exit 1; }
+rm "$work/logic-dots/bin/hard.sh"
+if scripts/package.sh --logic "$work/logic-dots" "$work" >/dev/null 2>"$work/overlap.err"; then
+  echo "check-package: package.sh emptied an output directory that holds the logic folder" >&2; exit 1
+fi
+[ -f "$work/logic-dots/bin/run.sh" ] || { echo "check-package: package.sh deleted the logic folder" >&2; exit 1; }
 ln -s /etc/hostname "$work/logic-dots/bin/linked"
 if scripts/package.sh --logic "$work/logic-dots" "$work/package-link" >/dev/null 2>"$work/link.err"; then
   echo "check-package: package.sh packed a symbolic link" >&2; exit 1

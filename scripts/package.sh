@@ -10,8 +10,9 @@
 # Usage: scripts/package.sh [--logic DIR] [OUTPUT_DIR]   (default target/package; prints the zip's path)
 #   --logic DIR   also pack DIR's files under logic/ (mode bits kept), so the Function App's
 #                 LEASEHOLD_LOGIC_COMMAND can name them relative to the app root (logic/run.sh).
-#                 Dotfiles and dot-folders (.env, .git/) are left out, and said so; a symbolic
-#                 link is refused (it could pack a file from anywhere): copy the file in.
+#                 Dotfiles, dot-folders (.env, .git/) and local.settings.json are left out, and
+#                 said so; a symbolic or hard link is refused (it could pack a file from
+#                 anywhere): copy the file in. DIR itself is taken as the folder it resolves to.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 logic=""
@@ -19,9 +20,9 @@ args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --logic) [ $# -ge 2 ] || { echo "package.sh: --logic needs a directory" >&2; exit 2; }
-             logic=$(cd "$2" 2>/dev/null && pwd) || { echo "package.sh: --logic $2: no such directory" >&2; exit 2; }
+             logic=$(cd "$2" 2>/dev/null && pwd -P) || { echo "package.sh: --logic $2: no such directory" >&2; exit 2; }
              shift 2 ;;
-    --logic=*) d=${1#--logic=}; logic=$(cd "$d" 2>/dev/null && pwd) || { echo "package.sh: --logic $d: no such directory" >&2; exit 2; }
+    --logic=*) d=${1#--logic=}; logic=$(cd "$d" 2>/dev/null && pwd -P) || { echo "package.sh: --logic $d: no such directory" >&2; exit 2; }
              shift ;;
     -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) args+=("$1"); shift ;;
@@ -54,6 +55,10 @@ if [ "$(printf '%s\n%s\n' "$needed" "$glibc" | sort -t. -k1,1n -k2,2n | tail -n 
   exit 1
 fi
 
+# The output is emptied first: never when that would delete the logic folder (or the project).
+out_real=$(mkdir -p "$out" && cd "$out" && pwd -P)
+case "$logic/" in "$out_real"/*) echo "package.sh: the output directory $out holds the --logic folder; choose another" >&2; exit 2 ;; esac
+case "$root/" in "$out_real"/*) echo "package.sh: the output directory $out holds the project; choose another" >&2; exit 2 ;; esac
 rm -rf "$out"
 mkdir -p "$out"
 python3 - "$out/leasehold.zip" "$bin" "$logic" <<'PY'
@@ -81,20 +86,23 @@ if logic:
             if os.path.islink(path):
                 links.append(path)
                 continue
-            if name.startswith("."):
+            if name.startswith(".") or name == "local.settings.json":
                 left_out.append(os.path.relpath(path, logic))
                 continue
             if not os.path.isfile(path):
                 continue
+            if os.stat(path).st_nlink > 1:
+                links.append(path)
+                continue
             rel = os.path.relpath(path, logic).replace(os.sep, "/")
             entries.append(("logic/" + rel, path, stat.S_IMODE(os.stat(path).st_mode)))
     if links:
-        sys.exit("package.sh: --logic: refusing to pack a symbolic link (it could pack a file from anywhere, "
-                 "a key under ~/.ssh included); copy the file into the folder instead: "
-                 + ", ".join(f"{p} -> {os.readlink(p)}" for p in links))
+        sys.exit("package.sh: --logic: refusing to pack a symbolic link or a hard-linked file (it could pack a "
+                 "file from anywhere, a key under ~/.ssh included); copy the file into the folder instead: "
+                 + ", ".join(f"{p} -> {os.readlink(p)}" if os.path.islink(p) else f"{p} (hard link)" for p in links))
     if left_out:
-        print("package.sh: --logic: dotfiles and dot-folders are left out (they hold secrets and version-control "
-              "data; rename a file to pack it): " + ", ".join(left_out), file=sys.stderr)
+        print("package.sh: --logic: dotfiles, dot-folders and local.settings.json are left out (they hold secrets "
+              "and version-control data; rename a file to pack it): " + ", ".join(left_out), file=sys.stderr)
     if len(entries) == packed:
         sys.exit(f"package.sh: --logic {logic} holds no files")
 with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:

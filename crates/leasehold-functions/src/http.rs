@@ -73,6 +73,23 @@ pub fn handler_router(app: App) -> Router {
         .with_state(Arc::new(app))
 }
 
+/// A layer for the custom handler's port (loopback, and its one rightful client the Functions
+/// host, which sends no `Origin` and calls `127.0.0.1`): refuses with 403 what a web page in a
+/// developer's browser sends there ([`crate::start::refuse_web_pages`]), so a page cannot run
+/// the logic through `/Worker` with a `no-cors` POST while `func start` runs.
+pub async fn refuse_web_pages(request: Request, next: axum::middleware::Next) -> Response {
+    // Checked before the await, with nothing borrowed across it (a body is not `Sync`).
+    let refused = {
+        let value = |name: &str| request.headers().get(name).and_then(|v| v.to_str().ok());
+        crate::start::refuse_web_pages(value("origin"), value("host")).err()
+    };
+    if let Some(refused) = refused {
+        tracing::warn!(path = %request.uri().path(), error = %refused, "handler: request from a web page refused");
+        return json_response(403, json!({ "error": refused.to_string() }));
+    }
+    next.run(request).await
+}
+
 fn json_response(status: u16, body: Value) -> Response {
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (status, axum::Json(body)).into_response()
@@ -91,8 +108,13 @@ async fn answer_start(app: &App, request: Request) -> Response {
     // without a byte of its body being read.
     let mut body = body;
     if let Err(rejection) = check_head(&app.policy, &request) {
-        if matches!(rejection, Rejection::BodyTooLarge(_)) {
-            // Only once the key checked out (it is checked first): see `drain`.
+        // Only once the key checked out (it is checked first): see `drain`. Not when the client
+        // waits for `100 Continue` before it sends the body: reading would invite the upload.
+        let waits = parts
+            .headers
+            .get(axum::http::header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if matches!(rejection, Rejection::BodyTooLarge(_)) && !waits {
             drain(&mut body).await;
         }
         return refuse(rejection);

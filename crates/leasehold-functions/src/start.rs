@@ -71,6 +71,10 @@ pub struct StartPolicy {
     pub integration_user_ids: Vec<Uuid>,
     /// `LEASEHOLD_MAX_DEPTH`: Dataverse events deeper than this are ignored.
     pub max_depth: Option<u64>,
+    /// With no key: refuse what only a web page sends ([`refuse_web_pages`]). Set where Start
+    /// listens on loopback without a key (standalone); not behind a front end that
+    /// authenticates callers (`LEASEHOLD_INSECURE_NO_START_KEY`), whose `Host` is public.
+    pub refuse_web_pages: bool,
 }
 
 /// The parts of an HTTP request Start looks at.
@@ -289,8 +293,8 @@ pub fn check_head(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<(), Re
     if req.check_key && !key_accepted(policy, req.header("x-functions-key"), req.query("code")) {
         return Err(Rejection::WrongKey);
     }
-    if req.check_key && policy.api_key.is_none() {
-        from_a_program(req)?;
+    if req.check_key && policy.api_key.is_none() && policy.refuse_web_pages {
+        refuse_web_pages(req.header("origin"), req.header("host"))?;
     }
     let Some(ct) = req.header("content-type") else {
         return Err(Rejection::MissingContentType);
@@ -310,19 +314,21 @@ pub fn check_head(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<(), Re
     Ok(())
 }
 
-/// For a Start without a key: refuses a request a web page made. Browsers send `Origin` with
-/// every POST a page makes (cross-site or not); programs (Dataverse, a plug-in, curl) send none.
-/// A page that rebound its own DNS name to 127.0.0.1 is same-origin, but its requests carry its
-/// name as `Host`: only an IP address or `localhost` is taken.
-fn from_a_program(req: &StartRequest<'_>) -> Result<(), Rejection> {
-    if let Some(origin) = req.header("origin") {
+/// For a loopback endpoint without a key (Start, `/metrics`, the custom handler's port):
+/// refuses a request a web page made, given its `Origin` and `Host` headers. Browsers send
+/// `Origin` with every POST a page makes (cross-site or not, `no-cors` too); programs
+/// (Dataverse, a plug-in, curl, the Functions host) send none. A page that rebound its own DNS
+/// name to 127.0.0.1 is same-origin, but its requests carry its name as `Host`: only an IP
+/// address or `localhost` is taken.
+pub fn refuse_web_pages(origin: Option<&str>, host: Option<&str>) -> Result<(), Rejection> {
+    if let Some(origin) = origin {
         return Err(Rejection::FromAWebPage(format!(
             "a request from a web page (Origin {:?}) is refused: this Start has no key \
              (LEASEHOLD_API_KEY), so only programs on this machine may call it",
             printable(origin)
         )));
     }
-    if let Some(host) = req.header("host") {
+    if let Some(host) = host {
         let name = match host.strip_prefix('[') {
             Some(v6) => v6.split(']').next().unwrap_or(""),
             None => host.rsplit_once(':').map_or(host, |(name, _port)| name),
@@ -473,6 +479,7 @@ mod tests {
             allowed_organizations: vec![ORG.into(), "contoso".into()],
             integration_user_ids: vec![Uuid::parse_str(APP_USER).unwrap()],
             max_depth: Some(2),
+            refuse_web_pages: false,
         }
     }
 
@@ -485,7 +492,10 @@ mod tests {
     /// and a keyless Start refuses what only a page sends (Origin, a DNS name as Host).
     #[test]
     fn start_takes_json_only_and_a_keyless_start_refuses_web_pages() {
-        let open = StartPolicy::default();
+        let open = StartPolicy {
+            refuse_web_pages: true,
+            ..StartPolicy::default()
+        };
         let keyed = StartPolicy {
             api_key: Some("s3cret".into()),
             ..StartPolicy::default()
@@ -557,6 +567,13 @@ mod tests {
             ..head(&[json, ("origin", "https://crm.example"), ("host", "app.example")])
         };
         assert_eq!(check_head(&open, &hosted), Ok(()));
+        // Beyond loopback without a key (a front end authenticates callers, and `Host` is its
+        // public name): not a loopback endpoint, so no web-page check.
+        let fronted = StartPolicy::default();
+        assert_eq!(
+            check_head(&fronted, &head(&[json, ("host", "leasehold.example.com")])),
+            Ok(())
+        );
     }
 
     fn post(body: &Value) -> Decision {

@@ -571,8 +571,8 @@ async fn read_invocation(body: Body, deadline: Duration) -> Result<HostHttpReque
 
 /// The host's answer carrying `status` and `body` to the caller (the invocation itself
 /// succeeds: a 4xx for the caller is no failed invocation).
-fn host_answer(status: u16, body: &str, headers: &[(&str, &str)], log: String) -> Response {
-    let payload = handler::http_response(status, body, headers, vec![log]);
+fn host_answer(status: u16, body: &str, headers: &[(&str, &str)], log: Option<String>) -> Response {
+    let payload = handler::http_response(status, body, headers, log.into_iter().collect());
     with_headers(
         200,
         Body::from(payload.to_string()),
@@ -616,7 +616,10 @@ async fn invoke_ops(State(hosted): State<Arc<Hosted>>, request: Request) -> Resp
         };
         answer(&hosted.operator, &api).await
     };
-    let log = format!("ops: {} {} answered {}", req.method, hosted_path(&req), answer.0);
+    // A refused request writes no log line of the host's (anyone can make one: the handler's
+    // own line is throttled, see `Refusals`).
+    let log =
+        (answer.0 != 401).then(|| format!("ops: {} {} answered {}", req.method, hosted_path(&req), answer.0));
     host_answer(answer.0, &answer.1.to_string(), &API_HEADERS, log)
 }
 
@@ -646,7 +649,7 @@ async fn invoke_dashboard(State(hosted): State<Arc<Hosted>>, request: Request) -
         200,
         hosted.page.html(),
         &hosted.page.headers(),
-        "dashboard: page served".into(),
+        Some("dashboard: page served".into()),
     )
 }
 

@@ -252,7 +252,13 @@ impl Application {
             port,
             health: None,
             shutdown,
-            router: handler_router(app).merge(dashboard),
+            // Its port is loopback's: a page in a developer's browser (under `func start`) must
+            // not reach it.
+            router: handler_router(app)
+                .merge(dashboard)
+                .layer(axum::middleware::from_fn(
+                    leasehold_functions::http::refuse_web_pages,
+                )),
             consumer: None,
             description: "custom handler".into(),
             http,
@@ -317,12 +323,16 @@ impl Application {
             }
             tracing::warn!(%addr, "Start is open to anyone who can reach {addr}: no LEASEHOLD_API_KEY, and LEASEHOLD_INSECURE_NO_START_KEY is set");
         }
+        // A keyless Start refuses web pages where it is a loopback endpoint; beyond loopback
+        // (LEASEHOLD_INSECURE_NO_START_KEY) a front end answers under its public name.
+        let mut policy = settings.policy.clone();
+        policy.refuse_web_pages = addr.ip().is_loopback();
         let shutdown = CancellationToken::new();
         let runner = wiring.runner(logic, &settings);
         let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
         let sampler = wiring.sampler(&settings, false);
         let app = App {
-            policy: settings.policy.clone(),
+            policy: policy.clone(),
             queue: wiring.queue,
             poison: wiring.poison,
             runner,
@@ -335,7 +345,7 @@ impl Application {
             concurrency = settings.consumer.concurrency, max_connections = http.max_connections,
             "serving POST /api/start and consuming the queue");
         // GET /metrics, behind Start's key.
-        let router = standalone_router(app).merge(telemetry::router(settings.policy.clone()));
+        let router = standalone_router(app).merge(telemetry::router(policy));
         let router = match &settings.admin_key {
             Some(key) => {
                 let operator = Operator::new(&settings)?;

@@ -3,6 +3,8 @@
 pub mod admin;
 mod app;
 pub mod dataverse;
+#[cfg(unix)]
+pub mod init;
 pub mod ops;
 pub mod recent;
 mod server;

@@ -120,6 +120,18 @@ enum Command {
     Dataverse(leasehold::dataverse::DataverseCommand),
     /// Internal: runs a logic command in a process group of its own and stops the whole group
     /// on SIGTERM/SIGINT/SIGHUP, on a `stop` line or end of stdin, and when the command exits.
+    /// Run `leasehold ARGS` as a container's PID 1 (the image's entrypoint: `leasehold init --
+    /// serve`): forwards signals to it, reaps orphans, exits as it does. Unlike tini it is
+    /// non-dumpable, so a logic command cannot read the container's secrets from PID 1.
+    #[cfg(unix)]
+    #[command(
+        after_help = "Example (a container's entrypoint):\n  ENTRYPOINT [\"leasehold\", \"init\", \"--\"]\n  CMD [\"serve\"]"
+    )]
+    Init {
+        /// The leasehold subcommand and its arguments (after `--`).
+        #[arg(last = true, required = true, num_args = 1..)]
+        args: Vec<OsString>,
+    },
     /// The worker starts it for every LEASEHOLD_LOGIC_COMMAND run.
     #[command(hide = true)]
     Supervise {
@@ -264,9 +276,13 @@ fn main() -> std::process::ExitCode {
     protect_secrets();
     let cli = Cli::parse();
     // The supervisor of a logic command runs without the async runtime and without logging.
-    if let Some(Command::Supervise { grace_ms, command }) = cli.command {
-        return supervise(grace_ms, command);
-    }
+    // So do a container's init and the supervisor of a logic command.
+    let cli = match cli.command {
+        Some(Command::Supervise { grace_ms, command }) => return supervise(grace_ms, command),
+        #[cfg(unix)]
+        Some(Command::Init { args }) => return leasehold::init::run(args),
+        command => Cli { command, ..cli },
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -392,6 +408,8 @@ async fn run(cli: Cli) -> Result<()> {
             return Ok(());
         }
         Command::Supervise { .. } => bail!("`supervise` runs before the async runtime starts"),
+        #[cfg(unix)]
+        Command::Init { .. } => bail!("`init` runs before the async runtime starts"),
         Command::Dataverse(_) => unreachable!("handled above"),
     };
     let app = Application::build(settings, mode).await?;

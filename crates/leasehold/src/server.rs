@@ -15,6 +15,8 @@
 //!   ([`Deadlined`]). That one deadline covers a client that stops reading (no progress) and one
 //!   that reads a byte at a time (progress, but a response pending too long). Without it, a
 //!   client that pipelines requests and never reads its answers held its slot for ever.
+//! - **Connection age**: at most [`MAX_CONNECTION_AGE`] (then the request being answered is
+//!   finished and the connection closed), whatever it does.
 //! - **Requests per connection**: at most [`MAX_REQUESTS_PER_CONNECTION`]; the last one's
 //!   answer says `Connection: close`. With hyper's bounded read buffer (pipelined requests not
 //!   yet answered wait there, at most [`READ_BUFFER_BYTES`]), a pipelining client costs a bounded
@@ -27,8 +29,9 @@
 //!   client that sends nothing useful) instead of the process running out of descriptors, and
 //!   runs in progress keep their storage connections.
 //! - **Health**: with a health port set ([`serve_health`]), the liveness probe has a listener
-//!   of its own that a flood of the main port cannot starve, and whose few slots go to the newest
-//!   connections (a flood of the health port itself has to outpace the probe).
+//!   of its own that a flood of the main port cannot starve, and whose slots go to the newest
+//!   connections (a flood of the health port itself has to open 64 connections within the
+//!   milliseconds a probe takes; keep the port to the node, e.g. with a NetworkPolicy).
 //! - **Shutdown**: connections are told to finish; any still open after `shutdown_timeout` are
 //!   closed.
 
@@ -45,7 +48,6 @@ use axum::http::{HeaderValue, Request, header};
 use tower::ServiceExt;
 
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
@@ -80,8 +82,16 @@ const MIN_CONNECTIONS: usize = 8;
 /// Honest clients (the Functions host, Dataverse, a browser) reconnect without a fuss.
 pub const MAX_REQUESTS_PER_CONNECTION: usize = 1000;
 
-/// Connections the health listener keeps open at once; a newer one closes the oldest.
-const HEALTH_CONNECTIONS: usize = 4;
+/// Longest a connection is kept ([`HttpOptions::max_age`]'s default): past it, it finishes the
+/// request it is answering and closes. A client that sends a request now and then and never
+/// reads (its answers fitting in the socket buffers, so the write deadline never starts) held a
+/// slot for up to [`MAX_REQUESTS_PER_CONNECTION`] × the header deadline, hours; honest clients
+/// reconnect.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(300);
+
+/// Connections the health listener keeps open at once; a newer one closes the oldest. Enough
+/// that a flood would have to open this many within the few milliseconds a probe takes.
+const HEALTH_CONNECTIONS: usize = 64;
 
 /// The health listener's deadline for a request head and for its answer to be taken.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
@@ -99,6 +109,9 @@ pub struct HttpOptions {
     pub write_timeout: Duration,
     /// On shutdown, connections still open after this are closed.
     pub shutdown_timeout: Duration,
+    /// A connection older than this finishes the request it is answering and closes
+    /// ([`MAX_CONNECTION_AGE`]; not a setting).
+    pub max_age: Duration,
     /// Most connections open at once (before [`connection_bound`] caps it to the descriptors).
     pub max_connections: usize,
 }
@@ -110,6 +123,7 @@ impl Default for HttpOptions {
             body_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(10),
+            max_age: MAX_CONNECTION_AGE,
             max_connections: 1024,
         }
     }
@@ -173,7 +187,6 @@ pub async fn serve(
         .max_header_size(MAX_HEADER_BYTES)
         .max_headers(MAX_HEADERS)
         .max_buf_size(READ_BUFFER_BYTES);
-    let graceful = GracefulShutdown::new();
     let mut connections = JoinSet::new();
     loop {
         // A slot first: with every slot taken, further clients wait in the listen backlog.
@@ -187,9 +200,25 @@ pub async fn serve(
         while connections.try_join_next().is_some() {}
         let io = TokioIo::new(Deadlined::new(stream, options.write_timeout));
         let connection = http.serve_connection(io, counted(router.clone()));
-        let connection = graceful.watch(connection);
+        let stop = stop.clone();
+        let max_age = options.max_age;
         connections.spawn(async move {
-            if let Err(e) = connection.await {
+            let mut connection = std::pin::pin!(connection);
+            // At shutdown or at its age limit, the connection finishes the request it is
+            // answering (a Worker invocation's run included) and closes.
+            let ended = tokio::select! {
+                ended = connection.as_mut() => Some(ended),
+                () = stop.cancelled() => None,
+                () = tokio::time::sleep(max_age) => None,
+            };
+            let ended = match ended {
+                Some(ended) => ended,
+                None => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "http: connection closed with an error");
             }
             drop(slot);
@@ -197,8 +226,12 @@ pub async fn serve(
     }
     // Stop accepting: from here new connections are refused.
     drop(listener);
-    let open = graceful.count();
-    match tokio::time::timeout(options.shutdown_timeout, graceful.shutdown()).await {
+    let open = connections.len();
+    let drained = tokio::time::timeout(options.shutdown_timeout, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    match drained {
         Ok(()) => tracing::debug!(open, "http: every connection finished"),
         Err(_) => {
             tracing::warn!(
@@ -262,9 +295,9 @@ fn counted(
 /// Serves `GET /healthz` (`{"status":"ok"}`) on a listener of its own until `stop` fires: the
 /// liveness probe's, which a flood of the main listener cannot starve. It keeps at most
 /// [`HEALTH_CONNECTIONS`] connections, closing the oldest when a new one arrives (so a client
-/// holding connections open cannot keep the probe out: it would have to open them faster than
-/// the probe is answered), each with a 2 s deadline on its request head and on its answer, and
-/// one request per connection.
+/// holding connections open cannot keep the probe out: it would have to open that many faster
+/// than the probe is answered), each with a 2 s deadline on its request head and on its answer,
+/// and one request per connection.
 pub async fn serve_health(listener: TcpListener, stop: CancellationToken) {
     let router = axum::Router::new().route(
         "/healthz",
@@ -492,6 +525,51 @@ mod tests {
         server.shutdown().await.unwrap();
         drop(server);
         assert_eq!(reader.await.unwrap(), 500);
+    }
+
+    /// A client that sends a request every 200 ms, reading nothing, is closed at the age limit
+    /// (here 1 s), after its answers: without the limit it held its slot for as long as it kept
+    /// sending (the header deadline never fires, the answers fit in the socket buffers).
+    #[tokio::test]
+    async fn a_connection_is_closed_at_its_age_limit_whatever_it_does() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let router = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        let options = HttpOptions {
+            max_age: Duration::from_secs(1),
+            ..HttpOptions::default()
+        };
+        let stop = CancellationToken::new();
+        let server = tokio::spawn({
+            let stop = stop.clone();
+            async move { serve(listener, router, &options, stop).await }
+        });
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let (mut read, mut write) = stream.into_split();
+        let sender = tokio::spawn(async move {
+            while write
+                .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .is_ok()
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        let opened = std::time::Instant::now();
+        let mut answers = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), read.read_to_end(&mut answers))
+            .await
+            .expect("the connection is closed at its age limit")
+            .ok();
+        let answered = String::from_utf8_lossy(&answers).matches("200 OK").count();
+        assert!(
+            opened.elapsed() >= Duration::from_millis(900) && answered >= 3,
+            "closed after {:?} and {answered} answers",
+            opened.elapsed()
+        );
+        sender.abort();
+        stop.cancel();
+        server.await.unwrap();
     }
 
     #[test]

@@ -390,6 +390,9 @@ impl Settings {
             allowed_organizations: list(&raw.leasehold_allowed_organizations),
             integration_user_ids,
             max_depth,
+            // The safe side until the application knows where it listens (it lowers it off
+            // loopback: a front end that authenticates callers answers there).
+            refuse_web_pages: true,
         };
         let admin_key = raw.leasehold_admin_key.filter(|k| !k.is_empty()).map(Secret::new);
         if let (Some(admin), Some(start)) = (&admin_key, &policy.api_key)
@@ -444,6 +447,7 @@ impl Settings {
                 &raw.leasehold_http_max_connections,
                 http_defaults.max_connections,
             )?,
+            max_age: http_defaults.max_age,
         };
         if http.max_connections == 0 {
             bail!("LEASEHOLD_HTTP_MAX_CONNECTIONS must be at least 1");

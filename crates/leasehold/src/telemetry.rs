@@ -428,6 +428,16 @@ fn scrape(policy: &StartPolicy, headers: &HeaderMap, query: &[(String, String)])
         )
             .into_response();
     }
+    if policy.api_key.is_none() && policy.refuse_web_pages {
+        let value = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        if let Err(refused) = leasehold_functions::start::refuse_web_pages(value("origin"), value("host")) {
+            return (
+                StatusCode::FORBIDDEN,
+                axum::Json(serde_json::json!({ "error": refused.to_string() })),
+            )
+                .into_response();
+        }
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         install().prometheus.render(),

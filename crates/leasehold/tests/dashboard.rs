@@ -319,6 +319,21 @@ async fn the_custom_handler_serves_the_dashboard_functions() {
     assert_ne!(app.port, 0);
     let base = "https://app.azurewebsites.net/api";
 
+    // A web page in a developer's browser (under `func start`) is refused before anything runs:
+    // it sends Origin (a `no-cors` POST too), or a rebound DNS name as Host.
+    for headers in [
+        vec![("origin", "https://evil.example")],
+        vec![("host", "rebound.evil.example")],
+    ] {
+        let (status, answer) = post(
+            &app.url("/Ops"),
+            &invocation("GET", "", Some("overview"), None),
+            &headers,
+        )
+        .await;
+        assert_eq!(status, 403, "{headers:?}: {answer}");
+    }
+
     // The handler checks the key itself: without it, or with another, the caller gets 401 (the
     // invocation itself succeeds) and nothing is done.
     for key in ["", "wrong", START_KEY] {
@@ -336,6 +351,7 @@ async fn the_custom_handler_serves_the_dashboard_functions() {
         .await;
         assert_eq!(status, 200, "{answer}");
         assert_eq!(answer["Outputs"]["res"]["statusCode"], 401, "{key:?}: {answer}");
+        assert_eq!(answer["Logs"], json!([]), "a refusal writes no host log line");
         assert!(
             answer["Outputs"]["res"]["body"]
                 .as_str()

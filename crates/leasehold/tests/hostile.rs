@@ -573,9 +573,11 @@ async fn connections_held_open_on_the_health_port_do_not_keep_the_probe_out() {
 /// its memory through `/proc/<pid>/mem`, its descriptors, ptrace, and every process's
 /// environment) finds none of them.
 ///
-/// Root holds `CAP_SYS_PTRACE`, which reads any process whatever its flags; so, as the
-/// deployments do (`capabilities: drop: ["ALL"]` in deploy/keda), the binary runs without
-/// capabilities when the test runs as root.
+/// It runs as the container image does: `leasehold init -- serve`, init (PID 1 there) holding
+/// the whole environment. With tini as PID 1 instead, a logic read every key from
+/// `/proc/1/environ`. Root holds `CAP_SYS_PTRACE`, which reads any process whatever its flags;
+/// so, as the deployments do (`capabilities: drop: ["ALL"]` in deploy/keda), the binary runs
+/// without capabilities when the test runs as root.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_logic_cannot_read_the_workers_secrets() {
     use std::os::unix::fs::MetadataExt;
@@ -595,11 +597,13 @@ async fn a_logic_cannot_read_the_workers_secrets() {
                 "--bounding-set=-all",
                 "--",
                 common::BIN,
+                "init",
+                "--",
                 "serve",
             ],
         )
     } else {
-        common::leasehold(&["serve"])
+        common::leasehold(&["init", "--", "serve"])
     };
     let mut child = cmd
         .envs(common::serve_vars(
@@ -616,6 +620,17 @@ async fn a_logic_cannot_read_the_workers_secrets() {
         .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
         .spawn()
         .unwrap();
+    // Should the test fail first: SIGTERM to init (forwarded to serve) before the child's
+    // kill-on-drop SIGKILL, which would leave serve running.
+    struct StopInit(nix::unistd::Pid);
+    impl Drop for StopInit {
+        fn drop(&mut self) {
+            if nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGTERM).is_ok() {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+    let stop_init = StopInit(nix::unistd::Pid::from_raw(child.id().unwrap() as i32));
     let port = common::serve_port(&log).await;
     let (status, _) = common::post(
         &format!("http://127.0.0.1:{port}/api/start"),
@@ -632,8 +647,21 @@ async fn a_logic_cannot_read_the_workers_secrets() {
         text.ends_with("done\n").then_some(text)
     })
     .await;
-    child.start_kill().unwrap();
-    let _ = child.wait().await;
+    // SIGTERM to init reaches serve, which stops; init exits as it did.
+    let init = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(init, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(45), child.wait())
+        .await
+        .expect("init forwards SIGTERM and exits once serve has stopped")
+        .unwrap();
+    // Reaped: its pid may be anyone's now.
+    std::mem::forget(stop_init);
+    assert!(status.success(), "init exits as serve did: {status}");
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log_text.contains("stopped"),
+        "serve stopped gracefully: {log_text}"
+    );
     println!(
         "[hostile] the spy's report:\n{}",
         text.chars().take(6000).collect::<String>()
