@@ -117,9 +117,12 @@ async fn a_run_over_its_time_limit_is_cancelled_released_and_not_acknowledged() 
     };
     let runner = runner(&world, logic.clone(), options);
     let started = tokio::time::Instant::now();
-    let outcome = runner
-        .handle(&delivery("slow", 1), &CancellationToken::new())
-        .await;
+    let outcome = within(
+        Duration::from_secs(300),
+        "a run over its 90 s time limit",
+        runner.handle(&delivery("slow", 1), &CancellationToken::new()),
+    )
+    .await;
     assert_eq!(
         started.elapsed(),
         Duration::from_secs(90),
@@ -166,7 +169,9 @@ async fn a_run_that_loses_its_lease_is_told_at_once_and_not_acknowledged() {
         .await
         .unwrap();
     let broke_at = tokio::time::Instant::now();
-    let outcome = handle.await.unwrap();
+    let outcome = within(Duration::from_secs(300), "a run whose lease was broken", handle)
+        .await
+        .unwrap();
     // The next renewal (every 10 s) is refused: the run hears of it then, not at expiry.
     assert!(
         broke_at.elapsed() <= Duration::from_secs(10),
@@ -208,7 +213,9 @@ async fn a_failed_run_still_honours_triggers_that_arrived_during_it() {
         Outcome::Coalesced
     );
     cancel.cancel(); // the holder's run ends unsuccessfully
-    let outcome = holder.await.unwrap();
+    let outcome = within(Duration::from_secs(300), "a cancelled run", holder)
+        .await
+        .unwrap();
     assert!(
         matches!(
             outcome,
@@ -260,7 +267,9 @@ async fn a_redelivery_that_finds_the_lease_held_schedules_a_recheck_after_a_rene
         Duration::from_secs(15)
     );
     cancel.cancel();
-    holder.await.unwrap();
+    within(Duration::from_secs(300), "a cancelled run", holder)
+        .await
+        .unwrap();
 }
 
 /// A record id that cannot be part of a key never becomes a trigger, whoever wrote it: the
@@ -308,7 +317,9 @@ async fn a_trigger_that_keeps_failing_ends_in_the_poison_queue_with_its_reason()
     })
     .await;
     shutdown.cancel();
-    task.await.unwrap();
+    within(Duration::from_secs(300), "a consumer shutting down", task)
+        .await
+        .unwrap();
     let left: Vec<TriggerMessage> = world
         .queue
         .bodies()
@@ -373,7 +384,9 @@ async fn shutdown_finishes_short_runs_and_hands_back_long_ones() {
     started(&logic.started).await;
     let asked = tokio::time::Instant::now();
     shutdown.cancel();
-    task.await.unwrap();
+    within(Duration::from_secs(300), "a consumer shutting down", task)
+        .await
+        .unwrap();
     assert_eq!(
         asked.elapsed(),
         Duration::from_secs(5),
@@ -386,6 +399,16 @@ async fn shutdown_finishes_short_runs_and_hands_back_long_ones() {
         world.queue.next_visible_at().unwrap(),
         tokio::time::Instant::now()
     );
+}
+
+/// Awaits `run` for at most `limit` of simulated time, and fails there if it has not ended: a
+/// protocol fault that keeps a run from ending (a time limit not enforced, a lost lease not told,
+/// a shutdown that never hands back) must fail its test, not hang it. With time paused, the
+/// lease's renewals would otherwise move the clock on for ever and the test would never return.
+async fn within<T>(limit: Duration, what: &str, run: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(limit, run)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not end within {limit:?} of simulated time"))
 }
 
 /// Waits for a logic run to start; fails (instead of hanging) if none starts within a minute of

@@ -1640,3 +1640,208 @@ async fn a_delivery_dropped_mid_run_stops_keeping_its_message_hidden() {
     let back = store.queue().get(1, Duration::from_secs(1)).await.unwrap();
     assert_eq!(back.len(), 1, "the message came back");
 }
+
+/// A holder of `acct/r` whose run (of the fixture's logic) starts now, in a task of its own.
+fn holder_now(runner: &RecordRunner) -> tokio::task::JoinHandle<Outcome> {
+    let runner = runner.clone();
+    tokio::spawn(async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await })
+}
+
+/// Hardening, part four (a gap in the proof: one seed in 40,000 found it): a contender's marker
+/// put gets no answer and lands after the holder has released and looked at the marker. Its
+/// retry hears "already set" — of its own put. Taken at its word, the contender would coalesce
+/// onto a holder that has already looked: a marker nobody reads, the trigger lost. A retried put
+/// counts as created, so the contender makes its second acquire, wins it and runs.
+#[tokio::test(start_paused = true)]
+async fn a_contenders_marker_put_that_lands_after_the_holder_looked_still_gets_its_run() {
+    let (store, logic, runner) = fixture(Duration::from_secs(2), End::Succeed);
+    let holder = holder_now(&runner);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The put lands 5 s after it was sent, then times out; the holder ends at 2 s meanwhile.
+    store.then(Op::FlagPut, &[Act::SlowLoseAnswer(Duration::from_secs(5))]);
+    let arrived = Instant::now();
+    let contender = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    let first = holder.await.unwrap();
+    assert!(
+        matches!(
+            first,
+            Outcome::Completed {
+                retriggered: false,
+                ..
+            }
+        ),
+        "the holder looked before the put landed: {first:?}"
+    );
+    assert!(
+        matches!(contender, Outcome::Completed { .. }),
+        "the contender must run, not coalesce onto a holder that has looked: {contender:?}"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
+    assert!(logic.starts.lock().unwrap()[1] > arrived);
+    assert!(!marker_set(&store).await, "no marker left for nobody");
+    assert!(store.queue().bodies().is_empty());
+}
+
+/// Hardening, part four (a gap in the proof: one seed in 40,000 found it): a contender's second
+/// acquire is granted, but its answer is lost and every retry fails. The contender cannot know it
+/// holds a lease nobody renews, and its marker is set with the holder gone. Acknowledged as
+/// "coalesced", that marker is read by nobody; so the delivery fails instead, and its message
+/// comes back once the lease has lapsed, runs, and honours the marker.
+#[tokio::test(start_paused = true)]
+async fn a_contenders_second_acquire_granted_but_answered_with_an_error_is_not_acknowledged() {
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let holder = holder_now(&runner);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The contender's put lands after the holder has looked (at 1 s); its second acquire then
+    // takes the free lease, loses the answer, and all four retries fail.
+    store.then(Op::FlagPut, &[Act::Slow(Duration::from_secs(2))]);
+    let mut acquires = vec![Act::Slow(Duration::ZERO), Act::LoseAnswer];
+    acquires.extend([Act::Refuse(StoreErrorKind::Transient); 4]);
+    store.then(Op::LeaseAcquire, &acquires);
+    let arrived = Instant::now();
+    let contender = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(holder.await.unwrap(), Outcome::Completed { .. }));
+    assert!(
+        matches!(&contender, Outcome::Failed { error, .. } if error.is_storage()),
+        "{contender:?}"
+    );
+    assert!(
+        !contender.acknowledge(),
+        "a contender that may hold the lease must not leave its marker to nobody"
+    );
+    assert!(
+        held(&store).await,
+        "the granted acquire holds the lease; nobody renews it"
+    );
+    assert!(marker_set(&store).await);
+    // The message comes back after its visibility (40 s), when the lease has lapsed: it runs
+    // and its check after the release honours the marker.
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    let again = standalone(&runner, TriggerKind::Trigger, 2, 0).await;
+    assert!(matches!(again, Outcome::Completed { .. }), "{again:?}");
+    assert!(logic.starts.lock().unwrap().iter().any(|s| *s > arrived));
+    assert!(!marker_set(&store).await);
+}
+
+/// The contended path, won: the holder released and looked before the contender's put landed,
+/// so the contender's second acquire is granted; it clears its own marker (its run covers it)
+/// and runs once. Not clearing it would make its own check after the release find it and
+/// retrigger: a run more for no trigger.
+#[tokio::test(start_paused = true)]
+async fn a_contender_that_wins_its_second_acquire_clears_its_own_marker_and_runs_once() {
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let holder = holder_now(&runner);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.then(Op::FlagPut, &[Act::Slow(Duration::from_secs(2))]);
+    let contender = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    let first = holder.await.unwrap();
+    assert!(
+        matches!(
+            first,
+            Outcome::Completed {
+                retriggered: false,
+                ..
+            }
+        ),
+        "{first:?}"
+    );
+    assert!(
+        matches!(
+            contender,
+            Outcome::Completed {
+                retriggered: false,
+                ..
+            }
+        ),
+        "{contender:?}"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
+    assert!(!marker_set(&store).await);
+    assert!(
+        store.queue().bodies().is_empty(),
+        "no retrigger: nothing arrived during the contender's run"
+    );
+}
+
+/// The contended path, standing down: the contender's put lands before the holder looks, but its
+/// answer comes late, after the holder released, consumed the marker and queued a retrigger. The
+/// contender's second acquire is granted and its own marker is gone, so it stands down — as a
+/// holder: the holder's retrigger arrives during that short hold, finds the lease held and
+/// coalesces onto it. Standing down without looking at the marker after the release would drop
+/// that retrigger, and with it every trigger it stood for.
+#[tokio::test(start_paused = true)]
+async fn a_contender_that_stands_down_still_checks_the_marker_after_its_release() {
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let holder = holder_now(&runner);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The put lands at once and answers at 2.5 s; the contender's clear of its own marker (the
+    // second marker delete, after the holder's) answers 3 s late.
+    store.then(Op::FlagPut, &[Act::SlowAnswer(Duration::from_secs(2))]);
+    store.then(
+        Op::FlagDelete,
+        &[Act::Slow(Duration::ZERO), Act::SlowAnswer(Duration::from_secs(3))],
+    );
+    let arrived = Instant::now();
+    let contender = {
+        let runner = runner.clone();
+        tokio::spawn(async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await })
+    };
+    let first = holder.await.unwrap();
+    assert!(
+        matches!(
+            first,
+            Outcome::Completed {
+                retriggered: true,
+                ..
+            }
+        ),
+        "{first:?}"
+    );
+    // The holder's retrigger arrives while the contender holds the lease to stand down.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(held(&store).await, "the contender holds the lease");
+    let retrigger = take_only(&store, 1).await;
+    assert_eq!(retrigger.message.kind, TriggerKind::Retrigger);
+    let coalesced = runner.handle(&retrigger, &CancellationToken::new()).await;
+    assert_eq!(coalesced, Outcome::Coalesced);
+    let stood_down = contender.await.unwrap();
+    assert_eq!(stood_down, Outcome::Coalesced, "it stood down");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1, "only the holder ran so far");
+    // Its check after the release found the retrigger's marker and queued one more retrigger.
+    let next = take_only(&store, 1).await;
+    assert_eq!(next.message.kind, TriggerKind::Retrigger);
+    let ran = runner.handle(&next, &CancellationToken::new()).await;
+    assert!(matches!(ran, Outcome::Completed { .. }), "{ran:?}");
+    assert!(logic.starts.lock().unwrap()[1] > arrived);
+    assert!(!marker_set(&store).await);
+}
+
+/// A holder's check of the marker after its release removed a set marker, but its answer was lost
+/// and the retry found nothing: it retriggers anyway (an extra run is harmless, a lost trigger is
+/// not).
+#[tokio::test(start_paused = true)]
+async fn a_holders_marker_check_whose_answer_was_lost_retriggers() {
+    let (store, _logic, runner) = fixture(Duration::from_secs(2), End::Succeed);
+    let holder = holder_now(&runner);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        standalone(&runner, TriggerKind::Trigger, 1, 0).await,
+        Outcome::Coalesced
+    );
+    store.then(Op::FlagDelete, &[Act::LoseAnswer]);
+    let first = holder.await.unwrap();
+    assert!(
+        matches!(
+            first,
+            Outcome::Completed {
+                retriggered: true,
+                ..
+            }
+        ),
+        "{first:?}"
+    );
+    assert_eq!(
+        messages(&store).iter().map(|m| m.kind).collect::<Vec<_>>(),
+        [TriggerKind::Retrigger]
+    );
+}

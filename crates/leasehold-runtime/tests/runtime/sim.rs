@@ -20,7 +20,13 @@
 //! - the queue hands out visible messages in a seeded random order, not oldest first (half the
 //!   seeds, fault-free ones too: Azure promises no order, so the protocol must need none);
 //! - logic fails, panics, runs past its time limit, or is slow to stop (beyond its grace);
-//! - a record's logic keeps failing for a while, so triggers reach the poison limit (5).
+//! - a record's logic keeps failing for a while, so triggers reach the poison limit (5);
+//! - faults aimed at one step of the protocol ([`Aim`]: the contended path's second acquire, a new
+//!   holder's clear of its own marker and a holder's check after its release included): a request
+//!   that lands late, after its caller gave up and others looked; a request that took effect and
+//!   whose answer is lost (its retry may find its own effect), its retries sometimes failing too, so
+//!   a step that took effect answers with an error (a granted acquire); a request seconds slow to
+//!   land or to answer.
 //!
 //! Invariants checked on every seed: (1) no two runs of a record overlap and fencing tokens rise
 //! in run order; (2) every accepted trigger is followed by a completed run that started after it,
@@ -42,7 +48,7 @@ use leasehold_lock::{
 };
 use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerStore, MemoryMarkers,
+    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet, MarkerStore, MemoryMarkers,
     MemoryQueue, Outcome, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions,
     TriggerKind, TriggerMessage, TriggerQueue,
 };
@@ -90,6 +96,93 @@ pub enum Fault {
         host_death: bool,
         restart_after: Duration,
     },
+    /// The machine's next request at `aim` gets no answer within the client's time-out and takes
+    /// effect `late` after it was sent (10–14 s: after its caller gave up, before the retry, which
+    /// waits the late window): others may have looked in between, and the retry finds its effect.
+    LandLate {
+        machine: usize,
+        aim: Aim,
+        late: Duration,
+    },
+    /// The machine's next request at `aim` that changes something (an acquire granted, a marker
+    /// created or removed) takes effect and its answer is lost: the retry may find its own effect. With `failing_for`, requests of that kind from the
+    /// machine then fail (503) that long, so every retry fails and a step that took effect answers
+    /// with an error (a granted acquire, say).
+    LoseChange {
+        machine: usize,
+        aim: Aim,
+        failing_for: Duration,
+    },
+    /// The machine's next request at `aim` is slow, inside the client's time-out: it takes
+    /// `to_land` to take effect, or takes effect at once and its answer takes `to_answer` (one of
+    /// them 1–9 s). Others act in the window: a holder releases and looks before a contender's
+    /// marker lands, or a trigger finds the lease held while a new holder clears its marker.
+    Slow {
+        machine: usize,
+        aim: Aim,
+        to_land: Duration,
+        to_answer: Duration,
+    },
+}
+
+/// A step of the marker protocol, for faults aimed at it: a kind of request, and where one kind
+/// plays two parts, which part, told by the worker's previous lock or marker request on the
+/// record. (Every retried kind of request, whatever its part, already gets lost answers and
+/// outages aimed at it: [`Fault::LoseAnswer`], [`Fault::FailOp`]. These are the parts that decide
+/// who reads a marker, several of them rare: aimed at by kind alone, they would seldom be hit.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Aim {
+    /// A contender's second acquire: an acquire right after its marker put.
+    SecondAcquire,
+    /// A marker put (only contenders set markers).
+    MarkerPut,
+    /// A new holder's clear of its own marker before its run (a contender that won its second
+    /// acquire, a sweep): a marker delete right after an acquire.
+    OwnMarkerClear,
+    /// A holder's check of the marker after its release: a marker delete right after a release.
+    HolderCheck,
+}
+
+/// Every step a fault can be aimed at, in the order of the per-step counts.
+const AIMS: [Aim; 4] = [
+    Aim::SecondAcquire,
+    Aim::MarkerPut,
+    Aim::OwnMarkerClear,
+    Aim::HolderCheck,
+];
+
+impl Aim {
+    /// Whether a request of kind `op`, after the worker's previous request `prev` on the same
+    /// record, is this step.
+    fn matches(self, op: Op, prev: Option<Op>) -> bool {
+        match self {
+            Aim::SecondAcquire => op == Op::LeaseAcquire && prev == Some(Op::FlagPut),
+            Aim::MarkerPut => op == Op::FlagPut,
+            Aim::OwnMarkerClear => op == Op::FlagDelete && prev == Some(Op::LeaseAcquire),
+            Aim::HolderCheck => op == Op::FlagDelete && prev == Some(Op::LeaseRelease),
+        }
+    }
+
+    fn index(self) -> usize {
+        AIMS.iter().position(|a| *a == self).expect("every aim is listed")
+    }
+}
+
+/// The lock and marker requests that tell which step of the protocol comes next (see [`Aim`]).
+const STEP_OPS: [Op; 4] = [Op::LeaseAcquire, Op::LeaseRelease, Op::FlagPut, Op::FlagDelete];
+
+/// Whether a request's answer says it changed something: an acquire granted, a marker created or
+/// removed (any other request that succeeded).
+fn changed<T: 'static>(result: &StoreResult<T>) -> bool {
+    let Ok(value) = result else { return false };
+    let value = value as &dyn std::any::Any;
+    if let Some(set) = value.downcast_ref::<MarkerSet>() {
+        return *set == MarkerSet::Created;
+    }
+    if let Some(removed) = value.downcast_ref::<bool>() {
+        return *removed;
+    }
+    true
 }
 
 /// The requests an aimed crash can follow: every step of the lock, marker, queue and watchdog
@@ -292,6 +385,50 @@ impl Plan {
         faults.sort();
         // Drawn last of all, for every seed (reordering is no fault: Azure never promised order).
         let shuffled_delivery = rng.random_bool(0.5);
+        // Drawn after that, so every seed's plan keeps what it drew before: faults aimed at one
+        // step of the protocol, the contended path's own steps included (a second acquire, a clear
+        // of one's own marker), where a request that lands late, loses its answer after taking
+        // effect or answers slowly decides what the others see.
+        if faulty {
+            for class in 0..3 {
+                for _ in 0..rng.random_range(0..=3) {
+                    let machine = rng.random_range(0..machines);
+                    let aim = AIMS[rng.random_range(0..AIMS.len())];
+                    let fault = match class {
+                        0 => Fault::LandLate {
+                            machine,
+                            aim,
+                            late: CLIENT_TIMEOUT + Duration::from_millis(rng.random_range(0..LATE_MAX_MS)),
+                        },
+                        1 => Fault::LoseChange {
+                            machine,
+                            aim,
+                            failing_for: if rng.random_bool(0.5) {
+                                Duration::ZERO
+                            } else {
+                                Duration::from_millis(rng.random_range(20_000..40_000))
+                            },
+                        },
+                        _ => {
+                            let slow = Duration::from_millis(rng.random_range(1_000..9_000));
+                            let (to_land, to_answer) = if rng.random_bool(0.5) {
+                                (slow, Duration::ZERO)
+                            } else {
+                                (Duration::ZERO, slow)
+                            };
+                            Fault::Slow {
+                                machine,
+                                aim,
+                                to_land,
+                                to_answer,
+                            }
+                        }
+                    };
+                    faults.push((Duration::from_millis(rng.random_range(0..100_000)), fault));
+                }
+            }
+            faults.sort();
+        }
         Self {
             seed,
             mode,
@@ -393,6 +530,18 @@ pub struct FaultCounts {
     pub lost_answers: [u64; 6],
     /// Per retried step: requests failed by an outage of that step.
     pub failed_steps: [u64; 6],
+    /// Marker puts that landed after their caller gave up on them and after someone had looked at
+    /// the marker since they were sent (their retry answers "already set", though the put is the
+    /// caller's own, and the holder relied on has looked already).
+    pub puts_after_a_look: u64,
+    /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
+    pub landed_late: [u64; 4],
+    /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
+    pub lost_changes: [u64; 4],
+    /// Per aimed step: changes answered with an error, every retry failing.
+    pub failed_changes: [u64; 4],
+    /// Per aimed step: requests that took seconds to land or to answer ([`Fault::Slow`]).
+    pub slow: [u64; 4],
 }
 
 fn step_index(op: Op) -> usize {
@@ -404,7 +553,7 @@ fn step_index(op: Op) -> usize {
 
 impl FaultCounts {
     /// Name and value of each count, for the report.
-    pub fn rows(&self) -> Vec<(&'static str, u64)> {
+    pub fn rows(&self) -> Vec<(String, u64)> {
         let mut rows = vec![
             (
                 "worker process crashes (logic killed with it)",
@@ -478,6 +627,10 @@ impl FaultCounts {
                 "seeds whose queue hands out messages in random order",
                 self.shuffled_delivery,
             ),
+            (
+                "marker puts that landed late, after someone looked (the retry answers 'already set')",
+                self.puts_after_a_look,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -497,6 +650,29 @@ impl FaultCounts {
         ];
         rows.extend(LOST.iter().zip(self.lost_answers).map(|(n, v)| (*n, v)));
         rows.extend(FAILED.iter().zip(self.failed_steps).map(|(n, v)| (*n, v)));
+        let mut rows: Vec<(String, u64)> = rows.into_iter().map(|(n, v)| (n.to_string(), v)).collect();
+        const STEPS: [&str; 4] = [
+            "a contender's second acquire",
+            "a marker put",
+            "a new holder's clear of its own marker",
+            "a holder's marker check after its release",
+        ];
+        for (class, counts) in [
+            ("requests that landed late (10-14 s) at", self.landed_late),
+            ("changes whose answer was lost (retried) at", self.lost_changes),
+            (
+                "changes answered with an error (every retry failing) at",
+                self.failed_changes,
+            ),
+            ("requests 1-9 s slow to land or to answer at", self.slow),
+        ] {
+            rows.extend(
+                STEPS
+                    .iter()
+                    .zip(counts)
+                    .map(|(step, v)| (format!("{class} {step}"), v)),
+            );
+        }
         rows
     }
 
@@ -534,8 +710,13 @@ impl FaultCounts {
             detached_logic: v[24],
             conditional_sweeps: v[25],
             shuffled_delivery: v[26],
+            puts_after_a_look: v[27],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
+            landed_late: std::array::from_fn(|i| self.landed_late[i] + other.landed_late[i]),
+            lost_changes: std::array::from_fn(|i| self.lost_changes[i] + other.lost_changes[i]),
+            failed_changes: std::array::from_fn(|i| self.failed_changes[i] + other.failed_changes[i]),
+            slow: std::array::from_fn(|i| self.slow[i] + other.slow[i]),
         };
     }
 }
@@ -610,6 +791,11 @@ pub struct World {
     crash_armed: Mutex<HashMap<usize, Fault>>,
     /// Per machine: the kinds of request whose next answer is lost ([`Fault::LoseAnswer`]).
     lose_armed: Mutex<HashMap<usize, Vec<Op>>>,
+    /// Per machine: faults aimed at a step of the protocol, waiting for it ([`Fault::LandLate`],
+    /// [`Fault::LoseChange`], [`Fault::Slow`]).
+    aim_armed: Mutex<HashMap<usize, Vec<Fault>>>,
+    /// Per record: when a marker delete last landed (someone looked at the marker).
+    marker_looked: Mutex<HashMap<String, Instant>>,
     /// Per machine and kind of request: failing until this instant ([`Fault::FailOp`]).
     failing: Mutex<HashMap<(usize, Op), Instant>>,
     /// Per machine: the generation of its current worker.
@@ -657,6 +843,9 @@ struct Node {
     /// A worker's requests (not the emulated host's) are where aimed crashes fire: those of
     /// the machine's current worker, `Some(its generation)`, not of one still shutting down.
     aimable: Option<u64>,
+    /// Per record: this worker's latest lock or marker request ([`STEP_OPS`]), which tells the
+    /// step of the protocol its next one is ([`Aim`]).
+    steps: Arc<Mutex<HashMap<String, Op>>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -673,10 +862,19 @@ impl Node {
     }
 
     /// `late`: whether a request that got no answer may still land afterwards.
-    async fn call_with<T: Send + 'static>(&self, op: Op, effect: Effect<T>, late: bool) -> StoreResult<T> {
+    async fn call_with<T: Send + 'static>(
+        &self,
+        op: Op,
+        target: &str,
+        effect: Effect<T>,
+        late: bool,
+    ) -> StoreResult<T> {
         self.pend_if_dead().await;
         self.counters.record(op);
         let world = &self.world;
+        let (record, prev) = self.step(op, target);
+        let sent = Instant::now();
+        let effect = self.landing(op, record, sent, effect);
         if world.partitioned(self.machine) || world.chance(0.002) {
             // No answer within the client's time-out; the request may still land afterwards.
             {
@@ -693,6 +891,23 @@ impl Node {
                     let _ = effect.await;
                 });
             }
+            tokio::time::sleep(CLIENT_TIMEOUT).await;
+            self.pend_if_dead().await;
+            return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
+        }
+        if let Some(Fault::LandLate { aim, late, .. }) = self.take_aimed(op, prev, |f| match f {
+            Fault::LandLate { aim, .. } => Some(*aim),
+            _ => None,
+        }) {
+            {
+                let mut j = world.journal.lock().unwrap();
+                j.counts.landed_late[aim.index()] += 1;
+                j.timeouts.push(Instant::now());
+            }
+            tokio::spawn(async move {
+                tokio::time::sleep(late).await;
+                let _ = effect.await;
+            });
             tokio::time::sleep(CLIENT_TIMEOUT).await;
             self.pend_if_dead().await;
             return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
@@ -718,6 +933,25 @@ impl Node {
                 StoreError::new(StoreErrorKind::Transient, op, "injected before").with_status(503, None)
             );
         }
+        let mut slow_answer = Duration::ZERO;
+        if let Some(Fault::Slow {
+            aim,
+            to_land,
+            to_answer,
+            ..
+        }) = self.take_aimed(op, prev, |f| match f {
+            Fault::Slow { aim, .. } => Some(*aim),
+            _ => None,
+        }) {
+            {
+                let mut j = world.journal.lock().unwrap();
+                j.counts.slow[aim.index()] += 1;
+                j.timeouts.push(Instant::now());
+            }
+            tokio::time::sleep(to_land).await;
+            self.pend_if_dead().await;
+            slow_answer = to_answer;
+        }
         let result = effect.await;
         let took = self.note_taken(op, &result);
         self.crash_if_aimed_at(op).await;
@@ -725,6 +959,38 @@ impl Node {
             tokio::time::sleep(CLIENT_TIMEOUT).await;
             self.pend_if_dead().await;
             return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
+        }
+        if changed(&result)
+            && let Some(Fault::LoseChange { aim, failing_for, .. }) = self.take_aimed(op, prev, |f| match f {
+                Fault::LoseChange { aim, .. } => Some(*aim),
+                _ => None,
+            })
+        {
+            let now = Instant::now();
+            {
+                let mut j = world.journal.lock().unwrap();
+                j.timeouts.push(now);
+                if failing_for.is_zero() {
+                    j.counts.lost_changes[aim.index()] += 1;
+                } else {
+                    j.counts.failed_changes[aim.index()] += 1;
+                    j.step_outages.push((now, now + failing_for));
+                }
+            }
+            if !failing_for.is_zero() {
+                world
+                    .failing
+                    .lock()
+                    .unwrap()
+                    .insert((self.machine, op), now + failing_for);
+            }
+            tokio::time::sleep(CLIENT_TIMEOUT).await;
+            self.pend_if_dead().await;
+            return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
+        }
+        if !slow_answer.is_zero() {
+            tokio::time::sleep(slow_answer).await;
+            self.pend_if_dead().await;
         }
         if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
             println!(
@@ -747,6 +1013,66 @@ impl Node {
             return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
         }
         result
+    }
+
+    /// The record a lock or marker request is about, and this worker's previous such request on
+    /// it (which tells the step of the protocol this one is); notes this one as the latest.
+    fn step(&self, op: Op, target: &str) -> (Option<String>, Option<Op>) {
+        if !STEP_OPS.contains(&op) || self.aimable.is_none() {
+            return (None, None);
+        }
+        let record = target
+            .strip_prefix(leasehold_lock::LOCK_PREFIX)
+            .unwrap_or(target)
+            .to_string();
+        let prev = self.steps.lock().unwrap().insert(record.clone(), op);
+        (Some(record), prev)
+    }
+
+    /// The request's effect, noting when it lands: a marker delete is someone looking at the
+    /// marker; a marker put that lands after its caller gave up on it and creates the marker
+    /// after someone looked since it was sent is counted (the caller's retry hears "already set"
+    /// of its own put, and the holder it relied on has looked already).
+    fn landing<T: Send + 'static>(
+        &self,
+        op: Op,
+        record: Option<String>,
+        sent: Instant,
+        effect: Effect<T>,
+    ) -> Effect<T> {
+        let Some(record) = record.filter(|_| matches!(op, Op::FlagPut | Op::FlagDelete)) else {
+            return effect;
+        };
+        let world = self.world.clone();
+        Box::pin(async move {
+            let result = effect.await;
+            let now = Instant::now();
+            let mut looked = world.marker_looked.lock().unwrap();
+            if op == Op::FlagDelete {
+                looked.insert(record, now);
+            } else if now >= sent + CLIENT_TIMEOUT
+                && changed(&result)
+                && looked.get(&record).is_some_and(|t| *t > sent)
+            {
+                drop(looked);
+                world.count(|c| c.puts_after_a_look += 1);
+            }
+            result
+        })
+    }
+
+    /// The first fault armed for this machine of the class `class` picks out (by its aim) whose
+    /// step this request is: taken, it fires once.
+    fn take_aimed(&self, op: Op, prev: Option<Op>, class: impl Fn(&Fault) -> Option<Aim>) -> Option<Fault> {
+        if !self.world.faults.load(Ordering::SeqCst) || self.aimable.is_none() {
+            return None;
+        }
+        let mut armed = self.world.aim_armed.lock().unwrap();
+        let faults = armed.get_mut(&self.machine)?;
+        let i = faults
+            .iter()
+            .position(|f| class(f).is_some_and(|aim| aim.matches(op, prev)))?;
+        Some(faults.remove(i))
     }
 
     /// A lost answer armed for this machine and `op` fires (the request took effect): says so.
@@ -837,14 +1163,14 @@ impl Node {
 
 #[async_trait]
 impl Interceptor for Node {
-    async fn call<T: Send + 'static>(&self, op: Op, _target: &str, effect: Effect<T>) -> StoreResult<T> {
+    async fn call<T: Send + 'static>(&self, op: Op, target: &str, effect: Effect<T>) -> StoreResult<T> {
         if matches!(op, Op::QueuePeek | Op::QueueProperties) {
             // Only operators' tools look at the queue's length: no faults, not counted.
             return effect.await;
         }
         // No late landings for gets: a get whose answer is lost already hides what it took for
         // a whole visibility period without an owner (see `note_taken`); late, it is the same.
-        self.call_with(op, effect, op != Op::QueueGet).await
+        self.call_with(op, target, effect, op != Op::QueueGet).await
     }
 
     fn counters(&self) -> &OpCounters {
@@ -1286,8 +1612,9 @@ pub struct Report {
     pub fingerprint: u64,
 }
 
-/// A broken invariant, by kind.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A broken invariant, by kind (ordered by kind, then text: a seed's report lists them sorted, so
+/// two runs of one seed report the same list whatever order the checks met them in).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Violation {
     Overlap(String),
     Fencing(String),
@@ -1487,6 +1814,7 @@ impl Sim {
             alive: alive.clone(),
             counters: self.counters.clone(),
             aimable: Some(generation),
+            steps: Arc::default(),
         };
         let (store, markers, queue) = node.stores();
         let queue: Arc<dyn TriggerQueue> = Arc::new(NotingQueue {
@@ -1558,6 +1886,7 @@ impl Sim {
             alive: alive.clone(),
             counters: self.counters.clone(),
             aimable: None,
+            steps: Arc::default(),
         };
         let (_, _, queue) = node.stores();
         let task = tokio::spawn(host(
@@ -1622,6 +1951,8 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         dead_at: Mutex::default(),
         crash_armed: Mutex::default(),
         lose_armed: Mutex::default(),
+        aim_armed: Mutex::default(),
+        marker_looked: Mutex::default(),
         failing: Mutex::default(),
         current_worker: Mutex::default(),
         crash_now,
@@ -1827,6 +2158,19 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
                     .entry(machine)
                     .or_default()
                     .push(op);
+            }
+            Step::Fault(
+                fault @ (Fault::LandLate { machine, .. }
+                | Fault::LoseChange { machine, .. }
+                | Fault::Slow { machine, .. }),
+            ) => {
+                world
+                    .aim_armed
+                    .lock()
+                    .unwrap()
+                    .entry(machine)
+                    .or_default()
+                    .push(fault);
             }
             Step::Fault(Fault::FailOp { machine, op, length }) => {
                 world.failing.lock().unwrap().insert((machine, op), now + length);
@@ -2302,6 +2646,9 @@ fn check(plan: &Plan, world: &World) -> Report {
             );
         }
     }
+    // The checks walk hash maps (runs by record): sorted, a seed's violations are the same list
+    // on every run of it.
+    violations.sort();
     let mut fingerprint = 0xcbf29ce484222325u64;
     for r in &j.runs {
         for v in [
