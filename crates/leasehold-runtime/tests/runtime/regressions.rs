@@ -1260,6 +1260,10 @@ async fn every_delivery_logs_its_outcome_with_the_record() {
         .finish();
     // The test's runtime has one thread: every task logs through this subscriber.
     let _guard = tracing::subscriber::set_default(subscriber);
+    // Other tests of this binary, on other threads, run with no subscriber: a callsite first hit
+    // there is cached as "never" for every thread, and this test's line went missing (2 runs in
+    // 8 with the suite). Asking again makes this thread's subscriber count.
+    tracing::callsite::rebuild_interest_cache();
 
     let (_store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
