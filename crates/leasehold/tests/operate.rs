@@ -20,18 +20,43 @@ use leasehold_storage::azure::BlobContainer;
 use leasehold_test_support::{Azurite, eventually, unique_name, unless_transient};
 use serde_json::Value;
 
-/// One isolated deployment: its own queue and container.
+/// One isolated deployment: its own queue and container, on the shared Azurite or (for the
+/// tests that scan thousands of entries) on one of their own.
 struct Env {
     queue: String,
     container: String,
+    azurite: &'static Azurite,
 }
+
+/// The Azurite of the tests that scan thousands of entries: with them on the shared one, the
+/// other tests' requests went unanswered for a minute (Azurite's backlog under the scans' hides
+/// and renewals), and failed. It exits with this process.
+static HEAVY_AZURITE: std::sync::OnceLock<Azurite> = std::sync::OnceLock::new();
 
 impl Env {
     fn new() -> Self {
         Self {
             queue: unique_name("triggers"),
             container: unique_name("locks"),
+            azurite: Azurite::shared(),
         }
+    }
+
+    /// A deployment on the heavy tests' own Azurite.
+    fn heavy() -> Self {
+        Self {
+            azurite: HEAVY_AZURITE.get_or_init(|| Azurite::start().expect("an Azurite of their own")),
+            ..Self::new()
+        }
+    }
+
+    /// What the binary needs to reach this deployment.
+    fn storage_vars(&self) -> Vec<(String, String)> {
+        vec![
+            ("AzureWebJobsStorage".into(), self.azurite.connection_string()),
+            ("LEASEHOLD_QUEUE".into(), self.queue.clone()),
+            ("LEASEHOLD_CONTAINER".into(), self.container.clone()),
+        ]
     }
 
     fn settings_with(&self, connection: String) -> leasehold::Settings {
@@ -44,7 +69,7 @@ impl Env {
     }
 
     fn settings(&self) -> leasehold::Settings {
-        self.settings_with(Azurite::shared().connection_string())
+        self.settings_with(self.azurite.connection_string())
     }
 
     fn operator(&self) -> Operator {
@@ -52,11 +77,15 @@ impl Env {
     }
 
     fn poison(&self) -> AzureQueue {
-        common::queue(&poison_queue_name(&self.queue))
+        AzureQueue::new(
+            &self.azurite.account(),
+            &poison_queue_name(&self.queue),
+            OpCounters::new(),
+        )
     }
 
     fn lock(&self, holder: &str) -> LeaseLock {
-        let store = AzureBlobStore::new(&Azurite::shared().account(), &self.container, OpCounters::new());
+        let store = AzureBlobStore::new(&self.azurite.account(), &self.container, OpCounters::new());
         let options = LeaseOptions {
             holder: holder.into(),
             ..LeaseOptions::default()
@@ -70,7 +99,7 @@ impl Env {
         let bin = std::env::var("LEASEHOLD_OPERATE_BIN").unwrap_or_else(|_| common::BIN.to_string());
         let mut command = common::command(bin, args);
         command
-            .envs(common::storage_vars(&self.queue, &self.container))
+            .envs(self.storage_vars())
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
@@ -103,7 +132,7 @@ impl Env {
     /// The binary with this deployment's settings; its stdout, and whether it succeeded.
     async fn run(&self, args: &[&str]) -> (bool, String) {
         let out = common::leasehold(args)
-            .envs(common::storage_vars(&self.queue, &self.container))
+            .envs(self.storage_vars())
             .env("RUST_LOG", "warn")
             .output()
             .await
@@ -724,7 +753,7 @@ static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_scans_entries_are_visible_again_within_its_short_hiding() {
     let _turn = HEAVY.lock().await;
-    let env = Env::new();
+    let env = Env::heavy();
     env.fill_poison(2000, "boom").await;
     let mut child = a_scan_under_way(&env, 300).await;
     child.start_kill().unwrap();
@@ -799,7 +828,7 @@ async fn a_requeue_that_cannot_see_every_entry_says_it_is_incomplete() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_during_a_scan_puts_back_what_it_took() {
     let _turn = HEAVY.lock().await;
-    let env = Env::new();
+    let env = Env::heavy();
     env.fill_poison(2000, "boom").await;
     let child = a_scan_under_way(&env, 300).await;
     nix::sys::signal::kill(
