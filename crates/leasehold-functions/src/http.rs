@@ -114,7 +114,12 @@ async fn answer_start(app: &App, request: Request) -> Response {
             .headers
             .get(axum::http::header::EXPECT)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        if matches!(rejection, Rejection::BodyTooLarge(_)) && !waits {
+        // Nor when more is declared than could be drained: the client meets a reset either way,
+        // so it gets its answer at once.
+        if let Rejection::BodyTooLarge(declared) = rejection
+            && !waits
+            && declared <= MAX_BODY_BYTES + DRAIN_BYTES
+        {
             drain(&mut body).await;
         }
         return refuse(rejection);

@@ -404,16 +404,18 @@ async fn a_client_that_sends_an_oversized_body_before_reading_gets_its_413() {
     app.stop().await;
 }
 
-/// A client that pipelines `GET /healthz` without end and never reads an answer: a small
-/// receive buffer, so the server's writes block early. Returns the half it never reads from
-/// (read it to see what the server sent, and whether it closed) and the writing task.
+/// A client that pipelines `GET /admin` (the dashboard's page, tens of KiB) without end and
+/// never reads an answer: a small receive buffer, and answers large enough that the server's
+/// writes block long before the request bound (1,000 small answers fit in a loopback socket's
+/// send buffer). Returns the half it never reads from (read it to see what the server sent, and
+/// whether it closed) and the writing task.
 async fn slow_reader(port: u16) -> (tokio::net::tcp::OwnedReadHalf, tokio::task::JoinHandle<()>) {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let stream = socket.connect(([127, 0, 0, 1], port).into()).await.unwrap();
     let (read, mut write) = stream.into_split();
     let writer = tokio::spawn(async move {
-        let request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(100);
+        let request = b"GET /admin HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(100);
         // Until the server closes the connection (or the test ends).
         while write.write_all(&request).await.is_ok() {}
     });
@@ -449,6 +451,8 @@ async fn clients_that_never_read_their_answers_are_closed_at_the_write_deadline_
         ("LEASEHOLD_HTTP_MAX_CONNECTIONS", "8"),
         ("LEASEHOLD_HTTP_WRITE_TIMEOUT_SECONDS", "2"),
         ("LEASEHOLD_HEALTH_PORT", "0"),
+        // The dashboard's page is the large answer the slow readers ask for.
+        ("LEASEHOLD_ADMIN_KEY", "hostile-test-admin-key-0123456789abcdef"),
     ])
     .await;
     let health = app.health_port.expect("a health listener");
