@@ -260,6 +260,37 @@ impl MemoryQueue {
         let mut state = self.state.lock().expect("memory queue mutex poisoned");
         f(&mut state, Instant::now())
     }
+
+    /// An update of a taken message (its receipt must match): hidden for `visibility` from now,
+    /// a new receipt, and its body replaced when one is given.
+    fn rehide(
+        &self,
+        id: &str,
+        pop_receipt: &str,
+        visibility: Duration,
+        body: Option<&str>,
+    ) -> StoreResult<String> {
+        self.with(Op::QueueUpdate, |s, now| {
+            if let Some(body) = body
+                && body.len() > MAX_MESSAGE_BYTES
+            {
+                return Err(too_large(Op::QueueUpdate, body.len()));
+            }
+            s.next_id += 1;
+            let fresh = format!("u{}", s.next_id);
+            let m = s
+                .messages
+                .iter_mut()
+                .find(|m| m.id == id && m.pop_receipt == pop_receipt)
+                .ok_or_else(|| receipt_mismatch(Op::QueueUpdate))?;
+            m.visible_at = now + visibility;
+            m.pop_receipt = fresh.clone();
+            if let Some(body) = body {
+                m.body = body.to_string();
+            }
+            Ok(fresh)
+        })
+    }
 }
 
 /// Largest message text a queue accepts, in bytes (Azure Storage's limit, which Azurite
@@ -351,26 +382,7 @@ impl TriggerQueue for MemoryQueue {
         body: &str,
         visibility: Duration,
     ) -> StoreResult<String> {
-        self.with(Op::QueueUpdate, |s, now| {
-            if body.len() > MAX_MESSAGE_BYTES {
-                return Err(too_large(Op::QueueUpdate, body.len()));
-            }
-            s.next_id += 1;
-            let fresh = format!("u{}", s.next_id);
-            match s
-                .messages
-                .iter_mut()
-                .find(|m| m.id == id && m.pop_receipt == pop_receipt)
-            {
-                Some(m) => {
-                    m.visible_at = now + visibility;
-                    m.pop_receipt = fresh.clone();
-                    m.body = body.to_string();
-                    Ok(fresh)
-                }
-                None => Err(receipt_mismatch(Op::QueueUpdate)),
-            }
-        })
+        self.rehide(id, pop_receipt, visibility, Some(body))
     }
 
     async fn update_visibility(
@@ -379,22 +391,7 @@ impl TriggerQueue for MemoryQueue {
         pop_receipt: &str,
         visibility: Duration,
     ) -> StoreResult<String> {
-        self.with(Op::QueueUpdate, |s, now| {
-            s.next_id += 1;
-            let fresh = format!("u{}", s.next_id);
-            match s
-                .messages
-                .iter_mut()
-                .find(|m| m.id == id && m.pop_receipt == pop_receipt)
-            {
-                Some(m) => {
-                    m.visible_at = now + visibility;
-                    m.pop_receipt = fresh.clone();
-                    Ok(fresh)
-                }
-                None => Err(receipt_mismatch(Op::QueueUpdate)),
-            }
-        })
+        self.rehide(id, pop_receipt, visibility, None)
     }
 
     async fn approximate_len(&self) -> StoreResult<u64> {
