@@ -1,6 +1,5 @@
 #![doc = include_str!("../README.md")]
 
-pub mod dataverse;
 mod error;
 pub mod handler;
 pub mod http;

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use leasehold_runtime::{Field, InvalidName, MAX_CORRELATION_ID_LEN, RecordId, Scope, TriggerMessage};
 
-use crate::dataverse::NoRecord;
+use leasehold_dataverse::context::{NoRecord, guid_of, looks_like_context, record_of};
 
 /// Largest request body accepted. Dataverse sends at most 256 KB before it trims the context
 /// (`x-ms-dynamics-msg-size-exceeded`); twice that leaves room for encoding differences.
@@ -421,8 +421,8 @@ fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Reje
         Some(h) => checked_correlation_id(CORRELATION_HEADER, h)?,
         None => None,
     };
-    if crate::dataverse::looks_like_context(object) {
-        return crate::dataverse::decide(
+    if looks_like_context(object) {
+        return decide_dataverse(
             policy,
             req.header("x-ms-dynamics-organization"),
             &body,
@@ -463,6 +463,65 @@ pub(crate) fn org_allowed(policy: &StartPolicy, names: &[&str]) -> bool {
             .iter()
             .any(|a| a.eq_ignore_ascii_case(n.trim()))
     })
+}
+
+/// The context's `Depth`: `None` when absent, refused when it is not a whole number (a number,
+/// or a string of digits).
+fn depth_of(context: &Value) -> Result<Option<u64>, Rejection> {
+    let unreadable = || Rejection::UnreadableDepth(DepthProblem::NotAWholeNumber);
+    match context.get("Depth") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n.as_u64().map(Some).ok_or_else(unreadable),
+        Some(Value::String(s)) => s.trim().parse().map(Some).map_err(|_| unreadable()),
+        Some(_) => Err(unreadable()),
+    }
+}
+
+/// Decides on a Dataverse context (read by [`leasehold_dataverse::context`]); `header_correlation_id` (already checked) is used when the
+/// context carries no `CorrelationId`.
+fn decide_dataverse(
+    policy: &StartPolicy,
+    org_header: Option<&str>,
+    context: &Value,
+    header_correlation_id: Option<String>,
+) -> Result<Decision, Rejection> {
+    if !policy.allowed_organizations.is_empty() {
+        let names: Vec<&str> = ["OrganizationId", "OrganizationName"]
+            .iter()
+            .filter_map(|k| context.get(*k).and_then(Value::as_str))
+            .chain(org_header)
+            .collect();
+        if !org_allowed(policy, &names) {
+            let named = names.first().copied().unwrap_or("(none named)");
+            return Err(Rejection::OrganizationNotAllowed(named.to_string()));
+        }
+    }
+    let (scope, record_id) = record_of(context)?;
+    let depth = depth_of(context)?;
+    let correlation_id = correlation_id("CorrelationId", context.get("CorrelationId"))?;
+    if let Some(user) = guid_of(context.get("InitiatingUserId"))
+        && policy.integration_user_ids.contains(&user)
+    {
+        return Ok(Decision::Ignore {
+            scope,
+            record_id,
+            reason: IgnoreReason::IntegrationUser(user),
+        });
+    }
+    if let Some(max) = policy.max_depth {
+        // Loop protection is on: an event that does not say how deep it is is not let through.
+        let depth = depth.ok_or(Rejection::UnreadableDepth(DepthProblem::Missing))?;
+        if depth > max {
+            return Ok(Decision::Ignore {
+                scope,
+                record_id,
+                reason: IgnoreReason::TooDeep { depth, max },
+            });
+        }
+    }
+    let mut message = TriggerMessage::new(scope, record_id);
+    message.correlation_id = correlation_id.or(header_correlation_id);
+    Ok(Decision::Enqueue(message))
 }
 
 #[cfg(test)]

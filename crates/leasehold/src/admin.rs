@@ -42,7 +42,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::ops::{Operator, OpsError, OverviewQuery, PoisonQuery, PoisonSelection};
+use leasehold_ops::{Operator, OpsError, OverviewQuery, PoisonQuery, PoisonSelection};
 
 /// The header `serve`'s dashboard key travels in.
 pub const KEY_HEADER: &str = "x-leasehold-admin-key";

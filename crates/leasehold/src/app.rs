@@ -8,17 +8,15 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use leasehold_functions::http::{App, handler_router, standalone_router};
 use leasehold_functions::logic::{DemoLogic, UrlLogic};
-use leasehold_lock::azure::AzureBlobStore;
-use leasehold_lock::{LeaseLock, OpCounters};
-use leasehold_runtime::{
-    AzureMarkers, AzureQueue, Consumer, Logic, MarkerStore, RecordRunner, TriggerQueue, poison_queue_name,
-};
+use leasehold_lock::OpCounters;
+use leasehold_ops::Operator;
+use leasehold_ops::wiring::{Wiring, wire};
+use leasehold_runtime::{AzureQueue, Consumer, Logic, RecordRunner, poison_queue_name};
 use leasehold_storage::azure::BlobContainer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin;
-use crate::ops::Operator;
 use crate::server::{self, HttpOptions};
 use crate::settings::{LogicSetting, Settings};
 use crate::telemetry::{self, Sampler};
@@ -62,69 +60,27 @@ impl std::fmt::Debug for Application {
     }
 }
 
-/// Queues and lock from the settings, sharing one set of round-trip counters.
-pub(crate) struct Wiring {
-    pub(crate) queue: Arc<dyn TriggerQueue>,
-    pub(crate) poison: Arc<dyn TriggerQueue>,
-    pub(crate) lock: LeaseLock,
-    pub(crate) markers: Arc<dyn MarkerStore>,
-    /// The round-trip counters all of the above record into.
-    pub(crate) counters: OpCounters,
+/// The record runner over the wiring's lock, markers and trigger queue, telling
+/// [`crate::recent`] of every outcome.
+fn runner(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> RecordRunner {
+    RecordRunner::new(
+        wiring.lock.clone(),
+        wiring.markers.clone(),
+        wiring.queue.clone(),
+        logic,
+        settings.runner.clone(),
+    )
+    .with_outcome_sink(crate::recent::sink())
 }
 
-impl Wiring {
-    /// The record runner over this wiring's lock, markers and trigger queue, telling
-    /// [`crate::recent`] of every outcome.
-    fn runner(&self, logic: Arc<dyn Logic>, settings: &Settings) -> RecordRunner {
-        RecordRunner::new(
-            self.lock.clone(),
-            self.markers.clone(),
-            self.queue.clone(),
-            logic,
-            settings.runner.clone(),
-        )
-        .with_outcome_sink(crate::recent::sink())
+/// The metrics task over the wiring's queues.
+fn sampler(wiring: &Wiring, settings: &Settings, log_event: bool) -> Sampler {
+    Sampler {
+        queue: wiring.queue.clone(),
+        poison: wiring.poison.clone(),
+        interval: settings.metrics_interval,
+        log_event,
     }
-
-    /// The metrics task over this wiring's queues.
-    fn sampler(&self, settings: &Settings, log_event: bool) -> Sampler {
-        Sampler {
-            queue: self.queue.clone(),
-            poison: self.poison.clone(),
-            interval: settings.metrics_interval,
-            log_event,
-        }
-    }
-}
-
-pub(crate) fn wire(settings: &Settings) -> Result<Wiring> {
-    let counters = OpCounters::new();
-    let store = Arc::new(AzureBlobStore::new(
-        &settings.account,
-        &settings.container,
-        counters.clone(),
-    ));
-    let lock = LeaseLock::new(store, settings.lease.clone())?;
-    let markers = Arc::new(AzureMarkers::new(
-        &settings.account,
-        &settings.container,
-        counters.clone(),
-    ));
-    Ok(Wiring {
-        markers,
-        queue: Arc::new(AzureQueue::new(
-            &settings.account,
-            &settings.queue,
-            counters.clone(),
-        )),
-        poison: Arc::new(AzureQueue::new(
-            &settings.account,
-            &poison_queue_name(&settings.queue),
-            counters.clone(),
-        )),
-        lock,
-        counters,
-    })
 }
 
 impl Application {
@@ -218,15 +174,15 @@ impl Application {
             .await
             .with_context(|| format!("listening on 127.0.0.1:{port}"))?;
         let port = listener.local_addr()?.port();
-        let wiring = wire(&settings)?;
+        let wiring = wire(&settings.storage())?;
         // Under the host a logic command runs in the app root (where the executable is), so one
         // packed beside it (`logic/…`) is named relative to it.
         let logic = logic(&settings, false, supervisor, app_root())?;
         // In the background: the host gives GET / 30 s at most, and storage may be slow.
         tokio::spawn(ensure_resources(&settings));
         let shutdown = CancellationToken::new();
-        let runner = wiring.runner(logic, &settings);
-        let sampler = wiring.sampler(&settings, true);
+        let runner = runner(&wiring, logic, &settings);
+        let sampler = sampler(&wiring, &settings, true);
         let app = App {
             policy: settings.policy.clone(),
             queue: wiring.queue,
@@ -243,7 +199,7 @@ impl Application {
         // The dashboard's functions (Dashboard, Ops): the handler checks LEASEHOLD_ADMIN_KEY for
         // Ops itself (every local process can reach its port, not only the host).
         let dashboard = admin::handler_router(
-            Operator::new(&settings)?,
+            Operator::new(&settings.storage())?,
             settings.admin_key.clone(),
             settings.http.body_timeout,
         );
@@ -272,7 +228,7 @@ impl Application {
         demo: bool,
         supervisor: Option<PathBuf>,
     ) -> Result<Self> {
-        let wiring = wire(&settings)?;
+        let wiring = wire(&settings.storage())?;
         let logic = logic(&settings, demo, supervisor, None)?;
         ensure_resources(&settings).await;
         // Fail fast on unusable credentials or endpoints, with the storage answer (a peek: a
@@ -328,9 +284,9 @@ impl Application {
         let mut policy = settings.policy.clone();
         policy.refuse_web_pages = addr.ip().is_loopback();
         let shutdown = CancellationToken::new();
-        let runner = wiring.runner(logic, &settings);
+        let runner = runner(&wiring, logic, &settings);
         let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
-        let sampler = wiring.sampler(&settings, false);
+        let sampler = sampler(&wiring, &settings, false);
         let app = App {
             policy: policy.clone(),
             queue: wiring.queue,
@@ -348,7 +304,7 @@ impl Application {
         let router = standalone_router(app).merge(telemetry::router(policy));
         let router = match &settings.admin_key {
             Some(key) => {
-                let operator = Operator::new(&settings)?;
+                let operator = Operator::new(&settings.storage())?;
                 tracing::info!(url = %format!("http://{addr}{}", admin::PAGE_PATH),
                     "dashboard on (its key: LEASEHOLD_ADMIN_KEY, sent as the {} header)", admin::KEY_HEADER);
                 router.merge(admin::serve_router(

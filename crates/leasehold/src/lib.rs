@@ -2,10 +2,8 @@
 
 pub mod admin;
 mod app;
-pub mod dataverse;
 #[cfg(unix)]
 pub mod init;
-pub mod ops;
 pub mod recent;
 mod server;
 pub mod settings;

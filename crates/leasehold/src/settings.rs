@@ -224,6 +224,17 @@ fn name(setting: &str, value: Option<String>, default: &str) -> Result<String> {
 }
 
 impl Settings {
+    /// The storage these settings name (account, queues, container, lease): what the operator
+    /// ([`leasehold_ops::Operator`]) and the wiring need.
+    pub fn storage(&self) -> leasehold_ops::wiring::StorageSettings {
+        leasehold_ops::wiring::StorageSettings {
+            account: self.account.clone(),
+            queue: self.queue.clone(),
+            container: self.container.clone(),
+            lease: self.lease.clone(),
+        }
+    }
+
     /// Reads and checks the environment.
     pub fn from_env() -> Result<Self> {
         let raw: Raw = envy::from_env().context("reading settings from the environment")?;

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold::ops::{Operator, OverviewQuery, PoisonQuery, PoisonSelection};
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseGuard, LeaseLock, LeaseOptions, OpCounters};
+use leasehold_ops::{Operator, OverviewQuery, PoisonQuery, PoisonSelection};
 use leasehold_runtime::{
     AzureMarkers, AzureQueue, Enqueued, Error, MarkerStore, Peeked, PoisonMessage, Received, RecordId, Scope,
     TriggerKind, TriggerMessage, TriggerQueue, poison_queue_name, record_key,
@@ -73,7 +73,7 @@ impl Env {
     }
 
     fn operator(&self) -> Operator {
-        Operator::new(&self.settings()).unwrap()
+        Operator::new(&self.settings().storage()).unwrap()
     }
 
     fn poison(&self) -> AzureQueue {

@@ -1,14 +1,11 @@
-//! The operator's operations, one implementation each, shared by the command line
-//! (`leasehold status|poison|enqueue|break`) and the dashboard's JSON API: [`Operator`].
-//!
-//! Every result is a plain value that serialises to the JSON the API answers and `--json`
-//! prints; [`text`] renders the same values for people. Nothing here is on the trigger path:
-//! these are reads and repairs an operator asks for.
+#![doc = include_str!("../README.md")]
 
+pub mod cli;
 pub mod clock;
 mod overview;
 mod poison;
 pub mod text;
+pub mod wiring;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -28,8 +25,7 @@ pub use poison::{
     RequeueReport, Requeued, SCAN_HIDE, SCAN_HOLD_MAX, Skipped,
 };
 
-use crate::app::wire;
-use crate::settings::Settings;
+use crate::wiring::{StorageSettings, wire};
 
 /// Why an operation could not be done. [`status`](Self::status) is the HTTP status the admin API
 /// answers with; the text names the problem (and never a secret).
@@ -128,7 +124,7 @@ pub struct RecordView {
 
 impl Operator {
     /// Operations on the storage `settings` name.
-    pub fn new(settings: &Settings) -> Result<Self> {
+    pub fn new(settings: &StorageSettings) -> Result<Self> {
         let wiring = wire(settings)?;
         Ok(Self::from_parts(
             wiring.queue,

@@ -13,7 +13,7 @@ use tokio::sync::Mutex;
 use url::Url;
 use uuid::Uuid;
 
-use super::credential::Credential;
+use crate::credential::Credential;
 
 /// An error answer of the Web API (the message says what and why; the status lets a caller
 /// tell "it is gone" from other failures).

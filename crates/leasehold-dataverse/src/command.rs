@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
 
-use super::{
+use crate::{
     Credential, RegisterSpec, RetryPolicy, StartKey, WebApi, client, list, plan_register, plan_unregister,
     plan_unregister_live, register, text_list, text_plan, text_register, text_unregister,
     text_unregister_plan, unregister,

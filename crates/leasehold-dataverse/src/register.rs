@@ -27,10 +27,6 @@
 //! steps exactly the requested messages (a step for a message no longer asked for is removed);
 //! steps for other tables are left alone.
 
-mod client;
-mod command;
-mod credential;
-
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -42,9 +38,7 @@ use sha2::{Digest, Sha256};
 use url::Url;
 use uuid::Uuid;
 
-pub use client::{RetryPolicy, WebApi, check_url, environment_url};
-pub use command::{DataverseCommand, run};
-pub use credential::{Credential, TOKEN_VAR};
+use crate::client::{self, WebApi, check_url};
 
 /// The variable holding the Start function's key.
 pub const KEY_VAR: &str = "LEASEHOLD_START_KEY";

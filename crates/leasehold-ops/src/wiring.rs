@@ -1,0 +1,67 @@
+//! The storage one deployment uses, wired: its trigger and poison queues, its lease lock and its
+//! retrigger markers, sharing one set of round-trip counters. The application's modes and the
+//! operator both stand on this.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use leasehold_lock::azure::AzureBlobStore;
+use leasehold_lock::{LeaseLock, LeaseOptions};
+use leasehold_runtime::{AzureMarkers, AzureQueue, MarkerStore, TriggerQueue, poison_queue_name};
+use leasehold_storage::{OpCounters, StorageAccount};
+
+/// Where a deployment's state lives: the part of the application's settings that the
+/// operator needs (`leasehold::Settings::storage` gives it).
+#[derive(Debug, Clone)]
+pub struct StorageSettings {
+    /// The storage account (`AzureWebJobsStorage`).
+    pub account: StorageAccount,
+    /// The trigger queue (`LEASEHOLD_QUEUE`); the poison queue is its name with `-poison`.
+    pub queue: String,
+    /// The container of lock blobs and retrigger markers (`LEASEHOLD_CONTAINER`).
+    pub container: String,
+    /// The lease's duration, renewal and retries (`LEASEHOLD_LEASE_*`).
+    pub lease: LeaseOptions,
+}
+
+/// Queues and lock from the settings, sharing one set of round-trip counters.
+#[derive(Debug)]
+pub struct Wiring {
+    pub queue: Arc<dyn TriggerQueue>,
+    pub poison: Arc<dyn TriggerQueue>,
+    pub lock: LeaseLock,
+    pub markers: Arc<dyn MarkerStore>,
+    /// The round-trip counters all of the above record into.
+    pub counters: OpCounters,
+}
+
+/// Wires the deployment `settings` name (no storage request is made).
+pub fn wire(settings: &StorageSettings) -> Result<Wiring> {
+    let counters = OpCounters::new();
+    let store = Arc::new(AzureBlobStore::new(
+        &settings.account,
+        &settings.container,
+        counters.clone(),
+    ));
+    let lock = LeaseLock::new(store, settings.lease.clone())?;
+    let markers = Arc::new(AzureMarkers::new(
+        &settings.account,
+        &settings.container,
+        counters.clone(),
+    ));
+    Ok(Wiring {
+        markers,
+        queue: Arc::new(AzureQueue::new(
+            &settings.account,
+            &settings.queue,
+            counters.clone(),
+        )),
+        poison: Arc::new(AzureQueue::new(
+            &settings.account,
+            &poison_queue_name(&settings.queue),
+            counters.clone(),
+        )),
+        lock,
+        counters,
+    })
+}
