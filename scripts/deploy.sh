@@ -19,7 +19,7 @@
 #              LEASEHOLD_PARAMETERS (default deploy/parameters/<env>.json),
 #              LEASEHOLD_BIN (the leasehold executable for the registration; default: the one
 #              package.sh built if it runs here, else `cargo run -p leasehold`),
-#              the registration's credentials (the README, "Wiring Dataverse"): DATAVERSE_ACCESS_TOKEN,
+#              the registration's credentials (docs/dataverse.md, "Credentials"): DATAVERSE_ACCESS_TOKEN,
 #              or AZURE_TENANT_ID/AZURE_CLIENT_ID/AZURE_CLIENT_SECRET, else this az login.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -74,7 +74,7 @@ run() {
 }
 
 if ! $dry; then
-  command -v az >/dev/null || { echo "deploy.sh: the Azure CLI (az) is not installed; see the README" >&2; exit 1; }
+  command -v az >/dev/null || { echo "deploy.sh: the Azure CLI (az) is not installed; see docs/deploying.md" >&2; exit 1; }
   az account show >/dev/null || { echo "deploy.sh: not logged in: run az login" >&2; exit 1; }
 fi
 

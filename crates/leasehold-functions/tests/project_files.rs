@@ -140,7 +140,9 @@ fn host_json_runs_the_custom_handler_with_consistent_queue_settings() {
 fn local_settings_example_documents_every_setting() {
     let example = read("local.settings.example.json");
     let values = example["Values"].as_object().unwrap();
-    let readme = std::fs::read_to_string(leasehold_test_support::workspace_root().join("README.md")).unwrap();
+    let reference =
+        std::fs::read_to_string(leasehold_test_support::workspace_root().join("docs/configuration.md"))
+            .unwrap();
     let settings_src = std::fs::read_to_string(
         leasehold_test_support::workspace_root().join("crates/leasehold/src/settings.rs"),
     )
@@ -157,8 +159,8 @@ fn local_settings_example_documents_every_setting() {
                 "{setting} is missing from local.settings.example.json"
             );
             assert!(
-                readme.contains(&format!("`{setting}`")),
-                "{setting} is missing from the README's table"
+                reference.contains(&format!("`{setting}`")),
+                "{setting} is missing from the configuration reference's table (docs/configuration.md)"
             );
         }
     }
@@ -308,7 +310,7 @@ fn the_kubernetes_manifest_requires_the_start_key_and_locks_the_pod_down() {
 
 /// The template offers Flex Consumption (the default, identity only), Elastic Premium (prod) and
 /// Linux Consumption (legacy), each with what it needs. Checked as text: Bicep itself cannot be
-/// compiled here (see the README for what only Azure can check).
+/// compiled here (see docs/deploying.md for what only Azure can check).
 #[test]
 fn the_template_offers_flex_premium_and_legacy_consumption_with_identity() {
     let root = leasehold_test_support::workspace_root();

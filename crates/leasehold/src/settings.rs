@@ -588,16 +588,17 @@ mod tests {
         assert_eq!(s.runner.max_attempts, s.consumer.max_dequeue_count);
     }
 
-    /// The README's settings table and `local.settings.example.json` list exactly the settings
-    /// of [`SETTINGS`], with its defaults.
+    /// The configuration reference's settings table (`docs/configuration.md`, section
+    /// "Settings") and `local.settings.example.json` list exactly the settings of [`SETTINGS`],
+    /// with its defaults.
     #[test]
-    fn the_readme_and_the_example_settings_list_every_setting_with_its_default() {
+    fn the_configuration_reference_and_the_example_settings_list_every_setting_with_its_default() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-        let section = readme
-            .split("\n## Configuration\n")
+        let reference = std::fs::read_to_string(root.join("docs/configuration.md")).unwrap();
+        let section = reference
+            .split("\n## Settings\n")
             .nth(1)
-            .expect("a Configuration section")
+            .expect("a Settings section in docs/configuration.md")
             .split("\n## ")
             .next()
             .unwrap();
@@ -614,11 +615,18 @@ mod tests {
             .collect();
         let names: Vec<&str> = rows.iter().map(|(n, _)| n.as_str()).collect();
         let documented: Vec<&str> = SETTINGS.iter().map(|i| i.name).collect();
-        assert_eq!(names, documented, "README settings table");
+        assert_eq!(names, documented, "the settings table of docs/configuration.md");
         for ((name, default), info) in rows.iter().zip(SETTINGS) {
             match info.default {
-                Some(d) => assert_eq!(default, &format!("`{d}`"), "README default of {name}"),
-                None => assert!(!default.starts_with('`'), "README shows a default for {name}"),
+                Some(d) => assert_eq!(
+                    default,
+                    &format!("`{d}`"),
+                    "docs/configuration.md default of {name}"
+                ),
+                None => assert!(
+                    !default.starts_with('`'),
+                    "docs/configuration.md shows a default for {name}"
+                ),
             }
         }
 
