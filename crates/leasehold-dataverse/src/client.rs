@@ -386,7 +386,7 @@ fn role_hint(credential: &Credential) -> String {
     format!(
         " {who} needs a security role with Create, Read, Write and Delete on Service Endpoint and \
          SDK Message Processing Step, and Read on SDK Message and SDK Message Filter: System Customizer \
-         or System Administrator have them (see the README, \"Wiring Dataverse\")."
+         or System Administrator have them (see docs/dataverse.md)."
     )
 }
 

@@ -2,7 +2,7 @@
 //! environment to Leasehold's Start function through the Web API, instead of the Plug-in
 //! Registration Tool.
 //!
-//! What is registered (see the README, "Wiring Dataverse", for the documentation behind each
+//! What is registered (see docs/dataverse.md for the documentation behind each
 //! value):
 //! - one webhook **service endpoint** (`serviceendpoints`: `contract` 8 Webhook, `authtype` 4
 //!   WebhookKey, so Dataverse calls `<start-url>?code=<key>`, `messageformat` 2 JSON), found by
@@ -105,7 +105,7 @@ impl Whose {
     }
 }
 
-// The documented values (README, "Wiring Dataverse").
+// The documented values (docs/dataverse.md).
 const CONTRACT_WEBHOOK: i64 = 8;
 const AUTHTYPE_WEBHOOK_KEY: i64 = 4;
 const MESSAGEFORMAT_JSON: i64 = 2;

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 /// Long per-record work on Azure: one run per record at a time, every event honoured, bursts
 /// coalesced into one follow-up run, recovery from crashes in about a minute.
 ///
-/// Settings come from the environment (AzureWebJobsStorage, LEASEHOLD_*); see the README.
+/// Settings come from the environment (AzureWebJobsStorage, LEASEHOLD_*); see docs/configuration.md.
 #[derive(Debug, Parser)]
 #[command(name = "leasehold", version, about, long_about)]
 struct Cli {

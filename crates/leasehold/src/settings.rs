@@ -1,5 +1,5 @@
 //! Settings from the environment, with the app-setting names Azure Functions users know.
-//! Every setting is documented in the README and in `local.settings.example.json`.
+//! Every setting is documented in the configuration reference (docs/configuration.md) and in `local.settings.example.json`.
 
 use std::time::Duration;
 
@@ -12,10 +12,10 @@ use serde::Deserialize;
 
 use crate::server::HttpOptions;
 
-/// One setting as users see it: its environment name and the default the README and
+/// One setting as users see it: its environment name and the default docs/configuration.md and
 /// `local.settings.example.json` show (`None`: no default). The parsing below takes its defaults
 /// from the libraries' `Default`s; a test checks they are what this table says, and that the
-/// README's table and the example settings file list exactly these.
+/// settings table of docs/configuration.md and the example settings file list exactly these.
 #[derive(Debug, Clone, Copy)]
 pub struct SettingInfo {
     pub name: &'static str,
@@ -26,7 +26,7 @@ const fn setting(name: &'static str, default: Option<&'static str>) -> SettingIn
     SettingInfo { name, default }
 }
 
-/// Every setting, in the order the README lists them.
+/// Every setting, in the order docs/configuration.md lists them.
 pub const SETTINGS: &[SettingInfo] = &[
     setting("AzureWebJobsStorage", None),
     setting("AzureWebJobsStorage__accountName", None),

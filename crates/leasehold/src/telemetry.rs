@@ -357,7 +357,7 @@ fn ms(seconds: Option<f64>) -> Option<f64> {
 }
 
 /// The handler's metrics event: one line with what changed since the last one and the gauges
-/// as just sampled. Its fields are documented in the README (*Metrics*); keep the two in step.
+/// as just sampled. Its fields are documented in docs/operating.md (*Metrics*); keep the two in step.
 fn log_event(mut c: Changes, g: Gauges, since_last: Duration) {
     let d = |label: OutcomeLabel| c.deliveries.get(label.as_str()).copied().unwrap_or(0);
     let (completed, retriggered, coalesced, rechecked, failed, lease_lost, poisoned) = (

@@ -605,7 +605,7 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
     let stamp = eval(&browser, "document.getElementById('stamp-text').textContent").await;
     assert!(stamp.as_str().unwrap().starts_with("updated "), "{stamp}");
 
-    // Let a refresh pass so the ages move, then the screenshot the README shows.
+    // Let a refresh pass so the ages move, then the screenshot docs/operating.md shows (docs/dashboard.png).
     wait(
         &browser,
         &format!("document.getElementById('stamp-text').textContent !== {stamp}"),

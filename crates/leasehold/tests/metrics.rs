@@ -213,7 +213,7 @@ async fn serve_exposes_prometheus_metrics_behind_the_start_key() {
     app.stop().await;
 }
 
-/// The fields the README documents for the metrics event (besides the gauges, absent when a
+/// The fields docs/operating.md (*Metrics*) documents for the metrics event (besides the gauges, absent when a
 /// sample failed, and the quantiles, absent without observations).
 const EVENT_FIELDS: &[&str] = &[
     "interval_seconds",

@@ -1,5 +1,5 @@
 //! A local stand-in for the Dataverse Web API, for `leasehold dataverse` tests. It ENFORCES the
-//! request shapes Microsoft documents (README, "Wiring Dataverse") and answers as the Web API
+//! request shapes Microsoft documents (docs/dataverse.md) and answers as the Web API
 //! does, so a client that passes here sends what the documentation says:
 //!
 //! - `/api/data/v9.2/` with `OData-Version: 4.0`, `OData-MaxVersion: 4.0`, `Accept:
