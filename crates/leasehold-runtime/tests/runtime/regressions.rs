@@ -1236,39 +1236,77 @@ async fn an_update_in_flight_when_the_run_ends_leaves_nothing_behind() {
     assert!(store.queue().bodies().is_empty(), "the message is deleted");
 }
 
+/// Log lines written on a thread that is capturing ([`Capture`]), by one subscriber installed for
+/// the whole binary. A subscriber of the test's own (`set_default`) lost its line 2 runs in 8, and
+/// 1 in 12 even after rebuilding tracing's interest cache: a callsite first hit on another
+/// test's thread, with no subscriber there, could be cached as "never" for every thread. This
+/// one is the global default and decides per event (`dynamic_filter_fn`: never cached), so the
+/// capturing thread's lines always count and the other tests' threads write nothing.
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+thread_local! {
+    static CAPTURING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Captures the INFO lines logged on this thread until dropped.
+struct Capture(Lines);
+
+impl Capture {
+    fn start() -> Self {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::Layer;
+        static LINES: std::sync::OnceLock<Lines> = std::sync::OnceLock::new();
+        let lines = LINES.get_or_init(|| {
+            let lines = Lines::default();
+            let writer = lines.clone();
+            let layer = tracing_subscriber::fmt::layer()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .with_filter(tracing_subscriber::filter::dynamic_filter_fn(|meta, _| {
+                    *meta.level() <= tracing::Level::INFO && CAPTURING.with(std::cell::Cell::get)
+                }));
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))
+                .expect("no other global subscriber in this test binary (unset LEASEHOLD_SIM_TRACE)");
+            lines
+        });
+        lines.0.lock().unwrap().clear();
+        CAPTURING.with(|c| c.set(true));
+        Capture(lines.clone())
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8(self.0.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        CAPTURING.with(|c| c.set(false));
+    }
+}
+
 /// What happened to a record is in the logs: one line per delivery with the record, the
 /// attempt and the outcome (and, for a run, its fencing token and run time).
 #[tokio::test(start_paused = true)]
 async fn every_delivery_logs_its_outcome_with_the_record() {
-    #[derive(Clone, Default)]
-    struct Lines(Arc<Mutex<Vec<u8>>>);
-    impl std::io::Write for Lines {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let lines = Lines::default();
-    let writer = lines.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    // The test's runtime has one thread: every task logs through this subscriber.
-    let _guard = tracing::subscriber::set_default(subscriber);
-    // Other tests of this binary, on other threads, run with no subscriber: a callsite first hit
-    // there is cached as "never" for every thread, and this test's line went missing (2 runs in
-    // 8 with the suite). Asking again makes this thread's subscriber count.
-    tracing::callsite::rebuild_interest_cache();
+    // The test's runtime has one thread: every task logs on this one.
+    let capture = Capture::start();
 
     let (_store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
     let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
-    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let text = capture.text();
     let line = text
         .lines()
         .find(|l| l.contains("record run completed"))
