@@ -42,6 +42,10 @@ pub struct Peeked {
     pub body: String,
     /// When the message was put on the queue, as the service reports it.
     pub inserted_at: Option<SystemTime>,
+    /// When the service will drop the message unread; `None`: never. Every message Leasehold
+    /// puts is kept until it is taken and deleted: Azure's default would drop a trigger or a
+    /// poison entry, silently, 7 days after it was put.
+    pub expires_at: Option<SystemTime>,
 }
 
 /// A message just put on the queue: what [`TriggerQueue::set_visibility`] and
@@ -410,6 +414,7 @@ impl TriggerQueue for MemoryQueue {
                     dequeue_count: m.dequeue_count,
                     body: m.body.clone(),
                     inserted_at: Some(m.inserted_at),
+                    expires_at: None,
                 })
                 .collect())
         })
@@ -518,6 +523,9 @@ impl TriggerQueue for AzureQueue {
         let attempt = || async {
             let options = QueueClientSendMessageOptions {
                 visibility_timeout: (!delay.is_zero()).then(|| seconds(delay, true)),
+                // Kept until taken: without it Azure drops a message 7 days after it was put,
+                // a trigger waiting behind a backlog or a poison entry nobody looked at yet.
+                message_time_to_live: Some(-1),
                 ..Default::default()
             };
             let content =
@@ -664,6 +672,11 @@ impl TriggerQueue for AzureQueue {
                         dequeue_count: u32::try_from(m.dequeue_count.unwrap_or(0)).unwrap_or(u32::MAX),
                         body: m.message_text.unwrap_or_default(),
                         inserted_at: m.insertion_time.map(SystemTime::from),
+                        // "Never" is reported as the last second of the year 9999.
+                        expires_at: m
+                            .expiration_time
+                            .filter(|t| t.year() < 9999)
+                            .map(SystemTime::from),
                     })
                 })
                 .collect(),

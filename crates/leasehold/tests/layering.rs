@@ -11,7 +11,9 @@ fn module_uses() -> BTreeMap<String, BTreeSet<String>> {
     let mut modules = BTreeMap::new();
     for entry in std::fs::read_dir(&src).unwrap() {
         let path = entry.unwrap().path();
-        let Some(name) = path.file_stem().and_then(|s| s.to_str()) else { continue };
+        let Some(name) = path.file_stem().and_then(|s| s.to_str()) else {
+            continue;
+        };
         if path.extension().is_none_or(|e| e != "rs") || name == "lib" || name == "main" {
             continue;
         }
@@ -64,7 +66,10 @@ fn cycle(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> Option<Vec<S
 #[test]
 fn the_applications_modules_depend_one_way() {
     let modules = module_uses();
-    assert!(modules.contains_key("app") && modules.contains_key("settings"), "{modules:?}");
+    assert!(
+        modules.contains_key("app") && modules.contains_key("settings"),
+        "{modules:?}"
+    );
     let cycles: Vec<String> = modules
         .keys()
         .filter_map(|m| cycle(&modules, m))
@@ -128,13 +133,22 @@ fn the_crates_depend_one_way_and_the_operator_layer_needs_no_server() {
     // Each crate uses only crates before it in this order.
     for (i, name) in crates.iter().enumerate() {
         for dep in crate_deps(name).iter().filter(|d| d.starts_with("leasehold")) {
-            let at = crates.iter().position(|c| c == dep).unwrap_or_else(|| panic!("{name} uses {dep}"));
+            let at = crates
+                .iter()
+                .position(|c| c == dep)
+                .unwrap_or_else(|| panic!("{name} uses {dep}"));
             assert!(at < i, "{name} uses {dep}, which comes after it");
         }
     }
     for server in ["axum", "hyper", "leasehold-functions", "leasehold"] {
-        assert!(!crate_deps("leasehold-ops").contains(server), "leasehold-ops uses {server}");
-        assert!(!crate_deps("leasehold-dataverse").contains(server), "leasehold-dataverse uses {server}");
+        assert!(
+            !crate_deps("leasehold-ops").contains(server),
+            "leasehold-ops uses {server}"
+        );
+        assert!(
+            !crate_deps("leasehold-dataverse").contains(server),
+            "leasehold-dataverse uses {server}"
+        );
     }
     // Dataverse has one home, used by Start and by the command line.
     assert!(crate_deps("leasehold-functions").contains("leasehold-dataverse"));
@@ -146,7 +160,11 @@ fn the_crates_depend_one_way_and_the_operator_layer_needs_no_server() {
             continue;
         }
         for stray in [src.join("dataverse.rs"), src.join("dataverse")] {
-            assert!(!stray.exists(), "{} is Dataverse code outside leasehold-dataverse", stray.display());
+            assert!(
+                !stray.exists(),
+                "{} is Dataverse code outside leasehold-dataverse",
+                stray.display()
+            );
         }
     }
 }

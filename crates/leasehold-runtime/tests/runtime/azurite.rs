@@ -265,6 +265,23 @@ async fn markers_are_created_once_and_taken_once() {
     assert!(!markers.is_set(&key).await.unwrap());
 }
 
+/// A message Leasehold puts (a trigger, a retrigger, a poison entry) is kept until it is taken:
+/// by default Azure drops a queue message 7 days after it was put, unread and unreported.
+#[tokio::test]
+async fn messages_are_kept_until_taken() {
+    let account = Azurite::shared().account();
+    let queue = AzureQueue::new(&account, &unique_name("ttl"), OpCounters::new());
+    queue.put("now", Duration::ZERO).await.unwrap();
+    queue.put("later", Duration::from_secs(1)).await.unwrap();
+    let peeked = queue.peek(32).await.unwrap();
+    assert_eq!(peeked.len(), 1, "the delayed one is not visible yet: {peeked:?}");
+    assert_eq!(peeked[0].expires_at, None, "{:?} expires", peeked[0]);
+    assert!(
+        peeked[0].inserted_at.is_some(),
+        "the service's dates are read: {peeked:?}"
+    );
+}
+
 #[tokio::test]
 async fn round_trips_per_trigger() {
     for fencing in [false, true] {

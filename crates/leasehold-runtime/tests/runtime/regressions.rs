@@ -1264,8 +1264,8 @@ struct Capture(Lines);
 
 impl Capture {
     fn start() -> Self {
-        use tracing_subscriber::layer::SubscriberExt;
         use tracing_subscriber::Layer;
+        use tracing_subscriber::layer::SubscriberExt;
         static LINES: std::sync::OnceLock<Lines> = std::sync::OnceLock::new();
         let lines = LINES.get_or_init(|| {
             let lines = Lines::default();
