@@ -110,10 +110,11 @@ fn crate_deps(name: &str) -> BTreeSet<String> {
             in_deps = line == "[dependencies]" || line.ends_with(".dependencies]") && !line.contains("dev-");
             continue;
         }
-        if in_deps && let Some(dep) = line.split(['.', ' ', '=']).next() {
-            if !dep.is_empty() {
-                deps.insert(dep.to_string());
-            }
+        if in_deps
+            && let Some(dep) = line.split(['.', ' ', '=']).next()
+            && !dep.is_empty()
+        {
+            deps.insert(dep.to_string());
         }
     }
     deps
