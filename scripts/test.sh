@@ -8,4 +8,12 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/install-azurite.sh
 scripts/install-chromium.sh
-cargo test --workspace --locked "$@"
+# Every package, unless the arguments name some (before any `--`).
+scope=(--workspace)
+for arg in "$@"; do
+  case "$arg" in
+    --) break ;;
+    -p|-p*|--package|--package=*) scope=() ;;
+  esac
+done
+cargo test "${scope[@]}" --locked "$@"
