@@ -379,10 +379,7 @@ fn key_matches(expected: &Secret, presented: Option<&str>) -> Choice {
 /// A correlation id as Start carries it: `None` when absent or empty, refused when it is over
 /// [`MAX_CORRELATION_ID_LEN`] bytes or holds anything but visible ASCII (it is logged, and
 /// carried in every message of the trigger and in its poison entry).
-pub(crate) fn correlation_id(
-    field: &'static str,
-    value: Option<&Value>,
-) -> Result<Option<String>, Rejection> {
+fn correlation_id(field: &'static str, value: Option<&Value>) -> Result<Option<String>, Rejection> {
     let refuse = |problem| Rejection::InvalidCorrelationId { field, problem };
     match value {
         None | Some(Value::Null) => Ok(None),
@@ -456,7 +453,7 @@ fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Reje
     Ok(Decision::Enqueue(message))
 }
 
-pub(crate) fn org_allowed(policy: &StartPolicy, names: &[&str]) -> bool {
+fn org_allowed(policy: &StartPolicy, names: &[&str]) -> bool {
     names.iter().any(|n| {
         policy
             .allowed_organizations
@@ -477,8 +474,8 @@ fn depth_of(context: &Value) -> Result<Option<u64>, Rejection> {
     }
 }
 
-/// Decides on a Dataverse context (read by [`leasehold_dataverse::context`]); `header_correlation_id` (already checked) is used when the
-/// context carries no `CorrelationId`.
+/// Decides on a Dataverse context (read by [`leasehold_dataverse::context`]);
+/// `header_correlation_id` (already checked) is used when the context carries no `CorrelationId`.
 fn decide_dataverse(
     policy: &StartPolicy,
     org_header: Option<&str>,

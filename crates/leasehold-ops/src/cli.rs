@@ -101,12 +101,7 @@ pub async fn run(command: Command, settings: &StorageSettings) -> Result<i32> {
             if !out.is_empty() {
                 println!("{out}");
             }
-            if status != 0 {
-                use std::io::Write;
-                std::io::stdout().flush().ok();
-                std::process::exit(status);
-            }
-            Ok(0)
+            Ok(status)
         }
         Command::Break {
             scope,
