@@ -150,6 +150,7 @@ impl Seed {
                 fencing_token: None,
                 cancel: CancellationToken::new(),
                 attempt: 1,
+                deferred: std::time::Duration::ZERO,
             };
             let _ = self.logic.run(ctx).await;
             runs += 1;

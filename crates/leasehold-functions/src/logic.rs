@@ -36,6 +36,70 @@ const STDERR_DRAIN: Duration = Duration::from_secs(1);
 #[cfg(unix)]
 const STDERR_TAIL: usize = 2048;
 
+/// The exit code with which a logic command asks to be run again later (`EX_TEMPFAIL` of
+/// `sysexits.h`). The delay is the last `Retry-After: <seconds or HTTP-date>` line the command
+/// wrote to stderr; without one, the runner's default.
+pub const RUN_LATER_EXIT_CODE: i32 = 75;
+
+/// The delay a `Retry-After` value asks for: whole seconds, or an HTTP-date (a date in the past
+/// is 0), measured from `now` (the answer's `Date` if it has one). `None`: not a value of either
+/// form.
+pub fn retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        // More digits than a u64 holds is still "a very long time".
+        return Some(Duration::from_secs(value.parse().unwrap_or(u64::MAX)));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// Finds `Retry-After:` lines in a command's stderr as it streams: the last one counts. A line
+/// is looked at only if it is short (a longer one cannot be such a line), so a command writing
+/// megabytes costs nothing but the scan.
+#[cfg(unix)]
+#[derive(Default)]
+struct RetryAfterLines {
+    line: Vec<u8>,
+    overlong: bool,
+    last: Option<String>,
+}
+
+#[cfg(unix)]
+impl RetryAfterLines {
+    const MAX_LINE: usize = 256;
+
+    fn push(&mut self, chunk: &[u8]) {
+        for &b in chunk {
+            if b == b'\n' {
+                self.end_line();
+            } else if self.line.len() < Self::MAX_LINE {
+                self.line.push(b);
+            } else {
+                self.overlong = true;
+            }
+        }
+    }
+
+    fn end_line(&mut self) {
+        if !self.overlong
+            && let Ok(line) = std::str::from_utf8(&self.line)
+            && let Some((name, value)) = line.trim().split_once(':')
+            && name.trim().eq_ignore_ascii_case("retry-after")
+        {
+            self.last = Some(value.trim().to_string());
+        }
+        self.line.clear();
+        self.overlong = false;
+    }
+
+    /// The last value, the line in progress included.
+    fn finish(mut self) -> Option<String> {
+        self.end_line();
+        self.last
+    }
+}
+
 /// The setting naming, comma-separated, the worker's environment variables a logic command gets
 /// beyond [`COMMAND_BASE_ENV`] (read by [`CommandEnv::from_worker`]).
 pub const LOGIC_ENV_SETTING: &str = "LEASEHOLD_LOGIC_ENV";
@@ -305,7 +369,8 @@ impl Logic for CommandLogic {
                 "LEASEHOLD_FENCING_TOKEN",
                 ctx.fencing_token.map(|t| t.to_string()).unwrap_or_default(),
             )
-            .env("LEASEHOLD_ATTEMPT", ctx.attempt.to_string());
+            .env("LEASEHOLD_ATTEMPT", ctx.attempt.to_string())
+            .env("LEASEHOLD_DEFERRED_SECONDS", ctx.deferred.as_secs().to_string());
         if let Some(root) = &self.app_root {
             command.current_dir(root).env("LEASEHOLD_APP_ROOT", root);
         }
@@ -329,6 +394,7 @@ impl Logic for CommandLogic {
         let _control = child.stdin.take();
         let mut stderr = child.stderr.take().expect("stderr is piped");
         let mut tail = Tail::default();
+        let mut retry_after_lines = RetryAfterLines::default();
         let mut buf = [0u8; 4096];
         let mut stderr_open = true;
         let status = loop {
@@ -340,7 +406,10 @@ impl Logic for CommandLogic {
                     return Err(Error::CommandTerminated.into());
                 }
                 n = stderr.read(&mut buf), if stderr_open => match n {
-                    Ok(n) if n > 0 => tail.push(&buf[..n]),
+                    Ok(n) if n > 0 => {
+                        tail.push(&buf[..n]);
+                        retry_after_lines.push(&buf[..n]);
+                    }
                     _ => stderr_open = false,
                 },
             }
@@ -353,9 +422,25 @@ impl Logic for CommandLogic {
             let _ = tokio::time::timeout(STDERR_DRAIN, async {
                 while let Ok(n @ 1..) = stderr.read(&mut buf).await {
                     tail.push(&buf[..n]);
+                    retry_after_lines.push(&buf[..n]);
                 }
             })
             .await;
+        }
+        if status.code() == Some(RUN_LATER_EXIT_CODE) {
+            let asked = retry_after_lines.finish();
+            let after = asked
+                .as_deref()
+                .and_then(|v| retry_after(v, std::time::SystemTime::now()));
+            let why = match &asked {
+                Some(v) if after.is_some() => format!("the logic command exited with 75, Retry-After: {v}"),
+                Some(v) => format!(
+                    "the logic command exited with 75, with an unreadable Retry-After ({:?}: neither seconds nor an HTTP-date)",
+                    v.chars().take(64).collect::<String>()
+                ),
+                None => "the logic command exited with 75, without a Retry-After line".to_string(),
+            };
+            return Err(LogicError::run_later(after, why));
         }
         Err(Error::CommandFailed {
             code: status.code(),
@@ -634,6 +719,7 @@ impl Logic for UrlLogic {
             "recordId": ctx.record_id,
             "fencingToken": ctx.fencing_token,
             "attempt": ctx.attempt,
+            "deferredSeconds": ctx.deferred.as_secs(),
         });
         let mut request = self
             .client
@@ -673,6 +759,33 @@ impl Logic for UrlLogic {
                 location,
             }
             .into());
+        }
+        // 429, and 503 that says when to come back: the service asks for patience, and the
+        // record runs again later instead of failing. A 503 that does not say when is an outage,
+        // and fails (so it surfaces after the retries instead of hiding behind deferrals).
+        let asked = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        if status == reqwest::StatusCode::TOO_MANY_REQUESTS
+            || (status == reqwest::StatusCode::SERVICE_UNAVAILABLE && asked.is_some())
+        {
+            let now = response
+                .headers()
+                .get(reqwest::header::DATE)
+                .and_then(|d| d.to_str().ok())
+                .and_then(|d| httpdate::parse_http_date(d).ok())
+                .unwrap_or_else(std::time::SystemTime::now);
+            let after = asked.as_deref().and_then(|v| retry_after(v, now));
+            let why = match &asked {
+                Some(v) if after.is_some() => format!("logic URL {target} answered {status}, Retry-After: {v}"),
+                Some(v) => format!(
+                    "logic URL {target} answered {status} with an unreadable Retry-After ({:?})",
+                    v.chars().take(64).collect::<String>()
+                ),
+                None => format!("logic URL {target} answered {status} without Retry-After"),
+            };
+            return Err(LogicError::run_later(after, why));
         }
         let text = response.text().await.unwrap_or_default();
         Err(Error::Refused {
@@ -718,6 +831,51 @@ impl Logic for DemoLogic {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_after_reads_seconds_and_http_dates() {
+        let now = httpdate::parse_http_date("Wed, 25 Nov 2026 10:00:00 GMT").unwrap();
+        assert_eq!(retry_after("3", now), Some(Duration::from_secs(3)));
+        assert_eq!(retry_after(" 120 ", now), Some(Duration::from_secs(120)));
+        assert_eq!(retry_after("0", now), Some(Duration::ZERO));
+        assert_eq!(
+            retry_after("99999999999999999999999", now),
+            Some(Duration::from_secs(u64::MAX))
+        );
+        assert_eq!(
+            retry_after("Wed, 25 Nov 2026 10:01:30 GMT", now),
+            Some(Duration::from_secs(90))
+        );
+        // A date in the past: now.
+        assert_eq!(
+            retry_after("Wed, 25 Nov 2026 09:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        for bad in ["", "-5", "1.5", "soon", "3 s", "Wed, 25 Nov 2026"] {
+            assert_eq!(retry_after(bad, now), None, "{bad:?}");
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_last_retry_after_line_of_stderr_counts_however_it_is_split() {
+        let text = b"working\nRETRY-AFTER: 10\nmore noise\n  retry-after:30  \nbye";
+        for split in 1..text.len() {
+            let mut lines = RetryAfterLines::default();
+            for chunk in text.chunks(split) {
+                lines.push(chunk);
+            }
+            assert_eq!(lines.finish().as_deref(), Some("30"), "chunks of {split}");
+        }
+        // The last line counts without its newline; an overlong line is not read.
+        let mut lines = RetryAfterLines::default();
+        lines.push(b"Retry-After: 5\nRetry-After: 7");
+        assert_eq!(lines.finish().as_deref(), Some("7"));
+        let mut lines = RetryAfterLines::default();
+        lines.push(format!("Retry-After: 5\nRetry-After: 9{}\n", " ".repeat(300)).as_bytes());
+        assert_eq!(lines.finish().as_deref(), Some("5"));
+        assert_eq!(RetryAfterLines::default().finish(), None);
+    }
 
     #[test]
     fn a_command_env_holds_the_base_and_the_allowed_names_and_shows_no_value() {

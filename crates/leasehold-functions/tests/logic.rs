@@ -19,6 +19,7 @@ fn ctx(record: &str, token: Option<u64>) -> RunContext {
         fencing_token: token,
         cancel: CancellationToken::new(),
         attempt: 1,
+        deferred: std::time::Duration::ZERO,
     }
 }
 
@@ -91,6 +92,70 @@ async fn url_logic_posts_the_record_and_the_status_counts() {
     assert!(err.to_string().contains("abandoned"), "{err}");
 
     assert!(UrlLogic::new("ftp://x", Duration::from_secs(1)).is_err());
+}
+
+/// 429, and 503 with `Retry-After`, ask to be run later (after the delay it gives, in seconds or
+/// as an HTTP-date against the answer's `Date`); a 503 without it, and any other status, is a
+/// failure. The logic is told how long its trigger was put off.
+#[tokio::test]
+async fn url_logic_answered_429_or_503_with_retry_after_asks_to_be_run_later() {
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+    let record = seen.clone();
+    let app = Router::new().route(
+        "/run",
+        post(move |body: axum::Json<Value>| {
+            let record = record.clone();
+            async move {
+                record.lock().unwrap().push((body.0.clone(), None));
+                let case = body["recordId"].as_str().unwrap().to_string();
+                let mut headers = HeaderMap::new();
+                let status = match case.as_str() {
+                    "seconds" => {
+                        headers.insert("retry-after", "12".parse().unwrap());
+                        StatusCode::TOO_MANY_REQUESTS
+                    }
+                    "date" => {
+                        headers.insert("date", "Wed, 25 Nov 2026 10:00:00 GMT".parse().unwrap());
+                        headers.insert("retry-after", "Wed, 25 Nov 2026 10:00:40 GMT".parse().unwrap());
+                        StatusCode::SERVICE_UNAVAILABLE
+                    }
+                    "none" => StatusCode::TOO_MANY_REQUESTS,
+                    "garbled" => {
+                        headers.insert("retry-after", "later".parse().unwrap());
+                        StatusCode::TOO_MANY_REQUESTS
+                    }
+                    "outage" => StatusCode::SERVICE_UNAVAILABLE,
+                    _ => {
+                        headers.insert("retry-after", "12".parse().unwrap());
+                        StatusCode::INTERNAL_SERVER_ERROR
+                    }
+                };
+                (status, headers, "busy")
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let logic = UrlLogic::new(&format!("http://{addr}/run?key=SECRET"), Duration::from_secs(30)).unwrap();
+
+    for (case, wants) in [
+        ("seconds", Some(Some(Duration::from_secs(12)))),
+        ("date", Some(Some(Duration::from_secs(40)))),
+        ("none", Some(None)),
+        ("garbled", Some(None)),
+        ("outage", None),
+        ("other", None),
+    ] {
+        let mut run = ctx(case, Some(3));
+        run.deferred = Duration::from_secs(61);
+        let err = logic.run(run).await.unwrap_err();
+        assert_eq!(err.asks_to_run_later(), wants, "{case}: {err}");
+        assert!(!err.to_string().contains("SECRET"), "{err}");
+    }
+    let first = logic.run(ctx("seconds", None)).await.unwrap_err().to_string();
+    assert!(first.contains("429") && first.contains("Retry-After: 12"), "{first}");
+    assert_eq!(seen.lock().unwrap()[0].0["deferredSeconds"], 61);
 }
 
 /// A 3xx is a failed run naming the status and where it pointed, and is not followed: a

@@ -221,19 +221,37 @@ impl Consumer {
             )
             .instrument(tracing::Span::current()),
         ));
-        let outcome = self.runner.handle(&delivery, &cancel).await;
+        let span = delivery.span();
+        let (outcome, ran) = self
+            .runner
+            .handle_untold(&delivery, &cancel)
+            .instrument(span.clone())
+            .await;
         // Stop renewing, but let an update in flight finish: cut off, it could land and change
         // the receipt without our knowing, and the delete below would then miss.
         stop_renewing.cancel();
         let _ = (&mut renewer.0).await;
         let receipt = receipt.lock().expect("receipt mutex").clone();
 
-        match outcome {
+        let outcome = match outcome {
+            Outcome::Deferred { after, ref next, .. } => {
+                self.persist_deferral(&received, &receipt, next, after)
+                    .instrument(span.clone())
+                    .await;
+                outcome
+            }
+            // Given up at once (its deferral budget is spent), whatever its attempts.
+            Outcome::Failed { error, .. } if error.gives_up() => {
+                self.poison(&received, &receipt, Some(delivery.message.clone()), error)
+                    .instrument(span.clone())
+                    .await
+            }
             o if o.acknowledge() => {
                 if let Err(e) = self.queue().delete(&received.id, &receipt).await {
                     // The trigger was honoured; a redelivery will find nothing to do but run once more.
-                    tracing::warn!(error = %e, "acknowledging the message failed; it may be delivered again");
+                    span.in_scope(|| tracing::warn!(error = %e, "acknowledging the message failed; it may be delivered again"));
                 }
+                o
             }
             Outcome::Failed { .. } => {
                 // Hand the message back for a retry after a pause (or at once if we were cancelled
@@ -248,10 +266,46 @@ impl Consumer {
                     .set_visibility(&received.id, &receipt, &received.body, delay)
                     .await
                 {
-                    tracing::debug!(error = %e, "could not shorten visibility; the message reappears when it lapses");
+                    span.in_scope(|| tracing::debug!(error = %e, "could not shorten visibility; the message reappears when it lapses"));
                 }
+                outcome
             }
             _ => unreachable!("acknowledge() covers the remaining outcomes"),
+        };
+        span.in_scope(|| self.runner.finished(&delivery, &outcome, ran));
+    }
+
+    /// Turns the delivered message into its deferral `next`, hidden for `after`, in one Update
+    /// Message: the deferral and the acknowledgement land together or not at all, so a crash
+    /// never leaves both the old message and the deferred one (an extra run), nor neither (a
+    /// lost trigger). `next` keeps the message's dequeue count as its re-hides, so the deferral
+    /// does not count as an attempt.
+    ///
+    /// If the update fails, the message reappears when its visibility lapses and runs early
+    /// (its logic may ask again); nothing is lost. A retried update answered "not found" means
+    /// an earlier attempt landed (its answer lost): the receipt it made is the one we lack.
+    async fn persist_deferral(&self, received: &Received, receipt: &str, next: &TriggerMessage, after: Duration) {
+        let mut next = next.clone();
+        next.rehides = received.dequeue_count;
+        let body = next.encode();
+        let mut attempts = 0u32;
+        let result = self
+            .runner
+            .lock()
+            .options()
+            .retry
+            .run("persist the deferral", || {
+                attempts += 1;
+                self.queue().set_visibility(&received.id, receipt, &body, after)
+            })
+            .await;
+        match result {
+            Ok(_) => {}
+            Err(e) if e.kind() == leasehold_lock::StoreErrorKind::NotFound && attempts > 1 => {
+                tracing::debug!("a retried deferral found the message changed: the earlier attempt landed");
+            }
+            Err(e) => tracing::warn!(error = %e,
+                "could not persist the deferral; the message reappears when its visibility lapses and the record runs again early"),
         }
     }
 

@@ -7,15 +7,24 @@ use std::time::Duration;
 
 use crate::message::DecodeError;
 
-/// A failed run of a record's logic. Its text ends up in logs and, if the trigger keeps failing,
-/// the poison queue.
+/// A failed run of a record's logic, or its request to be run again later
+/// ([`LogicError::run_later`]). Its text ends up in logs and, if the trigger keeps failing, the
+/// poison queue.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct LogicError(String);
+#[error("{message}")]
+pub struct LogicError {
+    message: String,
+    /// `Some` when the logic asks to be run again later: after this delay, or after the default
+    /// (`None`).
+    run_later: Option<Option<Duration>>,
+}
 
 impl LogicError {
     pub fn new(message: impl fmt::Display) -> Self {
-        Self(message.to_string())
+        Self {
+            message: message.to_string(),
+            run_later: None,
+        }
     }
 
     /// From any error: its text, then each of its sources', joined by `: `.
@@ -27,11 +36,29 @@ impl LogicError {
             text.push_str(&e.to_string());
             source = e.source();
         }
-        Self(text)
+        Self::new(text)
+    }
+
+    /// The logic asks to be run again after `after` (`None`: the runner's default), for the
+    /// reason `why` (say, "the CRM answered 429"). This is not a failure: the run ends, its lease
+    /// is released, and the record runs again later without the delivery counting towards the
+    /// poison limit. Triggers that arrived during the run are covered by that later run. The
+    /// runner bounds the delay and the total a trigger may be put off
+    /// ([`RunnerOptions::max_deferral`](crate::RunnerOptions::max_deferral)).
+    pub fn run_later(after: Option<Duration>, why: impl fmt::Display) -> Self {
+        Self {
+            message: why.to_string(),
+            run_later: Some(after),
+        }
+    }
+
+    /// `Some(after)` when this is a request to be run later ([`LogicError::run_later`]).
+    pub fn asks_to_run_later(&self) -> Option<Option<Duration>> {
+        self.run_later
     }
 
     pub fn message(&self) -> &str {
-        &self.0
+        &self.message
     }
 }
 
@@ -85,6 +112,31 @@ pub enum Error {
     /// The message is not a trigger: it is in the poison queue.
     #[error("unreadable message: {0}")]
     Unreadable(DecodeError),
+    /// The logic asked to be run later once more than the trigger's deferral budget allows: it
+    /// is given up at once (a trigger that waited that long should not be retried every few
+    /// seconds against a service that asked for patience).
+    #[error("{}", deferral_exhausted(*.total, *.max, *.hops, .asked, .why))]
+    DeferralExhausted {
+        /// Delay granted to this trigger so far, over `hops` requests to run later.
+        total: Duration,
+        max: Duration,
+        hops: u32,
+        /// What the logic asked for this time (`None`: no delay given), and why.
+        asked: Option<Duration>,
+        why: String,
+    },
+}
+
+fn deferral_exhausted(total: Duration, max: Duration, hops: u32, asked: &Option<Duration>, why: &str) -> String {
+    let asked = match asked {
+        Some(d) => format!("{} s", d.as_secs()),
+        None => "the default delay".into(),
+    };
+    format!(
+        "deferred {} s in total over {hops} requests to run later, the most LEASEHOLD_MAX_DEFERRAL_SECONDS allows ({} s); the logic asked once more, for {asked}: {why}",
+        total.as_secs(),
+        max.as_secs()
+    )
 }
 
 fn last_failure(last: &Option<Box<Error>>) -> String {
@@ -105,6 +157,12 @@ impl Error {
     /// Whether storage failed (rather than the run or its logic).
     pub fn is_storage(&self) -> bool {
         matches!(self, Error::Storage { .. })
+    }
+
+    /// Whether the trigger is given up at once, whatever its attempts: its deferral budget is
+    /// spent.
+    pub fn gives_up(&self) -> bool {
+        matches!(self, Error::DeferralExhausted { .. })
     }
 
     /// Whether the run stopped because its lease was lost.

@@ -2,6 +2,7 @@
 
 mod consumer;
 mod error;
+mod flow;
 mod markers;
 mod message;
 pub mod observe;
@@ -15,10 +16,11 @@ mod watchdog;
 
 pub use consumer::{Consumer, ConsumerOptions, poison_queue_name};
 pub use error::{Error, LogicError};
+pub use flow::PerScope;
 pub use markers::{
     AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, record_status,
 };
-pub use message::{DecodeError, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage};
+pub use message::{DecodeError, Deferral, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage};
 pub use observe::{OutcomeLabel, OutcomeSink, record_outcome};
 pub use poison::PoisonMessage;
 pub use queue::{AzureQueue, Enqueued, MAX_MESSAGE_BYTES, MemoryQueue, Peeked, Received, TriggerQueue};

@@ -70,6 +70,36 @@ pub struct TriggerMessage {
         deserialize_with = "bounded_correlation_id"
     )]
     pub correlation_id: Option<String>,
+    /// Deliveries of *this* queue message that ended in a deliberate re-hide rather than a
+    /// failure: the standalone consumer turns a deferred delivery's message into its deferral in
+    /// place, which raises the message's dequeue count, so the count it had then is kept here and
+    /// [`Delivery::attempts`](crate::Delivery::attempts) leaves those deliveries out. 0 in every
+    /// new message.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rehides: u32,
+    /// The chain's requests to run later so far, when its logic asked
+    /// ([`LogicError::run_later`](crate::LogicError::run_later)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deferral: Option<Deferral>,
+}
+
+/// How long a trigger's chain has been put off because its logic asked to be run later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Deferral {
+    /// Delay granted so far, in milliseconds: the sum of the delays, not a clock reading, so
+    /// the bound holds whatever the workers' clocks say.
+    pub total_ms: u64,
+    /// Requests to run later granted so far.
+    pub hops: u32,
+    /// Drawn at the chain's first deferral, to follow it in logs.
+    pub id: u64,
+}
+
+impl Deferral {
+    pub fn total(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.total_ms)
+    }
 }
 
 /// Longest correlation id a trigger carries, in bytes. Dataverse's and the Functions host's are
@@ -118,6 +148,8 @@ impl TriggerMessage {
             prior_attempts: 0,
             given_up: 0,
             correlation_id: None,
+            rehides: 0,
+            deferral: None,
         }
     }
 
@@ -135,11 +167,32 @@ impl TriggerMessage {
     /// A follow-up of `self` of another kind that carries on the same chain of deliveries (a
     /// recheck, a watchdog, a retry): it keeps the record, the correlation id and the chain's
     /// give-up count ([`given_up`](Self::given_up)), with `prior_attempts` failed deliveries.
+    /// It is a new queue message, so it carries no re-hides; it keeps the chain's deferral.
     pub fn follow_up(&self, kind: TriggerKind, prior_attempts: u32) -> Self {
         Self {
             kind,
             prior_attempts,
+            rehides: 0,
             ..self.clone()
+        }
+    }
+
+    /// The deferral of `self`'s chain by `after` more: a carrier ([`TriggerKind::Recheck`]) with
+    /// `prior_attempts` failed deliveries, the delay added to the chain's total. It stands for
+    /// this trigger and for the triggers that coalesced onto the run that asked.
+    pub fn deferred(&self, prior_attempts: u32, after: std::time::Duration, id: u64) -> Self {
+        let before = self.deferral.unwrap_or(Deferral {
+            total_ms: 0,
+            hops: 0,
+            id,
+        });
+        Self {
+            deferral: Some(Deferral {
+                total_ms: before.total_ms.saturating_add(after.as_millis() as u64),
+                hops: before.hops.saturating_add(1),
+                id: before.id,
+            }),
+            ..self.follow_up(TriggerKind::Recheck, prior_attempts)
         }
     }
 
@@ -153,6 +206,8 @@ impl TriggerMessage {
             kind: TriggerKind::Retrigger,
             prior_attempts: 0,
             given_up: 0,
+            rehides: 0,
+            deferral: None,
             ..self.clone()
         }
     }
@@ -203,6 +258,36 @@ mod tests {
         );
         let r = m.follow_up(TriggerKind::Recheck, 3);
         assert_eq!(TriggerMessage::decode(&r.encode()).unwrap().prior_attempts, 3);
+        let mut d = m.deferred(2, std::time::Duration::from_secs(30), 7);
+        d.rehides = 4;
+        assert_eq!(TriggerMessage::decode(&d.encode()).unwrap(), d);
+        assert_eq!(
+            d.to_json(),
+            r#"{"scope":"account","recordId":"8f9c1d2e-0000-4000-8000-000000000001","kind":"recheck","priorAttempts":2,"rehides":4,"deferral":{"totalMs":30000,"hops":1,"id":7}}"#
+        );
+    }
+
+    /// A deferral adds to its chain's total and keeps its id; any follow-up is a new queue
+    /// message (no re-hides) of the same chain (the deferral kept); a retrigger is a new chain.
+    #[test]
+    fn a_deferral_adds_up_along_its_chain() {
+        let m = TriggerMessage::parse("account", "42").unwrap();
+        let d1 = m.deferred(0, std::time::Duration::from_secs(30), 7);
+        let mut d2 = d1.deferred(1, std::time::Duration::from_millis(1500), 99);
+        assert_eq!(d2.kind, TriggerKind::Recheck);
+        assert_eq!(
+            d2.deferral,
+            Some(Deferral {
+                total_ms: 31_500,
+                hops: 2,
+                id: 7
+            })
+        );
+        d2.rehides = 3;
+        let w = d2.follow_up(TriggerKind::Watchdog, 1);
+        assert_eq!((w.rehides, w.deferral), (0, d2.deferral));
+        let r = d2.retrigger();
+        assert_eq!((r.rehides, r.deferral), (0, None));
     }
 
     /// A message put by another tool is read into the form Start would have given it.

@@ -12,6 +12,9 @@ use crate::runner::Outcome;
 pub const DELIVERIES_TOTAL: &str = "leasehold_deliveries_total";
 /// Histogram of how long the logic ran (every run, successful or not), in seconds.
 pub const RUN_DURATION_SECONDS: &str = "leasehold_run_duration_seconds";
+/// Histogram of the delays of runs put off because their logic asked to be run later
+/// (outcome `deferred`), in seconds.
+pub const DEFERRAL_SECONDS: &str = "leasehold_deferral_seconds";
 /// Histogram of the lock's overhead, by `step`: `grant` (from asking for the lease to holding
 /// it, retries included) and `release`, in seconds.
 pub const LOCK_SECONDS: &str = "leasehold_lock_seconds";
@@ -29,6 +32,7 @@ pub const LOCK_SECONDS: &str = "leasehold_lock_seconds";
 /// | `Retrying` or `Failed` whose error is a lost lease ([`crate::Error::is_lease_lost`]) | `lease_lost` |
 /// | `Retrying` (a failed run whose retry is queued) or `Failed`, any other error | `failed` |
 /// | `Poisoned` (given up: in the poison queue), and a message that is no trigger at all, poisoned as it arrives | `poisoned` |
+/// | `Deferred` (the logic asked to be run later; its delay goes to [`DEFERRAL_SECONDS`]) | `deferred` |
 ///
 /// So the successful runs are `completed` + `retriggered`, and every failed delivery is
 /// `failed` or `lease_lost` in both modes (under Functions a failure is mostly `Retrying`,
@@ -42,11 +46,12 @@ pub enum OutcomeLabel {
     Failed,
     LeaseLost,
     Poisoned,
+    Deferred,
 }
 
 impl OutcomeLabel {
     /// Every label, in display order.
-    pub const ALL: [OutcomeLabel; 7] = [
+    pub const ALL: [OutcomeLabel; 8] = [
         OutcomeLabel::Completed,
         OutcomeLabel::Retriggered,
         OutcomeLabel::Coalesced,
@@ -54,6 +59,7 @@ impl OutcomeLabel {
         OutcomeLabel::Failed,
         OutcomeLabel::LeaseLost,
         OutcomeLabel::Poisoned,
+        OutcomeLabel::Deferred,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -65,6 +71,7 @@ impl OutcomeLabel {
             OutcomeLabel::Failed => "failed",
             OutcomeLabel::LeaseLost => "lease_lost",
             OutcomeLabel::Poisoned => "poisoned",
+            OutcomeLabel::Deferred => "deferred",
         }
     }
 }
@@ -92,6 +99,7 @@ impl Outcome {
             }
             Outcome::Retrying { .. } | Outcome::Failed { .. } => OutcomeLabel::Failed,
             Outcome::Poisoned { .. } => OutcomeLabel::Poisoned,
+            Outcome::Deferred { .. } => OutcomeLabel::Deferred,
         }
     }
 }
@@ -101,6 +109,9 @@ impl Outcome {
 /// trigger) calls it with [`Outcome::Poisoned`].
 pub fn record_outcome(outcome: &Outcome) {
     metrics::counter!(DELIVERIES_TOTAL, "outcome" => outcome.label().as_str()).increment(1);
+    if let Outcome::Deferred { after, .. } = outcome {
+        metrics::histogram!(DEFERRAL_SECONDS).record(after.as_secs_f64());
+    }
 }
 
 /// Records one run of the logic in [`RUN_DURATION_SECONDS`].
@@ -212,6 +223,16 @@ mod tests {
                 },
                 "poisoned",
             ),
+            (
+                Outcome::Deferred {
+                    after: Duration::from_secs(30),
+                    total: Duration::from_secs(30),
+                    asked: None,
+                    why: "429".into(),
+                    next: Box::new(crate::TriggerMessage::parse("a", "b").unwrap()),
+                },
+                "deferred",
+            ),
         ];
         for (outcome, label) in cases {
             assert_eq!(outcome.label().as_str(), label, "{outcome:?}");
@@ -226,7 +247,8 @@ mod tests {
                 "rechecked",
                 "failed",
                 "lease_lost",
-                "poisoned"
+                "poisoned",
+                "deferred"
             ]
         );
     }

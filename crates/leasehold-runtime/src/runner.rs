@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::error::{Error, LogicError};
+use crate::flow::PerScope;
 use crate::markers::{MarkerSet, MarkerStore, RecordStatus, record_status};
 use crate::message::{TriggerKind, TriggerMessage, truncate_to};
 use crate::observe::{LockStep, OutcomeSink, record_lock, record_outcome, record_run};
@@ -29,8 +30,12 @@ pub struct RunContext {
     /// Fires when the run must stop: lease lost, time limit, shutdown. Results produced after it
     /// fired are not acknowledged.
     pub cancel: CancellationToken,
-    /// Delivery number of this trigger (1 = first).
+    /// Delivery number of this trigger (1 = first). Runs put off by the logic's requests to run
+    /// later do not count.
     pub attempt: u32,
+    /// How long this trigger has been put off so far by its logic's requests to run later
+    /// ([`LogicError::run_later`]); zero for a trigger never put off.
+    pub deferred: Duration,
 }
 
 /// A record's logic.
@@ -75,6 +80,15 @@ pub struct RunnerOptions {
     /// Delay before a failed trigger is tried again ([`RecordRunner::handle_watched`]).
     /// Default 5 s.
     pub retry_delay: Duration,
+    /// The shortest delay of a run put off by its logic ([`LogicError::run_later`]), so logic
+    /// answering "again in 0 s" cannot spin. Default 1 s.
+    pub min_deferral: Duration,
+    /// The delay of a run put off by its logic without saying for how long. Default 60 s.
+    pub default_deferral: Duration,
+    /// How long, in total, a trigger may be put off by its logic's requests to run later, per
+    /// scope; a request beyond it gives the trigger up ([`Error::DeferralExhausted`]). Default
+    /// 24 hours. At most 7 days (the longest a queue message can stay hidden).
+    pub max_deferral: PerScope<Duration>,
     /// The protocol variant (feature `testing` only).
     #[cfg(feature = "testing")]
     pub variant: ProtocolVariant,
@@ -88,6 +102,9 @@ impl Default for RunnerOptions {
             recheck_delay: None,
             max_attempts: 5,
             retry_delay: Duration::from_secs(5),
+            min_deferral: Duration::from_secs(1),
+            default_deferral: Duration::from_secs(60),
+            max_deferral: PerScope::new(Duration::from_secs(86_400)),
             #[cfg(feature = "testing")]
             variant: ProtocolVariant::Correct,
         }
@@ -109,10 +126,18 @@ pub struct Delivery {
 
 impl Delivery {
     /// Deliveries of this trigger so far, including those of messages it was carried over from.
+    /// Deliberate re-hides of the message ([`TriggerMessage::rehides`]: its deferrals) are
+    /// not attempts.
     pub fn attempts(&self) -> u32 {
         self.message
             .prior_attempts
-            .saturating_add(self.dequeue_count.max(1))
+            .saturating_add(self.dequeue_count.saturating_sub(self.message.rehides).max(1))
+    }
+
+    /// Whether this message was delivered before without being deliberately re-hidden since:
+    /// its earlier delivery may have died holding the lease.
+    pub fn redelivered(&self) -> bool {
+        self.dequeue_count > self.message.rehides.saturating_add(1)
     }
 
     /// The span every event of this delivery is logged in: scope, record, message kind, attempt,
@@ -135,7 +160,7 @@ impl Delivery {
         match self.message.kind {
             // A redelivered sweep may follow one that consumed the marker and failed: it has
             // become a run that is owed, whatever the marker says.
-            TriggerKind::Sweep if self.dequeue_count > 1 => TriggerKind::Recheck,
+            TriggerKind::Sweep if self.redelivered() => TriggerKind::Recheck,
             kind if kind.is_carrier() => kind,
             _ => TriggerKind::Recheck,
         }
@@ -147,7 +172,7 @@ impl Delivery {
     /// keeps failing — runs just if the marker is set, so the give-up → sweep cycle ends; its
     /// first delivery consumes the marker before running, and a later one runs regardless.
     fn runs_only_if_marked(&self) -> bool {
-        self.message.kind == TriggerKind::Sweep && self.message.given_up >= 2 && self.dequeue_count <= 1
+        self.message.kind == TriggerKind::Sweep && self.message.given_up >= 2 && !self.redelivered()
     }
 }
 
@@ -168,9 +193,25 @@ pub enum Outcome {
     Rechecking { after: Duration },
     /// The run failed and its retry is already queued (the watchdog became it). Acknowledge.
     Retrying { error: Error, after: Duration },
-    /// Given up after too many failed deliveries ([`Error::GaveUp`]): the trigger is in the
-    /// poison queue with its reason and a sweep is queued. Acknowledge.
+    /// Given up after too many failed deliveries ([`Error::GaveUp`]) or with its deferral budget
+    /// spent ([`Error::DeferralExhausted`]): the trigger is in the poison queue with its reason
+    /// and a sweep is queued. Acknowledge.
     Poisoned { error: Error },
+    /// The logic asked to be run later ([`LogicError::run_later`]): the run ended, the lease is
+    /// released and the retrigger marker taken; `next` (a recheck carrying the chain's deferral)
+    /// must become visible after `after`, and it covers this trigger and every trigger that
+    /// coalesced onto the run. Under Functions it is already queued (the watchdog became it).
+    /// Standalone the consumer turns the delivered message into it in place, which is also the
+    /// acknowledgement.
+    Deferred {
+        after: Duration,
+        /// The chain's deferral so far, `after` included.
+        total: Duration,
+        /// The delay the logic asked for (`None`: it gave none), and why.
+        asked: Option<Duration>,
+        why: String,
+        next: Box<TriggerMessage>,
+    },
     /// The run failed, timed out, lost its lease, was cancelled, or storage failed. Do not
     /// acknowledge: the message is delivered again (and poisoned after too many deliveries).
     Failed { error: Error, retriggered: bool },
@@ -183,7 +224,10 @@ impl Outcome {
             Outcome::Retrying { error, .. } | Outcome::Poisoned { error } | Outcome::Failed { error, .. } => {
                 Some(error)
             }
-            Outcome::Completed { .. } | Outcome::Coalesced | Outcome::Rechecking { .. } => None,
+            Outcome::Completed { .. }
+            | Outcome::Coalesced
+            | Outcome::Rechecking { .. }
+            | Outcome::Deferred { .. } => None,
         }
     }
 
@@ -196,6 +240,7 @@ impl Outcome {
                 | Outcome::Rechecking { .. }
                 | Outcome::Retrying { .. }
                 | Outcome::Poisoned { .. }
+                | Outcome::Deferred { .. }
         )
     }
 
@@ -207,6 +252,7 @@ impl Outcome {
             Outcome::Rechecking { .. } => "rechecking",
             Outcome::Retrying { .. } => "retrying",
             Outcome::Poisoned { .. } => "poisoned",
+            Outcome::Deferred { .. } => "deferred",
             Outcome::Failed { .. } => "failed",
         }
     }
@@ -351,16 +397,25 @@ impl RecordRunner {
     /// (the standalone [`crate::Consumer`]): the message itself is the carrier. `cancel` stops a
     /// run from outside (shutdown); the trigger is then not acknowledged.
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
-        async {
-            let mut ran = None;
-            let outcome = self
-                .handle_key(&delivery.message.key(), delivery, cancel, None, &mut ran)
-                .await;
-            self.finished(delivery, &outcome, ran);
-            outcome
-        }
-        .instrument(delivery.span())
-        .await
+        let span = delivery.span();
+        let (outcome, ran) = self.handle_untold(delivery, cancel).instrument(span.clone()).await;
+        span.in_scope(|| self.finished(delivery, &outcome, ran));
+        outcome
+    }
+
+    /// [`handle`](Self::handle) without telling the outcome ([`finished`](Self::finished)), for
+    /// a caller that acts on it first (the consumer gives a trigger up): the outcome, and how
+    /// long the logic ran if it ran. Call it in the delivery's span.
+    pub(crate) async fn handle_untold(
+        &self,
+        delivery: &Delivery,
+        cancel: &CancellationToken,
+    ) -> (Outcome, Option<Duration>) {
+        let mut ran = None;
+        let outcome = self
+            .handle_key(&delivery.message.key(), delivery, cancel, None, &mut ran)
+            .await;
+        (outcome, ran)
     }
 
     /// Handles one delivery whose message someone else keeps hidden, for longer than a lease,
@@ -431,6 +486,34 @@ impl RecordRunner {
                     tracing::warn!(error = %e, "could not reschedule the watchdog; it surfaces when its visibility lapses");
                 }
                 Outcome::Rechecking { after }
+            }
+            Outcome::Deferred {
+                after,
+                total,
+                asked,
+                why,
+                next,
+            } => match self.rearm_or_put(&watchdog, &next, after).await {
+                // The host's message is acknowledged; the watchdog, a message the host never
+                // took, carries the later run, so no deferral counts towards the host's
+                // maxDequeueCount.
+                Ok(()) => Outcome::Deferred {
+                    after,
+                    total,
+                    asked,
+                    why,
+                    next,
+                },
+                // The host retries its message (and the watchdog may surface too): early, but
+                // nothing lost. The storage failure counts as a failed attempt.
+                Err(e) => storage_failed("persist the deferral", e),
+            },
+            Outcome::Failed { error, .. } if error.gives_up() => {
+                let outcome = self.poison_delivery(poison, delivery, error).await;
+                if outcome.acknowledge() {
+                    watchdog.disarm().await;
+                }
+                outcome
             }
             Outcome::Failed { error, .. } if attempts >= self.options.max_attempts => {
                 let error = Error::GaveUp {
@@ -506,6 +589,8 @@ impl RecordRunner {
         if let Some(trigger) = &entry.trigger {
             let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
             sweep.given_up = trigger.given_up.saturating_add(1);
+            // It stands for other triggers than the one given up: a budget of its own.
+            sweep.deferral = None;
             self.enqueue(&sweep, Duration::ZERO).await?;
         }
         Ok(())
@@ -564,7 +649,7 @@ impl RecordRunner {
         }
         // Under a watchdog every holder has a carrier of its own, so only carriers must look
         // again; without one a redelivered trigger may be looking at its own dead holder.
-        !delivery.message.kind.is_carrier() && (watched || delivery.dequeue_count == 1)
+        !delivery.message.kind.is_carrier() && (watched || !delivery.redelivered())
     }
 
     async fn handle_key(
@@ -713,6 +798,7 @@ impl RecordRunner {
             fencing_token: token,
             cancel: run_cancel.clone(),
             attempt: delivery.attempts(),
+            deferred: delivery.message.deferral.map_or(Duration::ZERO, |d| d.total()),
         };
         let started = Instant::now();
         let end = self.run_logic(ctx, guard.get(), &run_cancel, cancel).await;
@@ -757,6 +843,19 @@ impl RecordRunner {
             // us. Not acknowledging makes our own message come back and look again.
             return storage_failed("release lease", e);
         }
+        if let Some((asked, why)) = asks_to_run_later(&result) {
+            // The later run covers what coalesced onto this one: its message is the retrigger,
+            // delayed. The marker is taken all the same (as any holder takes it after its
+            // release), so the triggers it stands for are covered by a run that starts after
+            // them, and none is left behind to cost the next holder a run more.
+            let (taken, _) = self
+                .marker_op("check retrigger marker", |markers| markers.take(key))
+                .await;
+            if let Err(e) = taken {
+                return storage_failed("check retrigger marker", e);
+            }
+            return self.defer(delivery, asked, why);
+        }
         let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
             Ok(r) => r,
             Err(e) => return storage_failed("check retrigger marker", e),
@@ -768,6 +867,49 @@ impl RecordRunner {
                 run_time,
             },
             Err(error) => Outcome::Failed { error, retriggered },
+        }
+    }
+
+    /// The deferral of a run whose logic asked to be run later: after `asked` (or the default),
+    /// no sooner than the shortest deferral and within what is left of the chain's budget; once that is spent,
+    /// the trigger is given up ([`Error::DeferralExhausted`], which the caller poisons at once).
+    fn defer(&self, delivery: &Delivery, asked: Option<Duration>, why: String) -> Outcome {
+        let message = &delivery.message;
+        let max = *self.options.max_deferral.get(&message.scope);
+        let so_far = message.deferral.unwrap_or(crate::message::Deferral {
+            total_ms: 0,
+            hops: 0,
+            id: 0,
+        });
+        let floor = self.options.min_deferral;
+        let remaining = max.saturating_sub(so_far.total());
+        if remaining < floor.max(Duration::from_millis(1)) {
+            return Outcome::Failed {
+                error: Error::DeferralExhausted {
+                    total: so_far.total(),
+                    max,
+                    hops: so_far.hops,
+                    asked,
+                    why,
+                },
+                retriggered: false,
+            };
+        }
+        let after = asked
+            .unwrap_or(self.options.default_deferral)
+            .max(floor)
+            .min(remaining);
+        let next = message.deferred(
+            delivery.attempts().saturating_sub(1),
+            after,
+            uuid::Uuid::new_v4().as_u64_pair().0 >> 11,
+        );
+        Outcome::Deferred {
+            after,
+            total: so_far.total() + after,
+            asked,
+            why,
+            next: Box::new(next),
         }
     }
 
@@ -903,6 +1045,21 @@ fn log(outcome: &Outcome) {
             retry_in = ?after,
             reason = %error,
             "record run failed; retry queued"
+        ),
+        Outcome::Deferred {
+            after,
+            total,
+            asked,
+            why,
+            next,
+        } => tracing::info!(
+            outcome = "deferred",
+            run_again_in_s = after.as_secs_f64(),
+            deferred_total_s = total.as_secs_f64(),
+            asked_s = asked.map(|a| a.as_secs_f64()),
+            deferral = next.deferral.map(|d| d.id),
+            reason = %why,
+            "the logic asked to be run later; the record runs again then"
         ),
         other => tracing::info!(outcome = other.name(), "trigger handled without a run"),
     }
@@ -1049,6 +1206,16 @@ fn logic_result(joined: Result<Result<(), LogicError>, tokio::task::JoinError>) 
             }
             Err(_) => Err(Error::LogicTaskCancelled),
         },
+    }
+}
+
+/// The delay asked for and why, when the logic asked to be run later.
+fn asks_to_run_later(result: &Result<(), Error>) -> Option<(Option<Duration>, String)> {
+    match result {
+        Err(Error::Logic(e)) => e
+            .asks_to_run_later()
+            .map(|after| (after, e.message().to_string())),
+        _ => None,
     }
 }
 

@@ -95,6 +95,11 @@ fn describe(outcome: &Outcome) -> String {
         Outcome::Retrying { error, after } => format!("{error}; retrying in {} s", after.as_secs()),
         Outcome::Poisoned { error } => format!("moved to the poison queue: {error}"),
         Outcome::Failed { error, .. } => format!("{error}; the trigger is delivered again"),
+        Outcome::Deferred { after, total, why, .. } => format!(
+            "the logic asked to be run later ({why}); it runs again in {} s (put off {} s in all)",
+            after.as_secs(),
+            total.as_secs()
+        ),
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use leasehold_functions::start::{Secret, StartPolicy};
 use leasehold_lock::{LeaseDuration, LeaseOptions};
-use leasehold_runtime::{ConsumerOptions, RunnerOptions};
+use leasehold_runtime::{ConsumerOptions, PerScope, RunnerOptions};
 use leasehold_storage::StorageAccount;
 use serde::Deserialize;
 
@@ -21,6 +21,10 @@ pub struct SettingInfo {
     pub name: &'static str,
     pub default: Option<&'static str>,
 }
+
+/// The most `LEASEHOLD_MAX_DEFERRAL_SECONDS` may be: 7 days, the longest a queue message can stay
+/// hidden.
+const MAX_DEFERRAL_LIMIT: u64 = 604_800;
 
 const fn setting(name: &'static str, default: Option<&'static str>) -> SettingInfo {
     SettingInfo { name, default }
@@ -51,6 +55,7 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_RUN_TIMEOUT_SECONDS", Some("540")),
     setting("LEASEHOLD_CONCURRENCY", Some("8")),
     setting("LEASEHOLD_MAX_DEQUEUE_COUNT", Some("5")),
+    setting("LEASEHOLD_MAX_DEFERRAL_SECONDS", Some("86400")),
     setting("LEASEHOLD_POLL_MAX_SECONDS", Some("2")),
     setting("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", Some("30")),
     setting("LEASEHOLD_PORT", Some("7071")),
@@ -103,6 +108,7 @@ struct Raw {
     leasehold_fencing: Option<String>,
     leasehold_run_timeout_seconds: Option<String>,
     leasehold_max_dequeue_count: Option<String>,
+    leasehold_max_deferral_seconds: Option<String>,
     leasehold_poll_max_seconds: Option<String>,
     leasehold_shutdown_grace_seconds: Option<String>,
     leasehold_allowed_organizations: Option<String>,
@@ -357,9 +363,26 @@ impl Settings {
         if max_dequeue_count == 0 {
             bail!("LEASEHOLD_MAX_DEQUEUE_COUNT must be at least 1");
         }
+        let max_deferral = match &raw.leasehold_max_deferral_seconds {
+            None => runner.max_deferral.clone(),
+            Some(text) => PerScope::parse(text, runner.max_deferral.default_value().as_secs(), |v| {
+                let seconds: u64 = v
+                    .parse()
+                    .map_err(|_| "not a whole number of seconds".to_string())?;
+                if !(1..=MAX_DEFERRAL_LIMIT).contains(&seconds) {
+                    return Err(format!(
+                        "must be 1–{MAX_DEFERRAL_LIMIT} seconds (7 days, the longest a queue message can stay hidden)"
+                    ));
+                }
+                Ok(seconds)
+            })
+            .map_err(|e| anyhow::anyhow!("LEASEHOLD_MAX_DEFERRAL_SECONDS: {e}"))?
+            .map(Duration::from_secs),
+        };
         let runner = RunnerOptions {
             // Under Functions the handler gives a trigger up itself (the host would drop the reason).
             max_attempts: max_dequeue_count,
+            max_deferral,
             ..runner
         };
         let consumer = ConsumerOptions {
@@ -566,6 +589,7 @@ mod tests {
                 "LEASEHOLD_RUN_TIMEOUT_SECONDS" => s.runner.run_timeout.as_secs().to_string(),
                 "LEASEHOLD_CONCURRENCY" => s.consumer.concurrency.to_string(),
                 "LEASEHOLD_MAX_DEQUEUE_COUNT" => s.consumer.max_dequeue_count.to_string(),
+                "LEASEHOLD_MAX_DEFERRAL_SECONDS" => s.runner.max_deferral.clone().map(|d| d.as_secs()).to_string(),
                 "LEASEHOLD_POLL_MAX_SECONDS" => s.consumer.poll_max.as_secs().to_string(),
                 "LEASEHOLD_SHUTDOWN_GRACE_SECONDS" => s.consumer.shutdown_grace.as_secs().to_string(),
                 "LEASEHOLD_PORT" => s.port.to_string(),
@@ -724,6 +748,33 @@ mod tests {
             (s.port, s.bind.as_str(), s.consumer.concurrency),
             (7071, "127.0.0.1", 8)
         );
+    }
+
+    /// `LEASEHOLD_MAX_DEFERRAL_SECONDS` takes a default and per-scope values.
+    #[test]
+    fn the_deferral_budget_is_read_per_scope() {
+        let s = Settings::from_raw(Raw {
+            leasehold_max_deferral_seconds: Some("3600, account=604800,Contact=60".into()),
+            ..raw()
+        })
+        .unwrap();
+        let get = |scope: &str| s.runner.max_deferral.get(&scope.parse().unwrap()).as_secs();
+        assert_eq!((get("lead"), get("account"), get("contact")), (3600, 604_800, 60));
+        for (value, wants) in [
+            ("0", "\"0\": must be 1–604800 seconds"),
+            ("86400,account=604801", "account=604801"),
+            ("1h", "not a whole number"),
+            ("60,account=5,account=6", "given twice"),
+            ("60,70", "a second value without a scope"),
+        ] {
+            let e = Settings::from_raw(Raw {
+                leasehold_max_deferral_seconds: Some(value.into()),
+                ..raw()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(e.starts_with("LEASEHOLD_MAX_DEFERRAL_SECONDS: ") && e.contains(wants), "{value}: {e}");
+        }
     }
 
     #[test]

@@ -127,6 +127,7 @@ impl Tree {
             fencing_token: Some(7),
             cancel: CancellationToken::new(),
             attempt: 1,
+            deferred: std::time::Duration::ZERO,
         }
     }
 }
@@ -173,6 +174,38 @@ async fn command_gets_the_record_in_its_environment_and_its_exit_code_counts() {
     let err = chatty.run(tree.ctx()).await.unwrap_err().to_string();
     assert!(err.ends_with("line 499 of the log"), "{err}");
     assert!(err.len() < 2200, "only the tail is kept: {} bytes", err.len());
+}
+
+/// Exit 75 (`EX_TEMPFAIL`) asks to be run later, after the last `Retry-After:` line of stderr;
+/// any other exit is a failure.
+#[tokio::test]
+async fn a_command_exiting_75_asks_to_be_run_later() {
+    let tree = Tree::new();
+    let cases = [
+        ("echo 'Retry-After: 9' >&2; echo 'throttled, Retry-After: 30' >&2; echo 'Retry-After: 12' >&2; exit 75",
+         Some(Some(Duration::from_secs(12)))),
+        ("echo throttled >&2; exit 75", Some(None)),
+        ("echo 'Retry-After: soon' >&2; exit 75", Some(None)),
+        ("echo 'Retry-After: 12' >&2; exit 74", None),
+    ];
+    for (command, wants) in cases {
+        let logic = CommandLogic::new(command, supervisor());
+        let err = logic.run(tree.ctx()).await.unwrap_err();
+        assert_eq!(err.asks_to_run_later(), wants, "{command}: {err}");
+    }
+    let logic = CommandLogic::new("echo 'Retry-After: soon' >&2; exit 75", supervisor());
+    let err = logic.run(tree.ctx()).await.unwrap_err().to_string();
+    assert!(err.contains("unreadable Retry-After"), "{err}");
+    // The command is told how long its trigger has been put off.
+    let out = tree.file("deferred.txt");
+    let logic = CommandLogic::new(
+        format!("echo \"$LEASEHOLD_DEFERRED_SECONDS\" > {}", out.display()),
+        supervisor(),
+    );
+    let mut ctx = tree.ctx();
+    ctx.deferred = Duration::from_secs(95);
+    logic.run(ctx).await.unwrap();
+    assert_eq!(std::fs::read_to_string(&out).unwrap().trim(), "95");
 }
 
 #[tokio::test]

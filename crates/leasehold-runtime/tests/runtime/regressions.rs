@@ -165,6 +165,8 @@ enum End {
     Panic,
     /// Ignores cancellation: keeps running until `duration` has passed.
     Stubborn,
+    /// Asks to be run later, after this delay (or the default).
+    RunLater(Option<Duration>),
 }
 
 impl Script {
@@ -196,6 +198,7 @@ impl Logic for Script {
             }
             _ = tokio::time::sleep(self.duration) => match self.end {
                 End::Panic => panic!("the logic fell over"),
+                End::RunLater(after) => Err(LogicError::run_later(after, "the CRM answered 429")),
                 _ => {
                     self.completed.fetch_add(1, Ordering::SeqCst);
                     Ok(())
@@ -1885,5 +1888,262 @@ async fn a_holders_marker_check_whose_answer_was_lost_retriggers() {
     assert_eq!(
         messages(&store).iter().map(|m| m.kind).collect::<Vec<_>>(),
         [TriggerKind::Retrigger]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Run later: a logic that asks to be run again after a delay (issue 24).
+
+/// Takes the one visible message as the consumer would (hidden 40 s).
+async fn take_one(store: &Scripted) -> Received {
+    let mut taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    assert_eq!(taken.len(), 1, "one visible message");
+    taken.remove(0)
+}
+
+/// A deferral covers what coalesced onto the run: a trigger during the run sets the marker;
+/// after the run asks to be run later, the marker is taken and *no* retrigger is put; the one
+/// message left is the deferred run (a recheck carrying the chain's deferral), hidden for the
+/// delay, and the record runs again then, not before.
+#[tokio::test(start_paused = true)]
+async fn a_deferral_covers_the_triggers_that_coalesced_and_runs_no_earlier_than_asked() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(20), End::RunLater(Some(Duration::from_secs(30))));
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (consumer, mut taken) = consumer_with_one_trigger(&store, runner.clone()).await;
+    let first = tokio::spawn({
+        let consumer = consumer.clone();
+        let received = taken.remove(0);
+        async move { consumer.process(received, CancellationToken::new()).await }
+    });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        standalone(&runner, TriggerKind::Trigger, 1, 0).await,
+        Outcome::Coalesced
+    );
+    assert!(marker_set(&store).await);
+    first.await.unwrap();
+    let ended = Instant::now();
+    assert!(!marker_set(&store).await, "the deferral took the marker");
+    assert!(!held(&store).await);
+    let left = messages(&store);
+    assert_eq!(left.len(), 1, "one message: the deferred run, no retrigger: {left:?}");
+    let deferred = &left[0];
+    assert_eq!(deferred.kind, TriggerKind::Recheck);
+    assert_eq!(deferred.rehides, 1, "the delivery's dequeue count");
+    assert_eq!(deferred.prior_attempts, 0);
+    let deferral = deferred.deferral.unwrap();
+    assert_eq!((deferral.total_ms, deferral.hops), (30_000, 1));
+    assert_eq!(store.queue().visible_len(), 0);
+    assert_eq!(
+        store.queue().next_visible_at(),
+        Some(ended + Duration::from_secs(30)),
+        "hidden for the delay asked"
+    );
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let again = take_one(&store).await;
+    assert_eq!(again.dequeue_count, 2);
+    let delivery = Delivery {
+        message: TriggerMessage::decode(&again.body).unwrap(),
+        dequeue_count: again.dequeue_count,
+    };
+    assert_eq!(delivery.attempts(), 1, "a deferral is not an attempt");
+    assert!(!delivery.redelivered());
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+}
+
+/// Standalone, the deferral *is* the acknowledgement: one Update Message. When its answer is
+/// lost (it landed) the retry finds the receipt stale, and nothing more is done: no fresh put
+/// (which would run the record twice), no delete.
+#[tokio::test(start_paused = true)]
+async fn a_standalone_deferral_whose_answer_was_lost_is_not_put_twice() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::RunLater(Some(Duration::from_secs(60))));
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let (consumer, mut taken) = consumer_with_one_trigger(&store, runner).await;
+    store.then(Op::QueueUpdate, &[Act::LoseAnswer]);
+    consumer.process(taken.remove(0), CancellationToken::new()).await;
+    let left = messages(&store);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].deferral.is_some(), "the update landed: {left:?}");
+    assert_eq!(store.rules.counters.snapshot().get(Op::QueuePut), 0, "no fresh put");
+    assert_eq!(store.queue().visible_len(), 0);
+}
+
+/// A trigger deferred more times than the poison limit allows attempts is never poisoned for
+/// it, in either mode: every run is attempt 1 (standalone the message's dequeue count rises
+/// with each in-place deferral; its re-hides are left out).
+#[tokio::test(start_paused = true)]
+async fn deferring_never_counts_as_an_attempt() {
+    struct Defers(AtomicUsize, Mutex<Vec<u32>>);
+    #[async_trait]
+    impl Logic for Defers {
+        async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
+            self.1.lock().unwrap().push(ctx.attempt);
+            if self.0.fetch_add(1, Ordering::SeqCst) < 7 {
+                Err(LogicError::run_later(Some(Duration::from_secs(10)), "throttled"))
+            } else {
+                Ok(())
+            }
+        }
+    }
+    // Standalone, through the consumer.
+    let store = Scripted::new();
+    let logic = Arc::new(Defers(0.into(), Mutex::default()));
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
+    store
+        .queue()
+        .put(&TriggerMessage::parse("acct", "r").unwrap().encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    for _ in 0..8 {
+        let received = take_one(&store).await;
+        consumer.process(received, CancellationToken::new()).await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+    assert_eq!(*logic.1.lock().unwrap(), vec![1; 8]);
+    assert!(store.queue().bodies().is_empty(), "the 8th run completed");
+    assert!(poison.bodies().is_empty());
+
+    // Functions: the watchdog becomes each deferral; the host's message is acknowledged.
+    let store = Scripted::new();
+    let logic = Arc::new(Defers(0.into(), Mutex::default()));
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let mut next = TriggerMessage::parse("acct", "r").unwrap();
+    for run in 0..8 {
+        let outcome = runner
+            .handle_watched(&Delivery { message: next.clone(), dequeue_count: 1 }, &poison, &CancellationToken::new())
+            .await;
+        if run < 7 {
+            assert!(matches!(outcome, Outcome::Deferred { .. }), "{outcome:?}");
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            let received = take_one(&store).await;
+            store.queue().delete(&received.id, &received.pop_receipt).await.unwrap();
+            next = TriggerMessage::decode(&received.body).unwrap();
+            assert_eq!(next.deferral.unwrap().hops, run + 1);
+        } else {
+            assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+        }
+    }
+    assert_eq!(*logic.1.lock().unwrap(), vec![1; 8]);
+    assert!(store.queue().bodies().is_empty());
+    assert!(poison.bodies().is_empty());
+}
+
+/// Under Functions the deferral is the delivery's watchdog, rewritten: one message, hidden for
+/// the delay; the host's message is acknowledged, so the host's dequeue count never moves.
+#[tokio::test(start_paused = true)]
+async fn a_functions_deferral_is_the_watchdog_rewritten() {
+    let (store, logic, runner) = fixture(Duration::from_secs(15), End::RunLater(None));
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 2, 0).await;
+    let ended = Instant::now();
+    let Outcome::Deferred { after, total, asked, .. } = &outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!((*after, *total, *asked), (Duration::from_secs(60), Duration::from_secs(60), None));
+    assert!(outcome.acknowledge());
+    let left = messages(&store);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].kind, TriggerKind::Recheck);
+    assert_eq!(left[0].rehides, 0, "a message the host never took");
+    assert_eq!(left[0].prior_attempts, 1, "the host's redelivery counted, the deferral not");
+    assert_eq!(store.queue().next_visible_at(), Some(ended + Duration::from_secs(60)));
+    assert_eq!(store.rules.counters.snapshot().get(Op::QueuePut), 1, "the watchdog only");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+}
+
+/// The delay is the one asked for, no shorter than a retry's, and within what is left of the
+/// chain's budget; a request once the budget is spent gives the trigger up at once, with a
+/// reason that says so, and its sweep runs the record for what coalesced.
+#[tokio::test(start_paused = true)]
+async fn the_deferral_budget_bounds_a_chain_and_its_end_is_a_give_up() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::RunLater(Some(Duration::from_secs(60))));
+    let options = RunnerOptions {
+        max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(600)),
+        ..RunnerOptions::default()
+    };
+    let runner = runner_on(&store, logic.clone(), options);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let chain_ms = |total_ms: u64| {
+        let mut m = TriggerMessage::parse("acct", "r").unwrap().deferred(0, Duration::from_millis(total_ms), 5);
+        m.deferral.as_mut().unwrap().hops = 9;
+        Delivery { message: m, dequeue_count: 1 }
+    };
+    let chain = |total_s: u64| chain_ms(total_s * 1000);
+    // 580 s of 600 s so far: 20 s are left.
+    let outcome = runner.handle_watched(&chain(580), &poison, &CancellationToken::new()).await;
+    let Outcome::Deferred { after, total, next, .. } = &outcome else { panic!("{outcome:?}") };
+    assert_eq!((*after, *total), (Duration::from_secs(20), Duration::from_secs(600)));
+    assert_eq!(next.deferral.unwrap().hops, 10);
+    // A logic asking for 0 s gets the shortest deferral, 1 s.
+    let quick = Script::new(Duration::from_secs(1), End::RunLater(Some(Duration::ZERO)));
+    let quick_runner = runner_on(&Scripted::new(), quick, RunnerOptions::default());
+    let outcome = quick_runner.handle_watched(&chain(0), &poison, &CancellationToken::new()).await;
+    assert!(matches!(outcome, Outcome::Deferred { after, .. } if after == Duration::from_secs(1)), "{outcome:?}");
+
+    // 599.5 s: less than the shortest deferral is left. Given up at once, on its first attempt.
+    let fresh = Scripted::new();
+    let runner = runner_on(&fresh, logic.clone(), RunnerOptions {
+        max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(600)),
+        ..RunnerOptions::default()
+    });
+    let outcome = runner.handle_watched(&chain_ms(599_500), &poison, &CancellationToken::new()).await;
+    let Outcome::Poisoned { error } = &outcome else { panic!("{outcome:?}") };
+    assert!(matches!(error, Error::DeferralExhausted { .. }), "{error:?}");
+    let reason = error.to_string();
+    assert!(
+        reason.contains("599 s in total over 9 requests")
+            && reason.contains("LEASEHOLD_MAX_DEFERRAL_SECONDS")
+            && reason.contains("for 60 s: the CRM answered 429"),
+        "{reason}"
+    );
+    let entries = poison.bodies();
+    assert_eq!(entries.len(), 1);
+    let entry = PoisonMessage::decode(&entries[0]).unwrap();
+    assert!(entry.reason().contains("LEASEHOLD_MAX_DEFERRAL_SECONDS"), "{}", entry.reason());
+    let left: Vec<TriggerMessage> = messages(&fresh);
+    assert_eq!(left.len(), 1, "the sweep only (the watchdog was disarmed): {left:?}");
+    assert_eq!((left[0].kind, left[0].deferral), (TriggerKind::Sweep, None), "a fresh budget");
+
+    // Standalone, the consumer gives it up the same way.
+    let fresh = Scripted::new();
+    let runner = runner_on(&fresh, logic, RunnerOptions {
+        max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(600)),
+        ..RunnerOptions::default()
+    });
+    let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
+    fresh.queue().put(&chain_ms(599_500).message.encode(), Duration::ZERO).await.unwrap();
+    consumer.process(take_one(&fresh).await, CancellationToken::new()).await;
+    assert_eq!(poison.bodies().len(), 1);
+    let left = messages(&fresh);
+    assert_eq!(left.len(), 1, "the sweep only: {left:?}");
+    assert_eq!(left[0].kind, TriggerKind::Sweep);
+}
+
+/// A run that asks to be run later only after its lease was lost failed: the lost lease wins,
+/// so the trigger is retried (its run may have overlapped another), never deferred.
+#[tokio::test(start_paused = true)]
+async fn a_run_later_answered_after_the_lease_was_lost_is_a_failure() {
+    struct LateAsk;
+    #[async_trait]
+    impl Logic for LateAsk {
+        async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
+            ctx.cancel.cancelled().await;
+            Err(LogicError::run_later(Some(Duration::from_secs(30)), "throttled"))
+        }
+    }
+    let store = Scripted::new();
+    let runner = runner_on(&store, Arc::new(LateAsk), RunnerOptions::default());
+    store.always(Op::LeaseRenew, Act::Refuse(StoreErrorKind::LeaseLost));
+    let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    assert!(
+        matches!(&outcome, Outcome::Failed { error, .. } if error.is_lease_lost()),
+        "{outcome:?}"
     );
 }
