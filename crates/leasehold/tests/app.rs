@@ -997,10 +997,190 @@ async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_1
 
 /// Invokes `POST /Worker` as the Functions host does for a queue message; returns the status.
 async fn invoke_as_host(port: u16, m: leasehold_runtime::Received) -> u16 {
+    invoke_at(&format!("http://127.0.0.1:{port}/Worker"), m).await
+}
+
+/// What a run-later scenario's logic is: a URL (the test's own server) or a command.
+enum LaterLogic {
+    /// Answers 429 with `Retry-After: 3` to its first ten calls, then 200.
+    Url,
+    /// Exits 75 with `Retry-After: 2` on stderr on its first two runs, then 0.
+    Command,
+}
+
+/// Logic that asks to be run later (issue 24), end to end against Azurite in both modes: a URL
+/// answering 429 with `Retry-After: 3` ten times and a command exiting 75 twice each run again
+/// after the delay they asked for (not sooner, and soon after), until they complete; none is
+/// poisoned, although the poison limit is 2 deliveries. Under the emulated Functions host every
+/// invocation has `DequeueCount` 1: a deferral never raises the host's count. The four
+/// scenarios run side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn logic_asking_to_run_later_runs_again_then_and_is_never_poisoned() {
+    let (a, b, c, d) = tokio::join!(
+        run_later_scenario(false, LaterLogic::Url),
+        run_later_scenario(true, LaterLogic::Url),
+        run_later_scenario(false, LaterLogic::Command),
+        run_later_scenario(true, LaterLogic::Command),
+    );
+    for line in [a, b, c, d] {
+        println!("[run later] {line}");
+    }
+}
+
+async fn run_later_scenario(handler: bool, logic: LaterLogic) -> String {
+    let env = Env::new();
+    let (starts, setting, asks, delay): (Box<dyn Fn() -> Vec<u128> + Send>, _, usize, u64) = match logic {
+        LaterLogic::Url => {
+            let calls: std::sync::Arc<std::sync::Mutex<Vec<u128>>> = Default::default();
+            let seen = calls.clone();
+            let app = axum::Router::new().route(
+                "/run",
+                axum::routing::post(move || {
+                    let seen = seen.clone();
+                    async move {
+                        let mut calls = seen.lock().unwrap();
+                        calls.push(now_ns());
+                        if calls.len() <= 10 {
+                            (
+                                axum::http::StatusCode::TOO_MANY_REQUESTS,
+                                [(axum::http::header::RETRY_AFTER, "3")],
+                                "slow down",
+                            )
+                        } else {
+                            (axum::http::StatusCode::OK, [(axum::http::header::RETRY_AFTER, "0")], "done")
+                        }
+                    }
+                }),
+            );
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}/run", listener.local_addr().unwrap());
+            tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+            (
+                Box::new(move || calls.lock().unwrap().clone()),
+                ("LEASEHOLD_LOGIC_URL", url),
+                10,
+                3,
+            )
+        }
+        LaterLogic::Command => {
+            let runs = env.runs_file();
+            let command = env.logic(&format!(
+                "if [ $(wc -l < {}) -le 2 ]; then echo 'throttled' >&2; echo 'Retry-After: 2' >&2; exit 75; fi",
+                runs.display()
+            ));
+            let file = env.runs_file();
+            (
+                Box::new(move || {
+                    std::fs::read_to_string(&file)
+                        .unwrap_or_default()
+                        .lines()
+                        .map(|l| l.split_whitespace().nth(2).unwrap().parse().unwrap())
+                        .collect()
+                }),
+                ("LEASEHOLD_LOGIC_COMMAND", command),
+                2,
+                2,
+            )
+        }
+    };
+    let mut extra = vec![setting, ("LEASEHOLD_MAX_DEQUEUE_COUNT", "2".to_string())];
+    if handler {
+        extra.push(("FUNCTIONS_CUSTOMHANDLER_PORT", "0".to_string()));
+    }
+    let mode = if handler {
+        leasehold::Mode::Handler
+    } else {
+        common::standalone()
+    };
+    let app = env.start(mode, &extra).await;
+    let queue = common::queue(&env.queue);
+    // The Functions host, emulated: takes messages for 10 minutes, invokes the handler, deletes
+    // a message on a 2xx and shows it again after 5 s otherwise; polls every second.
+    let counts: std::sync::Arc<std::sync::Mutex<Vec<u32>>> = Default::default();
+    let host = handler.then(|| {
+        let (queue, url, counts) = (common::queue(&env.queue), app.url("/Worker"), counts.clone());
+        tokio::spawn(async move {
+            loop {
+                for m in queue.get(16, Duration::from_secs(600)).await.unwrap_or_default() {
+                    counts.lock().unwrap().push(m.dequeue_count);
+                    let status = invoke_at(&url, m.clone()).await;
+                    if (200..300).contains(&status) {
+                        queue.delete(&m.id, &m.pop_receipt).await.unwrap();
+                    } else {
+                        let _ = queue
+                            .set_visibility(&m.id, &m.pop_receipt, &m.body, Duration::from_secs(5))
+                            .await;
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        })
+    });
+    queue
+        .put(
+            &TriggerMessage::parse("account", RECORD).unwrap().encode(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let mode_name = if handler { "handler" } else { "serve" };
+    eventually(
+        Duration::from_secs(90),
+        "the logic to run until it completes, and the queue to drain",
+        || async {
+            let waiting = unless_transient(queue.approximate_len().await, "the queue's length")?;
+            (starts().len() == asks + 1 && waiting == 0).then_some(())
+        },
+    )
+    .await;
+    let starts = starts();
+    let gaps: Vec<f64> = starts
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as f64 / 1e9)
+        .collect();
+    for gap in &gaps {
+        assert!(
+            *gap >= delay as f64 && *gap < delay as f64 + 8.0,
+            "{mode_name}: runs {gaps:?} s apart, asked {delay} s"
+        );
+    }
+    let poison = common::queue(&poison_queue_name(&env.queue));
+    assert_eq!(
+        poison.approximate_len().await.unwrap(),
+        0,
+        "{mode_name}: a deferral is never poisoned"
+    );
+    if let Some(host) = host {
+        host.abort();
+        let counts = counts.lock().unwrap().clone();
+        assert!(
+            counts.len() > asks && counts.iter().all(|c| *c == 1),
+            "{mode_name}: every invocation is a first delivery: {counts:?}"
+        );
+    }
+    app.stop().await;
+    let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+    format!(
+        "{mode_name}, {} logic: {asks} requests to run later after {delay} s, then completed; runs {mean:.2} s apart on average (min {:.2}, max {:.2}); nothing poisoned",
+        if matches!(logic, LaterLogic::Url) { "URL" } else { "command" },
+        gaps.iter().copied().fold(f64::MAX, f64::min),
+        gaps.iter().copied().fold(0.0, f64::max),
+    )
+}
+
+fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// Invokes `POST /Worker` at `url` as the Functions host does for a queue message; returns the
+/// status.
+async fn invoke_at(url: &str, m: leasehold_runtime::Received) -> u16 {
     use base64::Engine;
     let text = String::from_utf8(base64::engine::general_purpose::STANDARD.decode(&m.body).unwrap()).unwrap();
     let invocation = json!({
-        // A JSON string whose content is the message JSON (the host's double encoding).
         "Data": { "trigger": text },
         "Metadata": {
             "DequeueCount": m.dequeue_count.to_string(),
@@ -1009,12 +1189,7 @@ async fn invoke_as_host(port: u16, m: leasehold_runtime::Received) -> u16 {
             "sys": { "MethodName": "Worker" }
         }
     });
-    match reqwest::Client::new()
-        .post(format!("http://127.0.0.1:{port}/Worker"))
-        .json(&invocation)
-        .send()
-        .await
-    {
+    match reqwest::Client::new().post(url).json(&invocation).send().await {
         Ok(r) => r.status().as_u16(),
         Err(_) => 599,
     }
