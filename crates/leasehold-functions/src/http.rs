@@ -370,8 +370,12 @@ fn describe(outcome: &Outcome) -> String {
         Outcome::Retrying { error, after } => format!("{error}; retrying in {after:?}"),
         Outcome::Poisoned { error } => format!("moved to the poison queue: {error}"),
         Outcome::Failed { error, .. } => error.to_string(),
-        Outcome::Deferred { after, total, why, .. } => {
-            format!("the logic asked to be run later ({why}); runs again in {after:?} (put off {total:?} in all)")
+        Outcome::Deferred {
+            after, total, why, ..
+        } => {
+            format!(
+                "the logic asked to be run later ({why}); runs again in {after:?} (put off {total:?} in all)"
+            )
         }
     }
 }

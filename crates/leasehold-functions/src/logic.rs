@@ -778,7 +778,9 @@ impl Logic for UrlLogic {
                 .unwrap_or_else(std::time::SystemTime::now);
             let after = asked.as_deref().and_then(|v| retry_after(v, now));
             let why = match &asked {
-                Some(v) if after.is_some() => format!("logic URL {target} answered {status}, Retry-After: {v}"),
+                Some(v) if after.is_some() => {
+                    format!("logic URL {target} answered {status}, Retry-After: {v}")
+                }
                 Some(v) => format!(
                     "logic URL {target} answered {status} with an unreadable Retry-After ({:?})",
                     v.chars().take(64).collect::<String>()

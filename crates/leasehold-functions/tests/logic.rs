@@ -154,7 +154,10 @@ async fn url_logic_answered_429_or_503_with_retry_after_asks_to_be_run_later() {
         assert!(!err.to_string().contains("SECRET"), "{err}");
     }
     let first = logic.run(ctx("seconds", None)).await.unwrap_err().to_string();
-    assert!(first.contains("429") && first.contains("Retry-After: 12"), "{first}");
+    assert!(
+        first.contains("429") && first.contains("Retry-After: 12"),
+        "{first}"
+    );
     assert_eq!(seen.lock().unwrap()[0].0["deferredSeconds"], 61);
 }
 

@@ -95,7 +95,9 @@ fn describe(outcome: &Outcome) -> String {
         Outcome::Retrying { error, after } => format!("{error}; retrying in {} s", after.as_secs()),
         Outcome::Poisoned { error } => format!("moved to the poison queue: {error}"),
         Outcome::Failed { error, .. } => format!("{error}; the trigger is delivered again"),
-        Outcome::Deferred { after, total, why, .. } => format!(
+        Outcome::Deferred {
+            after, total, why, ..
+        } => format!(
             "the logic asked to be run later ({why}); it runs again in {} s (put off {} s in all)",
             after.as_secs(),
             total.as_secs()
@@ -323,6 +325,24 @@ mod tests {
         let json = serde_json::to_value(no_run).unwrap();
         assert!(json.get("runSeconds").is_none(), "{json}");
         assert_eq!(json["finishedAt"], "1970-01-01T00:00:00Z");
+    }
+
+    /// A run put off says when it runs again, how long it has been put off in all, and why.
+    #[test]
+    fn a_deferral_says_when_it_runs_again() {
+        let deferred = Outcome::Deferred {
+            after: Duration::from_secs(120),
+            total: Duration::from_secs(840),
+            asked: Some(Duration::from_secs(120)),
+            why: "logic URL crm/sync answered 429 Too Many Requests, Retry-After: 120".into(),
+            next: Box::new(leasehold_runtime::TriggerMessage::parse("account", "r").unwrap()),
+        };
+        let json = serde_json::to_value(outcome("r", &deferred, 0)).unwrap();
+        assert_eq!(json["outcome"], "deferred");
+        assert_eq!(
+            json["message"],
+            "the logic asked to be run later (logic URL crm/sync answered 429 Too Many Requests, Retry-After: 120); it runs again in 120 s (put off 840 s in all)"
+        );
     }
 
     #[test]

@@ -589,7 +589,9 @@ mod tests {
                 "LEASEHOLD_RUN_TIMEOUT_SECONDS" => s.runner.run_timeout.as_secs().to_string(),
                 "LEASEHOLD_CONCURRENCY" => s.consumer.concurrency.to_string(),
                 "LEASEHOLD_MAX_DEQUEUE_COUNT" => s.consumer.max_dequeue_count.to_string(),
-                "LEASEHOLD_MAX_DEFERRAL_SECONDS" => s.runner.max_deferral.clone().map(|d| d.as_secs()).to_string(),
+                "LEASEHOLD_MAX_DEFERRAL_SECONDS" => {
+                    s.runner.max_deferral.clone().map(|d| d.as_secs()).to_string()
+                }
                 "LEASEHOLD_POLL_MAX_SECONDS" => s.consumer.poll_max.as_secs().to_string(),
                 "LEASEHOLD_SHUTDOWN_GRACE_SECONDS" => s.consumer.shutdown_grace.as_secs().to_string(),
                 "LEASEHOLD_PORT" => s.port.to_string(),
@@ -773,7 +775,10 @@ mod tests {
             })
             .unwrap_err()
             .to_string();
-            assert!(e.starts_with("LEASEHOLD_MAX_DEFERRAL_SECONDS: ") && e.contains(wants), "{value}: {e}");
+            assert!(
+                e.starts_with("LEASEHOLD_MAX_DEFERRAL_SECONDS: ") && e.contains(wants),
+                "{value}: {e}"
+            );
         }
     }
 

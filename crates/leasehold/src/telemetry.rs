@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use leasehold_functions::http::START_RESPONSES_TOTAL;
 use leasehold_functions::start::{StartPolicy, key_accepted};
-use leasehold_runtime::observe::{DELIVERIES_TOTAL, LOCK_SECONDS, RUN_DURATION_SECONDS};
+use leasehold_runtime::observe::{DEFERRAL_SECONDS, DELIVERIES_TOTAL, LOCK_SECONDS, RUN_DURATION_SECONDS};
 use leasehold_runtime::{OutcomeLabel, TriggerQueue};
 use leasehold_storage::azure::{STORAGE_ERRORS_TOTAL, STORAGE_REQUESTS_TOTAL};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
@@ -46,6 +46,10 @@ pub const EVENT_TARGET: &str = "leasehold::metrics";
 
 const RUN_BUCKETS: &[f64] = &[0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0];
 const LOCK_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+/// Deferral delays: from a second to the longest a queue message can stay hidden (7 days).
+const DEFERRAL_BUCKETS: &[f64] = &[
+    1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0, 604800.0,
+];
 
 /// What the process's recorder feeds.
 struct Telemetry {
@@ -64,6 +68,7 @@ fn install() -> &'static Telemetry {
         let prometheus = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Full(RUN_DURATION_SECONDS.into()), RUN_BUCKETS)
             .and_then(|b| b.set_buckets_for_metric(Matcher::Full(LOCK_SECONDS.into()), LOCK_BUCKETS))
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(DEFERRAL_SECONDS.into()), DEFERRAL_BUCKETS))
             .expect("bucket lists are not empty")
             .build_recorder();
         let handle = prometheus.handle();
@@ -102,6 +107,11 @@ fn describe() {
         RUN_DURATION_SECONDS,
         Unit::Seconds,
         "How long a record's logic ran (every run, successful or not)."
+    );
+    describe_histogram!(
+        DEFERRAL_SECONDS,
+        Unit::Seconds,
+        "Delays of runs put off because their logic asked to be run later."
     );
     describe_histogram!(
         LOCK_SECONDS,

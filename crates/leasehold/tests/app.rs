@@ -1047,7 +1047,11 @@ async fn run_later_scenario(handler: bool, logic: LaterLogic) -> String {
                                 "slow down",
                             )
                         } else {
-                            (axum::http::StatusCode::OK, [(axum::http::header::RETRY_AFTER, "0")], "done")
+                            (
+                                axum::http::StatusCode::OK,
+                                [(axum::http::header::RETRY_AFTER, "0")],
+                                "done",
+                            )
                         }
                     }
                 }),
@@ -1134,10 +1138,7 @@ async fn run_later_scenario(handler: bool, logic: LaterLogic) -> String {
     )
     .await;
     let starts = starts();
-    let gaps: Vec<f64> = starts
-        .windows(2)
-        .map(|w| (w[1] - w[0]) as f64 / 1e9)
-        .collect();
+    let gaps: Vec<f64> = starts.windows(2).map(|w| (w[1] - w[0]) as f64 / 1e9).collect();
     for gap in &gaps {
         assert!(
             *gap >= delay as f64 && *gap < delay as f64 + 8.0,
@@ -1150,6 +1151,18 @@ async fn run_later_scenario(handler: bool, logic: LaterLogic) -> String {
         0,
         "{mode_name}: a deferral is never poisoned"
     );
+    if !handler {
+        // The deferrals are counted, with their delays (the recorder is the process's: other
+        // tests' deliveries count too, never fewer).
+        let metrics = common::get(&app.url("/metrics"), &[]).await.text().await.unwrap();
+        let deferred = metrics
+            .lines()
+            .find(|l| l.starts_with("leasehold_deliveries_total{outcome=\"deferred\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        assert!(deferred >= asks as f64, "{metrics}");
+        assert!(metrics.contains("leasehold_deferral_seconds_bucket"), "{metrics}");
+    }
     if let Some(host) = host {
         host.abort();
         let counts = counts.lock().unwrap().clone();
@@ -1162,7 +1175,11 @@ async fn run_later_scenario(handler: bool, logic: LaterLogic) -> String {
     let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
     format!(
         "{mode_name}, {} logic: {asks} requests to run later after {delay} s, then completed; runs {mean:.2} s apart on average (min {:.2}, max {:.2}); nothing poisoned",
-        if matches!(logic, LaterLogic::Url) { "URL" } else { "command" },
+        if matches!(logic, LaterLogic::Url) {
+            "URL"
+        } else {
+            "command"
+        },
         gaps.iter().copied().fold(f64::MAX, f64::min),
         gaps.iter().copied().fold(0.0, f64::max),
     )

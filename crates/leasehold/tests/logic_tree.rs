@@ -182,8 +182,10 @@ async fn command_gets_the_record_in_its_environment_and_its_exit_code_counts() {
 async fn a_command_exiting_75_asks_to_be_run_later() {
     let tree = Tree::new();
     let cases = [
-        ("echo 'Retry-After: 9' >&2; echo 'throttled, Retry-After: 30' >&2; echo 'Retry-After: 12' >&2; exit 75",
-         Some(Some(Duration::from_secs(12)))),
+        (
+            "echo 'Retry-After: 9' >&2; echo 'throttled, Retry-After: 30' >&2; echo 'Retry-After: 12' >&2; exit 75",
+            Some(Some(Duration::from_secs(12))),
+        ),
         ("echo throttled >&2; exit 75", Some(None)),
         ("echo 'Retry-After: soon' >&2; exit 75", Some(None)),
         ("echo 'Retry-After: 12' >&2; exit 74", None),

@@ -224,6 +224,7 @@ const EVENT_FIELDS: &[&str] = &[
     "deliveries_failed",
     "deliveries_lease_lost",
     "deliveries_poisoned",
+    "deliveries_deferred",
     "storage_requests",
     "storage_errors",
     "storage_errors_transient",
