@@ -514,3 +514,96 @@ async fn killed_holder_is_recovered() {
         "recovered only after {recovered:?}"
     );
 }
+
+/// Logic that, once armed, asks to be run later after 2 s on its next run, then succeeds.
+#[derive(Default)]
+struct Throttled(AtomicBool);
+
+#[async_trait]
+impl Logic for Throttled {
+    async fn run(&self, _ctx: RunContext) -> Result<(), LogicError> {
+        if self.0.swap(false, Ordering::SeqCst) {
+            Err(LogicError::run_later(Some(Duration::from_secs(2)), "429"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// A run put off costs what a completed run costs, standalone and under Functions: the update
+/// of the delivered message (standalone) or the rewrite of the watchdog (Functions) takes the
+/// place of the delete. The deferred message is hidden for the delay on Azurite, keeps its
+/// deferral, and its delivery is not an attempt (its dequeue count, 2, less its re-hides, 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferral_costs_what_a_run_costs_on_azurite() {
+    for watched in [false, true] {
+        let setup = setup();
+        let logic = Arc::new(Throttled::default());
+        let runner = runner(&setup, logic.clone(), false);
+        // Creates the queue, the container and the record's blob.
+        one_trigger(&setup, &runner, "warm-up").await;
+        logic.0.store(true, Ordering::SeqCst);
+        let consumer = Consumer::new(runner.clone(), setup.poison.clone(), consumer_options());
+        let t0 = setup.counters.snapshot();
+        setup
+            .queue
+            .put(
+                &TriggerMessage::parse("acct", "warm-up").unwrap().encode(),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+        let received = setup
+            .queue
+            .get(1, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .remove(0);
+        let deferred_at = Instant::now();
+        if watched {
+            let delivery = Delivery {
+                message: TriggerMessage::decode(&received.body).unwrap(),
+                dequeue_count: received.dequeue_count,
+            };
+            let outcome = runner
+                .handle_watched(&delivery, &*setup.poison, &CancellationToken::new())
+                .await;
+            assert!(matches!(outcome, Outcome::Deferred { .. }), "{outcome:?}");
+            setup
+                .queue
+                .delete(&received.id, &received.pop_receipt)
+                .await
+                .unwrap();
+        } else {
+            consumer.process(received, CancellationToken::new()).await;
+        }
+        let cost = counted(&setup, &t0);
+        let mode = if watched { "functions" } else { "standalone" };
+        println!("[azurite] {mode}: a trigger whose run is put off: {cost}");
+        assert_eq!(cost.total(), if watched { 8 } else { 6 }, "{cost}");
+        assert_eq!(cost.get(Op::QueueUpdate), 1, "{cost}");
+        assert!(
+            setup
+                .queue
+                .get(1, Duration::from_secs(30))
+                .await
+                .unwrap()
+                .is_empty(),
+            "hidden for 2 s"
+        );
+        let again = eventually(Duration::from_secs(10), "the deferred run to show", || async {
+            unless_transient(setup.queue.get(1, Duration::from_secs(30)).await, "taking it")?.pop()
+        })
+        .await;
+        assert!(deferred_at.elapsed() >= Duration::from_secs(2));
+        let message = TriggerMessage::decode(&again.body).unwrap();
+        assert_eq!(message.deferral.map(|d| (d.total_ms, d.hops)), Some((2000, 1)));
+        let delivery = Delivery {
+            message,
+            dequeue_count: again.dequeue_count,
+        };
+        assert_eq!(delivery.attempts(), 1, "{mode}: {delivery:?}");
+        let outcome = runner.handle(&delivery, &CancellationToken::new()).await;
+        assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    }
+}
