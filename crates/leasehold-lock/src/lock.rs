@@ -32,6 +32,8 @@ pub const META_SHARE_GENERATION: &str = "leasehold_share_generation";
 
 /// Prefix of lock blob names inside the container.
 pub const LOCK_PREFIX: &str = "locks/";
+/// Prefix of the metadata names that hold holders' notes ([`LeaseGuard::note`]).
+pub const META_NOTE_PREFIX: &str = "leasehold_note_";
 
 /// How locks are held.
 #[derive(Debug, Clone)]
@@ -129,6 +131,8 @@ pub struct LockInfo {
     pub generation: u64,
     /// Members of a shared hold.
     pub sharers: Vec<String>,
+    /// Holders' notes ([`LeaseGuard::write_notes`]), by name (without their prefix).
+    pub notes: Metadata,
 }
 
 /// Per-key locks on blob leases in one store. Cheap to clone.
@@ -181,7 +185,10 @@ impl LeaseLock {
         let mut guard = LeaseGuard::start(self, key.clone(), blob, lease, None, sent, None);
         if self.options.fencing {
             match self.bump_generation(&guard.blob, lease).await {
-                Ok(token) => guard.fencing = Some(token),
+                Ok((token, metadata)) => {
+                    guard.fencing = Some(token);
+                    guard.metadata = std::sync::Mutex::new(Some(metadata));
+                }
                 Err(e) => {
                     // Whether the lease ran out meanwhile (412) or storage failed, the grant did
                     // not complete: an error, never "held by someone else" — a caller told
@@ -310,6 +317,7 @@ impl LeaseLock {
                     since,
                     generation: generation_of(&props.metadata),
                     sharers: crate::shared::members(&props.metadata),
+                    notes: notes_of(&props.metadata),
                 })
             }
             Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(LockInfo {
@@ -320,6 +328,7 @@ impl LeaseLock {
                 since: None,
                 generation: 0,
                 sharers: Vec::new(),
+                notes: Metadata::new(),
             }),
             Err(e) => Err(e.into()),
         }
@@ -360,7 +369,10 @@ impl LeaseLock {
     /// that session is over, since we hold the lease. Carried along, it would let a joiner of
     /// that group who read the blob during our hold take the list for a live session once our
     /// lease ended, and join it with *our* token instead of founding a session with a new one.
-    async fn bump_generation(&self, blob: &str, lease: LeaseId) -> Result<u64> {
+    ///
+    /// Holders' notes ([`META_NOTE_PREFIX`]) are kept: they describe the key, not a hold. Returns
+    /// the token and the metadata as written.
+    async fn bump_generation(&self, blob: &str, lease: LeaseId) -> Result<(u64, Metadata)> {
         let props = self
             .retry("read fencing generation", || self.store.properties(blob))
             .await?;
@@ -377,8 +389,16 @@ impl LeaseLock {
             self.store.set_metadata(blob, Some(lease), None, &metadata)
         })
         .await?;
-        Ok(token)
+        Ok((token, metadata))
     }
+}
+
+/// The notes in a lock blob's metadata, by name without [`META_NOTE_PREFIX`].
+pub(crate) fn notes_of(metadata: &Metadata) -> Metadata {
+    metadata
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix(META_NOTE_PREFIX)?.to_string(), v.clone())))
+        .collect()
 }
 
 pub(crate) fn generation_of(metadata: &Metadata) -> u64 {
@@ -429,6 +449,9 @@ pub struct LeaseGuard {
     lock: LeaseLock,
     member: Option<String>,
     done: bool,
+    /// The lock blob's metadata as this grant wrote it (fencing on), kept in step with the notes
+    /// this holder writes since.
+    metadata: std::sync::Mutex<Option<Metadata>>,
 }
 
 impl LeaseGuard {
@@ -466,6 +489,7 @@ impl LeaseGuard {
             lock: lock.clone(),
             member,
             done: false,
+            metadata: std::sync::Mutex::new(None),
         }
     }
 
@@ -499,6 +523,54 @@ impl LeaseGuard {
     /// something else in step with the lease, such as a watchdog message's visibility.
     pub fn renewals(&self) -> watch::Receiver<Instant> {
         self.renewed.clone()
+    }
+
+    /// A note on the key, as it was at this grant or as this holder last wrote it. Notes are
+    /// small texts a holder leaves for the key's next holders (how many runs in a row were cut
+    /// short, say); they are read with the fencing generation, at no extra cost, so only with
+    /// fencing on (`None` otherwise).
+    pub fn note(&self, name: &str) -> Option<String> {
+        let metadata = self.metadata.lock().unwrap_or_else(|e| e.into_inner());
+        metadata
+            .as_ref()?
+            .get(&format!("{META_NOTE_PREFIX}{name}"))
+            .cloned()
+    }
+
+    /// Sets (`Some`) or removes (`None`) notes, in one write under this lease (retried on
+    /// transient failures): it lands only while this holder holds the lease, so a write that
+    /// comes late can never change a later holder's notes (`LeaseLost`). Names are letters,
+    /// digits and `_`; values plain ASCII text. Needs fencing (`Config` error otherwise).
+    pub async fn write_notes(&self, changes: &[(&str, Option<String>)]) -> Result<()> {
+        let mut metadata = self
+            .metadata
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| Error::Config("notes need fencing (LeaseOptions::fencing)".into()))?;
+        for (name, value) in changes {
+            let key = format!("{META_NOTE_PREFIX}{name}");
+            match value {
+                Some(v) => metadata.insert(key, v.clone()),
+                None => metadata.remove(&key),
+            };
+        }
+        let written = self
+            .lock
+            .retry("write notes", || {
+                self.lock
+                    .store
+                    .set_metadata(&self.blob, Some(self.lease), None, &metadata)
+            })
+            .await;
+        match written {
+            Ok(_) => {
+                *self.metadata.lock().unwrap_or_else(|e| e.into_inner()) = Some(metadata);
+                Ok(())
+            }
+            Err(e) if e.kind() == StoreErrorKind::LeaseLost => Err(lease_lost(&self.key)),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Stops renewing and releases the lease. A lease that was already lost is not an error.

@@ -166,6 +166,58 @@ mod scenarios {
             .expect("free once released");
     }
 
+    /// Notes: a holder writes them under its lease; every later grant reads them (they outlive
+    /// the hold and the fencing bump); `inspect` shows them; a holder whose lease is gone cannot
+    /// write them any more, so a late write never changes a later holder's notes.
+    pub async fn notes_outlive_holds_and_only_the_holder_writes_them(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let k = key("noted");
+        let first = lock.try_acquire(&k).await.unwrap().unwrap();
+        assert_eq!(first.note("streak"), None);
+        first
+            .write_notes(&[("streak", Some("1:2500".into())), ("other", Some("x".into()))])
+            .await
+            .unwrap();
+        assert_eq!(first.note("streak").as_deref(), Some("1:2500"));
+        first.release().await.unwrap();
+        let second = lock.try_acquire(&k).await.unwrap().unwrap();
+        assert_eq!(second.fencing_token(), Some(2));
+        assert_eq!(second.note("streak").as_deref(), Some("1:2500"));
+        second.write_notes(&[("other", None)]).await.unwrap();
+        let info = lock.inspect(&k).await.unwrap();
+        assert_eq!(info.notes.get("streak").map(String::as_str), Some("1:2500"));
+        assert!(!info.notes.contains_key("other"), "{:?}", info.notes);
+        assert_eq!(info.generation, 2, "a note write keeps the generation");
+        // The lease is broken under the holder and granted to another: the first holder's
+        // write, late, is refused.
+        lock.break_lock_after(&k, "test", Duration::ZERO).await.unwrap();
+        let third = lock.try_acquire(&k).await.unwrap().expect("free after the break");
+        assert_eq!(third.note("streak").as_deref(), Some("1:2500"));
+        let refused = second.write_notes(&[("streak", Some("9:9".into()))]).await;
+        assert!(
+            matches!(refused, Err(leasehold_lock::Error::LeaseLost { .. })),
+            "{refused:?}"
+        );
+        let info = lock.inspect(&k).await.unwrap();
+        assert_eq!(info.notes.get("streak").map(String::as_str), Some("1:2500"));
+        second.abandon();
+        let stale = third;
+        stale.release().await.unwrap();
+        // Without fencing there are no notes to read or write.
+        let unfenced = LeaseLock::new(
+            store,
+            LeaseOptions {
+                fencing: false,
+                ..fast_options()
+            },
+        )
+        .unwrap();
+        let g = unfenced.try_acquire(&key("unfenced")).await.unwrap().unwrap();
+        assert_eq!(g.note("streak"), None);
+        assert!(g.write_notes(&[("streak", None)]).await.is_err());
+        g.release().await.unwrap();
+    }
+
     /// Fencing tokens rise across release/re-acquire and across takeover after expiry, and a
     /// stale holder can no longer write the lock blob.
     pub async fn fencing_increases(store: Arc<dyn LeaseStore>) {
@@ -499,6 +551,11 @@ mod azurite {
     }
 
     #[tokio::test]
+    async fn notes_outlive_holds_and_only_the_holder_writes_them() {
+        scenarios::notes_outlive_holds_and_only_the_holder_writes_them(store()).await;
+    }
+
+    #[tokio::test]
     async fn a_second_break_keeps_the_key_unavailable() {
         scenarios::a_second_break_keeps_the_key_unavailable(store()).await;
     }
@@ -581,6 +638,11 @@ mod memory {
     #[tokio::test(start_paused = true)]
     async fn fencing_increases() {
         scenarios::fencing_increases(store()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn notes_outlive_holds_and_only_the_holder_writes_them() {
+        scenarios::notes_outlive_holds_and_only_the_holder_writes_them(store()).await;
     }
 
     #[tokio::test(start_paused = true)]
