@@ -84,6 +84,9 @@ param runTimeoutSeconds string = '540'
 @description('How long, in total, logic may put a trigger off by asking to be run later (429, exit 75), in seconds: <default>[,<scope>=<seconds>]... (1-604800 each).')
 param maxDeferralSeconds string = '86400'
 
+@description('What a trigger during a run does: coalesce (one more run after it) or supersede (stop it, run again on the new data; needs fencing), as <default>[,<scope>=<policy>]...')
+param runPolicy string = 'coalesce'
+
 var suffix = '${namePrefix}${environmentName}'
 var storageName = toLower('${take(namePrefix, 11)}${environmentName}st${take(uniqueString(resourceGroup().id), 6)}')
 var isFlex = planSku == 'FC1'
@@ -248,6 +251,7 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         { name: 'LEASEHOLD_FENCING', value: fencing }
         { name: 'LEASEHOLD_RUN_TIMEOUT_SECONDS', value: runTimeoutSeconds }
         { name: 'LEASEHOLD_MAX_DEFERRAL_SECONDS', value: maxDeferralSeconds }
+        { name: 'LEASEHOLD_RUN_POLICY', value: runPolicy }
         { name: 'LEASEHOLD_LOG_FORMAT', value: 'json' }
         // How often the handler logs its metrics event (and samples the queue depths): the default.
         { name: 'LEASEHOLD_METRICS_INTERVAL_SECONDS', value: '' }

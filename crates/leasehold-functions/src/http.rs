@@ -370,6 +370,13 @@ fn describe(outcome: &Outcome) -> String {
         Outcome::Retrying { error, after } => format!("{error}; retrying in {after:?}"),
         Outcome::Poisoned { error } => format!("moved to the poison queue: {error}"),
         Outcome::Failed { error, .. } => error.to_string(),
+        Outcome::Superseded {
+            fencing_token,
+            retriggered,
+            run_time,
+        } => format!(
+            "stopped after {run_time:?} with fencing token {fencing_token:?}: a trigger arrived during the run (supersede); retriggered: {retriggered}"
+        ),
         Outcome::Deferred {
             after, total, why, ..
         } => {

@@ -88,6 +88,10 @@ pub enum Error {
     /// The run was cancelled from outside (shutdown); the logic was told to stop.
     #[error("run cancelled (shutdown)")]
     Cancelled,
+    /// A trigger arrived during the run, whose scope supersedes: the logic was told to stop, to
+    /// run again on the new data.
+    #[error("superseded: a trigger arrived during the run, which was stopped to run again on the new data")]
+    Superseded,
     /// The run passed its time limit; the logic was told to stop.
     #[error("run exceeded its time limit of {0:?}")]
     TimedOut(Duration),

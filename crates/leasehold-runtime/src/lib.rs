@@ -27,4 +27,7 @@ pub use queue::{AzureQueue, Enqueued, MAX_MESSAGE_BYTES, MemoryQueue, Peeked, Re
 pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId, Scope, record_key};
 #[cfg(feature = "testing")]
 pub use runner::ProtocolVariant;
-pub use runner::{Delivery, Logic, Outcome, RecordRunner, RunContext, RunnerOptions, WATCHDOG_MARGIN};
+pub use runner::{
+    Delivery, Logic, Outcome, RecordRunner, RunContext, RunPolicy, RunnerOptions, SUPERSEDED_NOTE,
+    WATCHDOG_MARGIN,
+};

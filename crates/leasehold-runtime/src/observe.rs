@@ -33,6 +33,7 @@ pub const LOCK_SECONDS: &str = "leasehold_lock_seconds";
 /// | `Retrying` (a failed run whose retry is queued) or `Failed`, any other error | `failed` |
 /// | `Poisoned` (given up: in the poison queue), and a message that is no trigger at all, poisoned as it arrives | `poisoned` |
 /// | `Deferred` (the logic asked to be run later; its delay goes to [`DEFERRAL_SECONDS`]) | `deferred` |
+/// | `Superseded` (a trigger arrived during the run, in a scope that supersedes: it was stopped) | `superseded` |
 ///
 /// So the successful runs are `completed` + `retriggered`, and every failed delivery is
 /// `failed` or `lease_lost` in both modes (under Functions a failure is mostly `Retrying`,
@@ -47,11 +48,12 @@ pub enum OutcomeLabel {
     LeaseLost,
     Poisoned,
     Deferred,
+    Superseded,
 }
 
 impl OutcomeLabel {
     /// Every label, in display order.
-    pub const ALL: [OutcomeLabel; 8] = [
+    pub const ALL: [OutcomeLabel; 9] = [
         OutcomeLabel::Completed,
         OutcomeLabel::Retriggered,
         OutcomeLabel::Coalesced,
@@ -60,6 +62,7 @@ impl OutcomeLabel {
         OutcomeLabel::LeaseLost,
         OutcomeLabel::Poisoned,
         OutcomeLabel::Deferred,
+        OutcomeLabel::Superseded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -72,6 +75,7 @@ impl OutcomeLabel {
             OutcomeLabel::LeaseLost => "lease_lost",
             OutcomeLabel::Poisoned => "poisoned",
             OutcomeLabel::Deferred => "deferred",
+            OutcomeLabel::Superseded => "superseded",
         }
     }
 }
@@ -100,6 +104,7 @@ impl Outcome {
             Outcome::Retrying { .. } | Outcome::Failed { .. } => OutcomeLabel::Failed,
             Outcome::Poisoned { .. } => OutcomeLabel::Poisoned,
             Outcome::Deferred { .. } => OutcomeLabel::Deferred,
+            Outcome::Superseded { .. } => OutcomeLabel::Superseded,
         }
     }
 }
@@ -233,6 +238,14 @@ mod tests {
                 },
                 "deferred",
             ),
+            (
+                Outcome::Superseded {
+                    fencing_token: Some(4),
+                    retriggered: true,
+                    run_time: Duration::from_secs(3),
+                },
+                "superseded",
+            ),
         ];
         for (outcome, label) in cases {
             assert_eq!(outcome.label().as_str(), label, "{outcome:?}");
@@ -248,7 +261,8 @@ mod tests {
                 "failed",
                 "lease_lost",
                 "poisoned",
-                "deferred"
+                "deferred",
+                "superseded"
             ]
         );
     }

@@ -58,6 +58,45 @@ pub enum ProtocolVariant {
     TrustHolderOnRedelivery,
 }
 
+/// What a scope does with a trigger that arrives during a run of its record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RunPolicy {
+    /// The run goes on; the triggers that arrived during it cause one more run after it.
+    #[default]
+    Coalesce,
+    /// The run is stopped (as when its lease is lost: the logic is cancelled, a command's process
+    /// group gets SIGTERM, then SIGKILL) and the record runs again, on the new data, once it has
+    /// ended. Needs fencing: the record's streak of stopped runs is kept with its lease, and
+    /// after [`RunnerOptions::supersede_streak`] stopped runs in a row, or once they have cost
+    /// the run time limit, a run is let finish (so a steady stream of triggers cannot starve the
+    /// record).
+    Supersede,
+}
+
+impl std::str::FromStr for RunPolicy {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "coalesce" => Ok(RunPolicy::Coalesce),
+            "supersede" => Ok(RunPolicy::Supersede),
+            other => Err(format!("unknown policy {other:?} (coalesce or supersede)")),
+        }
+    }
+}
+
+impl std::fmt::Display for RunPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RunPolicy::Coalesce => "coalesce",
+            RunPolicy::Supersede => "supersede",
+        })
+    }
+}
+
+/// The lock note holding a record's streak of superseded runs: `<runs>:<run time in ms>`.
+pub const SUPERSEDED_NOTE: &str = "superseded";
+
 /// How the runner behaves.
 #[derive(Debug, Clone)]
 pub struct RunnerOptions {
@@ -89,6 +128,10 @@ pub struct RunnerOptions {
     /// scope; a request beyond it gives the trigger up ([`Error::DeferralExhausted`]). Default
     /// 24 hours. At most 7 days (the longest a queue message can stay hidden).
     pub max_deferral: PerScope<Duration>,
+    /// What each scope does with a trigger that arrives during a run. Default: coalesce.
+    pub run_policy: PerScope<RunPolicy>,
+    /// Superseded runs of a record in a row after which a run is let finish. Default 3.
+    pub supersede_streak: u32,
     /// The protocol variant (feature `testing` only).
     #[cfg(feature = "testing")]
     pub variant: ProtocolVariant,
@@ -105,6 +148,8 @@ impl Default for RunnerOptions {
             min_deferral: Duration::from_secs(1),
             default_deferral: Duration::from_secs(60),
             max_deferral: PerScope::new(Duration::from_secs(86_400)),
+            run_policy: PerScope::new(RunPolicy::Coalesce),
+            supersede_streak: 3,
             #[cfg(feature = "testing")]
             variant: ProtocolVariant::Correct,
         }
@@ -179,6 +224,14 @@ impl Delivery {
 /// What became of a delivery, and so what to do with its message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
+    /// A trigger arrived during the run, in a scope whose policy is
+    /// [`RunPolicy::Supersede`]: the run was stopped, has ended, and its lease is released; the
+    /// retrigger (when `retriggered`) runs the record again. Acknowledge.
+    Superseded {
+        fencing_token: Option<u64>,
+        retriggered: bool,
+        run_time: Duration,
+    },
     /// The logic ran and succeeded under the lease. Acknowledge.
     Completed {
         fencing_token: Option<u64>,
@@ -227,7 +280,8 @@ impl Outcome {
             Outcome::Completed { .. }
             | Outcome::Coalesced
             | Outcome::Rechecking { .. }
-            | Outcome::Deferred { .. } => None,
+            | Outcome::Deferred { .. }
+            | Outcome::Superseded { .. } => None,
         }
     }
 
@@ -241,6 +295,7 @@ impl Outcome {
                 | Outcome::Retrying { .. }
                 | Outcome::Poisoned { .. }
                 | Outcome::Deferred { .. }
+                | Outcome::Superseded { .. }
         )
     }
 
@@ -253,6 +308,7 @@ impl Outcome {
             Outcome::Retrying { .. } => "retrying",
             Outcome::Poisoned { .. } => "poisoned",
             Outcome::Deferred { .. } => "deferred",
+            Outcome::Superseded { .. } => "superseded",
             Outcome::Failed { .. } => "failed",
         }
     }
@@ -803,8 +859,19 @@ impl RecordRunner {
             attempt: delivery.attempts(),
             deferred: delivery.message.deferral.map_or(Duration::ZERO, |d| d.total()),
         };
+        let streak = self.supersede_streak(delivery, guard.get());
+        let superseded = streak.and_then(|s| self.watch_for_triggers(key, guard.get(), s));
         let started = Instant::now();
-        let end = self.run_logic(ctx, guard.get(), &run_cancel, cancel).await;
+        let end = self
+            .run_logic(
+                ctx,
+                guard.get(),
+                &run_cancel,
+                cancel,
+                superseded.as_ref().map(|w| &w.fired),
+            )
+            .await;
+        drop(superseded);
         let run_time = started.elapsed();
         record_run(run_time);
         *ran = Some(run_time);
@@ -839,6 +906,11 @@ impl RecordRunner {
             };
         }
 
+        let was_superseded = matches!(result, Err(Error::Superseded));
+        if let Some(streak) = streak {
+            self.note_streak(guard.get(), streak, was_superseded, run_time)
+                .await;
+        }
         // Release first, then look at the marker: a trigger that finds the lease held has set
         // the marker before our release, so we see it; one that comes later finds the lease free.
         if let Err(e) = guard.release().await {
@@ -869,7 +941,91 @@ impl RecordRunner {
                 retriggered,
                 run_time,
             },
+            Err(Error::Superseded) => Outcome::Superseded {
+                fencing_token: token,
+                retriggered,
+                run_time,
+            },
             Err(error) => Outcome::Failed { error, retriggered },
+        }
+    }
+
+    /// The record's streak of superseded runs, when its scope supersedes (and fencing is on: the
+    /// streak is a note on the lease): runs in a row, and the run time they cost.
+    fn supersede_streak(&self, delivery: &Delivery, guard: &LeaseGuard) -> Option<Streak> {
+        if *self.options.run_policy.get(&delivery.message.scope) != RunPolicy::Supersede {
+            return None;
+        }
+        guard.fencing_token()?;
+        let note = guard.note(SUPERSEDED_NOTE);
+        Some(
+            note.as_deref()
+                .and_then(|n| {
+                    let (runs, ms) = n.split_once(':')?;
+                    Some(Streak {
+                        runs: runs.parse().ok()?,
+                        lost: Duration::from_millis(ms.parse().ok()?),
+                        noted: true,
+                    })
+                })
+                .unwrap_or(Streak {
+                    runs: 0,
+                    lost: Duration::ZERO,
+                    noted: note.is_some(),
+                }),
+        )
+    }
+
+    /// Starts watching for triggers during the run, unless the streak protects it: after each
+    /// renewal of the lease, one read of the retrigger marker; once it is set, `fired` fires. It
+    /// stops watching when the streak plus this run reach the run time limit.
+    fn watch_for_triggers(&self, key: &LockKey, guard: &LeaseGuard, streak: Streak) -> Option<Watch> {
+        let budget = self.options.run_timeout.checked_sub(streak.lost)?;
+        if streak.runs >= self.options.supersede_streak || budget.is_zero() {
+            tracing::debug!(
+                superseded_in_a_row = streak.runs,
+                lost_s = streak.lost.as_secs(),
+                "this run is let finish: its record was superseded enough in a row"
+            );
+            return None;
+        }
+        let fired = CancellationToken::new();
+        let mut renewals = guard.renewals();
+        let (markers, key, fire) = (self.markers.clone(), key.clone(), fired.clone());
+        let task = tokio::spawn(
+            async move {
+                let until = Instant::now() + budget;
+                while renewals.changed().await.is_ok() && Instant::now() < until {
+                    match markers.is_set(&key).await {
+                        Ok(true) => {
+                            tracing::info!("a trigger arrived during the run: stopping it, to run again on the new data");
+                            fire.cancel();
+                            return;
+                        }
+                        Ok(false) => {}
+                        Err(e) => tracing::debug!(error = %e, "could not look at the retrigger marker; looking again at the next renewal"),
+                    }
+                }
+            }
+            .instrument(tracing::Span::current()),
+        );
+        Some(Watch { fired, task })
+    }
+
+    /// Records how the run ended in the record's streak, under the lease (before the release):
+    /// one superseded run more, or — if it ended any other way and a streak was noted — the
+    /// streak broken. A write that fails is logged: the streak then stays as it was.
+    async fn note_streak(&self, guard: &LeaseGuard, streak: Streak, superseded: bool, run_time: Duration) {
+        let value = if superseded {
+            let lost = streak.lost + run_time;
+            Some(format!("{}:{}", streak.runs + 1, lost.as_millis()))
+        } else if streak.noted {
+            None
+        } else {
+            return;
+        };
+        if let Err(e) = guard.write_notes(&[(SUPERSEDED_NOTE, value)]).await {
+            tracing::warn!(error = %e, "could not note the record's streak of superseded runs");
         }
     }
 
@@ -924,6 +1080,7 @@ impl RecordRunner {
         guard: &LeaseGuard,
         run_cancel: &CancellationToken,
         outer: &CancellationToken,
+        superseded: Option<&CancellationToken>,
     ) -> RunEnd {
         let lost = guard.lost();
         if lost.is_cancelled() {
@@ -941,6 +1098,9 @@ impl RecordRunner {
             _ = lost.cancelled() => Error::LeaseLost,
             _ = outer.cancelled() => Error::Cancelled,
             joined = task.handle() => return RunEnd { result: logic_result(joined), still_running: None },
+            // After the result: a run that has finished needs no stopping (its marker then gives
+            // the usual retrigger).
+            _ = fired(superseded) => Error::Superseded,
             _ = tokio::time::sleep(self.options.run_timeout) => Error::TimedOut(self.options.run_timeout),
         };
         run_cancel.cancel();
@@ -1064,6 +1224,16 @@ fn log(outcome: &Outcome) {
             reason = %why,
             "the logic asked to be run later; the record runs again then"
         ),
+        Outcome::Superseded {
+            retriggered,
+            run_time,
+            ..
+        } => tracing::info!(
+            outcome = "superseded",
+            retriggered,
+            run_ms = run_time.as_millis() as u64,
+            "record run stopped: a trigger arrived during it; the record runs again on the new data"
+        ),
         other => tracing::info!(outcome = other.name(), "trigger handled without a run"),
     }
 }
@@ -1078,6 +1248,35 @@ enum MarkerFirst {
     /// Consume it, and run only if it was set: a contender that created it (if it is gone, the
     /// previous holder consumed it and owes a retrigger) or a sweep of a chain given up twice.
     ClearOrStandDown,
+}
+
+/// A record's streak of superseded runs, as its lease's note says.
+#[derive(Debug, Clone, Copy)]
+struct Streak {
+    runs: u32,
+    lost: Duration,
+    /// Whether a note was there (a run that ends otherwise removes it).
+    noted: bool,
+}
+
+/// A run's watch for triggers ([`RecordRunner::watch_for_triggers`]); stops watching when dropped.
+struct Watch {
+    fired: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Fires when `token` does; never without one.
+async fn fired(token: Option<&CancellationToken>) {
+    match token {
+        Some(t) => t.cancelled().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// How a run ended.

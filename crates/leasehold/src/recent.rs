@@ -95,6 +95,12 @@ fn describe(outcome: &Outcome) -> String {
         Outcome::Retrying { error, after } => format!("{error}; retrying in {} s", after.as_secs()),
         Outcome::Poisoned { error } => format!("moved to the poison queue: {error}"),
         Outcome::Failed { error, .. } => format!("{error}; the trigger is delivered again"),
+        Outcome::Superseded {
+            retriggered: true, ..
+        } => "stopped: a trigger arrived during the run; it runs again on the new data".into(),
+        Outcome::Superseded { .. } => {
+            "stopped: a trigger arrived during the run; the run that took the trigger covers it".into()
+        }
         Outcome::Deferred {
             after, total, why, ..
         } => format!(

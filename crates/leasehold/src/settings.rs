@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use leasehold_functions::start::{Secret, StartPolicy};
 use leasehold_lock::{LeaseDuration, LeaseOptions};
-use leasehold_runtime::{ConsumerOptions, PerScope, RunnerOptions};
+use leasehold_runtime::{ConsumerOptions, PerScope, RunPolicy, RunnerOptions};
 use leasehold_storage::StorageAccount;
 use serde::Deserialize;
 
@@ -56,6 +56,7 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_CONCURRENCY", Some("8")),
     setting("LEASEHOLD_MAX_DEQUEUE_COUNT", Some("5")),
     setting("LEASEHOLD_MAX_DEFERRAL_SECONDS", Some("86400")),
+    setting("LEASEHOLD_RUN_POLICY", Some("coalesce")),
     setting("LEASEHOLD_POLL_MAX_SECONDS", Some("2")),
     setting("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", Some("30")),
     setting("LEASEHOLD_PORT", Some("7071")),
@@ -109,6 +110,7 @@ struct Raw {
     leasehold_run_timeout_seconds: Option<String>,
     leasehold_max_dequeue_count: Option<String>,
     leasehold_max_deferral_seconds: Option<String>,
+    leasehold_run_policy: Option<String>,
     leasehold_poll_max_seconds: Option<String>,
     leasehold_shutdown_grace_seconds: Option<String>,
     leasehold_allowed_organizations: Option<String>,
@@ -379,10 +381,21 @@ impl Settings {
             .map_err(|e| anyhow::anyhow!("LEASEHOLD_MAX_DEFERRAL_SECONDS: {e}"))?
             .map(Duration::from_secs),
         };
+        let run_policy = match &raw.leasehold_run_policy {
+            None => runner.run_policy.clone(),
+            Some(text) => PerScope::parse(text, RunPolicy::default(), |v| v.parse())
+                .map_err(|e| anyhow::anyhow!("LEASEHOLD_RUN_POLICY: {e}"))?,
+        };
+        if !lease.fencing && run_policy.values().any(|p| *p == RunPolicy::Supersede) {
+            bail!(
+                "LEASEHOLD_RUN_POLICY: supersede needs LEASEHOLD_FENCING=true (a record's streak of stopped runs is kept with its fencing generation)"
+            );
+        }
         let runner = RunnerOptions {
             // Under Functions the handler gives a trigger up itself (the host would drop the reason).
             max_attempts: max_dequeue_count,
             max_deferral,
+            run_policy,
             ..runner
         };
         let consumer = ConsumerOptions {
@@ -592,6 +605,7 @@ mod tests {
                 "LEASEHOLD_MAX_DEFERRAL_SECONDS" => {
                     s.runner.max_deferral.clone().map(|d| d.as_secs()).to_string()
                 }
+                "LEASEHOLD_RUN_POLICY" => s.runner.run_policy.to_string(),
                 "LEASEHOLD_POLL_MAX_SECONDS" => s.consumer.poll_max.as_secs().to_string(),
                 "LEASEHOLD_SHUTDOWN_GRACE_SECONDS" => s.consumer.shutdown_grace.as_secs().to_string(),
                 "LEASEHOLD_PORT" => s.port.to_string(),
@@ -750,6 +764,41 @@ mod tests {
             (s.port, s.bind.as_str(), s.consumer.concurrency),
             (7071, "127.0.0.1", 8)
         );
+    }
+
+    /// `LEASEHOLD_RUN_POLICY` takes a default and per-scope policies; supersede needs fencing.
+    #[test]
+    fn the_run_policy_is_read_per_scope_and_supersede_needs_fencing() {
+        let s = Settings::from_raw(Raw {
+            leasehold_run_policy: Some("coalesce,account=Supersede".into()),
+            ..raw()
+        })
+        .unwrap();
+        let get = |scope: &str| *s.runner.run_policy.get(&scope.parse().unwrap());
+        assert_eq!(
+            (get("account"), get("contact")),
+            (RunPolicy::Supersede, RunPolicy::Coalesce)
+        );
+        for (policy, fencing, wants) in [
+            ("restart", None, "unknown policy \"restart\""),
+            (
+                "coalesce,account=supersede",
+                Some("false"),
+                "supersede needs LEASEHOLD_FENCING=true",
+            ),
+        ] {
+            let e = Settings::from_raw(Raw {
+                leasehold_run_policy: Some(policy.into()),
+                leasehold_fencing: fencing.map(Into::into),
+                ..raw()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.starts_with("LEASEHOLD_RUN_POLICY: ") && e.contains(wants),
+                "{policy}: {e}"
+            );
+        }
     }
 
     /// `LEASEHOLD_MAX_DEFERRAL_SECONDS` takes a default and per-scope values.

@@ -370,7 +370,7 @@ fn ms(seconds: Option<f64>) -> Option<f64> {
 /// as just sampled. Its fields are documented in docs/operating.md (*Metrics*); keep the two in step.
 fn log_event(mut c: Changes, g: Gauges, since_last: Duration) {
     let d = |label: OutcomeLabel| c.deliveries.get(label.as_str()).copied().unwrap_or(0);
-    let (completed, retriggered, coalesced, rechecked, failed, lease_lost, poisoned, deferred) = (
+    let (completed, retriggered, coalesced, rechecked, failed, lease_lost, poisoned) = (
         d(OutcomeLabel::Completed),
         d(OutcomeLabel::Retriggered),
         d(OutcomeLabel::Coalesced),
@@ -378,8 +378,8 @@ fn log_event(mut c: Changes, g: Gauges, since_last: Duration) {
         d(OutcomeLabel::Failed),
         d(OutcomeLabel::LeaseLost),
         d(OutcomeLabel::Poisoned),
-        d(OutcomeLabel::Deferred),
     );
+    let (deferred, superseded) = (d(OutcomeLabel::Deferred), d(OutcomeLabel::Superseded));
     let (run_p50, run_p95) = (c.run.quantile(0.5), c.run.quantile(0.95));
     tracing::info!(
         target: EVENT_TARGET,
@@ -392,6 +392,7 @@ fn log_event(mut c: Changes, g: Gauges, since_last: Duration) {
         deliveries_lease_lost = lease_lost,
         deliveries_poisoned = poisoned,
         deliveries_deferred = deferred,
+        deliveries_superseded = superseded,
         storage_requests = c.storage_requests,
         storage_errors = c.storage_errors,
         storage_errors_transient = c.storage_errors_transient,

@@ -1098,28 +1098,8 @@ async fn run_later_scenario(handler: bool, logic: LaterLogic) -> String {
     };
     let app = env.start(mode, &extra).await;
     let queue = common::queue(&env.queue);
-    // The Functions host, emulated: takes messages for 10 minutes, invokes the handler, deletes
-    // a message on a 2xx and shows it again after 5 s otherwise; polls every second.
     let counts: std::sync::Arc<std::sync::Mutex<Vec<u32>>> = Default::default();
-    let host = handler.then(|| {
-        let (queue, url, counts) = (common::queue(&env.queue), app.url("/Worker"), counts.clone());
-        tokio::spawn(async move {
-            loop {
-                for m in queue.get(16, Duration::from_secs(600)).await.unwrap_or_default() {
-                    counts.lock().unwrap().push(m.dequeue_count);
-                    let status = invoke_at(&url, m.clone()).await;
-                    if (200..300).contains(&status) {
-                        queue.delete(&m.id, &m.pop_receipt).await.unwrap();
-                    } else {
-                        let _ = queue
-                            .set_visibility(&m.id, &m.pop_receipt, &m.body, Duration::from_secs(5))
-                            .await;
-                    }
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        })
-    });
+    let host = handler.then(|| emulated_host(&env.queue, app.url("/Worker"), counts.clone()));
     queue
         .put(
             &TriggerMessage::parse("account", RECORD).unwrap().encode(),
@@ -1210,4 +1190,125 @@ async fn invoke_at(url: &str, m: leasehold_runtime::Received) -> u16 {
         Ok(r) => r.status().as_u16(),
         Err(_) => 599,
     }
+}
+
+/// The Functions host, emulated: takes messages for 10 minutes, invokes the handler at `url`
+/// (each invocation concurrently, as the host does up to its batch size), deletes a message on
+/// a 2xx and shows it again after 5 s otherwise; polls every second. Every dequeue count it
+/// saw goes to `counts`.
+fn emulated_host(
+    queue: &str,
+    url: String,
+    counts: std::sync::Arc<std::sync::Mutex<Vec<u32>>>,
+) -> tokio::task::JoinHandle<()> {
+    let queue = common::queue(queue);
+    tokio::spawn(async move {
+        let queue = std::sync::Arc::new(queue);
+        loop {
+            for m in queue.get(16, Duration::from_secs(600)).await.unwrap_or_default() {
+                counts.lock().unwrap().push(m.dequeue_count);
+                let (queue, url) = (queue.clone(), url.clone());
+                tokio::spawn(async move {
+                    let status = invoke_at(&url, m.clone()).await;
+                    if (200..300).contains(&status) {
+                        let _ = queue.delete(&m.id, &m.pop_receipt).await;
+                    } else {
+                        let _ = queue
+                            .set_visibility(&m.id, &m.pop_receipt, &m.body, Duration::from_secs(5))
+                            .await;
+                    }
+                });
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+}
+
+/// Supersede, end to end against Azurite in both modes (serve, and the handler under the
+/// emulated Functions host), side by side: a trigger during a run of a superseding scope stops
+/// the run — its command's whole process tree, a background child included, is gone — and the
+/// record runs again with a higher fencing token, within a renewal interval and the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_trigger_during_a_superseding_run_stops_its_process_tree_and_runs_the_record_again() {
+    let (a, b) = tokio::join!(supersede_scenario(false), supersede_scenario(true));
+    for line in [a, b] {
+        println!("[supersede] {line}");
+    }
+}
+
+async fn supersede_scenario(handler: bool) -> String {
+    let env = Env::new();
+    let dir = env.dir.clone();
+    // The first run leaves a child in the background and waits; later runs finish at once.
+    let logic = env.logic(&format!(
+        "if [ \"$LEASEHOLD_FENCING_TOKEN\" -ge 2 ]; then exit 0; fi; \
+         sleep 600 & echo $! > {d}/child; echo $$ > {d}/shell; wait",
+        d = dir.display()
+    ));
+    let mut extra = vec![
+        ("LEASEHOLD_LOGIC_COMMAND", logic),
+        ("LEASEHOLD_RUN_POLICY", "coalesce,account=supersede".to_string()),
+        ("LEASEHOLD_LEASE_SECONDS", "15".to_string()),
+    ];
+    if handler {
+        extra.push(("FUNCTIONS_CUSTOMHANDLER_PORT", "0".to_string()));
+    }
+    let mode = if handler {
+        leasehold::Mode::Handler
+    } else {
+        common::standalone()
+    };
+    let app = env.start(mode, &extra).await;
+    let counts: std::sync::Arc<std::sync::Mutex<Vec<u32>>> = Default::default();
+    let host = handler.then(|| emulated_host(&env.queue, app.url("/Worker"), counts.clone()));
+    let queue = common::queue(&env.queue);
+    let trigger = TriggerMessage::parse("account", RECORD).unwrap().encode();
+    queue.put(&trigger, Duration::ZERO).await.unwrap();
+    let pid =
+        |name: &str| -> Option<u32> { std::fs::read_to_string(dir.join(name)).ok()?.trim().parse().ok() };
+    let (shell, child) = eventually(Duration::from_secs(30), "the first run and its child", || async {
+        Some((pid("shell")?, pid("child")?))
+    })
+    .await;
+    assert!(alive(shell) && alive(child));
+    let sent = std::time::Instant::now();
+    queue.put(&trigger, Duration::ZERO).await.unwrap();
+    eventually(
+        Duration::from_secs(40),
+        "a second run, with a higher token",
+        || async { (env.runs().len() >= 2).then_some(()) },
+    )
+    .await;
+    let rerun = sent.elapsed();
+    let runs = env.runs();
+    assert_eq!((runs[0].1, runs[1].1), (1, 2), "{runs:?}");
+    assert!(
+        !alive(shell) && !alive(child),
+        "the stopped run's process tree is gone (shell {shell}, child {child})"
+    );
+    let mode_name = if handler { "handler" } else { "serve" };
+    eventually(Duration::from_secs(30), "the queue to drain", || async {
+        (unless_transient(queue.approximate_len().await, "the queue's length")? == 0).then_some(())
+    })
+    .await;
+    assert_eq!(env.runs().len(), 2, "{mode_name}: one run more, not more");
+    if let Some(host) = host {
+        host.abort();
+    }
+    app.stop().await;
+    format!(
+        "{mode_name}: a trigger during a run stopped it and its background child; the record ran again {:.1} s after the trigger (lease 15 s, renewed every 5 s)",
+        rerun.as_secs_f64()
+    )
+}
+
+/// Whether `pid` is a live process (not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        !matches!(
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next()),
+            None | Some('Z' | 'X' | 'x')
+        )
+    })
 }

@@ -225,6 +225,7 @@ const EVENT_FIELDS: &[&str] = &[
     "deliveries_lease_lost",
     "deliveries_poisoned",
     "deliveries_deferred",
+    "deliveries_superseded",
     "storage_requests",
     "storage_errors",
     "storage_errors_transient",

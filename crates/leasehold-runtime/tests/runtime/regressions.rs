@@ -2245,3 +2245,215 @@ async fn a_run_later_answered_after_the_lease_was_lost_is_a_failure() {
         "{outcome:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Supersede: a trigger during a run stops it, to run again on the new data (issue 24).
+
+fn supersede_options() -> RunnerOptions {
+    RunnerOptions {
+        run_policy: leasehold_runtime::PerScope::new(leasehold_runtime::RunPolicy::Supersede),
+        ..RunnerOptions::default()
+    }
+}
+
+async fn notes(store: &Arc<Scripted>) -> std::collections::BTreeMap<String, String> {
+    lock_on(store)
+        .inspect(&TriggerMessage::parse("acct", "r").unwrap().key())
+        .await
+        .unwrap()
+        .notes
+}
+
+/// A trigger during a run of a superseding scope: the holder sees the marker at its next
+/// renewal (one read), stops the logic, notes the streak under its lease, releases, takes the
+/// marker and puts the retrigger; the retrigger runs with a higher token after the stopped run
+/// ended, completes, and clears the streak. In a coalescing scope the same run goes on.
+#[tokio::test(start_paused = true)]
+async fn a_trigger_during_a_superseding_run_stops_it_and_the_record_runs_again() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(60), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let started = Instant::now();
+    let holder = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let heads_before = store.rules.counters.snapshot().get(Op::BlobProperties);
+    assert_eq!(
+        standalone(&runner, TriggerKind::Trigger, 1, 0).await,
+        Outcome::Coalesced
+    );
+    let outcome = holder.await.unwrap();
+    let stopped_after = started.elapsed();
+    let heads = store.rules.counters.snapshot().get(Op::BlobProperties) - heads_before;
+    let Outcome::Superseded {
+        fencing_token: Some(first_token),
+        retriggered: true,
+        run_time,
+    } = outcome
+    else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        stopped_after <= Duration::from_secs(11),
+        "told within a renewal interval of the trigger: {stopped_after:?}"
+    );
+    assert_eq!(logic.cancelled.load(Ordering::SeqCst), 1);
+    assert!(!held(&store).await && !marker_set(&store).await);
+    assert_eq!(heads, 1, "one read of the marker, at the one renewal");
+    let streak = notes(&store).await;
+    assert_eq!(
+        streak.get("superseded").map(String::as_str),
+        Some(format!("1:{}", run_time.as_millis()).as_str())
+    );
+    let left = messages(&store);
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].kind, TriggerKind::Retrigger);
+
+    let outcome = standalone(&runner, TriggerKind::Retrigger, 1, 0).await;
+    let Outcome::Completed {
+        fencing_token: Some(next_token),
+        ..
+    } = outcome
+    else {
+        panic!("{outcome:?}")
+    };
+    assert!(next_token > first_token);
+    assert!(
+        notes(&store).await.is_empty(),
+        "a completed run breaks the streak"
+    );
+    assert_eq!(logic.completed.load(Ordering::SeqCst), 1);
+
+    // Coalescing (the default): the run goes on and the trigger gets one more run after it.
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(60), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let holder = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    let outcome = holder.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Completed {
+                retriggered: true,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(logic.cancelled.load(Ordering::SeqCst), 0);
+}
+
+/// Starvation guard: a trigger every 5 s, runs of 30 s. Three runs in a row are superseded;
+/// the fourth is let finish (its triggers coalesce onto it) and clears the streak.
+#[tokio::test(start_paused = true)]
+async fn after_three_superseded_runs_in_a_row_a_run_is_let_finish() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(30), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let stream = tokio::spawn({
+        let runner = runner.clone();
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+            }
+        }
+    });
+    let mut outcomes = Vec::new();
+    let mut streaks = Vec::new();
+    for _ in 0..4 {
+        outcomes.push(standalone(&runner, TriggerKind::Retrigger, 1, 0).await.name());
+        streaks.push(
+            notes(&store)
+                .await
+                .get("superseded")
+                .map(|s| s.split(':').next().unwrap().to_string()),
+        );
+    }
+    stream.abort();
+    assert_eq!(outcomes, ["superseded", "superseded", "superseded", "completed"]);
+    assert_eq!(
+        streaks,
+        [
+            Some("1".to_string()),
+            Some("2".to_string()),
+            Some("3".to_string()),
+            None
+        ]
+    );
+    assert_eq!(logic.completed.load(Ordering::SeqCst), 1);
+}
+
+/// A streak that has cost the run time limit protects the next run as well, whatever its
+/// count: a record whose runs are long is not stopped for ever.
+#[tokio::test(start_paused = true)]
+async fn a_streak_that_cost_the_run_time_limit_lets_the_next_run_finish() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(30), End::Succeed);
+    let options = RunnerOptions {
+        run_timeout: Duration::from_secs(100),
+        ..supersede_options()
+    };
+    let runner = runner_on(&store, logic.clone(), options);
+    let guard = lock_on(&store)
+        .try_acquire(&TriggerMessage::parse("acct", "r").unwrap().key())
+        .await
+        .unwrap()
+        .unwrap();
+    guard
+        .write_notes(&[("superseded", Some("1:100000".into()))])
+        .await
+        .unwrap();
+    guard.release().await.unwrap();
+    let holder = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    let outcome = holder.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Completed {
+                retriggered: true,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert!(notes(&store).await.is_empty());
+}
+
+/// Logic slow to stop when superseded: the lease is kept renewed until it has ended (nothing
+/// else can run the record meanwhile), then released; no streak is noted for a run that did
+/// not stop in time, and its trigger is retried (its run covers the trigger that stopped it).
+#[tokio::test(start_paused = true)]
+async fn a_superseded_run_slow_to_stop_keeps_its_lease_until_it_ends() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(40), End::Stubborn);
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let holder = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    let outcome = holder.await.unwrap();
+    assert!(
+        matches!(&outcome, Outcome::Failed { error: Error::Abandoned { stopped, .. }, .. } if **stopped == Error::Superseded),
+        "{outcome:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert!(held(&store).await, "kept while the logic runs (until 40 s)");
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert!(!held(&store).await, "released once it ended");
+    assert!(notes(&store).await.is_empty());
+}
