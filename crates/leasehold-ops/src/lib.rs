@@ -118,6 +118,9 @@ pub struct RecordView {
     pub generation: u64,
     pub retrigger_pending: bool,
     pub sharers: Vec<String>,
+    /// Runs of the record stopped in a row by newer triggers (`LEASEHOLD_RUN_POLICY=supersede`),
+    /// and the run time they cost, in seconds; `None` when the last run was not stopped.
+    pub superseded_in_a_row: Option<(u32, f64)>,
     #[serde(serialize_with = "clock::serialize")]
     pub at: SystemTime,
 }
@@ -249,6 +252,11 @@ impl Operator {
             generation: info.generation,
             retrigger_pending: status.retrigger_pending,
             sharers: info.sharers,
+            superseded_in_a_row: info
+                .notes
+                .get(leasehold_runtime::SUPERSEDED_NOTE)
+                .and_then(|n| n.split_once(':'))
+                .and_then(|(runs, ms)| Some((runs.parse().ok()?, ms.parse::<f64>().ok()? / 1000.0))),
             at: now,
         })
     }

@@ -141,6 +141,11 @@ pub fn record(r: &RecordView, queue: Option<(&QueueView, &QueueView)>) -> String
         out.push(format!("sharers     {}", r.sharers.join(", ")));
     }
     out.push(format!("generation  {}", r.generation));
+    if let Some((runs, seconds)) = r.superseded_in_a_row {
+        out.push(format!(
+            "superseded  {runs} run(s) in a row, {seconds:.0} s of run time (a run is let finish after 3)"
+        ));
+    }
     out.push(format!(
         "retrigger   {}",
         if r.retrigger_pending { "pending" } else { "none" }

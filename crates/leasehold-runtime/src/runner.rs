@@ -1016,6 +1016,10 @@ impl RecordRunner {
     /// one superseded run more, or — if it ended any other way and a streak was noted — the
     /// streak broken. A write that fails is logged: the streak then stays as it was.
     async fn note_streak(&self, guard: &LeaseGuard, streak: Streak, superseded: bool, run_time: Duration) {
+        if guard.is_lost() {
+            // Nothing can be written under a lost lease; the streak stays as it was.
+            return;
+        }
         let value = if superseded {
             let lost = streak.lost + run_time;
             Some(format!("{}:{}", streak.runs + 1, lost.as_millis()))
