@@ -330,6 +330,12 @@ fn simulation_catches_trusting_a_dead_holder() {
 fn simulation_fingerprints() {
     for seed in seeds() {
         let report = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
-        println!("fingerprint {seed} {:016x}", report.fingerprint);
+        // A seed that draws a throttle ([`sim::Throttle`]) is marked: it runs differently.
+        let mark = if sim::Plan::from_seed(seed).throttled.is_some() {
+            " throttled"
+        } else {
+            ""
+        };
+        println!("fingerprint {seed} {:016x}{mark}", report.fingerprint);
     }
 }

@@ -49,7 +49,7 @@ use leasehold_lock::{
 use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
     Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet, MarkerStore, MemoryMarkers,
-    MemoryQueue, Outcome, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions,
+    MemoryQueue, Outcome, PerScope, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions,
     TriggerKind, TriggerMessage, TriggerQueue,
 };
 use rand::rngs::SmallRng;
@@ -237,6 +237,20 @@ pub struct Plan {
     /// The queue hands out visible messages in a random order (seeded) rather than oldest
     /// first: Azure promises no order, so the protocol must not need one.
     pub shuffled_delivery: bool,
+    /// A record whose logic asks to be run later throughout a window (run later, issue 24).
+    pub throttled: Option<Throttle>,
+}
+
+/// A record whose runs, in a window, end asking to be run later ([`LogicError::run_later`]):
+/// 70 % after 5-60 s, 15 % after the default, 15 % after far more than the budget allows.
+#[derive(Debug, Clone, Copy)]
+pub struct Throttle {
+    pub record: usize,
+    /// The window, from the seed's start: runs that start in it ask to be run later.
+    pub from: Duration,
+    pub to: Duration,
+    /// The runner's `max_deferral` in this seed: 120-600 s, so some chains spend it.
+    pub max_deferral: Duration,
 }
 
 impl Plan {
@@ -429,6 +443,20 @@ impl Plan {
             }
             faults.sort();
         }
+        // Drawn after every other draw, for every seed whatever its mode or faults, so each seed
+        // keeps the plan it had (one without a throttle runs exactly as before): run later.
+        let throttled = rng.random_bool(0.3).then(|| {
+            // A record that has triggers, so the throttle is met.
+            let record = triggers[rng.random_range(0..triggers.len())].1;
+            let from = Duration::from_millis(rng.random_range(0..60_000));
+            let length = Duration::from_millis(rng.random_range(60_000..400_000));
+            Throttle {
+                record,
+                from,
+                to: from + length,
+                max_deferral: Duration::from_millis(rng.random_range(120_000..600_000)),
+            }
+        });
         Self {
             seed,
             mode,
@@ -444,6 +472,7 @@ impl Plan {
             oversized,
             bad_record_spares,
             shuffled_delivery,
+            throttled,
         }
     }
 }
@@ -460,6 +489,11 @@ const VISIBILITY: Duration = Duration::from_secs(40);
 const HOST_VISIBILITY: Duration = Duration::from_secs(600);
 /// The handler's delay before a failed run's retry (the runner's `retry_delay`).
 const RETRY_DELAY: Duration = Duration::from_secs(5);
+/// The delay of a run put off without saying for how long (the runner's `default_deferral`):
+/// short, so drains stay short.
+const SIM_DEFAULT_DEFERRAL: Duration = Duration::from_secs(20);
+/// A request to run later for far longer than any seed's budget.
+const HUGE_DEFERRAL: Duration = Duration::from_secs(10_000);
 
 /// The queue settings of the project's own `host.json`, which the emulated host obeys:
 /// `visibilityTimeout` (delay before a failed invocation's message is visible again) and
@@ -534,6 +568,18 @@ pub struct FaultCounts {
     /// the marker since they were sent (their retry answers "already set", though the put is the
     /// caller's own, and the holder relied on has looked already).
     pub puts_after_a_look: u64,
+    /// Seeds with a throttled record ([`Throttle`]).
+    pub throttled_seeds: u64,
+    /// Runs whose logic asked to be run later.
+    pub deferrals_asked: u64,
+    /// Deferrals persisted (distinct chain and hop seen on a message put or updated).
+    pub deferrals_persisted: u64,
+    /// Chains deferred more than `MAX_ATTEMPTS` times (never poisoned for it).
+    pub long_deferral_chains: u64,
+    /// Poison entries of triggers whose deferral budget was spent.
+    pub deferral_exhaustions: u64,
+    /// Runs of a deferred chain whose start R1 checked against the hop that put them off.
+    pub r1_checks: u64,
     /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
     pub landed_late: [u64; 4],
     /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
@@ -631,6 +677,24 @@ impl FaultCounts {
                 "marker puts that landed late, after someone looked (the retry answers 'already set')",
                 self.puts_after_a_look,
             ),
+            (
+                "seeds with a record whose logic asks to run later for a while",
+                self.throttled_seeds,
+            ),
+            ("runs whose logic asked to run later", self.deferrals_asked),
+            ("deferrals persisted (chain hops)", self.deferrals_persisted),
+            (
+                "chains deferred more than MAX_ATTEMPTS (5) times",
+                self.long_deferral_chains,
+            ),
+            (
+                "triggers given up with their deferral budget spent",
+                self.deferral_exhaustions,
+            ),
+            (
+                "runs of a deferred chain checked against their hop (R1)",
+                self.r1_checks,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -711,6 +775,12 @@ impl FaultCounts {
             conditional_sweeps: v[25],
             shuffled_delivery: v[26],
             puts_after_a_look: v[27],
+            throttled_seeds: v[28],
+            deferrals_asked: v[29],
+            deferrals_persisted: v[30],
+            long_deferral_chains: v[31],
+            deferral_exhaustions: v[32],
+            r1_checks: v[33],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
             landed_late: std::array::from_fn(|i| self.landed_late[i] + other.landed_late[i]),
@@ -735,6 +805,12 @@ struct RunRecord {
     slow_stop: Duration,
     /// In-process logic whose work ignores cancellation and outlives its future.
     detached: bool,
+    /// The logic asked to be run later: when it returned, and the delay it asked for.
+    run_later: Option<(Instant, Option<Duration>)>,
+    /// The chain's deferral so far, as the run was told (`RunContext::deferred`).
+    deferred: Duration,
+    /// The delivery number the run was told (`RunContext::attempt`).
+    attempt: u32,
 }
 
 #[derive(Debug, Default)]
@@ -756,6 +832,13 @@ struct Journal {
     lost_gets: Vec<Instant>,
     /// Poison entries: correlation id, record, time, how often its chain was given up before.
     poisoned: Vec<(Option<String>, String, Instant, u32)>,
+    /// Poison entries of triggers whose deferral budget was spent: record, time, the chain's
+    /// total deferral.
+    exhausted: Vec<(String, Instant, Duration)>,
+    /// Deliveries by the emulated host whose DequeueCount was above 1: record, count, time.
+    host_redeliveries: Vec<(String, u32, Instant)>,
+    /// Deferrals seen on messages put or updated: the chain's id and the hop.
+    deferrals: HashSet<(u64, u32)>,
     /// Messages the host poisoned itself: record, time.
     host_poisoned: Vec<(String, Instant)>,
     /// Outages of one kind of request on one machine ([`Fault::FailOp`]).
@@ -804,6 +887,8 @@ pub struct World {
     crash_now: tokio::sync::mpsc::UnboundedSender<Fault>,
     /// The poison queue answers every write with a 503 in this window.
     poison_outage: Option<(Instant, Instant)>,
+    /// The throttled record and its window ([`Throttle`]).
+    throttle: Option<(String, Instant, Instant)>,
 }
 
 impl World {
@@ -1243,6 +1328,16 @@ impl TriggerQueue for PoisonSink {
             );
         }
         let entry = PoisonMessage::decode(body).expect("poison entries decode");
+        // Error::DeferralExhausted's text (the trigger's total is in its message).
+        if entry.reason().contains("LEASEHOLD_MAX_DEFERRAL_SECONDS")
+            && let Some(trigger) = &entry.trigger
+        {
+            let mut j = world.journal.lock().unwrap();
+            j.counts.deferral_exhaustions += 1;
+            let total = trigger.deferral.map_or(Duration::ZERO, |d| d.total());
+            j.exhausted
+                .push((trigger.record_id.to_string(), Instant::now(), total));
+        }
         PoisonSink::record(world, entry.trigger);
         Ok(Enqueued {
             id: String::new(),
@@ -1360,6 +1455,9 @@ impl TriggerQueue for NotingQueue {
         let put = self.inner.put(body, delay).await;
         if let Ok(t) = TriggerMessage::decode(body) {
             let mut j = self.world.journal.lock().unwrap();
+            if let Some(d) = t.deferral {
+                j.deferrals.insert((d.id, d.hops));
+            }
             if t.kind == TriggerKind::Watchdog {
                 // Noted even when the answer was lost: the watchdog may be there.
                 j.watchdog_puts
@@ -1378,7 +1476,20 @@ impl TriggerQueue for NotingQueue {
         self.inner.delete(id, receipt).await
     }
     async fn set_visibility(&self, id: &str, receipt: &str, body: &str, v: Duration) -> StoreResult<String> {
-        self.inner.set_visibility(id, receipt, body, v).await
+        let updated = self.inner.set_visibility(id, receipt, body, v).await;
+        // A deferral persisted in place (standalone) or into the watchdog (Functions).
+        if updated.is_ok()
+            && let Ok(t) = TriggerMessage::decode(body)
+            && let Some(d) = t.deferral
+        {
+            self.world
+                .journal
+                .lock()
+                .unwrap()
+                .deferrals
+                .insert((d.id, d.hops));
+        }
+        updated
     }
     async fn approximate_len(&self) -> StoreResult<u64> {
         self.inner.approximate_len().await
@@ -1432,6 +1543,7 @@ impl SimLogic {
         index: usize,
         duration: Duration,
         mut run: ActiveRun,
+        later: Option<Option<Duration>>,
     ) -> Result<(), LogicError> {
         let world = self.world.clone();
         world.count(|c| c.detached_logic += 1);
@@ -1441,6 +1553,8 @@ impl SimLogic {
         std::mem::forget(run);
         let killed = self.killed.clone();
         let machine = self.machine;
+        // A run that asks to be run later is not a completed one.
+        let defers = later.is_some();
         let work = tokio::spawn({
             let world = world.clone();
             async move {
@@ -1465,7 +1579,7 @@ impl SimLogic {
                 let r = &mut j.runs[index];
                 if r.end.is_none() {
                     r.end = Some(end);
-                    r.completed = completed && r.told.is_none();
+                    r.completed = completed && r.told.is_none() && !defers;
                 }
             }
         });
@@ -1486,9 +1600,19 @@ impl SimLogic {
         let told = world.journal.lock().unwrap().runs[index].told.is_some();
         if told {
             Err(LogicError::new("cancelled"))
+        } else if let Some(asked) = later {
+            Err(self.ask_to_run_later(index, asked))
         } else {
             Ok(())
         }
+    }
+
+    /// Notes that run `index` asks to be run later, and the request.
+    fn ask_to_run_later(&self, index: usize, asked: Option<Duration>) -> LogicError {
+        let mut j = self.world.journal.lock().unwrap();
+        j.counts.deferrals_asked += 1;
+        j.runs[index].run_later = Some((Instant::now(), asked));
+        LogicError::run_later(asked, "sim: throttled")
     }
 }
 
@@ -1530,6 +1654,20 @@ impl Logic for SimLogic {
                     .lock()
                     .unwrap()
                     .random_bool(world.bad_record_spares));
+        // Run later: a run of the throttled record that starts in its window asks to be run
+        // later once its work is done (unless it fails first).
+        let later = world
+            .throttle
+            .as_ref()
+            .is_some_and(|(r, from, to)| *r == ctx.record_id.as_str() && now >= *from && now < *to)
+            .then(|| {
+                let mut rng = world.logic_rng.lock().unwrap();
+                match rng.random_range(0..100) {
+                    0..70 => Some(Duration::from_millis(rng.random_range(5_000..60_000))),
+                    70..85 => None,
+                    _ => Some(HUGE_DEFERRAL),
+                }
+            });
         let index = {
             let mut j = world.journal.lock().unwrap();
             j.runs.push(RunRecord {
@@ -1542,6 +1680,9 @@ impl Logic for SimLogic {
                 told: None,
                 slow_stop: slow_stop.unwrap_or_default(),
                 detached,
+                run_later: None,
+                deferred: ctx.deferred,
+                attempt: ctx.attempt,
             });
             j.runs.len() - 1
         };
@@ -1555,7 +1696,7 @@ impl Logic for SimLogic {
             world.count(|c| c.time_limits += 1);
         }
         if detached {
-            return self.run_detached(&ctx, index, duration, run).await;
+            return self.run_detached(&ctx, index, duration, run, later).await;
         }
         tokio::select! {
             biased;
@@ -1588,6 +1729,8 @@ impl Logic for SimLogic {
                 if fails || bad {
                     world.count(|c| c.logic_failures += 1);
                     Err(LogicError::new("injected logic failure"))
+                } else if let Some(asked) = later {
+                    Err(self.ask_to_run_later(index, asked))
                 } else {
                     run.done = true;
                     Ok(())
@@ -1649,6 +1792,25 @@ impl std::fmt::Display for Violation {
         };
         write!(f, "{kind}: {text}")
     }
+}
+
+/// The runner's `max_deferral` in a seed.
+fn max_deferral(plan: &Plan) -> Duration {
+    plan.throttled.map_or_else(
+        || *RunnerOptions::default().max_deferral.default_value(),
+        |t| t.max_deferral,
+    )
+}
+
+/// The delay the runner grants a run of a chain deferred `so_far` that asked for `asked`, or
+/// `None` when the budget is spent: the runner's own rule, restated.
+fn granted(plan: &Plan, so_far: Duration, asked: Option<Duration>) -> Option<Duration> {
+    let floor = RunnerOptions::default().min_deferral;
+    let remaining = max_deferral(plan).saturating_sub(so_far);
+    if remaining < floor.max(Duration::from_millis(1)) {
+        return None;
+    }
+    Some(asked.unwrap_or(SIM_DEFAULT_DEFERRAL).max(floor).min(remaining))
 }
 
 fn lease_options(plan: &Plan, node: u64) -> LeaseOptions {
@@ -1832,6 +1994,8 @@ impl Sim {
             stop_grace: STOP_GRACE,
             max_attempts: MAX_ATTEMPTS,
             retry_delay: RETRY_DELAY,
+            default_deferral: SIM_DEFAULT_DEFERRAL,
+            max_deferral: PerScope::new(max_deferral(&self.plan)),
             variant: self.variant,
             ..RunnerOptions::default()
         };
@@ -1959,7 +2123,13 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         poison_outage: plan
             .poison_outage
             .map(|(from, length)| (epoch + from, epoch + from + length)),
+        throttle: plan
+            .throttled
+            .map(|t| (format!("r{}", t.record), epoch + t.from, epoch + t.to)),
     });
+    if plan.throttled.is_some() {
+        world.count(|c| c.throttled_seeds += 1);
+    }
     if plan.skew > 0.0 {
         world.count(|c| c.skewed_clock += 1);
     }
@@ -2267,6 +2437,13 @@ async fn host(
                     return;
                 };
                 let chain = world.journal.lock().unwrap().chain_of(&m.id, &message);
+                if m.dequeue_count > 1 {
+                    world.journal.lock().unwrap().host_redeliveries.push((
+                        message.record_id.to_string(),
+                        m.dequeue_count,
+                        Instant::now(),
+                    ));
+                }
                 if message.kind == TriggerKind::Watchdog {
                     world.journal.lock().unwrap().watchdog_takes.push((
                         message.record_id.to_string(),
