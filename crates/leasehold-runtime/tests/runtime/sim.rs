@@ -49,8 +49,8 @@ use leasehold_lock::{
 use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
     Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet, MarkerStore, MemoryMarkers,
-    MemoryQueue, Outcome, PerScope, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions,
-    TriggerKind, TriggerMessage, TriggerQueue,
+    MemoryQueue, Outcome, PerScope, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext,
+    RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -580,6 +580,9 @@ pub struct FaultCounts {
     pub deferral_exhaustions: u64,
     /// Runs of a deferred chain whose start R1 checked against the hop that put them off.
     pub r1_checks: u64,
+    /// Triggers never served because the record's logic kept asking to run later through two
+    /// budgets: the second, a sweep's chain, was given up and its conditional sweep stood down.
+    pub dropped_after_two_budgets: u64,
     /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
     pub landed_late: [u64; 4],
     /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
@@ -695,6 +698,10 @@ impl FaultCounts {
                 "runs of a deferred chain checked against their hop (R1)",
                 self.r1_checks,
             ),
+            (
+                "triggers dropped after two deferral budgets (a sweep's chain exhausted)",
+                self.dropped_after_two_budgets,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -781,6 +788,7 @@ impl FaultCounts {
             long_deferral_chains: v[31],
             deferral_exhaustions: v[32],
             r1_checks: v[33],
+            dropped_after_two_budgets: v[34],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
             landed_late: std::array::from_fn(|i| self.landed_late[i] + other.landed_late[i]),
@@ -826,6 +834,9 @@ struct Journal {
     /// Requests that got no answer in time (each delays its caller by the time-out and the
     /// retry's late window).
     timeouts: Vec<Instant>,
+    /// Lease renewals that got no answer in time: when, machine (a break goes unseen until the
+    /// renewal after).
+    renew_timeouts: Vec<(Instant, usize)>,
     breaks: Vec<(Instant, String)>,
     /// Gets that took effect but whose answer never came: their messages stay hidden for a
     /// whole visibility period (10 minutes under the Functions host), which no protocol shortens.
@@ -833,8 +844,8 @@ struct Journal {
     /// Poison entries: correlation id, record, time, how often its chain was given up before.
     poisoned: Vec<(Option<String>, String, Instant, u32)>,
     /// Poison entries of triggers whose deferral budget was spent: record, time, the chain's
-    /// total deferral.
-    exhausted: Vec<(String, Instant, Duration)>,
+    /// total deferral, how often its chain was given up before.
+    exhausted: Vec<(String, Instant, Duration, u32)>,
     /// Deliveries by the emulated host whose DequeueCount was above 1: record, count, time.
     host_redeliveries: Vec<(String, u32, Instant)>,
     /// Deferrals seen on messages put or updated: the chain's id and the hop.
@@ -966,6 +977,9 @@ impl Node {
                 let mut j = world.journal.lock().unwrap();
                 j.counts.timeouts += 1;
                 j.timeouts.push(Instant::now());
+                if op == Op::LeaseRenew {
+                    j.renew_timeouts.push((Instant::now(), self.machine));
+                }
             }
             if late && world.rng.lock().unwrap().random_bool(0.5) {
                 let late = CLIENT_TIMEOUT
@@ -1335,8 +1349,12 @@ impl TriggerQueue for PoisonSink {
             let mut j = world.journal.lock().unwrap();
             j.counts.deferral_exhaustions += 1;
             let total = trigger.deferral.map_or(Duration::ZERO, |d| d.total());
-            j.exhausted
-                .push((trigger.record_id.to_string(), Instant::now(), total));
+            j.exhausted.push((
+                trigger.record_id.to_string(),
+                Instant::now(),
+                total,
+                trigger.given_up,
+            ));
         }
         PoisonSink::record(world, entry.trigger);
         Ok(Enqueued {
@@ -1766,6 +1784,11 @@ pub enum Violation {
     Recovery(String),
     RunTime(String),
     NotDrained(String),
+    /// (R1) A run of a deferred chain started before the delay its logic was granted had passed.
+    RunLater(String),
+    /// (R2) A deferral counted as a failed attempt or a redelivery, or a trigger given up other
+    /// than at its deferral bound.
+    Counted(String),
     /// The seed did not finish within its real-time budget: something spins without letting
     /// simulated time move on (a retry loop with no pause, a task that never yields).
     Stuck(String),
@@ -1788,6 +1811,8 @@ impl std::fmt::Display for Violation {
             Violation::Recovery(t) => ("recovery", t),
             Violation::RunTime(t) => ("run time", t),
             Violation::NotDrained(t) => ("not drained", t),
+            Violation::RunLater(t) => ("run later (R1)", t),
+            Violation::Counted(t) => ("counted (R2)", t),
             Violation::Stuck(t) => ("stuck", t),
         };
         write!(f, "{kind}: {text}")
@@ -1811,6 +1836,44 @@ fn granted(plan: &Plan, so_far: Duration, asked: Option<Duration>) -> Option<Dur
         return None;
     }
     Some(asked.unwrap_or(SIM_DEFAULT_DEFERRAL).max(floor).min(remaining))
+}
+
+/// Per run of `runs` (one record's, in start order): when the chain of deferrals it belongs to
+/// started — its first run's start, its own if it was never put off. Each run of a deferred
+/// chain is matched to an earlier run whose request to run later put it off (told the total it
+/// was told less the delay granted, its delay passed when it started: R1 says one exists), each
+/// request to one run where possible (fault-free, a deferral is delivered once), the one whose
+/// delay ended first. Chains are told apart by their totals only, so two chains with equal
+/// totals (both put off by the default, or both up to the bound) may be swapped; that swaps
+/// their starts, but each chain's start is still given to one run.
+fn chain_starts(plan: &Plan, runs: &[&RunRecord]) -> Vec<Instant> {
+    let mut starts: Vec<Instant> = Vec::with_capacity(runs.len());
+    let mut used = vec![false; runs.len()];
+    for (i, run) in runs.iter().enumerate() {
+        let hops: Vec<(usize, Instant)> = (0..i)
+            .filter(|_| !run.deferred.is_zero())
+            .filter_map(|k| {
+                let q = runs[k];
+                let (t, asked) = q.run_later?;
+                let d = granted(plan, q.deferred, asked)?;
+                (q.start < run.start && q.deferred + d == run.deferred && t + d <= run.start)
+                    .then_some((k, t + d))
+            })
+            .collect();
+        let pick = hops
+            .iter()
+            .filter(|(k, _)| !used[*k])
+            .min_by_key(|(_, due)| *due)
+            .or_else(|| hops.iter().min_by_key(|(_, due)| *due));
+        match pick {
+            Some((k, _)) => {
+                used[*k] = true;
+                starts.push(starts[*k]);
+            }
+            None => starts.push(run.start),
+        }
+    }
+    starts
 }
 
 fn lease_options(plan: &Plan, node: u64) -> LeaseOptions {
@@ -2550,6 +2613,7 @@ fn count_outcome(world: &World, outcome: &Outcome) {
 fn check(plan: &Plan, world: &World) -> Report {
     let j = world.journal.lock().unwrap();
     let mut violations = j.violations.clone();
+    let mut counts = j.counts.clone();
     let at = |t: Instant| world.at(t);
     let mut by_record: HashMap<&str, Vec<&RunRecord>> = HashMap::new();
     for r in &j.runs {
@@ -2627,7 +2691,19 @@ fn check(plan: &Plan, world: &World) -> Report {
                         pr == record && *p1 > *t && *chain >= 1 && failing_sweep_chain(*p1)
                     })
             });
-        if !served && !given_up {
+        // Run later, the same exception (docs/flow-control-design.md, 3.5: "a record whose logic
+        // always defers stops after two budgets"): a sweep's chain (`given_up` >= 1) whose
+        // deferral budget was spent after the trigger, following a give-up of the record with no
+        // completed run in between. Only a DeferralExhausted entry excuses here: a sweep's chain
+        // given up for failures on a record that is not the bad one stays a loss.
+        let dropped_after_two_budgets = !given_up
+            && j.exhausted.iter().any(|(er, p1, _, chain)| {
+                er == record && *p1 > *t && *chain >= 1 && failing_sweep_chain(*p1)
+            });
+        if !served && dropped_after_two_budgets {
+            counts.dropped_after_two_budgets += 1;
+        }
+        if !served && !given_up && !dropped_after_two_budgets {
             violations.push(Violation::Lost(format!(
                 "trigger {corr} for {record} accepted at t={:.3}s never served",
                 at(*t)
@@ -2637,19 +2713,51 @@ fn check(plan: &Plan, world: &World) -> Report {
 
     // (3) Coalescing, fault-free only: for runs R1 < R2 < R3 of a record, some trigger must have
     // arrived (been first received by a worker) after R1 started and before R3 started.
+    // Run later: a deferral and the run it puts off are one run (the deferred message is the
+    // holder's retrigger, delayed), so runs whose logic asked to run later are left out, and a
+    // run of a deferred chain counts as started when its chain's first run did (`chain_start`).
+    // The deferred message does not hold the lease: a trigger arriving between two hops runs at
+    // once and, throttled too, starts a chain of its own, and each chain ends with a run — the
+    // protocol cannot tell that an earlier chain's run already covered it. Counted from their
+    // chains' starts, those runs are each owed to their own arrival. In seeds without a throttle
+    // no run asks and none is deferred, and the check is what it was.
+    // A chain whose deferral budget was spent is given up with a sweep, which runs the record
+    // once whatever the marker says (for what coalesced onto the chain) and starts a chain of its
+    // own: the give-up counts as a trigger arriving. (Fault-free seeds give nothing else up.)
+    let arrivals: Vec<(&str, Instant)> = j
+        .arrivals
+        .iter()
+        .map(|(record, t)| (record.as_str(), *t))
+        .chain(j.exhausted.iter().map(|(record, t, _, _)| (record.as_str(), *t)))
+        .collect();
     if !plan.faulty {
         for (record, runs) in &by_record {
+            let mut runs: Vec<(Instant, &RunRecord)> = chain_starts(plan, runs)
+                .into_iter()
+                .zip(runs.iter().copied())
+                .filter(|(_, r)| r.run_later.is_none())
+                .collect();
+            runs.sort_by_key(|(start, _)| *start);
             for w in runs.windows(3) {
-                let fresh = j
-                    .arrivals
+                let fresh = arrivals
                     .iter()
-                    .any(|(rec, t)| rec == record && *t > w[0].start && *t < w[2].start);
+                    .any(|(rec, t)| rec == record && *t > w[0].0 && *t < w[2].0);
                 if !fresh {
                     violations.push(Violation::Coalescing(format!(
-                        "{record} ran at t={:.3}s and twice more (t={:.3}s, t={:.3}s) with no new trigger",
-                        at(w[0].start),
-                        at(w[1].start),
-                        at(w[2].start)
+                        "{record} ran at t={:.3}s and twice more (t={:.3}s, t={:.3}s) with no new trigger{}",
+                        at(w[0].1.start),
+                        at(w[1].1.start),
+                        at(w[2].1.start),
+                        if w.iter().any(|(start, r)| *start != r.start) {
+                            format!(
+                                " (their chains of deferrals started at t={:.3}s, t={:.3}s, t={:.3}s)",
+                                at(w[0].0),
+                                at(w[1].0),
+                                at(w[2].0)
+                            )
+                        } else {
+                            String::new()
+                        }
                     )));
                 }
             }
@@ -2781,6 +2889,15 @@ fn check(plan: &Plan, world: &World) -> Report {
             if end <= *t {
                 continue;
             }
+            // A renewal of the holder's that got no answer around the break (a partition's
+            // fault, met alone) delays its seeing the break by the client's time-out: excused as
+            // a partition is.
+            if j.renew_timeouts
+                .iter()
+                .any(|(rt, m)| *m == r.machine && *rt + CLIENT_TIMEOUT >= *t && *rt <= *t + RENEW_EVERY)
+            {
+                continue;
+            }
             let told_by = *t + RENEW_EVERY + Duration::from_secs(2);
             let stopped_in_time = end <= told_by + STOP_GRACE
                 || r.told
@@ -2797,17 +2914,103 @@ fn check(plan: &Plan, world: &World) -> Report {
         }
     }
 
+    // (R1) Run later, all seeds: a run of a deferred chain (told a total deferral T' > 0) starts
+    // no earlier than t + D for an earlier run of the record that asked to run later at t, told
+    // T, and was granted D (the runner's rule, restated by `granted`) with T + D = T'. The
+    // deferred message is persisted after t, hidden for D; its rechecks, watchdogs and retries
+    // come later still; an early redelivery of the message before it carries the earlier total,
+    // matched by an earlier hop.
+    for (record, runs) in &by_record {
+        for r in runs.iter().filter(|r| !r.deferred.is_zero()) {
+            counts.r1_checks += 1;
+            let hops: Vec<(Instant, Duration)> = runs
+                .iter()
+                .filter(|q| q.start < r.start)
+                .filter_map(|q| {
+                    let (t, asked) = q.run_later?;
+                    let d = granted(plan, q.deferred, asked)?;
+                    (q.deferred + d == r.deferred).then_some((t, d))
+                })
+                .collect();
+            if !hops.iter().any(|(t, d)| *t + *d <= r.start) {
+                violations.push(Violation::RunLater(match hops.iter().max_by_key(|(t, _)| *t) {
+                    Some((t, d)) => format!(
+                        "{record}: run at t={:.3}s deferred {:?} in total started before its hop's delay had passed (asked at t={:.3}s, granted {d:?}: not before t={:.3}s)",
+                        at(r.start),
+                        r.deferred,
+                        at(*t),
+                        at(*t + *d)
+                    ),
+                    None => format!(
+                        "{record}: run at t={:.3}s deferred {:?} in total, a total no earlier request to run later was granted",
+                        at(r.start),
+                        r.deferred
+                    ),
+                }));
+            }
+        }
+    }
+    // Exhaustion only at the bound (every seed): a trigger given up with its deferral budget
+    // spent had less than the shortest deferral left of it.
+    let floor = RunnerOptions::default().min_deferral;
+    for (record, t, total, _) in &j.exhausted {
+        if *total + floor <= max_deferral(plan) {
+            violations.push(Violation::Counted(format!(
+                "{record}: given up at t={:.3}s with its deferral budget spent after only {total:?} of {:?}",
+                at(*t),
+                max_deferral(plan)
+            )));
+        }
+    }
+    // (R2) Fault-free: nothing counts as a failed attempt — every run is told attempt 1, however
+    // often its chain was deferred; the emulated host never delivers a message twice (deferrals
+    // never raise its DequeueCount); no trigger is given up but for a spent deferral budget.
+    if !plan.faulty {
+        for r in j.runs.iter().filter(|r| r.attempt != 1) {
+            violations.push(Violation::Counted(format!(
+                "{}: run at t={:.3}s (deferred {:?}) told attempt {} in a fault-free seed",
+                r.record,
+                at(r.start),
+                r.deferred,
+                r.attempt
+            )));
+        }
+        for (record, count, t) in &j.host_redeliveries {
+            violations.push(Violation::Counted(format!(
+                "{record}: the host delivered a message for the {count}th time at t={:.3}s in a fault-free seed",
+                at(*t)
+            )));
+        }
+        let other = j.poisoned.len().saturating_sub(j.exhausted.len());
+        if other > 0 || !j.host_poisoned.is_empty() {
+            violations.push(Violation::Counted(format!(
+                "{other} triggers given up but not for a spent deferral budget, {} poisoned by the host, in a fault-free seed",
+                j.host_poisoned.len()
+            )));
+        }
+    }
+    counts.deferrals_persisted = j.deferrals.len() as u64;
+    let mut hops_by_chain: HashMap<u64, u32> = HashMap::new();
+    for (id, hops) in &j.deferrals {
+        let most = hops_by_chain.entry(*id).or_default();
+        *most = (*most).max(*hops);
+    }
+    counts.long_deferral_chains = hops_by_chain.values().filter(|h| **h > MAX_ATTEMPTS).count() as u64;
+
     if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
         println!("{plan:?}");
         for r in &j.runs {
             println!(
-                "run {} machine {} token {:?} {:.3}s..{:?} completed={}",
+                "run {} machine {} token {:?} {:.3}s..{:?} completed={} attempt={} deferred={:?} run_later={:?}",
                 r.record,
                 r.machine,
                 r.token,
                 at(r.start),
                 r.end.map(at),
-                r.completed
+                r.completed,
+                r.attempt,
+                r.deferred,
+                r.run_later.map(|(t, asked)| (at(t), asked))
             );
         }
         for (t, m, recs, _, _) in &j.deaths {
@@ -2842,7 +3045,7 @@ fn check(plan: &Plan, world: &World) -> Report {
         recoveries,
         violations,
         double_faults,
-        counts: j.counts.clone(),
+        counts,
         fingerprint,
     }
 }
