@@ -315,6 +315,27 @@ fn simulation_catches_a_safety_margin_shorter_than_the_stop_grace() {
     println!("3 s safety margin caught by seed {seed}: {violation}");
 }
 
+/// A deferral persisted visible at once (its delay ignored) runs the record before the time the
+/// logic asked for: R1 must catch it.
+#[test]
+fn simulation_catches_a_deferral_that_ignores_its_delay() {
+    let run = run_seeds(
+        0..5_000,
+        ProtocolVariant::DeferralIgnoresDelay,
+        Stop::OnViolation(|v| matches!(v, Violation::RunLater(_))),
+    );
+    let (seed, violation) = run
+        .failures
+        .into_iter()
+        .find_map(|(seed, v)| {
+            v.into_iter()
+                .find(|v| matches!(v, Violation::RunLater(_)))
+                .map(|v| (seed, v))
+        })
+        .expect("the simulation should catch a deferral that ignores its delay (R1)");
+    println!("deferral ignoring its delay caught by seed {seed}: {violation}");
+}
+
 #[test]
 fn simulation_catches_trusting_a_dead_holder() {
     let (seed, violation) = first_loss(ProtocolVariant::TrustHolderOnRedelivery)
