@@ -59,6 +59,10 @@ pub enum ProtocolVariant {
     /// Persist a deferral visible at once instead of after its delay (its total still counts
     /// the delay): the record runs again before the time the logic asked for.
     DeferralIgnoresDelay,
+    /// Standalone: persist a deferral by deleting the delivered message and then putting the
+    /// deferred one, two requests where one Update Message does both: a crash between them
+    /// loses the trigger.
+    DeferralDeletesThenPuts,
 }
 
 /// How the runner behaves.
