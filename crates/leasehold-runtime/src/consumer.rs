@@ -284,7 +284,13 @@ impl Consumer {
     /// If the update fails, the message reappears when its visibility lapses and runs early
     /// (its logic may ask again); nothing is lost. A retried update answered "not found" means
     /// an earlier attempt landed (its answer lost): the receipt it made is the one we lack.
-    async fn persist_deferral(&self, received: &Received, receipt: &str, next: &TriggerMessage, after: Duration) {
+    async fn persist_deferral(
+        &self,
+        received: &Received,
+        receipt: &str,
+        next: &TriggerMessage,
+        after: Duration,
+    ) {
         let mut next = next.clone();
         #[cfg(feature = "testing")]
         if self.runner.options().variant == crate::ProtocolVariant::DeferralDeletesThenPuts {

@@ -127,7 +127,13 @@ pub enum Error {
     },
 }
 
-fn deferral_exhausted(total: Duration, max: Duration, hops: u32, asked: &Option<Duration>, why: &str) -> String {
+fn deferral_exhausted(
+    total: Duration,
+    max: Duration,
+    hops: u32,
+    asked: &Option<Duration>,
+    why: &str,
+) -> String {
     let asked = match asked {
         Some(d) => format!("{} s", d.as_secs()),
         None => "the default delay".into(),

@@ -115,7 +115,9 @@ where
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
-        Self::parse(text, T::default(), |v| v.parse().map_err(|e: T::Err| e.to_string()))
+        Self::parse(text, T::default(), |v| {
+            v.parse().map_err(|e: T::Err| e.to_string())
+        })
     }
 }
 
@@ -134,7 +136,8 @@ mod tests {
         assert_eq!(*p.get(&scope("contact")), 600);
         assert_eq!(*p.get(&scope("lead")), 86400);
         assert_eq!(p.to_string(), "86400,account=3600,contact=600");
-        let only: PerScope<u32> = PerScope::parse("account=5", 7, |v| v.parse().map_err(|_| "nan".into())).unwrap();
+        let only: PerScope<u32> =
+            PerScope::parse("account=5", 7, |v| v.parse().map_err(|_| "nan".into())).unwrap();
         assert_eq!((*only.get(&scope("account")), *only.get(&scope("x"))), (5, 7));
     }
 

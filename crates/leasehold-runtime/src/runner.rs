@@ -405,7 +405,10 @@ impl RecordRunner {
     /// run from outside (shutdown); the trigger is then not acknowledged.
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
         let span = delivery.span();
-        let (outcome, ran) = self.handle_untold(delivery, cancel).instrument(span.clone()).await;
+        let (outcome, ran) = self
+            .handle_untold(delivery, cancel)
+            .instrument(span.clone())
+            .await;
         span.in_scope(|| self.finished(delivery, &outcome, ran));
         outcome
     }

@@ -1908,7 +1908,10 @@ async fn take_one(store: &Scripted) -> Received {
 #[tokio::test(start_paused = true)]
 async fn a_deferral_covers_the_triggers_that_coalesced_and_runs_no_earlier_than_asked() {
     let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(20), End::RunLater(Some(Duration::from_secs(30))));
+    let logic = Script::new(
+        Duration::from_secs(20),
+        End::RunLater(Some(Duration::from_secs(30))),
+    );
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
     let (consumer, mut taken) = consumer_with_one_trigger(&store, runner.clone()).await;
     let first = tokio::spawn({
@@ -1927,7 +1930,11 @@ async fn a_deferral_covers_the_triggers_that_coalesced_and_runs_no_earlier_than_
     assert!(!marker_set(&store).await, "the deferral took the marker");
     assert!(!held(&store).await);
     let left = messages(&store);
-    assert_eq!(left.len(), 1, "one message: the deferred run, no retrigger: {left:?}");
+    assert_eq!(
+        left.len(),
+        1,
+        "one message: the deferred run, no retrigger: {left:?}"
+    );
     let deferred = &left[0];
     assert_eq!(deferred.kind, TriggerKind::Recheck);
     assert_eq!(deferred.rehides, 1, "the delivery's dequeue count");
@@ -1958,7 +1965,10 @@ async fn a_deferral_covers_the_triggers_that_coalesced_and_runs_no_earlier_than_
 #[tokio::test(start_paused = true)]
 async fn a_standalone_deferral_whose_answer_was_lost_is_not_put_twice() {
     let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::RunLater(Some(Duration::from_secs(60))));
+    let logic = Script::new(
+        Duration::from_secs(1),
+        End::RunLater(Some(Duration::from_secs(60))),
+    );
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
     let (consumer, mut taken) = consumer_with_one_trigger(&store, runner).await;
     store.then(Op::QueueUpdate, &[Act::LoseAnswer]);
@@ -1966,7 +1976,11 @@ async fn a_standalone_deferral_whose_answer_was_lost_is_not_put_twice() {
     let left = messages(&store);
     assert_eq!(left.len(), 1, "{left:?}");
     assert!(left[0].deferral.is_some(), "the update landed: {left:?}");
-    assert_eq!(store.rules.counters.snapshot().get(Op::QueuePut), 0, "no fresh put");
+    assert_eq!(
+        store.rules.counters.snapshot().get(Op::QueuePut),
+        0,
+        "no fresh put"
+    );
     assert_eq!(store.queue().visible_len(), 0);
 }
 
@@ -1995,7 +2009,10 @@ async fn deferring_never_counts_as_an_attempt() {
     let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
     store
         .queue()
-        .put(&TriggerMessage::parse("acct", "r").unwrap().encode(), Duration::ZERO)
+        .put(
+            &TriggerMessage::parse("acct", "r").unwrap().encode(),
+            Duration::ZERO,
+        )
         .await
         .unwrap();
     for _ in 0..8 {
@@ -2015,13 +2032,24 @@ async fn deferring_never_counts_as_an_attempt() {
     let mut next = TriggerMessage::parse("acct", "r").unwrap();
     for run in 0..8 {
         let outcome = runner
-            .handle_watched(&Delivery { message: next.clone(), dequeue_count: 1 }, &poison, &CancellationToken::new())
+            .handle_watched(
+                &Delivery {
+                    message: next.clone(),
+                    dequeue_count: 1,
+                },
+                &poison,
+                &CancellationToken::new(),
+            )
             .await;
         if run < 7 {
             assert!(matches!(outcome, Outcome::Deferred { .. }), "{outcome:?}");
             tokio::time::sleep(Duration::from_secs(10)).await;
             let received = take_one(&store).await;
-            store.queue().delete(&received.id, &received.pop_receipt).await.unwrap();
+            store
+                .queue()
+                .delete(&received.id, &received.pop_receipt)
+                .await
+                .unwrap();
             next = TriggerMessage::decode(&received.body).unwrap();
             assert_eq!(next.deferral.unwrap().hops, run + 1);
         } else {
@@ -2041,18 +2069,34 @@ async fn a_functions_deferral_is_the_watchdog_rewritten() {
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let outcome = watched(&runner, &poison, TriggerKind::Trigger, 2, 0).await;
     let ended = Instant::now();
-    let Outcome::Deferred { after, total, asked, .. } = &outcome else {
+    let Outcome::Deferred {
+        after, total, asked, ..
+    } = &outcome
+    else {
         panic!("{outcome:?}")
     };
-    assert_eq!((*after, *total, *asked), (Duration::from_secs(60), Duration::from_secs(60), None));
+    assert_eq!(
+        (*after, *total, *asked),
+        (Duration::from_secs(60), Duration::from_secs(60), None)
+    );
     assert!(outcome.acknowledge());
     let left = messages(&store);
     assert_eq!(left.len(), 1, "{left:?}");
     assert_eq!(left[0].kind, TriggerKind::Recheck);
     assert_eq!(left[0].rehides, 0, "a message the host never took");
-    assert_eq!(left[0].prior_attempts, 1, "the host's redelivery counted, the deferral not");
-    assert_eq!(store.queue().next_visible_at(), Some(ended + Duration::from_secs(60)));
-    assert_eq!(store.rules.counters.snapshot().get(Op::QueuePut), 1, "the watchdog only");
+    assert_eq!(
+        left[0].prior_attempts, 1,
+        "the host's redelivery counted, the deferral not"
+    );
+    assert_eq!(
+        store.queue().next_visible_at(),
+        Some(ended + Duration::from_secs(60))
+    );
+    assert_eq!(
+        store.rules.counters.snapshot().get(Op::QueuePut),
+        1,
+        "the watchdog only"
+    );
     assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
 }
 
@@ -2062,7 +2106,10 @@ async fn a_functions_deferral_is_the_watchdog_rewritten() {
 #[tokio::test(start_paused = true)]
 async fn the_deferral_budget_bounds_a_chain_and_its_end_is_a_give_up() {
     let store = Scripted::new();
-    let logic = Script::new(Duration::from_secs(1), End::RunLater(Some(Duration::from_secs(60))));
+    let logic = Script::new(
+        Duration::from_secs(1),
+        End::RunLater(Some(Duration::from_secs(60))),
+    );
     let options = RunnerOptions {
         max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(600)),
         ..RunnerOptions::default()
@@ -2070,30 +2117,59 @@ async fn the_deferral_budget_bounds_a_chain_and_its_end_is_a_give_up() {
     let runner = runner_on(&store, logic.clone(), options);
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let chain_ms = |total_ms: u64| {
-        let mut m = TriggerMessage::parse("acct", "r").unwrap().deferred(0, Duration::from_millis(total_ms), 5);
+        let mut m =
+            TriggerMessage::parse("acct", "r")
+                .unwrap()
+                .deferred(0, Duration::from_millis(total_ms), 5);
         m.deferral.as_mut().unwrap().hops = 9;
-        Delivery { message: m, dequeue_count: 1 }
+        Delivery {
+            message: m,
+            dequeue_count: 1,
+        }
     };
     let chain = |total_s: u64| chain_ms(total_s * 1000);
     // 580 s of 600 s so far: 20 s are left.
-    let outcome = runner.handle_watched(&chain(580), &poison, &CancellationToken::new()).await;
-    let Outcome::Deferred { after, total, next, .. } = &outcome else { panic!("{outcome:?}") };
-    assert_eq!((*after, *total), (Duration::from_secs(20), Duration::from_secs(600)));
+    let outcome = runner
+        .handle_watched(&chain(580), &poison, &CancellationToken::new())
+        .await;
+    let Outcome::Deferred {
+        after, total, next, ..
+    } = &outcome
+    else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(
+        (*after, *total),
+        (Duration::from_secs(20), Duration::from_secs(600))
+    );
     assert_eq!(next.deferral.unwrap().hops, 10);
     // A logic asking for 0 s gets the shortest deferral, 1 s.
     let quick = Script::new(Duration::from_secs(1), End::RunLater(Some(Duration::ZERO)));
     let quick_runner = runner_on(&Scripted::new(), quick, RunnerOptions::default());
-    let outcome = quick_runner.handle_watched(&chain(0), &poison, &CancellationToken::new()).await;
-    assert!(matches!(outcome, Outcome::Deferred { after, .. } if after == Duration::from_secs(1)), "{outcome:?}");
+    let outcome = quick_runner
+        .handle_watched(&chain(0), &poison, &CancellationToken::new())
+        .await;
+    assert!(
+        matches!(outcome, Outcome::Deferred { after, .. } if after == Duration::from_secs(1)),
+        "{outcome:?}"
+    );
 
     // 599.5 s: less than the shortest deferral is left. Given up at once, on its first attempt.
     let fresh = Scripted::new();
-    let runner = runner_on(&fresh, logic.clone(), RunnerOptions {
-        max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(600)),
-        ..RunnerOptions::default()
-    });
-    let outcome = runner.handle_watched(&chain_ms(599_500), &poison, &CancellationToken::new()).await;
-    let Outcome::Poisoned { error } = &outcome else { panic!("{outcome:?}") };
+    let runner = runner_on(
+        &fresh,
+        logic.clone(),
+        RunnerOptions {
+            max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(600)),
+            ..RunnerOptions::default()
+        },
+    );
+    let outcome = runner
+        .handle_watched(&chain_ms(599_500), &poison, &CancellationToken::new())
+        .await;
+    let Outcome::Poisoned { error } = &outcome else {
+        panic!("{outcome:?}")
+    };
     assert!(matches!(error, Error::DeferralExhausted { .. }), "{error:?}");
     let reason = error.to_string();
     assert!(
@@ -2105,21 +2181,43 @@ async fn the_deferral_budget_bounds_a_chain_and_its_end_is_a_give_up() {
     let entries = poison.bodies();
     assert_eq!(entries.len(), 1);
     let entry = PoisonMessage::decode(&entries[0]).unwrap();
-    assert!(entry.reason().contains("LEASEHOLD_MAX_DEFERRAL_SECONDS"), "{}", entry.reason());
+    assert!(
+        entry.reason().contains("LEASEHOLD_MAX_DEFERRAL_SECONDS"),
+        "{}",
+        entry.reason()
+    );
     let left: Vec<TriggerMessage> = messages(&fresh);
-    assert_eq!(left.len(), 1, "the sweep only (the watchdog was disarmed): {left:?}");
-    assert_eq!((left[0].kind, left[0].deferral), (TriggerKind::Sweep, None), "a fresh budget");
+    assert_eq!(
+        left.len(),
+        1,
+        "the sweep only (the watchdog was disarmed): {left:?}"
+    );
+    assert_eq!(
+        (left[0].kind, left[0].deferral),
+        (TriggerKind::Sweep, None),
+        "a fresh budget"
+    );
 
     // Standalone, the consumer gives it up the same way.
     let fresh = Scripted::new();
-    let runner = runner_on(&fresh, logic, RunnerOptions {
-        max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(600)),
-        ..RunnerOptions::default()
-    });
+    let runner = runner_on(
+        &fresh,
+        logic,
+        RunnerOptions {
+            max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(600)),
+            ..RunnerOptions::default()
+        },
+    );
     let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
     let consumer = Consumer::new(runner, poison.clone(), ConsumerOptions::default());
-    fresh.queue().put(&chain_ms(599_500).message.encode(), Duration::ZERO).await.unwrap();
-    consumer.process(take_one(&fresh).await, CancellationToken::new()).await;
+    fresh
+        .queue()
+        .put(&chain_ms(599_500).message.encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    consumer
+        .process(take_one(&fresh).await, CancellationToken::new())
+        .await;
     assert_eq!(poison.bodies().len(), 1);
     let left = messages(&fresh);
     assert_eq!(left.len(), 1, "the sweep only: {left:?}");
