@@ -1846,10 +1846,22 @@ fn granted(plan: &Plan, so_far: Duration, asked: Option<Duration>) -> Option<Dur
 /// delay ended first. Chains are told apart by their totals only, so two chains with equal
 /// totals (both put off by the default, or both up to the bound) may be swapped; that swaps
 /// their starts, but each chain's start is still given to one run.
-fn chain_starts(plan: &Plan, runs: &[&RunRecord]) -> Vec<Instant> {
+///
+/// A chain given up with its budget spent (`exhausted`: when, in order) queues a sweep, which
+/// runs whatever the marker says and starts a chain of its own: the first run not put off that
+/// starts after a give-up, one per give-up, counts as started just after it. (Sweeps queued
+/// together do not coalesce: each runs in turn.)
+fn chain_starts(plan: &Plan, runs: &[&RunRecord], exhausted: &[Instant]) -> Vec<Instant> {
     let mut starts: Vec<Instant> = Vec::with_capacity(runs.len());
     let mut used = vec![false; runs.len()];
+    let mut sweeps = exhausted.iter().peekable();
     for (i, run) in runs.iter().enumerate() {
+        if run.deferred.is_zero()
+            && let Some(given_up) = sweeps.next_if(|p| **p < run.start)
+        {
+            starts.push(*given_up + Duration::from_millis(1));
+            continue;
+        }
         let hops: Vec<(usize, Instant)> = (0..i)
             .filter(|_| !run.deferred.is_zero())
             .filter_map(|k| {
@@ -2723,7 +2735,8 @@ fn check(plan: &Plan, world: &World) -> Report {
     // no run asks and none is deferred, and the check is what it was.
     // A chain whose deferral budget was spent is given up with a sweep, which runs the record
     // once whatever the marker says (for what coalesced onto the chain) and starts a chain of its
-    // own: the give-up counts as a trigger arriving. (Fault-free seeds give nothing else up.)
+    // own: the give-up counts as a trigger arriving, and the sweep's run as started just after
+    // it (`chain_starts`). (Fault-free seeds give nothing else up.)
     let arrivals: Vec<(&str, Instant)> = j
         .arrivals
         .iter()
@@ -2732,7 +2745,14 @@ fn check(plan: &Plan, world: &World) -> Report {
         .collect();
     if !plan.faulty {
         for (record, runs) in &by_record {
-            let mut runs: Vec<(Instant, &RunRecord)> = chain_starts(plan, runs)
+            let mut exhausted: Vec<Instant> = j
+                .exhausted
+                .iter()
+                .filter(|(r, _, _, _)| r == record)
+                .map(|(_, t, _, _)| *t)
+                .collect();
+            exhausted.sort();
+            let mut runs: Vec<(Instant, &RunRecord)> = chain_starts(plan, runs, &exhausted)
                 .into_iter()
                 .zip(runs.iter().copied())
                 .filter(|(_, r)| r.run_later.is_none())
