@@ -292,6 +292,18 @@ impl Consumer {
         after: Duration,
     ) {
         let mut next = next.clone();
+        #[cfg(feature = "testing")]
+        if self.runner.options().variant == crate::ProtocolVariant::DeferralDeletesThenPuts {
+            // WRONG on purpose: between the delete and the put neither message exists.
+            if let Err(e) = self.queue().delete(&received.id, receipt).await {
+                tracing::warn!(error = %e, "could not delete the deferred message");
+                return;
+            }
+            if let Err(e) = self.queue().put(&next.encode(), after).await {
+                tracing::warn!(error = %e, "could not put the deferral");
+            }
+            return;
+        }
         next.rehides = received.dequeue_count;
         let body = next.encode();
         let mut attempts = 0u32;

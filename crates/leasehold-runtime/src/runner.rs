@@ -56,6 +56,13 @@ pub enum ProtocolVariant {
     /// Let a redelivery or a carrier that finds the lease held set the marker and be
     /// acknowledged (trusting a possibly dead holder).
     TrustHolderOnRedelivery,
+    /// Persist a deferral visible at once instead of after its delay (its total still counts
+    /// the delay): the record runs again before the time the logic asked for.
+    DeferralIgnoresDelay,
+    /// Standalone: persist a deferral by deleting the delivered message and then putting the
+    /// deferred one, two requests where one Update Message does both: a crash between them
+    /// loses the trigger.
+    DeferralDeletesThenPuts,
 }
 
 /// What a scope does with a trigger that arrives during a run of its record.
@@ -1067,6 +1074,17 @@ impl RecordRunner {
             after,
             uuid::Uuid::new_v4().as_u64_pair().0 >> 11,
         );
+        #[cfg(feature = "testing")]
+        if self.options.variant == ProtocolVariant::DeferralIgnoresDelay {
+            // WRONG on purpose: the deferred message is visible at once.
+            return Outcome::Deferred {
+                after: Duration::ZERO,
+                total: so_far.total() + after,
+                asked,
+                why,
+                next: Box::new(next),
+            };
+        }
         Outcome::Deferred {
             after,
             total: so_far.total() + after,

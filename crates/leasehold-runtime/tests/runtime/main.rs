@@ -315,9 +315,114 @@ fn simulation_catches_a_safety_margin_shorter_than_the_stop_grace() {
     println!("3 s safety margin caught by seed {seed}: {violation}");
 }
 
+/// A deferral persisted visible at once (its delay ignored) runs the record before the time the
+/// logic asked for: R1 must catch it.
+#[test]
+fn simulation_catches_a_deferral_that_ignores_its_delay() {
+    let run = run_seeds(
+        0..5_000,
+        ProtocolVariant::DeferralIgnoresDelay,
+        Stop::OnViolation(|v| matches!(v, Violation::RunLater(_))),
+    );
+    let (seed, violation) = run
+        .failures
+        .into_iter()
+        .find_map(|(seed, v)| {
+            v.into_iter()
+                .find(|v| matches!(v, Violation::RunLater(_)))
+                .map(|v| (seed, v))
+        })
+        .expect("the simulation should catch a deferral that ignores its delay (R1)");
+    println!("deferral ignoring its delay caught by seed {seed}: {violation}");
+}
+
+/// A standalone seed with one throttled record and a single trigger (one chain of deferrals, so
+/// no other chain's run can serve it), faults on, and on every machine a crash armed after its
+/// first queue delete. The correct protocol deletes nothing when it defers (one Update Message);
+/// a protocol that deletes and then puts the deferral dies in between and loses the trigger.
+fn one_deferred_chain_and_a_crash_after_a_delete(seed: u64) -> sim::Plan {
+    use std::time::Duration;
+    // Even seeds are standalone.
+    let plan = sim::Plan::from_seed(seed * 2);
+    let machines = plan.machines;
+    sim::Plan {
+        faulty: true,
+        triggers: vec![(Duration::from_secs(10), 0)],
+        faults: (0..machines)
+            .map(|machine| {
+                (
+                    Duration::from_secs(1),
+                    sim::Fault::CrashAfter {
+                        machine,
+                        op: leasehold_lock::Op::QueueDelete,
+                        host_death: false,
+                        restart_after: Duration::from_secs(5),
+                    },
+                )
+            })
+            .collect(),
+        bad_record: None,
+        poison_outage: None,
+        oversized: Vec::new(),
+        throttled: Some(sim::Throttle {
+            record: 0,
+            from: Duration::ZERO,
+            to: Duration::from_secs(300),
+            max_deferral: Duration::from_secs(600),
+        }),
+        ..plan
+    }
+}
+
+#[test]
+fn simulation_catches_a_deferral_that_deletes_then_puts() {
+    let lost = |v: &Violation| matches!(v, Violation::Lost(_));
+    let correct = run_plans(
+        0..50,
+        one_deferred_chain_and_a_crash_after_a_delete,
+        ProtocolVariant::Correct,
+        Stop::Never,
+    );
+    assert!(
+        !correct.failures.iter().any(|(_, v)| v.iter().any(lost)),
+        "the correct protocol lost a trigger in these plans: {:?}",
+        correct.failures
+    );
+    let run = run_plans(
+        0..50,
+        one_deferred_chain_and_a_crash_after_a_delete,
+        ProtocolVariant::DeferralDeletesThenPuts,
+        Stop::OnViolation(|v| matches!(v, Violation::Lost(_))),
+    );
+    let (seed, violation) = run
+        .failures
+        .into_iter()
+        .find_map(|(seed, v)| v.into_iter().find(lost).map(|v| (seed, v)))
+        .expect("the simulation should catch a deferral persisted by a delete and a put (a lost trigger)");
+    println!("delete-then-put deferral caught by plan {seed}: {violation}");
+}
+
 #[test]
 fn simulation_catches_trusting_a_dead_holder() {
     let (seed, violation) = first_loss(ProtocolVariant::TrustHolderOnRedelivery)
         .expect("the simulation should catch acking a dead holder's trigger (a lost trigger)");
     println!("trust-on-redelivery caught by seed {seed}: {violation}");
+}
+
+/// Prints each seed's fingerprint (its runs' times and tokens), one `seed fingerprint` line per
+/// seed: to show a change to the plan leaves seeds that draw nothing new as they were (save the
+/// list before the change, compare after). `LEASEHOLD_SIM_SEEDS` sets how many.
+#[test]
+#[ignore = "a tool: run it by name"]
+fn simulation_fingerprints() {
+    for seed in seeds() {
+        let report = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
+        // A seed that draws a throttle ([`sim::Throttle`]) is marked: it runs differently.
+        let mark = if sim::Plan::from_seed(seed).throttled.is_some() {
+            " throttled"
+        } else {
+            ""
+        };
+        println!("fingerprint {seed} {:016x}{mark}", report.fingerprint);
+    }
 }

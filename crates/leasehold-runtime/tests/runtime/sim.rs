@@ -49,8 +49,8 @@ use leasehold_lock::{
 use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
     Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet, MarkerStore, MemoryMarkers,
-    MemoryQueue, Outcome, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext, RunnerOptions,
-    TriggerKind, TriggerMessage, TriggerQueue,
+    MemoryQueue, Outcome, PerScope, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext,
+    RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -237,6 +237,20 @@ pub struct Plan {
     /// The queue hands out visible messages in a random order (seeded) rather than oldest
     /// first: Azure promises no order, so the protocol must not need one.
     pub shuffled_delivery: bool,
+    /// A record whose logic asks to be run later throughout a window (run later, issue 24).
+    pub throttled: Option<Throttle>,
+}
+
+/// A record whose runs, in a window, end asking to be run later ([`LogicError::run_later`]):
+/// 70 % after 5-60 s, 15 % after the default, 15 % after far more than the budget allows.
+#[derive(Debug, Clone, Copy)]
+pub struct Throttle {
+    pub record: usize,
+    /// The window, from the seed's start: runs that start in it ask to be run later.
+    pub from: Duration,
+    pub to: Duration,
+    /// The runner's `max_deferral` in this seed: 120-600 s, so some chains spend it.
+    pub max_deferral: Duration,
 }
 
 impl Plan {
@@ -429,6 +443,20 @@ impl Plan {
             }
             faults.sort();
         }
+        // Drawn after every other draw, for every seed whatever its mode or faults, so each seed
+        // keeps the plan it had (one without a throttle runs exactly as before): run later.
+        let throttled = rng.random_bool(0.3).then(|| {
+            // A record that has triggers, so the throttle is met.
+            let record = triggers[rng.random_range(0..triggers.len())].1;
+            let from = Duration::from_millis(rng.random_range(0..60_000));
+            let length = Duration::from_millis(rng.random_range(60_000..400_000));
+            Throttle {
+                record,
+                from,
+                to: from + length,
+                max_deferral: Duration::from_millis(rng.random_range(120_000..600_000)),
+            }
+        });
         Self {
             seed,
             mode,
@@ -444,6 +472,7 @@ impl Plan {
             oversized,
             bad_record_spares,
             shuffled_delivery,
+            throttled,
         }
     }
 }
@@ -460,6 +489,11 @@ const VISIBILITY: Duration = Duration::from_secs(40);
 const HOST_VISIBILITY: Duration = Duration::from_secs(600);
 /// The handler's delay before a failed run's retry (the runner's `retry_delay`).
 const RETRY_DELAY: Duration = Duration::from_secs(5);
+/// The delay of a run put off without saying for how long (the runner's `default_deferral`):
+/// short, so drains stay short.
+const SIM_DEFAULT_DEFERRAL: Duration = Duration::from_secs(20);
+/// A request to run later for far longer than any seed's budget.
+const HUGE_DEFERRAL: Duration = Duration::from_secs(10_000);
 
 /// The queue settings of the project's own `host.json`, which the emulated host obeys:
 /// `visibilityTimeout` (delay before a failed invocation's message is visible again) and
@@ -534,6 +568,21 @@ pub struct FaultCounts {
     /// the marker since they were sent (their retry answers "already set", though the put is the
     /// caller's own, and the holder relied on has looked already).
     pub puts_after_a_look: u64,
+    /// Seeds with a throttled record ([`Throttle`]).
+    pub throttled_seeds: u64,
+    /// Runs whose logic asked to be run later.
+    pub deferrals_asked: u64,
+    /// Deferrals persisted (distinct chain and hop seen on a message put or updated).
+    pub deferrals_persisted: u64,
+    /// Chains deferred more than `MAX_ATTEMPTS` times (never poisoned for it).
+    pub long_deferral_chains: u64,
+    /// Poison entries of triggers whose deferral budget was spent.
+    pub deferral_exhaustions: u64,
+    /// Runs of a deferred chain whose start R1 checked against the hop that put them off.
+    pub r1_checks: u64,
+    /// Triggers never served because the record's logic kept asking to run later through two
+    /// budgets: the second, a sweep's chain, was given up and its conditional sweep stood down.
+    pub dropped_after_two_budgets: u64,
     /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
     pub landed_late: [u64; 4],
     /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
@@ -631,6 +680,28 @@ impl FaultCounts {
                 "marker puts that landed late, after someone looked (the retry answers 'already set')",
                 self.puts_after_a_look,
             ),
+            (
+                "seeds with a record whose logic asks to run later for a while",
+                self.throttled_seeds,
+            ),
+            ("runs whose logic asked to run later", self.deferrals_asked),
+            ("deferrals persisted (chain hops)", self.deferrals_persisted),
+            (
+                "chains deferred more than MAX_ATTEMPTS (5) times",
+                self.long_deferral_chains,
+            ),
+            (
+                "triggers given up with their deferral budget spent",
+                self.deferral_exhaustions,
+            ),
+            (
+                "runs of a deferred chain checked against their hop (R1)",
+                self.r1_checks,
+            ),
+            (
+                "triggers dropped after two deferral budgets (a sweep's chain exhausted)",
+                self.dropped_after_two_budgets,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -711,6 +782,13 @@ impl FaultCounts {
             conditional_sweeps: v[25],
             shuffled_delivery: v[26],
             puts_after_a_look: v[27],
+            throttled_seeds: v[28],
+            deferrals_asked: v[29],
+            deferrals_persisted: v[30],
+            long_deferral_chains: v[31],
+            deferral_exhaustions: v[32],
+            r1_checks: v[33],
+            dropped_after_two_budgets: v[34],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
             landed_late: std::array::from_fn(|i| self.landed_late[i] + other.landed_late[i]),
@@ -735,6 +813,12 @@ struct RunRecord {
     slow_stop: Duration,
     /// In-process logic whose work ignores cancellation and outlives its future.
     detached: bool,
+    /// The logic asked to be run later: when it returned, and the delay it asked for.
+    run_later: Option<(Instant, Option<Duration>)>,
+    /// The chain's deferral so far, as the run was told (`RunContext::deferred`).
+    deferred: Duration,
+    /// The delivery number the run was told (`RunContext::attempt`).
+    attempt: u32,
 }
 
 #[derive(Debug, Default)]
@@ -750,12 +834,22 @@ struct Journal {
     /// Requests that got no answer in time (each delays its caller by the time-out and the
     /// retry's late window).
     timeouts: Vec<Instant>,
+    /// Lease renewals that got no answer in time: when, machine (a break goes unseen until the
+    /// renewal after).
+    renew_timeouts: Vec<(Instant, usize)>,
     breaks: Vec<(Instant, String)>,
     /// Gets that took effect but whose answer never came: their messages stay hidden for a
     /// whole visibility period (10 minutes under the Functions host), which no protocol shortens.
     lost_gets: Vec<Instant>,
     /// Poison entries: correlation id, record, time, how often its chain was given up before.
     poisoned: Vec<(Option<String>, String, Instant, u32)>,
+    /// Poison entries of triggers whose deferral budget was spent: record, time, the chain's
+    /// total deferral, how often its chain was given up before.
+    exhausted: Vec<(String, Instant, Duration, u32)>,
+    /// Deliveries by the emulated host whose DequeueCount was above 1: record, count, time.
+    host_redeliveries: Vec<(String, u32, Instant)>,
+    /// Deferrals seen on messages put or updated: the chain's id and the hop.
+    deferrals: HashSet<(u64, u32)>,
     /// Messages the host poisoned itself: record, time.
     host_poisoned: Vec<(String, Instant)>,
     /// Outages of one kind of request on one machine ([`Fault::FailOp`]).
@@ -804,6 +898,8 @@ pub struct World {
     crash_now: tokio::sync::mpsc::UnboundedSender<Fault>,
     /// The poison queue answers every write with a 503 in this window.
     poison_outage: Option<(Instant, Instant)>,
+    /// The throttled record and its window ([`Throttle`]).
+    throttle: Option<(String, Instant, Instant)>,
 }
 
 impl World {
@@ -881,6 +977,9 @@ impl Node {
                 let mut j = world.journal.lock().unwrap();
                 j.counts.timeouts += 1;
                 j.timeouts.push(Instant::now());
+                if op == Op::LeaseRenew {
+                    j.renew_timeouts.push((Instant::now(), self.machine));
+                }
             }
             if late && world.rng.lock().unwrap().random_bool(0.5) {
                 let late = CLIENT_TIMEOUT
@@ -1243,6 +1342,20 @@ impl TriggerQueue for PoisonSink {
             );
         }
         let entry = PoisonMessage::decode(body).expect("poison entries decode");
+        // Error::DeferralExhausted's text (the trigger's total is in its message).
+        if entry.reason().contains("LEASEHOLD_MAX_DEFERRAL_SECONDS")
+            && let Some(trigger) = &entry.trigger
+        {
+            let mut j = world.journal.lock().unwrap();
+            j.counts.deferral_exhaustions += 1;
+            let total = trigger.deferral.map_or(Duration::ZERO, |d| d.total());
+            j.exhausted.push((
+                trigger.record_id.to_string(),
+                Instant::now(),
+                total,
+                trigger.given_up,
+            ));
+        }
         PoisonSink::record(world, entry.trigger);
         Ok(Enqueued {
             id: String::new(),
@@ -1360,6 +1473,9 @@ impl TriggerQueue for NotingQueue {
         let put = self.inner.put(body, delay).await;
         if let Ok(t) = TriggerMessage::decode(body) {
             let mut j = self.world.journal.lock().unwrap();
+            if let Some(d) = t.deferral {
+                j.deferrals.insert((d.id, d.hops));
+            }
             if t.kind == TriggerKind::Watchdog {
                 // Noted even when the answer was lost: the watchdog may be there.
                 j.watchdog_puts
@@ -1378,7 +1494,20 @@ impl TriggerQueue for NotingQueue {
         self.inner.delete(id, receipt).await
     }
     async fn set_visibility(&self, id: &str, receipt: &str, body: &str, v: Duration) -> StoreResult<String> {
-        self.inner.set_visibility(id, receipt, body, v).await
+        let updated = self.inner.set_visibility(id, receipt, body, v).await;
+        // A deferral persisted in place (standalone) or into the watchdog (Functions).
+        if updated.is_ok()
+            && let Ok(t) = TriggerMessage::decode(body)
+            && let Some(d) = t.deferral
+        {
+            self.world
+                .journal
+                .lock()
+                .unwrap()
+                .deferrals
+                .insert((d.id, d.hops));
+        }
+        updated
     }
     async fn approximate_len(&self) -> StoreResult<u64> {
         self.inner.approximate_len().await
@@ -1432,6 +1561,7 @@ impl SimLogic {
         index: usize,
         duration: Duration,
         mut run: ActiveRun,
+        later: Option<Option<Duration>>,
     ) -> Result<(), LogicError> {
         let world = self.world.clone();
         world.count(|c| c.detached_logic += 1);
@@ -1441,6 +1571,8 @@ impl SimLogic {
         std::mem::forget(run);
         let killed = self.killed.clone();
         let machine = self.machine;
+        // A run that asks to be run later is not a completed one.
+        let defers = later.is_some();
         let work = tokio::spawn({
             let world = world.clone();
             async move {
@@ -1465,7 +1597,7 @@ impl SimLogic {
                 let r = &mut j.runs[index];
                 if r.end.is_none() {
                     r.end = Some(end);
-                    r.completed = completed && r.told.is_none();
+                    r.completed = completed && r.told.is_none() && !defers;
                 }
             }
         });
@@ -1486,9 +1618,19 @@ impl SimLogic {
         let told = world.journal.lock().unwrap().runs[index].told.is_some();
         if told {
             Err(LogicError::new("cancelled"))
+        } else if let Some(asked) = later {
+            Err(self.ask_to_run_later(index, asked))
         } else {
             Ok(())
         }
+    }
+
+    /// Notes that run `index` asks to be run later, and the request.
+    fn ask_to_run_later(&self, index: usize, asked: Option<Duration>) -> LogicError {
+        let mut j = self.world.journal.lock().unwrap();
+        j.counts.deferrals_asked += 1;
+        j.runs[index].run_later = Some((Instant::now(), asked));
+        LogicError::run_later(asked, "sim: throttled")
     }
 }
 
@@ -1530,6 +1672,20 @@ impl Logic for SimLogic {
                     .lock()
                     .unwrap()
                     .random_bool(world.bad_record_spares));
+        // Run later: a run of the throttled record that starts in its window asks to be run
+        // later once its work is done (unless it fails first).
+        let later = world
+            .throttle
+            .as_ref()
+            .is_some_and(|(r, from, to)| *r == ctx.record_id.as_str() && now >= *from && now < *to)
+            .then(|| {
+                let mut rng = world.logic_rng.lock().unwrap();
+                match rng.random_range(0..100) {
+                    0..70 => Some(Duration::from_millis(rng.random_range(5_000..60_000))),
+                    70..85 => None,
+                    _ => Some(HUGE_DEFERRAL),
+                }
+            });
         let index = {
             let mut j = world.journal.lock().unwrap();
             j.runs.push(RunRecord {
@@ -1542,6 +1698,9 @@ impl Logic for SimLogic {
                 told: None,
                 slow_stop: slow_stop.unwrap_or_default(),
                 detached,
+                run_later: None,
+                deferred: ctx.deferred,
+                attempt: ctx.attempt,
             });
             j.runs.len() - 1
         };
@@ -1555,7 +1714,7 @@ impl Logic for SimLogic {
             world.count(|c| c.time_limits += 1);
         }
         if detached {
-            return self.run_detached(&ctx, index, duration, run).await;
+            return self.run_detached(&ctx, index, duration, run, later).await;
         }
         tokio::select! {
             biased;
@@ -1588,6 +1747,8 @@ impl Logic for SimLogic {
                 if fails || bad {
                     world.count(|c| c.logic_failures += 1);
                     Err(LogicError::new("injected logic failure"))
+                } else if let Some(asked) = later {
+                    Err(self.ask_to_run_later(index, asked))
                 } else {
                     run.done = true;
                     Ok(())
@@ -1623,6 +1784,11 @@ pub enum Violation {
     Recovery(String),
     RunTime(String),
     NotDrained(String),
+    /// (R1) A run of a deferred chain started before the delay its logic was granted had passed.
+    RunLater(String),
+    /// (R2) A deferral counted as a failed attempt or a redelivery, or a trigger given up other
+    /// than at its deferral bound.
+    Counted(String),
     /// The seed did not finish within its real-time budget: something spins without letting
     /// simulated time move on (a retry loop with no pause, a task that never yields).
     Stuck(String),
@@ -1645,10 +1811,81 @@ impl std::fmt::Display for Violation {
             Violation::Recovery(t) => ("recovery", t),
             Violation::RunTime(t) => ("run time", t),
             Violation::NotDrained(t) => ("not drained", t),
+            Violation::RunLater(t) => ("run later (R1)", t),
+            Violation::Counted(t) => ("counted (R2)", t),
             Violation::Stuck(t) => ("stuck", t),
         };
         write!(f, "{kind}: {text}")
     }
+}
+
+/// The runner's `max_deferral` in a seed.
+fn max_deferral(plan: &Plan) -> Duration {
+    plan.throttled.map_or_else(
+        || *RunnerOptions::default().max_deferral.default_value(),
+        |t| t.max_deferral,
+    )
+}
+
+/// The delay the runner grants a run of a chain deferred `so_far` that asked for `asked`, or
+/// `None` when the budget is spent: the runner's own rule, restated.
+fn granted(plan: &Plan, so_far: Duration, asked: Option<Duration>) -> Option<Duration> {
+    let floor = RunnerOptions::default().min_deferral;
+    let remaining = max_deferral(plan).saturating_sub(so_far);
+    if remaining < floor.max(Duration::from_millis(1)) {
+        return None;
+    }
+    Some(asked.unwrap_or(SIM_DEFAULT_DEFERRAL).max(floor).min(remaining))
+}
+
+/// Per run of `runs` (one record's, in start order): when the chain of deferrals it belongs to
+/// started — its first run's start, its own if it was never put off. Each run of a deferred
+/// chain is matched to an earlier run whose request to run later put it off (told the total it
+/// was told less the delay granted, its delay passed when it started: R1 says one exists), each
+/// request to one run where possible (fault-free, a deferral is delivered once), the one whose
+/// delay ended first. Chains are told apart by their totals only, so two chains with equal
+/// totals (both put off by the default, or both up to the bound) may be swapped; that swaps
+/// their starts, but each chain's start is still given to one run.
+///
+/// A chain given up with its budget spent (`exhausted`: when, in order) queues a sweep, which
+/// runs whatever the marker says and starts a chain of its own: the first run not put off that
+/// starts after a give-up, one per give-up, counts as started just after it. (Sweeps queued
+/// together do not coalesce: each runs in turn.)
+fn chain_starts(plan: &Plan, runs: &[&RunRecord], exhausted: &[Instant]) -> Vec<Instant> {
+    let mut starts: Vec<Instant> = Vec::with_capacity(runs.len());
+    let mut used = vec![false; runs.len()];
+    let mut sweeps = exhausted.iter().peekable();
+    for (i, run) in runs.iter().enumerate() {
+        if run.deferred.is_zero()
+            && let Some(given_up) = sweeps.next_if(|p| **p < run.start)
+        {
+            starts.push(*given_up + Duration::from_millis(1));
+            continue;
+        }
+        let hops: Vec<(usize, Instant)> = (0..i)
+            .filter(|_| !run.deferred.is_zero())
+            .filter_map(|k| {
+                let q = runs[k];
+                let (t, asked) = q.run_later?;
+                let d = granted(plan, q.deferred, asked)?;
+                (q.start < run.start && q.deferred + d == run.deferred && t + d <= run.start)
+                    .then_some((k, t + d))
+            })
+            .collect();
+        let pick = hops
+            .iter()
+            .filter(|(k, _)| !used[*k])
+            .min_by_key(|(_, due)| *due)
+            .or_else(|| hops.iter().min_by_key(|(_, due)| *due));
+        match pick {
+            Some((k, _)) => {
+                used[*k] = true;
+                starts.push(starts[*k]);
+            }
+            None => starts.push(run.start),
+        }
+    }
+    starts
 }
 
 fn lease_options(plan: &Plan, node: u64) -> LeaseOptions {
@@ -1832,6 +2069,8 @@ impl Sim {
             stop_grace: STOP_GRACE,
             max_attempts: MAX_ATTEMPTS,
             retry_delay: RETRY_DELAY,
+            default_deferral: SIM_DEFAULT_DEFERRAL,
+            max_deferral: PerScope::new(max_deferral(&self.plan)),
             variant: self.variant,
             ..RunnerOptions::default()
         };
@@ -1959,7 +2198,13 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         poison_outage: plan
             .poison_outage
             .map(|(from, length)| (epoch + from, epoch + from + length)),
+        throttle: plan
+            .throttled
+            .map(|t| (format!("r{}", t.record), epoch + t.from, epoch + t.to)),
     });
+    if plan.throttled.is_some() {
+        world.count(|c| c.throttled_seeds += 1);
+    }
     if plan.skew > 0.0 {
         world.count(|c| c.skewed_clock += 1);
     }
@@ -2267,6 +2512,13 @@ async fn host(
                     return;
                 };
                 let chain = world.journal.lock().unwrap().chain_of(&m.id, &message);
+                if m.dequeue_count > 1 {
+                    world.journal.lock().unwrap().host_redeliveries.push((
+                        message.record_id.to_string(),
+                        m.dequeue_count,
+                        Instant::now(),
+                    ));
+                }
                 if message.kind == TriggerKind::Watchdog {
                     world.journal.lock().unwrap().watchdog_takes.push((
                         message.record_id.to_string(),
@@ -2373,6 +2625,7 @@ fn count_outcome(world: &World, outcome: &Outcome) {
 fn check(plan: &Plan, world: &World) -> Report {
     let j = world.journal.lock().unwrap();
     let mut violations = j.violations.clone();
+    let mut counts = j.counts.clone();
     let at = |t: Instant| world.at(t);
     let mut by_record: HashMap<&str, Vec<&RunRecord>> = HashMap::new();
     for r in &j.runs {
@@ -2450,7 +2703,19 @@ fn check(plan: &Plan, world: &World) -> Report {
                         pr == record && *p1 > *t && *chain >= 1 && failing_sweep_chain(*p1)
                     })
             });
-        if !served && !given_up {
+        // Run later, the same exception (docs/flow-control-design.md, 3.5: "a record whose logic
+        // always defers stops after two budgets"): a sweep's chain (`given_up` >= 1) whose
+        // deferral budget was spent after the trigger, following a give-up of the record with no
+        // completed run in between. Only a DeferralExhausted entry excuses here: a sweep's chain
+        // given up for failures on a record that is not the bad one stays a loss.
+        let dropped_after_two_budgets = !given_up
+            && j.exhausted.iter().any(|(er, p1, _, chain)| {
+                er == record && *p1 > *t && *chain >= 1 && failing_sweep_chain(*p1)
+            });
+        if !served && dropped_after_two_budgets {
+            counts.dropped_after_two_budgets += 1;
+        }
+        if !served && !given_up && !dropped_after_two_budgets {
             violations.push(Violation::Lost(format!(
                 "trigger {corr} for {record} accepted at t={:.3}s never served",
                 at(*t)
@@ -2460,19 +2725,59 @@ fn check(plan: &Plan, world: &World) -> Report {
 
     // (3) Coalescing, fault-free only: for runs R1 < R2 < R3 of a record, some trigger must have
     // arrived (been first received by a worker) after R1 started and before R3 started.
+    // Run later: a deferral and the run it puts off are one run (the deferred message is the
+    // holder's retrigger, delayed), so runs whose logic asked to run later are left out, and a
+    // run of a deferred chain counts as started when its chain's first run did (`chain_start`).
+    // The deferred message does not hold the lease: a trigger arriving between two hops runs at
+    // once and, throttled too, starts a chain of its own, and each chain ends with a run — the
+    // protocol cannot tell that an earlier chain's run already covered it. Counted from their
+    // chains' starts, those runs are each owed to their own arrival. In seeds without a throttle
+    // no run asks and none is deferred, and the check is what it was.
+    // A chain whose deferral budget was spent is given up with a sweep, which runs the record
+    // once whatever the marker says (for what coalesced onto the chain) and starts a chain of its
+    // own: the give-up counts as a trigger arriving, and the sweep's run as started just after
+    // it (`chain_starts`). (Fault-free seeds give nothing else up.)
+    let arrivals: Vec<(&str, Instant)> = j
+        .arrivals
+        .iter()
+        .map(|(record, t)| (record.as_str(), *t))
+        .chain(j.exhausted.iter().map(|(record, t, _, _)| (record.as_str(), *t)))
+        .collect();
     if !plan.faulty {
         for (record, runs) in &by_record {
+            let mut exhausted: Vec<Instant> = j
+                .exhausted
+                .iter()
+                .filter(|(r, _, _, _)| r == record)
+                .map(|(_, t, _, _)| *t)
+                .collect();
+            exhausted.sort();
+            let mut runs: Vec<(Instant, &RunRecord)> = chain_starts(plan, runs, &exhausted)
+                .into_iter()
+                .zip(runs.iter().copied())
+                .filter(|(_, r)| r.run_later.is_none())
+                .collect();
+            runs.sort_by_key(|(start, _)| *start);
             for w in runs.windows(3) {
-                let fresh = j
-                    .arrivals
+                let fresh = arrivals
                     .iter()
-                    .any(|(rec, t)| rec == record && *t > w[0].start && *t < w[2].start);
+                    .any(|(rec, t)| rec == record && *t > w[0].0 && *t < w[2].0);
                 if !fresh {
                     violations.push(Violation::Coalescing(format!(
-                        "{record} ran at t={:.3}s and twice more (t={:.3}s, t={:.3}s) with no new trigger",
-                        at(w[0].start),
-                        at(w[1].start),
-                        at(w[2].start)
+                        "{record} ran at t={:.3}s and twice more (t={:.3}s, t={:.3}s) with no new trigger{}",
+                        at(w[0].1.start),
+                        at(w[1].1.start),
+                        at(w[2].1.start),
+                        if w.iter().any(|(start, r)| *start != r.start) {
+                            format!(
+                                " (their chains of deferrals started at t={:.3}s, t={:.3}s, t={:.3}s)",
+                                at(w[0].0),
+                                at(w[1].0),
+                                at(w[2].0)
+                            )
+                        } else {
+                            String::new()
+                        }
                     )));
                 }
             }
@@ -2604,6 +2909,15 @@ fn check(plan: &Plan, world: &World) -> Report {
             if end <= *t {
                 continue;
             }
+            // A renewal of the holder's that got no answer around the break (a partition's
+            // fault, met alone) delays its seeing the break by the client's time-out: excused as
+            // a partition is.
+            if j.renew_timeouts
+                .iter()
+                .any(|(rt, m)| *m == r.machine && *rt + CLIENT_TIMEOUT >= *t && *rt <= *t + RENEW_EVERY)
+            {
+                continue;
+            }
             let told_by = *t + RENEW_EVERY + Duration::from_secs(2);
             let stopped_in_time = end <= told_by + STOP_GRACE
                 || r.told
@@ -2620,17 +2934,103 @@ fn check(plan: &Plan, world: &World) -> Report {
         }
     }
 
+    // (R1) Run later, all seeds: a run of a deferred chain (told a total deferral T' > 0) starts
+    // no earlier than t + D for an earlier run of the record that asked to run later at t, told
+    // T, and was granted D (the runner's rule, restated by `granted`) with T + D = T'. The
+    // deferred message is persisted after t, hidden for D; its rechecks, watchdogs and retries
+    // come later still; an early redelivery of the message before it carries the earlier total,
+    // matched by an earlier hop.
+    for (record, runs) in &by_record {
+        for r in runs.iter().filter(|r| !r.deferred.is_zero()) {
+            counts.r1_checks += 1;
+            let hops: Vec<(Instant, Duration)> = runs
+                .iter()
+                .filter(|q| q.start < r.start)
+                .filter_map(|q| {
+                    let (t, asked) = q.run_later?;
+                    let d = granted(plan, q.deferred, asked)?;
+                    (q.deferred + d == r.deferred).then_some((t, d))
+                })
+                .collect();
+            if !hops.iter().any(|(t, d)| *t + *d <= r.start) {
+                violations.push(Violation::RunLater(match hops.iter().max_by_key(|(t, _)| *t) {
+                    Some((t, d)) => format!(
+                        "{record}: run at t={:.3}s deferred {:?} in total started before its hop's delay had passed (asked at t={:.3}s, granted {d:?}: not before t={:.3}s)",
+                        at(r.start),
+                        r.deferred,
+                        at(*t),
+                        at(*t + *d)
+                    ),
+                    None => format!(
+                        "{record}: run at t={:.3}s deferred {:?} in total, a total no earlier request to run later was granted",
+                        at(r.start),
+                        r.deferred
+                    ),
+                }));
+            }
+        }
+    }
+    // Exhaustion only at the bound (every seed): a trigger given up with its deferral budget
+    // spent had less than the shortest deferral left of it.
+    let floor = RunnerOptions::default().min_deferral;
+    for (record, t, total, _) in &j.exhausted {
+        if *total + floor <= max_deferral(plan) {
+            violations.push(Violation::Counted(format!(
+                "{record}: given up at t={:.3}s with its deferral budget spent after only {total:?} of {:?}",
+                at(*t),
+                max_deferral(plan)
+            )));
+        }
+    }
+    // (R2) Fault-free: nothing counts as a failed attempt — every run is told attempt 1, however
+    // often its chain was deferred; the emulated host never delivers a message twice (deferrals
+    // never raise its DequeueCount); no trigger is given up but for a spent deferral budget.
+    if !plan.faulty {
+        for r in j.runs.iter().filter(|r| r.attempt != 1) {
+            violations.push(Violation::Counted(format!(
+                "{}: run at t={:.3}s (deferred {:?}) told attempt {} in a fault-free seed",
+                r.record,
+                at(r.start),
+                r.deferred,
+                r.attempt
+            )));
+        }
+        for (record, count, t) in &j.host_redeliveries {
+            violations.push(Violation::Counted(format!(
+                "{record}: the host delivered a message for the {count}th time at t={:.3}s in a fault-free seed",
+                at(*t)
+            )));
+        }
+        let other = j.poisoned.len().saturating_sub(j.exhausted.len());
+        if other > 0 || !j.host_poisoned.is_empty() {
+            violations.push(Violation::Counted(format!(
+                "{other} triggers given up but not for a spent deferral budget, {} poisoned by the host, in a fault-free seed",
+                j.host_poisoned.len()
+            )));
+        }
+    }
+    counts.deferrals_persisted = j.deferrals.len() as u64;
+    let mut hops_by_chain: HashMap<u64, u32> = HashMap::new();
+    for (id, hops) in &j.deferrals {
+        let most = hops_by_chain.entry(*id).or_default();
+        *most = (*most).max(*hops);
+    }
+    counts.long_deferral_chains = hops_by_chain.values().filter(|h| **h > MAX_ATTEMPTS).count() as u64;
+
     if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
         println!("{plan:?}");
         for r in &j.runs {
             println!(
-                "run {} machine {} token {:?} {:.3}s..{:?} completed={}",
+                "run {} machine {} token {:?} {:.3}s..{:?} completed={} attempt={} deferred={:?} run_later={:?}",
                 r.record,
                 r.machine,
                 r.token,
                 at(r.start),
                 r.end.map(at),
-                r.completed
+                r.completed,
+                r.attempt,
+                r.deferred,
+                r.run_later.map(|(t, asked)| (at(t), asked))
             );
         }
         for (t, m, recs, _, _) in &j.deaths {
@@ -2665,7 +3065,7 @@ fn check(plan: &Plan, world: &World) -> Report {
         recoveries,
         violations,
         double_faults,
-        counts: j.counts.clone(),
+        counts,
         fingerprint,
     }
 }
