@@ -926,17 +926,48 @@ impl RecordRunner {
             return storage_failed("release lease", e);
         }
         if let Some((asked, why)) = asks_to_run_later(&result) {
-            // The later run covers what coalesced onto this one: its message is the retrigger,
-            // delayed. The marker is taken all the same (as any holder takes it after its
-            // release), so the triggers it stands for are covered by a run that starts after
-            // them, and none is left behind to cost the next holder a run more.
-            let (taken, _) = self
-                .marker_op("check retrigger marker", |markers| markers.take(key))
-                .await;
-            if let Err(e) = taken {
-                return storage_failed("check retrigger marker", e);
+            let outcome = self.defer(delivery, asked, why);
+            if let Outcome::Deferred {
+                after,
+                total,
+                asked,
+                why,
+                mut next,
+            } = outcome
+            {
+                // The later run covers what coalesced onto this one: its message is the
+                // retrigger, delayed. The marker is taken all the same (as any holder takes it
+                // after its release), so the triggers it stands for are covered by a run that
+                // starts after them, and none is left behind to cost the next holder a run more.
+                let (taken, retried) = self
+                    .marker_op("check retrigger marker", |markers| markers.take(key))
+                    .await;
+                match taken {
+                    // Fresh triggers joined the chain: it stands for them now, and they are
+                    // owed what any new trigger is, a chain that is given up once before its
+                    // sweep asks the marker (as a retrigger starts with no give-ups).
+                    Ok(set) if set || retried => next.given_up = 0,
+                    Ok(_) => {}
+                    Err(e) => return storage_failed("check retrigger marker", e),
+                }
+                return Outcome::Deferred {
+                    after,
+                    total,
+                    asked,
+                    why,
+                    next,
+                };
             }
-            return self.defer(delivery, asked, why);
+            // The budget is spent and the trigger is given up: as for a failed run given up,
+            // triggers that coalesced onto the run get a retrigger of their own.
+            let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
+                Ok(r) => r,
+                Err(e) => return storage_failed("check retrigger marker", e),
+            };
+            return match outcome {
+                Outcome::Failed { error, .. } => Outcome::Failed { error, retriggered },
+                other => other,
+            };
         }
         let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
             Ok(r) => r,

@@ -2457,3 +2457,109 @@ async fn a_superseded_run_slow_to_stop_keeps_its_lease_until_it_ends() {
     assert!(!held(&store).await, "released once it ended");
     assert!(notes(&store).await.is_empty());
 }
+
+/// Fresh triggers that coalesce onto a deferral of a sweep's chain make it a chain that stands
+/// for new events: its give-up count goes back to 0, so when its budget is spent its sweep runs
+/// whatever the marker says (found by the simulation, seed 5549: two triggers that joined a
+/// sweep's deferrals were dropped when its conditional sweep stood down). A deferral with no
+/// fresh trigger keeps the count, so a record whose logic always defers still stops.
+#[tokio::test(start_paused = true)]
+async fn fresh_triggers_joining_a_sweeps_deferrals_get_an_unconditional_sweep() {
+    let store = Scripted::new();
+    let logic = Script::new(
+        Duration::from_secs(20),
+        End::RunLater(Some(Duration::from_secs(30))),
+    );
+    let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let mut sweep = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .follow_up(TriggerKind::Sweep, 0);
+    sweep.given_up = 1;
+    let deliver = |message: TriggerMessage| {
+        let runner = runner.clone();
+        let poison = MemoryQueue::new("p", OpCounters::new());
+        async move {
+            runner
+                .handle_watched(
+                    &Delivery {
+                        message,
+                        dequeue_count: 1,
+                    },
+                    &poison,
+                    &CancellationToken::new(),
+                )
+                .await
+        }
+    };
+    // No trigger during the run: the deferral keeps the chain's give-ups.
+    let outcome = deliver(sweep.clone()).await;
+    let Outcome::Deferred { next, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(next.given_up, 1);
+    // A trigger during the run: the deferral stands for it too, as a fresh chain would.
+    let holder = tokio::spawn(deliver(sweep.clone()));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await,
+        Outcome::Coalesced
+    );
+    let outcome = holder.await.unwrap();
+    let Outcome::Deferred { next, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(next.given_up, 0, "{next:?}");
+    assert_eq!(next.deferral.unwrap().hops, 1);
+}
+
+/// When the budget is spent and a trigger arrived during the last run, that trigger gets a
+/// retrigger of its own (as after a failed run given up), besides the give-up's sweep.
+#[tokio::test(start_paused = true)]
+async fn a_trigger_during_the_run_that_spends_the_budget_gets_a_retrigger() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(20), End::RunLater(None));
+    let options = RunnerOptions {
+        max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(60)),
+        ..RunnerOptions::default()
+    };
+    let runner = runner_on(&store, logic, options);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let spent = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .deferred(0, Duration::from_secs(60), 1);
+    let holder = tokio::spawn({
+        let runner = runner.clone();
+        async move {
+            let poison = MemoryQueue::new("p", OpCounters::new());
+            runner
+                .handle_watched(
+                    &Delivery {
+                        message: spent,
+                        dequeue_count: 1,
+                    },
+                    &poison,
+                    &CancellationToken::new(),
+                )
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await,
+        Outcome::Coalesced
+    );
+    let outcome = holder.await.unwrap();
+    assert!(
+        matches!(
+            &outcome,
+            Outcome::Poisoned {
+                error: Error::DeferralExhausted { .. }
+            }
+        ),
+        "{outcome:?}"
+    );
+    let mut kinds: Vec<String> = messages(&store).iter().map(|m| format!("{:?}", m.kind)).collect();
+    kinds.sort();
+    assert_eq!(kinds, ["Retrigger", "Sweep"]);
+}
