@@ -222,7 +222,7 @@ impl Consumer {
             .instrument(tracing::Span::current()),
         ));
         let span = delivery.span();
-        let (outcome, ran) = self
+        let (outcome, ended) = self
             .runner
             .handle_untold(&delivery, &cancel)
             .instrument(span.clone())
@@ -261,9 +261,19 @@ impl Consumer {
                 } else {
                     self.options.retry_delay
                 };
+                // In a superseding scope the retry names the run it retries, which noted itself
+                // as pending: a later run that covers it makes the retry stand down.
+                let body = match ended.after_token {
+                    Some(token) => {
+                        let mut retry = delivery.message.clone();
+                        retry.after_token = Some(token);
+                        retry.encode()
+                    }
+                    None => received.body.clone(),
+                };
                 if let Err(e) = self
                     .queue()
-                    .set_visibility(&received.id, &receipt, &received.body, delay)
+                    .set_visibility(&received.id, &receipt, &body, delay)
                     .await
                 {
                     span.in_scope(|| tracing::debug!(error = %e, "could not shorten visibility; the message reappears when it lapses"));
@@ -272,7 +282,7 @@ impl Consumer {
             }
             _ => unreachable!("acknowledge() covers the remaining outcomes"),
         };
-        span.in_scope(|| self.runner.finished(&delivery, &outcome, ran));
+        span.in_scope(|| self.runner.finished(&delivery, &outcome, ended.ran));
     }
 
     /// Turns the delivered message into its deferral `next`, hidden for `after`, in one Update

@@ -81,6 +81,11 @@ pub struct TriggerMessage {
     /// ([`LogicError::run_later`](crate::LogicError::run_later)).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deferral: Option<Deferral>,
+    /// In a superseding scope: the retry (or deferral) of the run with this fencing token, which
+    /// noted itself as pending on the record's lease. Once granted, it runs only if that note
+    /// still names it; otherwise a later run has taken its duty over and it stands down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after_token: Option<u64>,
 }
 
 /// How long a trigger's chain has been put off because its logic asked to be run later.
@@ -150,6 +155,7 @@ impl TriggerMessage {
             correlation_id: None,
             rehides: 0,
             deferral: None,
+            after_token: None,
         }
     }
 
@@ -208,6 +214,7 @@ impl TriggerMessage {
             given_up: 0,
             rehides: 0,
             deferral: None,
+            after_token: None,
             ..self.clone()
         }
     }

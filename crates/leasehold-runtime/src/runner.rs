@@ -103,6 +103,10 @@ impl std::fmt::Display for RunPolicy {
 
 /// The lock note holding a record's streak of superseded runs: `<runs>:<run time in ms>`.
 pub const SUPERSEDED_NOTE: &str = "superseded";
+/// The lock note naming, by its fencing token, the run whose retry or deferral is pending in a
+/// superseding scope: a later run that completes (or is superseded) removes it, and the retry,
+/// finding it gone or another's, stands down.
+pub const PENDING_NOTE: &str = "pending";
 
 /// How the runner behaves.
 #[derive(Debug, Clone)]
@@ -461,27 +465,27 @@ impl RecordRunner {
     /// run from outside (shutdown); the trigger is then not acknowledged.
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
         let span = delivery.span();
-        let (outcome, ran) = self
+        let (outcome, ended) = self
             .handle_untold(delivery, cancel)
             .instrument(span.clone())
             .await;
-        span.in_scope(|| self.finished(delivery, &outcome, ran));
+        span.in_scope(|| self.finished(delivery, &outcome, ended.ran));
         outcome
     }
 
     /// [`handle`](Self::handle) without telling the outcome ([`finished`](Self::finished)), for
-    /// a caller that acts on it first (the consumer gives a trigger up): the outcome, and how
-    /// long the logic ran if it ran. Call it in the delivery's span.
+    /// a caller that acts on it first (the consumer gives a trigger up, or writes the retry):
+    /// the outcome, and what else the delivery leaves ([`Ended`]). Call it in the delivery's span.
     pub(crate) async fn handle_untold(
         &self,
         delivery: &Delivery,
         cancel: &CancellationToken,
-    ) -> (Outcome, Option<Duration>) {
-        let mut ran = None;
+    ) -> (Outcome, Ended) {
+        let mut ended = Ended::default();
         let outcome = self
-            .handle_key(&delivery.message.key(), delivery, cancel, None, &mut ran)
+            .handle_key(&delivery.message.key(), delivery, cancel, None, &mut ended)
             .await;
-        (outcome, ran)
+        (outcome, ended)
     }
 
     /// Handles one delivery whose message someone else keeps hidden, for longer than a lease,
@@ -498,11 +502,11 @@ impl RecordRunner {
         cancel: &CancellationToken,
     ) -> Outcome {
         async {
-            let mut ran = None;
+            let mut ended = Ended::default();
             let outcome = self
-                .handle_watched_inner(delivery, poison, cancel, &mut ran)
+                .handle_watched_inner(delivery, poison, cancel, &mut ended)
                 .await;
-            self.finished(delivery, &outcome, ran);
+            self.finished(delivery, &outcome, ended.ran);
             outcome
         }
         .instrument(delivery.span())
@@ -514,7 +518,7 @@ impl RecordRunner {
         delivery: &Delivery,
         poison: &dyn TriggerQueue,
         cancel: &CancellationToken,
-        ran: &mut Option<Duration>,
+        ended: &mut Ended,
     ) -> Outcome {
         let msg = &delivery.message;
         let key = msg.key();
@@ -542,7 +546,7 @@ impl RecordRunner {
             Err(e) => return storage_failed("put watchdog", e),
         };
         let outcome = self
-            .handle_key(&key, delivery, cancel, Some(&watchdog), ran)
+            .handle_key(&key, delivery, cancel, Some(&watchdog), ended)
             .await;
         match outcome {
             Outcome::Rechecking { after } => {
@@ -594,7 +598,8 @@ impl RecordRunner {
                 outcome
             }
             Outcome::Failed { error, retriggered } => {
-                let retry = msg.follow_up(TriggerKind::Watchdog, attempts);
+                let mut retry = msg.follow_up(TriggerKind::Watchdog, attempts);
+                retry.after_token = ended.after_token;
                 let after = self.options.retry_delay;
                 match self.rearm_or_put(&watchdog, &retry, after).await {
                     Ok(()) => Outcome::Retrying { error, after },
@@ -655,8 +660,10 @@ impl RecordRunner {
         if let Some(trigger) = &entry.trigger {
             let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
             sweep.given_up = trigger.given_up.saturating_add(1);
-            // It stands for other triggers than the one given up: a budget of its own.
+            // It stands for other triggers than the one given up: a budget of its own, and no
+            // run it waits for.
             sweep.deferral = None;
+            sweep.after_token = None;
             self.enqueue(&sweep, Duration::ZERO).await?;
         }
         Ok(())
@@ -724,7 +731,7 @@ impl RecordRunner {
         delivery: &Delivery,
         cancel: &CancellationToken,
         watchdog: Option<&Arc<Watchdog>>,
-        ran: &mut Option<Duration>,
+        ended: &mut Ended,
     ) -> Outcome {
         // One lease id for every attempt of this delivery: an acquire that took effect after we
         // gave up on it is then our own lease, which our next attempt renews, not a stranger's.
@@ -741,7 +748,7 @@ impl RecordRunner {
             Ok(Some(guard)) => {
                 record_lock(LockStep::Grant, asked.elapsed());
                 return self
-                    .hold(key, delivery, guard, first, cancel, watchdog, ran)
+                    .hold(key, delivery, guard, first, cancel, watchdog, ended)
                     .await;
             }
             Ok(None) => {}
@@ -781,7 +788,7 @@ impl RecordRunner {
                         MarkerFirst::ClearOrStandDown,
                         cancel,
                         watchdog,
-                        ran,
+                        ended,
                     )
                     .await
                 }
@@ -805,12 +812,12 @@ impl RecordRunner {
         first: MarkerFirst,
         cancel: &CancellationToken,
         watchdog: Option<&Arc<Watchdog>>,
-        ran: &mut Option<Duration>,
+        ended: &mut Ended,
     ) -> Outcome {
         // Keep the watchdog a lease ahead of the lease while we hold it; once the hold ends,
         // let a push in flight finish so the watchdog's receipt is current for what follows.
         let follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
-        let outcome = self.hold_lease(key, delivery, guard, first, cancel, ran).await;
+        let outcome = self.hold_lease(key, delivery, guard, first, cancel, ended).await;
         if let Some(follower) = follower {
             follower.finish().await;
         }
@@ -824,7 +831,7 @@ impl RecordRunner {
         guard: LeaseGuard,
         first: MarkerFirst,
         cancel: &CancellationToken,
-        ran: &mut Option<Duration>,
+        ended: &mut Ended,
     ) -> Outcome {
         let guard = Held(Some(guard));
         if first != MarkerFirst::Leave {
@@ -867,6 +874,27 @@ impl RecordRunner {
             deferred: delivery.message.deferral.map_or(Duration::ZERO, |d| d.total()),
         };
         let streak = self.supersede_streak(delivery, guard.get());
+        if let (Some(streak), Some(after)) = (streak, delivery.message.after_token)
+            && streak.pending != Some(after)
+        {
+            // The retry (or deferral) of run `after`, whose duty a later run has taken over: that
+            // run started after this trigger and ended completed or superseded (or pends itself,
+            // and its own retry carries on). Stand down — as a holder: release, then take the
+            // marker, for triggers that found *this* grant's lease held.
+            tracing::info!(after_token = after, pending = ?streak.pending,
+                "a later run took this retry's duty over: standing down");
+            if let Err(e) = guard.release().await {
+                return storage_failed("release lease", e);
+            }
+            return match self.take_marker_and_retrigger(key, delivery).await {
+                Ok(retriggered) => Outcome::Superseded {
+                    fencing_token: token,
+                    retriggered,
+                    run_time: Duration::ZERO,
+                },
+                Err(e) => storage_failed("check retrigger marker", e),
+            };
+        }
         let superseded = streak.and_then(|s| self.watch_for_triggers(key, guard.get(), s));
         let started = Instant::now();
         let end = self
@@ -881,7 +909,7 @@ impl RecordRunner {
         drop(superseded);
         let run_time = started.elapsed();
         record_run(run_time);
-        *ran = Some(run_time);
+        ended.ran = Some(run_time);
         if let Some(task) = end.still_running {
             // The logic is still running: releasing would let another holder start beside it.
             // Keep the lease renewed until the task has really ended, then release it; the
@@ -914,10 +942,32 @@ impl RecordRunner {
         }
 
         let was_superseded = matches!(result, Err(Error::Superseded));
+        let deferral = asks_to_run_later(&result).map(|(asked, why)| self.defer(delivery, asked, why));
+        // Whether this delivery's trigger will be tried again later by a message of its own (a
+        // retry, or the deferral): then, in a superseding scope, it pends.
+        let pends = match (&result, &deferral) {
+            (_, Some(d)) => matches!(d, Outcome::Deferred { .. }),
+            (Err(e), None) => !e.gives_up() && delivery.attempts() < self.options.max_attempts,
+            (Ok(()), None) => false,
+        };
+        let mut after_token = None;
         if let Some(streak) = streak {
-            self.note_streak(guard.get(), streak, was_superseded, run_time)
-                .await;
+            let pending = match (&result, pends) {
+                (_, true) => Some(token),
+                // This run covers the pending one: it started after that run's trigger.
+                (Ok(()), _) | (Err(Error::Superseded), _) => Some(None),
+                // Given up: the note stays as it is (the give-up's sweep covers this trigger).
+                _ => None,
+            };
+            if self
+                .note_streak(guard.get(), streak, was_superseded, run_time, pending)
+                .await
+                && pends
+            {
+                after_token = token;
+            }
         }
+        ended.after_token = after_token;
         // Release first, then look at the marker: a trigger that finds the lease held has set
         // the marker before our release, so we see it; one that comes later finds the lease free.
         if let Err(e) = guard.release().await {
@@ -925,8 +975,7 @@ impl RecordRunner {
             // us. Not acknowledging makes our own message come back and look again.
             return storage_failed("release lease", e);
         }
-        if let Some((asked, why)) = asks_to_run_later(&result) {
-            let outcome = self.defer(delivery, asked, why);
+        if let Some(outcome) = deferral {
             if let Outcome::Deferred {
                 after,
                 total,
@@ -950,6 +999,7 @@ impl RecordRunner {
                     Ok(_) => {}
                     Err(e) => return storage_failed("check retrigger marker", e),
                 }
+                next.after_token = after_token;
                 return Outcome::Deferred {
                     after,
                     total,
@@ -996,6 +1046,7 @@ impl RecordRunner {
         }
         guard.fencing_token()?;
         let note = guard.note(SUPERSEDED_NOTE);
+        let pending = guard.note(PENDING_NOTE).and_then(|p| p.parse().ok());
         Some(
             note.as_deref()
                 .and_then(|n| {
@@ -1004,12 +1055,14 @@ impl RecordRunner {
                         runs: runs.parse().ok()?,
                         lost: Duration::from_millis(ms.parse().ok()?),
                         noted: true,
+                        pending,
                     })
                 })
                 .unwrap_or(Streak {
                     runs: 0,
                     lost: Duration::ZERO,
                     noted: note.is_some(),
+                    pending,
                 }),
         )
     }
@@ -1050,24 +1103,47 @@ impl RecordRunner {
         Some(Watch { fired, task })
     }
 
-    /// Records how the run ended in the record's streak, under the lease (before the release):
-    /// one superseded run more, or — if it ended any other way and a streak was noted — the
-    /// streak broken. A write that fails is logged: the streak then stays as it was.
-    async fn note_streak(&self, guard: &LeaseGuard, streak: Streak, superseded: bool, run_time: Duration) {
+    /// Records how the run ended in the record's notes, under the lease (before the release), in
+    /// one write and only if something changes: the streak (one superseded run more, or — if it
+    /// ended any other way and a streak was noted — broken) and `pending` (`Some(Some(token))`:
+    /// this run's retry or deferral pends; `Some(None)`: none pends; `None`: as it was). Whether
+    /// the notes now say what was asked; a write that fails is logged, and the notes stay as they
+    /// were (the guard trips later, a retry runs).
+    async fn note_streak(
+        &self,
+        guard: &LeaseGuard,
+        streak: Streak,
+        superseded: bool,
+        run_time: Duration,
+        pending: Option<Option<u64>>,
+    ) -> bool {
         if guard.is_lost() {
-            // Nothing can be written under a lost lease; the streak stays as it was.
-            return;
+            // Nothing can be written under a lost lease.
+            return false;
         }
-        let value = if superseded {
+        let mut changes = Vec::new();
+        if superseded {
             let lost = streak.lost + run_time;
-            Some(format!("{}:{}", streak.runs + 1, lost.as_millis()))
+            changes.push((
+                SUPERSEDED_NOTE,
+                Some(format!("{}:{}", streak.runs + 1, lost.as_millis())),
+            ));
         } else if streak.noted {
-            None
-        } else {
-            return;
-        };
-        if let Err(e) = guard.write_notes(&[(SUPERSEDED_NOTE, value)]).await {
-            tracing::warn!(error = %e, "could not note the record's streak of superseded runs");
+            changes.push((SUPERSEDED_NOTE, None));
+        }
+        match pending {
+            Some(p) if p != streak.pending => changes.push((PENDING_NOTE, p.map(|t| t.to_string()))),
+            _ => {}
+        }
+        if changes.is_empty() {
+            return true;
+        }
+        match guard.write_notes(&changes).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not note how the run ended for the record's next runs");
+                false
+            }
         }
     }
 
@@ -1303,13 +1379,26 @@ enum MarkerFirst {
     ClearOrStandDown,
 }
 
-/// A record's streak of superseded runs, as its lease's note says.
+/// A record's streak of superseded runs, as its lease's notes say, and the run whose retry or
+/// deferral is pending, if one is.
 #[derive(Debug, Clone, Copy)]
 struct Streak {
     runs: u32,
     lost: Duration,
-    /// Whether a note was there (a run that ends otherwise removes it).
+    /// Whether a streak note was there (a run that ends otherwise removes it).
     noted: bool,
+    /// The note [`PENDING_NOTE`]: the fencing token of a run that ended failed with a retry, or
+    /// deferred, with no run completed or superseded since.
+    pending: Option<u64>,
+}
+
+/// What a delivery leaves for whoever acts on its outcome, besides the outcome.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Ended {
+    /// How long the logic ran, if it ran.
+    pub(crate) ran: Option<Duration>,
+    /// The run's retry must carry this `afterToken` (its run noted itself as pending).
+    pub(crate) after_token: Option<u64>,
 }
 
 /// A run's watch for triggers ([`RecordRunner::watch_for_triggers`]); stops watching when dropped.

@@ -2563,3 +2563,131 @@ async fn a_trigger_during_the_run_that_spends_the_budget_gets_a_retrigger() {
     kinds.sort();
     assert_eq!(kinds, ["Retrigger", "Sweep"]);
 }
+
+/// Logic that fails its first `fail` runs, then succeeds; counts its runs.
+struct FailsFirst {
+    fail: usize,
+    runs: AtomicUsize,
+}
+
+#[async_trait]
+impl Logic for FailsFirst {
+    async fn run(&self, _ctx: RunContext) -> Result<(), LogicError> {
+        if self.runs.fetch_add(1, Ordering::SeqCst) < self.fail {
+            Err(LogicError::new("the CRM is down"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// A run waiting in retry backoff is superseded too: R1 fails and notes itself as pending; its
+/// retry carries its token. A trigger meanwhile runs R2 at once, which completes and removes the
+/// note; the retry, granted, finds the note gone and stands down without running (as a holder).
+/// A grant that does not run (a stand-down) leaves the note, and then the retry runs. Both modes.
+#[tokio::test(start_paused = true)]
+async fn a_retry_whose_duty_a_later_run_took_over_stands_down() {
+    // Functions: the watchdog becomes the retry.
+    let store = Scripted::new();
+    let logic = Arc::new(FailsFirst {
+        fail: 1,
+        runs: 0.into(),
+    });
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(outcome, Outcome::Retrying { .. }), "{outcome:?}");
+    assert_eq!(notes(&store).await.get("pending").map(String::as_str), Some("1"));
+    let retry = messages(&store).remove(0);
+    assert_eq!((retry.kind, retry.after_token), (TriggerKind::Watchdog, Some(1)));
+    // A grant that stands down (a conditional sweep finding no marker) writes nothing.
+    let mut sweep = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .follow_up(TriggerKind::Sweep, 0);
+    sweep.given_up = 2;
+    let outcome = runner
+        .handle(
+            &Delivery {
+                message: sweep,
+                dequeue_count: 1,
+            },
+            &CancellationToken::new(),
+        )
+        .await;
+    assert_eq!(outcome, Outcome::Coalesced);
+    assert_eq!(notes(&store).await.get("pending").map(String::as_str), Some("1"));
+    // A trigger runs R2 and completes: the note goes.
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(!notes(&store).await.contains_key("pending"));
+    let outcome = runner
+        .handle_watched(
+            &Delivery {
+                message: retry.clone(),
+                dequeue_count: 1,
+            },
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(
+        matches!(outcome, Outcome::Superseded { run_time, .. } if run_time.is_zero()),
+        "{outcome:?}"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2, "the retry did not run");
+
+    // The same retry, had R2 not come: the note names it, and it runs.
+    let store = Scripted::new();
+    let logic = Arc::new(FailsFirst {
+        fail: 1,
+        runs: 0.into(),
+    });
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    let retry = messages(&store).remove(0);
+    let outcome = runner
+        .handle_watched(
+            &Delivery {
+                message: retry,
+                dequeue_count: 1,
+            },
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(!notes(&store).await.contains_key("pending"));
+
+    // Standalone: the consumer writes the retry with the token, on the same message.
+    let store = Scripted::new();
+    let logic = Arc::new(FailsFirst {
+        fail: 1,
+        runs: 0.into(),
+    });
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let (consumer, mut taken) = consumer_with_one_trigger(&store, runner.clone()).await;
+    consumer.process(taken.remove(0), CancellationToken::new()).await;
+    assert_eq!(messages(&store)[0].after_token, Some(1));
+    let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    consumer
+        .process(take_one(&store).await, CancellationToken::new())
+        .await;
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2, "the retry stood down");
+    assert!(store.queue().bodies().is_empty());
+
+    // Coalescing scopes note nothing and their retries carry no token.
+    let store = Scripted::new();
+    let runner = runner_on(
+        &store,
+        Arc::new(FailsFirst {
+            fail: 1,
+            runs: 0.into(),
+        }),
+        RunnerOptions::default(),
+    );
+    watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    assert_eq!(messages(&store)[0].after_token, None);
+    assert!(notes(&store).await.is_empty());
+}
