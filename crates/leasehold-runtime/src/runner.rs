@@ -1131,7 +1131,9 @@ impl RecordRunner {
         };
         run_cancel.cancel();
         #[cfg(feature = "testing")]
-        if self.options.variant == ProtocolVariant::SupersedeReleasesAtCancel && matches!(stopped, Error::Superseded) {
+        if self.options.variant == ProtocolVariant::SupersedeReleasesAtCancel
+            && matches!(stopped, Error::Superseded)
+        {
             // WRONG on purpose: the logic is left to stop on its own (its task detached, not
             // aborted), and the caller releases the lease at once.
             drop(task.keep());

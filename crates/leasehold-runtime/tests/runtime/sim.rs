@@ -771,8 +771,14 @@ impl FaultCounts {
                 "triggers dropped after two deferral budgets (a sweep's chain exhausted)",
                 self.dropped_after_two_budgets,
             ),
-            ("seeds with a supersede record (a stream of triggers during long runs)", self.supersede_seeds),
-            ("runs superseded (stopped for a trigger that arrived during them)", self.supersedes),
+            (
+                "seeds with a supersede record (a stream of triggers during long runs)",
+                self.supersede_seeds,
+            ),
+            (
+                "runs superseded (stopped for a trigger that arrived during them)",
+                self.supersedes,
+            ),
             (
                 "superseded runs slow to stop past their grace (lease kept until they ended)",
                 self.supersedes_abandoned,
@@ -1252,7 +1258,8 @@ impl Node {
         sent: Instant,
         effect: Effect<T>,
     ) -> Effect<T> {
-        let Some(record) = record.filter(|_| matches!(op, Op::FlagPut | Op::FlagDelete | Op::LeaseAcquire)) else {
+        let Some(record) = record.filter(|_| matches!(op, Op::FlagPut | Op::FlagDelete | Op::LeaseAcquire))
+        else {
             return effect;
         };
         let world = self.world.clone();
@@ -1267,7 +1274,12 @@ impl Node {
                 return result;
             }
             if op == Op::FlagPut && changed(&result) {
-                world.journal.lock().unwrap().marker_sets.push((record.clone(), now));
+                world
+                    .journal
+                    .lock()
+                    .unwrap()
+                    .marker_sets
+                    .push((record.clone(), now));
             }
             let mut looked = world.marker_looked.lock().unwrap();
             if op == Op::FlagDelete {
@@ -2842,7 +2854,11 @@ fn check(plan: &Plan, world: &World) -> Report {
     let superseded = |r: &RunRecord| {
         r.told.is_some_and(|told| {
             j.watch_fired.iter().any(|(t, m, rec)| {
-                *m == r.machine && *rec == r.record && *t >= r.start && *t <= told && told - *t <= Duration::from_millis(1)
+                *m == r.machine
+                    && *rec == r.record
+                    && *t >= r.start
+                    && *t <= told
+                    && told - *t <= Duration::from_millis(1)
             })
         })
     };
@@ -2858,11 +2874,12 @@ fn check(plan: &Plan, world: &World) -> Report {
                 .partitions
                 .iter()
                 .any(|(from, to, m)| *m == r.machine && *to >= told && *from <= next)
-                || j
-                    .renew_timeouts
+                || j.renew_timeouts
                     .iter()
                     .any(|(t, m)| *m == r.machine && *t + CLIENT_TIMEOUT >= told && *t <= next)
-                || j.breaks.iter().any(|(t, rec)| *rec == r.record && *t <= next && *t >= r.start))
+                || j.breaks
+                    .iter()
+                    .any(|(t, rec)| *rec == r.record && *t <= next && *t >= r.start))
     };
     for (record, runs) in &by_record {
         for w in runs.windows(2) {
@@ -3288,7 +3305,6 @@ fn check(plan: &Plan, world: &World) -> Report {
                 }
                 if !sets.iter().any(|t| *t > granted && *t <= told) {
                     counts.spurious_supersedes += 1;
-
                 }
                 if r.completed {
                     violations.push(Violation::Lost(format!(
@@ -3326,7 +3342,9 @@ fn check(plan: &Plan, world: &World) -> Report {
                     counts.s1_checks += 1;
                     let in_time = match r.told {
                         Some(told) => {
-                            sup && told >= t && told <= by && end <= told + STOP_GRACE.max(r.slow_stop) + Duration::from_secs(1)
+                            sup && told >= t
+                                && told <= by
+                                && end <= told + STOP_GRACE.max(r.slow_stop) + Duration::from_secs(1)
                         }
                         None => end <= by,
                     };
@@ -3386,7 +3404,10 @@ fn check(plan: &Plan, world: &World) -> Report {
             println!("marker {k} created at {:.3}s", at(*t));
         }
         for (t, m, rec) in &j.watch_fired {
-            println!("watch of {rec} on machine {m} found the marker set at {:.3}s", at(*t));
+            println!(
+                "watch of {rec} on machine {m} found the marker set at {:.3}s",
+                at(*t)
+            );
         }
         for (t, m, recs, _, _) in &j.deaths {
             println!("death of machine {m} at {:.3}s holding {recs:?}", at(*t));
