@@ -34,6 +34,14 @@
 //! arrived before a run started cause at most one run after it; (4) a record whose holder died
 //! runs again within the recovery bound; (5) a run never outlives its time limit plus its stop
 //! grace, and a run whose lease was broken is stopped and not acknowledged.
+//!
+//! Supersede ([`SupersedePlan`], a quarter of the seeds): a record in a scope of its own that
+//! supersedes, with a stream of triggers during long runs. A run is superseded when it is told to
+//! stop in the instant a watch found its marker set. (S1, fault-free) an unprotected run is told
+//! by a marker's creation + the renewal interval + 1 s and stops within its grace; (S2,
+//! fault-free) fewer than 3 superseded runs in a row precede a superseded run, costing less than
+//! the run time limit; (S3) a superseded run is not completed, and (1) holds for it without the
+//! exception for logic that ignores cancellation (its lease is kept until it has ended).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
