@@ -63,6 +63,10 @@ pub enum ProtocolVariant {
     /// deferred one, two requests where one Update Message does both: a crash between them
     /// loses the trigger.
     DeferralDeletesThenPuts,
+    /// Supersede: release the lease as soon as the stop is decided, before the logic has ended
+    /// (then note, release and retrigger as usual): a logic slow to stop still runs when the next
+    /// holder starts.
+    SupersedeReleasesAtCancel,
 }
 
 /// What a scope does with a trigger that arrives during a run of its record.
@@ -1233,6 +1237,15 @@ impl RecordRunner {
             _ = tokio::time::sleep(self.options.run_timeout) => Error::TimedOut(self.options.run_timeout),
         };
         run_cancel.cancel();
+        #[cfg(feature = "testing")]
+        if self.options.variant == ProtocolVariant::SupersedeReleasesAtCancel
+            && matches!(stopped, Error::Superseded)
+        {
+            // WRONG on purpose: the logic is left to stop on its own (its task detached, not
+            // aborted), and the caller releases the lease at once.
+            drop(task.keep());
+            return RunEnd::stopped(stopped);
+        }
         if tokio::time::timeout(self.options.stop_grace, task.handle())
             .await
             .is_ok()

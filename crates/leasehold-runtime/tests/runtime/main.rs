@@ -402,6 +402,26 @@ fn simulation_catches_a_deferral_that_deletes_then_puts() {
     println!("delete-then-put deferral caught by plan {seed}: {violation}");
 }
 
+/// A supersede that releases the lease as soon as it decides to stop the run, before the logic
+/// has ended: logic slow to stop (the supersede record's runs take up to 4 s to stop in half the
+/// cases, more in faulty seeds) still runs when the retrigger's run starts. Exclusive (1) must
+/// catch it (a superseded run is not exempt from it).
+#[test]
+fn simulation_catches_a_supersede_that_releases_at_cancel() {
+    let overlap = |v: &Violation| matches!(v, Violation::Overlap(_));
+    let run = run_seeds(
+        0..5_000,
+        ProtocolVariant::SupersedeReleasesAtCancel,
+        Stop::OnViolation(|v| matches!(v, Violation::Overlap(_))),
+    );
+    let (seed, violation) = run
+        .failures
+        .into_iter()
+        .find_map(|(seed, v)| v.into_iter().find(overlap).map(|v| (seed, v)))
+        .expect("the simulation should catch a supersede that releases the lease at the stop (an overlap)");
+    println!("supersede releasing at cancel caught by seed {seed}: {violation}");
+}
+
 #[test]
 fn simulation_catches_trusting_a_dead_holder() {
     let (seed, violation) = first_loss(ProtocolVariant::TrustHolderOnRedelivery)
@@ -418,10 +438,13 @@ fn simulation_fingerprints() {
     for seed in seeds() {
         let report = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
         // A seed that draws a throttle ([`sim::Throttle`]) is marked: it runs differently.
-        let mark = if sim::Plan::from_seed(seed).throttled.is_some() {
-            " throttled"
-        } else {
-            ""
+        // So does one that draws a supersede record ([`sim::SupersedePlan`]).
+        let plan = sim::Plan::from_seed(seed);
+        let mark = match (plan.throttled.is_some(), plan.supersede.is_some()) {
+            (true, true) => " throttled supersede",
+            (true, false) => " throttled",
+            (false, true) => " supersede",
+            (false, false) => "",
         };
         println!("fingerprint {seed} {:016x}{mark}", report.fingerprint);
     }

@@ -34,6 +34,14 @@
 //! arrived before a run started cause at most one run after it; (4) a record whose holder died
 //! runs again within the recovery bound; (5) a run never outlives its time limit plus its stop
 //! grace, and a run whose lease was broken is stopped and not acknowledged.
+//!
+//! Supersede ([`SupersedePlan`], a quarter of the seeds): a record in a scope of its own that
+//! supersedes, with a stream of triggers during long runs. A run is superseded when it is told to
+//! stop in the instant a watch found its marker set. (S1, fault-free) an unprotected run is told
+//! by a marker's creation + the renewal interval + 1 s and stops within its grace; (S2,
+//! fault-free) fewer than 3 superseded runs in a row precede a superseded run, costing less than
+//! the run time limit; (S3) a superseded run is not completed, and (1) holds for it without the
+//! exception for logic that ignores cancellation (its lease is kept until it has ended).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,7 +58,7 @@ use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore
 use leasehold_runtime::{
     Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet, MarkerStore, MemoryMarkers,
     MemoryQueue, Outcome, PerScope, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext,
-    RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue,
+    RunPolicy, RunnerOptions, Scope, TriggerKind, TriggerMessage, TriggerQueue,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -239,7 +247,28 @@ pub struct Plan {
     pub shuffled_delivery: bool,
     /// A record whose logic asks to be run later throughout a window (run later, issue 24).
     pub throttled: Option<Throttle>,
+    /// A record whose scope supersedes ([`RunPolicy::Supersede`]), with a stream of triggers
+    /// during long runs.
+    pub supersede: Option<SupersedePlan>,
 }
+
+/// Supersede (issue 24): one record in a scope of its own ([`SUPERSEDE_SCOPE`]) whose policy is
+/// [`RunPolicy::Supersede`] (every other record stays in the coalescing scope `sim`), a stream of
+/// triggers for it (one every 3-12 s for 60-120 s, in the plan's triggers) and its runs long
+/// (20-70 s) in that window, half of them taking up to 4 s to stop (inside the stop grace), so
+/// runs are stopped for triggers that arrive during them. Fencing is on (supersede needs it).
+#[derive(Debug, Clone, Copy)]
+pub struct SupersedePlan {
+    pub record: usize,
+    /// The stream's window, from the seed's start: runs that start in it are long.
+    pub from: Duration,
+    pub to: Duration,
+}
+
+/// The scope of the supersede record (every other record's is `sim`).
+pub const SUPERSEDE_SCOPE: &str = "sup";
+/// Superseded runs in a row after which a run is let finish (the runner's default, set explicitly).
+pub const SUPERSEDE_STREAK: u32 = 3;
 
 /// A record whose runs, in a window, end asking to be run later ([`LogicError::run_later`]):
 /// 70 % after 5-60 s, 15 % after the default, 15 % after far more than the budget allows.
@@ -457,6 +486,22 @@ impl Plan {
                 max_deferral: Duration::from_millis(rng.random_range(120_000..600_000)),
             }
         });
+        // Drawn after that, last of all, so a seed without it keeps its plan: supersede.
+        let supersede = rng.random_bool(0.25).then(|| {
+            let record = triggers[rng.random_range(0..triggers.len())].1;
+            let from = Duration::from_millis(rng.random_range(0..40_000));
+            let to = from + Duration::from_millis(rng.random_range(60_000..120_000));
+            let mut t = from;
+            loop {
+                t += Duration::from_millis(rng.random_range(3_000..12_000));
+                if t >= to {
+                    break;
+                }
+                triggers.push((t, record));
+            }
+            triggers.sort();
+            SupersedePlan { record, from, to }
+        });
         Self {
             seed,
             mode,
@@ -464,7 +509,8 @@ impl Plan {
             machines,
             triggers,
             faults,
-            fencing: !seed.is_multiple_of(3),
+            // Supersede needs fencing (its streak is a note on the lease).
+            fencing: !seed.is_multiple_of(3) || supersede.is_some(),
             skew,
             bad_record,
             safety_margin: None,
@@ -473,6 +519,18 @@ impl Plan {
             bad_record_spares,
             shuffled_delivery,
             throttled,
+            supersede,
+        }
+    }
+}
+
+impl Plan {
+    /// The scope of `record`'s triggers and lock.
+    pub fn scope_of(&self, record: usize) -> &'static str {
+        if self.supersede.is_some_and(|s| s.record == record) {
+            SUPERSEDE_SCOPE
+        } else {
+            "sim"
         }
     }
 }
@@ -583,6 +641,25 @@ pub struct FaultCounts {
     /// Triggers never served because the record's logic kept asking to run later through two
     /// budgets: the second, a sweep's chain, was given up and its conditional sweep stood down.
     pub dropped_after_two_budgets: u64,
+    /// Seeds with a supersede record ([`SupersedePlan`]).
+    pub supersede_seeds: u64,
+    /// Runs told to stop because a trigger arrived during them (superseded).
+    pub supersedes: u64,
+    /// Of those, runs whose logic took longer than its stop grace to stop (abandoned, the lease
+    /// kept until it ended).
+    pub supersedes_abandoned: u64,
+    /// Superseded runs with no marker created on the record after the run's lease was granted (nothing
+    /// arrived during them).
+    pub spurious_supersedes: u64,
+    /// Runs of a supersede record during which a marker was created that were not stopped.
+    pub protected_runs: u64,
+    /// Of those, in fault-free seeds, runs the streak protected (K superseded in a row before
+    /// them, or the streak's run time at the limit).
+    pub protected_by_streak: u64,
+    /// Markers created during an unprotected run that S1 checked the run's stop against.
+    pub s1_checks: u64,
+    /// Outcomes `Superseded` (Functions mode), each matched to a run stopped by a watch.
+    pub superseded_outcomes: u64,
     /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
     pub landed_late: [u64; 4],
     /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
@@ -702,6 +779,35 @@ impl FaultCounts {
                 "triggers dropped after two deferral budgets (a sweep's chain exhausted)",
                 self.dropped_after_two_budgets,
             ),
+            (
+                "seeds with a supersede record (a stream of triggers during long runs)",
+                self.supersede_seeds,
+            ),
+            (
+                "runs superseded (stopped for a trigger that arrived during them)",
+                self.supersedes,
+            ),
+            (
+                "superseded runs slow to stop past their grace (lease kept until they ended)",
+                self.supersedes_abandoned,
+            ),
+            (
+                "superseded runs with no marker created after their lease was granted (spurious)",
+                self.spurious_supersedes,
+            ),
+            (
+                "runs of a supersede record not stopped though a marker was created during them",
+                self.protected_runs,
+            ),
+            (
+                "of those, fault-free, protected by the streak (3 in a row, or the run time limit)",
+                self.protected_by_streak,
+            ),
+            ("markers during unprotected runs checked by S1", self.s1_checks),
+            (
+                "outcomes superseded (Functions), each matched to a stopped run",
+                self.superseded_outcomes,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -789,6 +895,14 @@ impl FaultCounts {
             deferral_exhaustions: v[32],
             r1_checks: v[33],
             dropped_after_two_budgets: v[34],
+            supersede_seeds: v[35],
+            supersedes: v[36],
+            supersedes_abandoned: v[37],
+            spurious_supersedes: v[38],
+            protected_runs: v[39],
+            protected_by_streak: v[40],
+            s1_checks: v[41],
+            superseded_outcomes: v[42],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
             landed_late: std::array::from_fn(|i| self.landed_late[i] + other.landed_late[i]),
@@ -858,6 +972,16 @@ struct Journal {
     watchdog_takes: Vec<(String, usize, Instant)>,
     /// Watchdogs a handler put: record, machine, when.
     watchdog_puts: Vec<(String, usize, Instant)>,
+    /// Retrigger markers created (a put that created it landed): the marker's key (`scope/record`),
+    /// when.
+    marker_sets: Vec<(String, Instant)>,
+    /// Leases granted to a worker: when, machine, the lock's key (`scope/record`).
+    grants: Vec<(Instant, usize, String)>,
+    /// A supersede watch found the marker set (`MarkerStore::is_set` answered yes to the runner):
+    /// when, machine, record. The runner stops the run at that instant (see `check`).
+    watch_fired: Vec<(Instant, usize, String)>,
+    /// Outcomes `Superseded` the emulated host saw (Functions mode): record, fencing token.
+    superseded_outcomes: Vec<(String, Option<u64>)>,
     /// Chains of deliveries, by number; and the chain of each message id.
     chains: Vec<Chain>,
     message_chain: HashMap<String, u64>,
@@ -900,6 +1024,8 @@ pub struct World {
     poison_outage: Option<(Instant, Instant)>,
     /// The throttled record and its window ([`Throttle`]).
     throttle: Option<(String, Instant, Instant)>,
+    /// The supersede record and its stream's window ([`SupersedePlan`]).
+    supersede: Option<(String, Instant, Instant)>,
 }
 
 impl World {
@@ -1128,7 +1254,8 @@ impl Node {
         (Some(record), prev)
     }
 
-    /// The request's effect, noting when it lands: a marker delete is someone looking at the
+    /// The request's effect, noting when it lands: a lease granted, a marker created (for the
+    /// supersede checks); a marker delete is someone looking at the
     /// marker; a marker put that lands after its caller gave up on it and creates the marker
     /// after someone looked since it was sent is counted (the caller's retry hears "already set"
     /// of its own put, and the holder it relied on has looked already).
@@ -1139,13 +1266,29 @@ impl Node {
         sent: Instant,
         effect: Effect<T>,
     ) -> Effect<T> {
-        let Some(record) = record.filter(|_| matches!(op, Op::FlagPut | Op::FlagDelete)) else {
+        let Some(record) = record.filter(|_| matches!(op, Op::FlagPut | Op::FlagDelete | Op::LeaseAcquire))
+        else {
             return effect;
         };
         let world = self.world.clone();
+        let machine = self.machine;
         Box::pin(async move {
             let result = effect.await;
             let now = Instant::now();
+            if op == Op::LeaseAcquire {
+                if result.is_ok() {
+                    world.journal.lock().unwrap().grants.push((now, machine, record));
+                }
+                return result;
+            }
+            if op == Op::FlagPut && changed(&result) {
+                world
+                    .journal
+                    .lock()
+                    .unwrap()
+                    .marker_sets
+                    .push((record.clone(), now));
+            }
             let mut looked = world.marker_looked.lock().unwrap();
             if op == Op::FlagDelete {
                 looked.insert(record, now);
@@ -1269,7 +1412,26 @@ impl Interceptor for Node {
         }
         // No late landings for gets: a get whose answer is lost already hides what it took for
         // a whole visibility period without an owner (see `note_taken`); late, it is the same.
-        self.call_with(op, target, effect, op != Op::QueueGet).await
+        let result = self.call_with(op, target, effect, op != Op::QueueGet).await;
+        // A supersede watch's read of the marker (its only use of `is_set`) that finds it set:
+        // the runner stops the run now.
+        if op == Op::BlobProperties
+            && self.aimable.is_some()
+            && !target.starts_with(leasehold_lock::LOCK_PREFIX)
+            && matches!(
+                (&result as &dyn std::any::Any).downcast_ref::<StoreResult<bool>>(),
+                Some(Ok(true))
+            )
+        {
+            let record = target.rsplit('/').next().unwrap_or(target).to_string();
+            self.world
+                .journal
+                .lock()
+                .unwrap()
+                .watch_fired
+                .push((Instant::now(), self.machine, record));
+        }
+        result
     }
 
     fn counters(&self) -> &OpCounters {
@@ -1662,6 +1824,21 @@ impl Logic for SimLogic {
             (Duration::from_millis(d), fails, panics, slow_stop, detached)
         };
         let now = Instant::now();
+        // Supersede: a run of the supersede record that starts in its stream's window is long,
+        // and half of them take up to 4 s to stop (inside the stop grace: not a fault, not
+        // counted as a slow stop); a slow stop drawn above stays. Work that ignores cancellation
+        // keeps what it drew.
+        let (duration, slow_stop, stop_counted) = match &world.supersede {
+            Some((r, from, to)) if *r == ctx.record_id.as_str() && now >= *from && now < *to && !detached => {
+                let mut rng = world.logic_rng.lock().unwrap();
+                let d = Duration::from_millis(rng.random_range(20_000..70_000));
+                let stop = rng
+                    .random_bool(0.5)
+                    .then(|| Duration::from_millis(rng.random_range(0..4_000)));
+                (d, slow_stop.or(stop), slow_stop.is_some())
+            }
+            _ => (duration, slow_stop, true),
+        };
         let bad = world
             .bad_record
             .as_ref()
@@ -1732,7 +1909,9 @@ impl Logic for SimLogic {
             _ = ctx.cancel.cancelled() => {
                 world.journal.lock().unwrap().runs[index].told = Some(Instant::now());
                 if let Some(stop) = slow_stop {
-                    world.count(|c| c.slow_stops += 1);
+                    if stop_counted {
+                        world.count(|c| c.slow_stops += 1);
+                    }
                     tokio::time::sleep(stop).await;
                 }
                 run.returned = true;
@@ -1789,6 +1968,9 @@ pub enum Violation {
     /// (R2) A deferral counted as a failed attempt or a redelivery, or a trigger given up other
     /// than at its deferral bound.
     Counted(String),
+    /// (S1, S2, supersede's own checks) A run not stopped in time after a trigger arrived during
+    /// it, stopped when its streak protected it, or an outcome `Superseded` for no stopped run.
+    Supersede(String),
     /// The seed did not finish within its real-time budget: something spins without letting
     /// simulated time move on (a retry loop with no pause, a task that never yields).
     Stuck(String),
@@ -1813,6 +1995,7 @@ impl std::fmt::Display for Violation {
             Violation::NotDrained(t) => ("not drained", t),
             Violation::RunLater(t) => ("run later (R1)", t),
             Violation::Counted(t) => ("counted (R2)", t),
+            Violation::Supersede(t) => ("supersede (S1/S2)", t),
             Violation::Stuck(t) => ("stuck", t),
         };
         write!(f, "{kind}: {text}")
@@ -2071,6 +2254,15 @@ impl Sim {
             retry_delay: RETRY_DELAY,
             default_deferral: SIM_DEFAULT_DEFERRAL,
             max_deferral: PerScope::new(max_deferral(&self.plan)),
+            run_policy: PerScope::new(RunPolicy::Coalesce).with(
+                Scope::parse(SUPERSEDE_SCOPE).expect("a scope"),
+                if self.plan.supersede.is_some() {
+                    RunPolicy::Supersede
+                } else {
+                    RunPolicy::Coalesce
+                },
+            ),
+            supersede_streak: SUPERSEDE_STREAK,
             variant: self.variant,
             ..RunnerOptions::default()
         };
@@ -2201,7 +2393,13 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         throttle: plan
             .throttled
             .map(|t| (format!("r{}", t.record), epoch + t.from, epoch + t.to)),
+        supersede: plan
+            .supersede
+            .map(|s| (format!("r{}", s.record), epoch + s.from, epoch + s.to)),
     });
+    if plan.supersede.is_some() {
+        world.count(|c| c.supersede_seeds += 1);
+    }
     if plan.throttled.is_some() {
         world.count(|c| c.throttled_seeds += 1);
     }
@@ -2229,10 +2427,13 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         let world = world.clone();
         let triggers = plan.triggers.clone();
         let oversized = plan.oversized.clone();
+        let scopes: Vec<&'static str> = (0..=plan.triggers.iter().map(|(_, r)| *r).max().unwrap_or(0))
+            .map(|r| plan.scope_of(r))
+            .collect();
         tokio::spawn(async move {
             for (i, (at, record)) in triggers.into_iter().enumerate() {
                 tokio::time::sleep_until(world.epoch + at).await;
-                let mut msg = TriggerMessage::parse("sim", &format!("r{record}")).unwrap();
+                let mut msg = TriggerMessage::parse(scopes[record], &format!("r{record}")).unwrap();
                 msg.correlation_id = Some(format!("t{i}"));
                 if oversized.contains(&i) {
                     // Put by another tool, not Start: a correlation id Start would refuse.
@@ -2427,7 +2628,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
                     .push((now, now + length));
             }
             Step::Fault(Fault::Break { record }) => {
-                let key = LockKey::new(format!("sim/r{record}")).unwrap();
+                let key = LockKey::new(format!("{}/r{record}", plan.scope_of(record))).unwrap();
                 // As `leasehold break` does: safe, free only once the time the lease had left passed.
                 let _ = world
                     .blob
@@ -2569,6 +2770,14 @@ async fn host(
                 }
                 if let Some(o) = &outcome {
                     count_outcome(&world, o);
+                    if let Outcome::Superseded { fencing_token, .. } = o {
+                        world
+                            .journal
+                            .lock()
+                            .unwrap()
+                            .superseded_outcomes
+                            .push((delivery.message.record_id.to_string(), *fencing_token));
+                    }
                 }
                 let acknowledged = outcome.as_ref().is_some_and(Outcome::acknowledge);
                 if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
@@ -2642,14 +2851,51 @@ fn check(plan: &Plan, world: &World) -> Report {
     // operator's break) — it was told before its time limit — and nothing can stop it: the
     // runner keeps the lease only while it can renew it. Told at its time limit, its lease was
     // intact and must be kept until it has ended.
+    //
+    // Supersede: a run told to stop at the very instant a supersede watch found its record's
+    // marker set, on its machine (the runner cancels the run in the same instant: `watch_fired`,
+    // then the biased `select!`), was stopped because of supersede — told with its lease intact,
+    // like a run at its time limit. The runner keeps its lease until its logic has ended, so the
+    // exception above does not cover it: only if the lease was then lost (its machine cut off
+    // from storage, a renewal with no answer, an operator's break, between the stop and the next
+    // run's start) may work that ignores cancellation outlive it.
+    let superseded = |r: &RunRecord| {
+        r.told.is_some_and(|told| {
+            j.watch_fired.iter().any(|(t, m, rec)| {
+                *m == r.machine
+                    && *rec == r.record
+                    && *t >= r.start
+                    && *t <= told
+                    && told - *t <= Duration::from_millis(1)
+            })
+        })
+    };
     let lease_lost_under = |r: &RunRecord| {
         r.told
             .is_some_and(|told| told + Duration::from_millis(50) < r.start + RUN_TIMEOUT)
+            && !superseded(r)
+    };
+    let lease_lost_after_supersede = |r: &RunRecord, next: Instant| {
+        let told = r.told.unwrap_or(r.start);
+        superseded(r)
+            && (j
+                .partitions
+                .iter()
+                .any(|(from, to, m)| *m == r.machine && *to >= told && *from <= next)
+                || j.renew_timeouts
+                    .iter()
+                    .any(|(t, m)| *m == r.machine && *t + CLIENT_TIMEOUT >= told && *t <= next)
+                || j.breaks
+                    .iter()
+                    .any(|(t, rec)| *rec == r.record && *t <= next && *t >= r.start))
     };
     for (record, runs) in &by_record {
         for w in runs.windows(2) {
             let end = w[0].end.unwrap_or(Instant::now());
-            if end > w[1].start && w[0].detached && lease_lost_under(w[0]) {
+            if end > w[1].start
+                && w[0].detached
+                && (lease_lost_under(w[0]) || lease_lost_after_supersede(w[0], w[1].start))
+            {
                 continue;
             }
             if end > w[1].start {
@@ -3017,20 +3263,158 @@ fn check(plan: &Plan, world: &World) -> Report {
     }
     counts.long_deferral_chains = hops_by_chain.values().filter(|h| **h > MAX_ATTEMPTS).count() as u64;
 
+    // Supersede ([`SupersedePlan`]). Walks the supersede record's runs in start order, keeping
+    // the record's streak as the runner keeps it in its lock note: superseded runs in a row and
+    // the run time they cost (a run that ends any other way breaks it).
+    // (S3, every supersede seed) A superseded run is never completed (its trigger still needs a
+    // completed run after it: (2)); exclusive (1) holds for it without the exception for logic
+    // that ignores cancellation, unless its lease was lost after the stop.
+    // (S2, fault-free) A run is superseded only while its streak allows: fewer than
+    // `SUPERSEDE_STREAK` superseded runs before it in a row, and their run time short of the run
+    // time limit; told within what is left of it (plus a second: the watch looks after a
+    // renewal). So at most 3 in a row, and the run after them, or after they cost the limit, is
+    // never superseded.
+    // (S1, fault-free) A run its streak does not protect, during which a marker was created at
+    // t (a trigger arrived and found the lease held), is told to stop by t + the renewal interval
+    // + 1 s (the watch reads the marker after each renewal) — unless it ended on its own before
+    // — and ends within its stop grace, or its slower stop, of being told. Checked when the watch
+    // still runs then (its streak's run time left a second to spare).
+    if let Some(sp) = plan.supersede {
+        let record = format!("r{}", sp.record);
+        let key = format!("{SUPERSEDE_SCOPE}/{record}");
+        let sets: Vec<Instant> = j
+            .marker_sets
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, t)| *t)
+            .collect();
+        let runs = by_record.get(record.as_str()).cloned().unwrap_or_default();
+        let mut streak = (0u32, Duration::ZERO);
+        for r in runs {
+            let end = r.end.unwrap_or_else(Instant::now);
+            let sup = superseded(r);
+            // The run's lease was granted (its last grant to the machine before the run): a
+            // trigger that finds it held from then on sets the marker, which the run does not
+            // cover (under coalesce it would be the holder's retrigger), so the watch stops the
+            // run for it though it came before the logic started.
+            let granted = j
+                .grants
+                .iter()
+                .filter(|(t, m, k)| *m == r.machine && *k == key && *t <= r.start)
+                .map(|(t, _, _)| *t)
+                .max()
+                .unwrap_or(r.start);
+            let first_set = sets.iter().copied().filter(|t| *t > granted && *t < end).min();
+            if sup {
+                counts.supersedes += 1;
+                let told = r.told.expect("a superseded run was told");
+                if end > told + STOP_GRACE + Duration::from_secs(1) {
+                    counts.supersedes_abandoned += 1;
+                }
+                if !sets.iter().any(|t| *t > granted && *t <= told) {
+                    counts.spurious_supersedes += 1;
+                }
+                if r.completed {
+                    violations.push(Violation::Lost(format!(
+                        "{record}: run from t={:.3}s superseded at t={:.3}s counted as completed",
+                        at(r.start),
+                        at(told)
+                    )));
+                }
+            } else if first_set.is_some() {
+                counts.protected_runs += 1;
+            }
+            if plan.faulty {
+                continue;
+            }
+            let protected = streak.0 >= SUPERSEDE_STREAK || streak.1 >= RUN_TIMEOUT;
+            let watch_until = r.start + RUN_TIMEOUT.saturating_sub(streak.1);
+            if !sup && first_set.is_some() && protected {
+                counts.protected_by_streak += 1;
+            }
+            if sup {
+                let told = r.told.expect("a superseded run was told");
+                if protected || told > watch_until + Duration::from_secs(1) {
+                    violations.push(Violation::Supersede(format!(
+                        "(S2) {record}: run from t={:.3}s superseded at t={:.3}s after {} superseded in a row costing {:.3}s",
+                        at(r.start),
+                        at(told),
+                        streak.0,
+                        streak.1.as_secs_f64()
+                    )));
+                }
+            }
+            if let Some(t) = first_set.filter(|_| !protected) {
+                let by = t + RENEW_EVERY + Duration::from_secs(1);
+                if by + Duration::from_secs(1) <= watch_until {
+                    counts.s1_checks += 1;
+                    let in_time = match r.told {
+                        Some(told) => {
+                            sup && told >= t
+                                && told <= by
+                                && end <= told + STOP_GRACE.max(r.slow_stop) + Duration::from_secs(1)
+                        }
+                        None => end <= by,
+                    };
+                    if !in_time {
+                        violations.push(Violation::Supersede(format!(
+                            "(S1) {record}: run from t={:.3}s, marker created at t={:.3}s, told to stop at {:?} (superseded: {sup}), ended at t={:.3}s",
+                            at(r.start),
+                            at(t),
+                            r.told.map(at),
+                            at(end)
+                        )));
+                    }
+                }
+            }
+            streak = if sup {
+                (streak.0 + 1, streak.1 + (end - r.start))
+            } else {
+                (0, Duration::ZERO)
+            };
+        }
+        // Functions mode: the host sees each delivery's outcome; every `Superseded` is a run the
+        // journal says a watch stopped (the same fencing token).
+        for (rec, token) in &j.superseded_outcomes {
+            counts.superseded_outcomes += 1;
+            if !j
+                .runs
+                .iter()
+                .any(|r| r.record == *rec && r.token == *token && superseded(r))
+            {
+                violations.push(Violation::Supersede(format!(
+                    "{rec}: outcome superseded (token {token:?}) for no run a watch stopped"
+                )));
+            }
+        }
+    }
+
     if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
         println!("{plan:?}");
         for r in &j.runs {
             println!(
-                "run {} machine {} token {:?} {:.3}s..{:?} completed={} attempt={} deferred={:?} run_later={:?}",
+                "run {} machine {} token {:?} {:.3}s..{:?} completed={} told={:?} superseded={} slow_stop={:?} attempt={} deferred={:?} run_later={:?}",
                 r.record,
                 r.machine,
                 r.token,
                 at(r.start),
                 r.end.map(at),
                 r.completed,
+                r.told.map(at),
+                superseded(r),
+                r.slow_stop,
                 r.attempt,
                 r.deferred,
                 r.run_later.map(|(t, asked)| (at(t), asked))
+            );
+        }
+        for (k, t) in &j.marker_sets {
+            println!("marker {k} created at {:.3}s", at(*t));
+        }
+        for (t, m, rec) in &j.watch_fired {
+            println!(
+                "watch of {rec} on machine {m} found the marker set at {:.3}s",
+                at(*t)
             );
         }
         for (t, m, recs, _, _) in &j.deaths {
