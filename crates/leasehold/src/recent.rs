@@ -95,9 +95,6 @@ fn describe(outcome: &Outcome) -> String {
         Outcome::Retrying { error, after } => format!("{error}; retrying in {} s", after.as_secs()),
         Outcome::Poisoned { error } => format!("moved to the poison queue: {error}"),
         Outcome::Failed { error, .. } => format!("{error}; the trigger is delivered again"),
-        Outcome::Superseded { run_time, .. } if run_time.is_zero() => {
-            "a retry that a later run covered: it stood down without running".into()
-        }
         Outcome::Superseded {
             retriggered: true, ..
         } => "stopped: a trigger arrived during the run; it runs again on the new data".into(),
