@@ -186,6 +186,17 @@ impl Env {
         let vars = common::with(common::serve_vars(&self.queue, &self.container), extra);
         Running::start(leasehold::Settings::from_vars(vars).unwrap(), mode).await
     }
+
+    /// [`start`](Self::start)s the custom handler (`handler`, on any free port: the test's
+    /// emulated host calls it) or `serve`.
+    async fn start_as(&self, handler: bool, mut extra: Vec<(&str, String)>) -> Running {
+        if handler {
+            extra.push(("FUNCTIONS_CUSTOMHANDLER_PORT", "0".to_string()));
+            self.start(leasehold::Mode::Handler, &extra).await
+        } else {
+            self.start(common::standalone(), &extra).await
+        }
+    }
 }
 
 fn terminate(child: &Child) {
@@ -1087,16 +1098,12 @@ async fn run_later_scenario(handler: bool, logic: LaterLogic) -> String {
             )
         }
     };
-    let mut extra = vec![setting, ("LEASEHOLD_MAX_DEQUEUE_COUNT", "2".to_string())];
-    if handler {
-        extra.push(("FUNCTIONS_CUSTOMHANDLER_PORT", "0".to_string()));
-    }
-    let mode = if handler {
-        leasehold::Mode::Handler
-    } else {
-        common::standalone()
-    };
-    let app = env.start(mode, &extra).await;
+    let app = env
+        .start_as(
+            handler,
+            vec![setting, ("LEASEHOLD_MAX_DEQUEUE_COUNT", "2".to_string())],
+        )
+        .await;
     let queue = common::queue(&env.queue);
     let counts: std::sync::Arc<std::sync::Mutex<Vec<u32>>> = Default::default();
     let host = handler.then(|| emulated_host(&env.queue, app.url("/Worker"), counts.clone()));
@@ -1245,20 +1252,12 @@ async fn supersede_scenario(handler: bool) -> String {
          sleep 600 & echo $! > {d}/child; echo $$ > {d}/shell; wait",
         d = dir.display()
     ));
-    let mut extra = vec![
+    let extra = vec![
         ("LEASEHOLD_LOGIC_COMMAND", logic),
         ("LEASEHOLD_RUN_POLICY", "coalesce,account=supersede".to_string()),
         ("LEASEHOLD_LEASE_SECONDS", "15".to_string()),
     ];
-    if handler {
-        extra.push(("FUNCTIONS_CUSTOMHANDLER_PORT", "0".to_string()));
-    }
-    let mode = if handler {
-        leasehold::Mode::Handler
-    } else {
-        common::standalone()
-    };
-    let app = env.start(mode, &extra).await;
+    let app = env.start_as(handler, extra).await;
     let counts: std::sync::Arc<std::sync::Mutex<Vec<u32>>> = Default::default();
     let host = handler.then(|| emulated_host(&env.queue, app.url("/Worker"), counts.clone()));
     let queue = common::queue(&env.queue);

@@ -2249,6 +2249,18 @@ async fn a_run_later_answered_after_the_lease_was_lost_is_a_failure() {
 // ---------------------------------------------------------------------------------------------
 // Supersede: a trigger during a run stops it, to run again on the new data (issue 24).
 
+/// A standalone delivery that runs, with a trigger for the same record 3 s into its run; the
+/// run's outcome.
+async fn run_with_a_trigger_3_s_in(runner: &RecordRunner) -> Outcome {
+    let holder = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    standalone(runner, TriggerKind::Trigger, 1, 0).await;
+    holder.await.unwrap()
+}
+
 fn supersede_options() -> RunnerOptions {
     RunnerOptions {
         run_policy: leasehold_runtime::PerScope::new(leasehold_runtime::RunPolicy::Supersede),
@@ -2330,13 +2342,7 @@ async fn a_trigger_during_a_superseding_run_stops_it_and_the_record_runs_again()
     let store = Scripted::new();
     let logic = Script::new(Duration::from_secs(60), End::Succeed);
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
-    let holder = tokio::spawn({
-        let runner = runner.clone();
-        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
-    });
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    standalone(&runner, TriggerKind::Trigger, 1, 0).await;
-    let outcome = holder.await.unwrap();
+    let outcome = run_with_a_trigger_3_s_in(&runner).await;
     assert!(
         matches!(
             outcome,
@@ -2412,13 +2418,7 @@ async fn a_streak_that_cost_the_run_time_limit_lets_the_next_run_finish() {
         .await
         .unwrap();
     guard.release().await.unwrap();
-    let holder = tokio::spawn({
-        let runner = runner.clone();
-        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
-    });
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    standalone(&runner, TriggerKind::Trigger, 1, 0).await;
-    let outcome = holder.await.unwrap();
+    let outcome = run_with_a_trigger_3_s_in(&runner).await;
     assert!(
         matches!(
             outcome,
@@ -2440,13 +2440,7 @@ async fn a_superseded_run_slow_to_stop_keeps_its_lease_until_it_ends() {
     let store = Scripted::new();
     let logic = Script::new(Duration::from_secs(40), End::Stubborn);
     let runner = runner_on(&store, logic.clone(), supersede_options());
-    let holder = tokio::spawn({
-        let runner = runner.clone();
-        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
-    });
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    standalone(&runner, TriggerKind::Trigger, 1, 0).await;
-    let outcome = holder.await.unwrap();
+    let outcome = run_with_a_trigger_3_s_in(&runner).await;
     assert!(
         matches!(&outcome, Outcome::Failed { error: Error::Abandoned { stopped, .. }, .. } if **stopped == Error::Superseded),
         "{outcome:?}"
