@@ -995,12 +995,17 @@ impl RecordRunner {
                 match taken {
                     // Fresh triggers joined the chain: it stands for them now, and they are
                     // owed what any new trigger is, a chain that is given up once before its
-                    // sweep asks the marker (as a retrigger starts with no give-ups).
-                    Ok(set) if set || retried => next.given_up = 0,
-                    Ok(_) => {}
+                    // sweep asks the marker (as a retrigger starts with no give-ups). Nor may it
+                    // stand down for a later run: those triggers may have arrived during that
+                    // run (this take comes after the release, while another may hold and run),
+                    // which then does not cover them — a failed run retriggers for them instead.
+                    Ok(set) if set || retried => {
+                        next.given_up = 0;
+                        next.after_token = None;
+                    }
+                    Ok(_) => next.after_token = after_token,
                     Err(e) => return storage_failed("check retrigger marker", e),
                 }
-                next.after_token = after_token;
                 return Outcome::Deferred {
                     after,
                     total,

@@ -2682,3 +2682,88 @@ async fn a_retry_whose_duty_a_later_run_took_over_stands_down() {
     assert_eq!(messages(&store)[0].after_token, None);
     assert!(notes(&store).await.is_empty());
 }
+
+/// Found by the simulation (seed 30164, issue 24): a run in a superseding scope asks to be run
+/// later and notes itself as pending; its take of the marker, after its release, lands late —
+/// after a later run has started and a trigger during that run has set the marker. The deferral
+/// carries that trigger now. When the later run then completes and removes the note, the
+/// deferral must still run (it may not stand down for a run that started before the trigger it
+/// carries); it did, and the trigger was lost.
+#[tokio::test(start_paused = true)]
+async fn a_deferral_that_took_a_later_runs_marker_does_not_stand_down_for_it() {
+    struct LaterThenLong(AtomicUsize, Mutex<Vec<Instant>>);
+    #[async_trait]
+    impl Logic for LaterThenLong {
+        async fn run(&self, _ctx: RunContext) -> Result<(), LogicError> {
+            self.1.lock().unwrap().push(Instant::now());
+            if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                return Err(LogicError::run_later(Some(Duration::from_secs(5)), "429"));
+            }
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok(())
+        }
+    }
+    let store = Scripted::new();
+    let logic = Arc::new(LaterThenLong(0.into(), Mutex::default()));
+    let options = RunnerOptions {
+        // The later run is let finish (its streak protects it): it completes, removing the note.
+        supersede_streak: 0,
+        ..supersede_options()
+    };
+    let runner = runner_on(&store, logic.clone(), options);
+    let start = Instant::now();
+    // The first run's take of the marker lands 11 s after it is sent (at 21 s).
+    store.then(Op::FlagDelete, &[Act::Slow(Duration::from_secs(11))]);
+    let first = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    // A trigger at 12 s finds the lease free and runs the later run, which reads pending = 1.
+    let later = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    // A trigger at 20 s, during the later run: the marker.
+    let t2 = Instant::now();
+    assert_eq!(
+        standalone(&runner, TriggerKind::Trigger, 1, 0).await,
+        Outcome::Coalesced
+    );
+    let deferred = first.await.unwrap();
+    let Outcome::Deferred { next, .. } = deferred else {
+        panic!("{deferred:?}")
+    };
+    assert_eq!(
+        next.after_token, None,
+        "it carries the trigger of 20 s: it must run"
+    );
+    let outcome = later.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Completed {
+                retriggered: false,
+                ..
+            }
+        ),
+        "the marker was taken by the first run: {outcome:?}"
+    );
+    assert!(start.elapsed() >= Duration::from_secs(72));
+    let outcome = runner
+        .handle(
+            &Delivery {
+                message: *next,
+                dequeue_count: 1,
+            },
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(
+        logic.1.lock().unwrap().iter().any(|s| *s > t2),
+        "a run started after the trigger of 20 s"
+    );
+}
