@@ -263,13 +263,12 @@ impl Consumer {
                 };
                 // In a superseding scope the retry names the run it retries, which noted itself
                 // as pending: a later run that covers it makes the retry stand down.
-                let body = match ended.after_token {
-                    Some(token) => {
-                        let mut retry = delivery.message.clone();
-                        retry.after_token = Some(token);
-                        retry.encode()
-                    }
-                    None => received.body.clone(),
+                let body = if ended.after_token == delivery.message.after_token {
+                    received.body.clone()
+                } else {
+                    let mut retry = delivery.message.clone();
+                    retry.after_token = ended.after_token;
+                    retry.encode()
                 };
                 if let Err(e) = self
                     .queue()

@@ -485,7 +485,7 @@ impl RecordRunner {
         delivery: &Delivery,
         cancel: &CancellationToken,
     ) -> (Outcome, Ended) {
-        let mut ended = Ended::default();
+        let mut ended = Ended::of(delivery);
         let outcome = self
             .handle_key(&delivery.message.key(), delivery, cancel, None, &mut ended)
             .await;
@@ -506,7 +506,7 @@ impl RecordRunner {
         cancel: &CancellationToken,
     ) -> Outcome {
         async {
-            let mut ended = Ended::default();
+            let mut ended = Ended::of(delivery);
             let outcome = self
                 .handle_watched_inner(delivery, poison, cancel, &mut ended)
                 .await;
@@ -893,7 +893,12 @@ impl RecordRunner {
             // Reported as every stand-down is: a run covers this trigger.
             return match self.take_marker_and_retrigger(key, delivery).await {
                 Ok(_) => Outcome::Coalesced,
-                Err(e) => storage_failed("check retrigger marker", e),
+                Err(e) => {
+                    // The take may have consumed a marker nobody else will answer for: the
+                    // retry must run.
+                    ended.after_token = None;
+                    storage_failed("check retrigger marker", e)
+                }
             };
         }
         let superseded = streak.and_then(|s| self.watch_for_triggers(key, guard.get(), s));
@@ -948,24 +953,39 @@ impl RecordRunner {
         // retry, or the deferral): then, in a superseding scope, it pends.
         let pends = match (&result, &deferral) {
             (_, Some(d)) => matches!(d, Outcome::Deferred { .. }),
+            (Err(Error::Superseded), None) => false,
             (Err(e), None) => !e.gives_up() && delivery.attempts() < self.options.max_attempts,
             (Ok(()), None) => false,
         };
         let mut after_token = None;
         if let Some(streak) = streak {
+            // The pending run's own retry (or deferral) carries on its chain: it leaves the note
+            // as it is, and its next retry keeps the token. Rewriting the note first would strand
+            // the message that still carries the old token if it came back before being
+            // rewritten (a crash, a failed update), and it would stand down for itself.
+            let continues = streak.pending.is_some() && delivery.message.after_token == streak.pending;
             let pending = match (&result, pends) {
-                (_, true) => Some(token),
+                _ if continues => None,
+                // Only a chain never given up may take another's duty: a given-up chain's sweep
+                // asks the marker first, and would not cover the pending run's trigger.
+                (_, true) if delivery.message.given_up == 0 => Some(token),
+                (_, true) => None,
                 // This run covers the pending one: it started after that run's trigger.
                 (Ok(()), _) | (Err(Error::Superseded), _) => Some(None),
                 // Given up: the note stays as it is (the give-up's sweep covers this trigger).
                 _ => None,
             };
-            if self
+            let written = self
                 .note_streak(guard.get(), streak, was_superseded, run_time, pending)
-                .await
-                && pends
-            {
-                after_token = token;
+                .await;
+            if pends {
+                after_token = if continues {
+                    streak.pending
+                } else if written && pending == Some(token) {
+                    token
+                } else {
+                    None
+                };
             }
         }
         ended.after_token = after_token;
@@ -973,7 +993,9 @@ impl RecordRunner {
         // the marker before our release, so we see it; one that comes later finds the lease free.
         if let Err(e) = guard.release().await {
             // The lease stays until it expires; a trigger seeing it in that window would rely on
-            // us. Not acknowledging makes our own message come back and look again.
+            // us. Not acknowledging makes our own message come back and look again — and run:
+            // it answers for those triggers, whatever a later run does.
+            ended.after_token = None;
             return storage_failed("release lease", e);
         }
         if let Some(outcome) = deferral {
@@ -1004,7 +1026,12 @@ impl RecordRunner {
                         next.after_token = None;
                     }
                     Ok(_) => next.after_token = after_token,
-                    Err(e) => return storage_failed("check retrigger marker", e),
+                    Err(e) => {
+                        // The take may have consumed a marker set during a later run: the retry
+                        // answers for it and must run.
+                        ended.after_token = None;
+                        return storage_failed("check retrigger marker", e);
+                    }
                 }
                 return Outcome::Deferred {
                     after,
@@ -1018,7 +1045,10 @@ impl RecordRunner {
             // triggers that coalesced onto the run get a retrigger of their own.
             let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
                 Ok(r) => r,
-                Err(e) => return storage_failed("check retrigger marker", e),
+                Err(e) => {
+                    ended.after_token = None;
+                    return storage_failed("check retrigger marker", e);
+                }
             };
             return match outcome {
                 Outcome::Failed { error, .. } => Outcome::Failed { error, retriggered },
@@ -1027,7 +1057,12 @@ impl RecordRunner {
         }
         let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
             Ok(r) => r,
-            Err(e) => return storage_failed("check retrigger marker", e),
+            Err(e) => {
+                // The take (or the retrigger's put) failed after it may have consumed a marker
+                // set during a later run, which does not cover it: the retry must run.
+                ended.after_token = None;
+                return storage_failed("check retrigger marker", e);
+            }
         };
         match result {
             Ok(()) => Outcome::Completed {
@@ -1412,8 +1447,18 @@ struct Streak {
 pub(crate) struct Ended {
     /// How long the logic ran, if it ran.
     pub(crate) ran: Option<Duration>,
-    /// The run's retry must carry this `afterToken` (its run noted itself as pending).
+    /// The `afterToken` the delivery's retry must carry: the message's own until a run changes
+    /// it (its run noted itself as pending, or its duty grew beyond the pending run's).
     pub(crate) after_token: Option<u64>,
+}
+
+impl Ended {
+    pub(crate) fn of(delivery: &Delivery) -> Self {
+        Self {
+            ran: None,
+            after_token: delivery.message.after_token,
+        }
+    }
 }
 
 /// A run's watch for triggers ([`RecordRunner::watch_for_triggers`]); stops watching when dropped.

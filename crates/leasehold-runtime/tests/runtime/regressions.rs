@@ -2319,6 +2319,10 @@ async fn a_trigger_during_a_superseding_run_stops_it_and_the_record_runs_again()
         streak.get("superseded").map(String::as_str),
         Some(format!("1:{}", run_time.as_millis()).as_str())
     );
+    assert!(
+        !streak.contains_key("pending"),
+        "a superseded run has no retry of its own: it never pends"
+    );
     let left = messages(&store);
     assert_eq!(left.len(), 1);
     assert_eq!(left[0].kind, TriggerKind::Retrigger);
@@ -2647,7 +2651,9 @@ async fn a_retry_whose_duty_a_later_run_took_over_stands_down() {
         )
         .await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
-    assert!(!notes(&store).await.contains_key("pending"));
+    // The pending chain's own run leaves the note as it was (stale, and harmless: only copies of
+    // this chain carry its token, and they run; the next run of another chain clears it).
+    assert_eq!(notes(&store).await.get("pending").map(String::as_str), Some("1"));
 
     // Standalone: the consumer writes the retry with the token, on the same message.
     let store = Scripted::new();
@@ -2766,4 +2772,106 @@ async fn a_deferral_that_took_a_later_runs_marker_does_not_stand_down_for_it() {
         logic.1.lock().unwrap().iter().any(|s| *s > t2),
         "a run started after the trigger of 20 s"
     );
+}
+
+/// Found by review (issue 24): the pending run's own retry carries its chain on without touching
+/// the note. When it fails again, the note keeps its token and so does the next retry — so a copy
+/// of the message that still carries the token (an update that failed, a host's redelivery)
+/// runs rather than standing down for itself. A retry of a given-up chain (a sweep's) may not take
+/// another chain's duty: it leaves the note, and carries no token itself. And a run whose take of
+/// the marker failed after its release carries no token: it may have consumed a marker set
+/// during a later run.
+#[tokio::test(start_paused = true)]
+async fn the_pending_chain_carries_its_token_on_and_only_fresh_chains_take_a_duty_over() {
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let deliver = |runner: &RecordRunner, message: TriggerMessage| {
+        let runner = runner.clone();
+        async move {
+            let poison = MemoryQueue::new("p", OpCounters::new());
+            runner
+                .handle_watched(
+                    &Delivery {
+                        message,
+                        dequeue_count: 1,
+                    },
+                    &poison,
+                    &CancellationToken::new(),
+                )
+                .await
+        }
+    };
+    // R1 fails (pending 1); its retry fails again: the note stays 1, the next retry carries 1.
+    let store = Scripted::new();
+    let logic = Arc::new(FailsFirst {
+        fail: 2,
+        runs: 0.into(),
+    });
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    let retry = messages(&store).remove(0);
+    assert_eq!(retry.after_token, Some(1));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let received = store.queue().get(1, Duration::from_secs(600)).await.unwrap();
+    store
+        .queue()
+        .delete(&received[0].id, &received[0].pop_receipt)
+        .await
+        .unwrap();
+    let outcome = deliver(&runner, retry.clone()).await;
+    assert!(matches!(outcome, Outcome::Retrying { .. }), "{outcome:?}");
+    assert_eq!(notes(&store).await.get("pending").map(String::as_str), Some("1"));
+    assert_eq!(messages(&store)[0].after_token, Some(1));
+    // The stale copy of the first retry still runs (and completes now).
+    let outcome = deliver(&runner, retry).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 3);
+
+    // A sweep's chain (given up once) that fails does not take the pending run's duty over.
+    let store = Scripted::new();
+    let logic = Arc::new(FailsFirst {
+        fail: 2,
+        runs: 0.into(),
+    });
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    let retry = messages(&store).remove(0);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let received = store.queue().get(1, Duration::from_secs(600)).await.unwrap();
+    store
+        .queue()
+        .delete(&received[0].id, &received[0].pop_receipt)
+        .await
+        .unwrap();
+    let mut sweep = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .follow_up(TriggerKind::Sweep, 0);
+    sweep.given_up = 1;
+    let outcome = deliver(&runner, sweep).await;
+    assert!(matches!(outcome, Outcome::Retrying { .. }), "{outcome:?}");
+    assert_eq!(notes(&store).await.get("pending").map(String::as_str), Some("1"));
+    assert_eq!(
+        messages(&store)[0].after_token,
+        None,
+        "the sweep's retry runs whatever the note"
+    );
+    let outcome = deliver(&runner, retry).await;
+    assert!(
+        matches!(outcome, Outcome::Completed { .. }),
+        "the first chain's retry still runs: {outcome:?}"
+    );
+
+    // A failed take after the release: the retry carries no token.
+    let store = Scripted::new();
+    let runner = runner_on(
+        &store,
+        Arc::new(FailsFirst {
+            fail: 1,
+            runs: 0.into(),
+        }),
+        supersede_options(),
+    );
+    store.always(Op::FlagDelete, Act::Refuse(StoreErrorKind::Transient));
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(outcome, Outcome::Retrying { .. }), "{outcome:?}");
+    assert_eq!(messages(&store)[0].after_token, None);
 }
