@@ -257,6 +257,10 @@ pub struct Plan {
     /// seeds too, so retries and deferrals carrying `afterToken` meet supersedes, stand-downs
     /// and given-up chains ([`SupersedePlan`], drawn last of all).
     pub supersede_failures: f64,
+    /// How long after the stream's window the supersede record's runs keep failing (ordinary
+    /// length, same chance): the last chains, with no later trigger to cover what they drop,
+    /// reach the poison limit and their sweeps.
+    pub supersede_failing_tail: Duration,
 }
 
 /// Supersede (issue 24): one record in a scope of its own ([`SUPERSEDE_SCOPE`]) whose policy is
@@ -517,11 +521,14 @@ impl Plan {
         // record is the throttled one as well (replacing any throttle drawn above): its runs ask
         // to be run later through its window, so deferrals carrying `afterToken` meet them too,
         // and chains that spend their deferral budget are given up.
-        let mut supersede_failures = 0.0;
+        let (mut supersede_failures, mut supersede_failing_tail) = (0.0, Duration::ZERO);
         if let Some(sp) = supersede
             && rng.random_bool(0.5)
         {
             supersede_failures = rng.random_range(0.3..0.5);
+            if rng.random_bool(0.5) {
+                supersede_failing_tail = Duration::from_millis(rng.random_range(30_000..120_000));
+            }
             if rng.random_bool(0.5) {
                 throttled = Some(Throttle {
                     record: sp.record,
@@ -550,6 +557,7 @@ impl Plan {
             throttled,
             supersede,
             supersede_failures,
+            supersede_failing_tail,
         }
     }
 }
@@ -1129,6 +1137,8 @@ pub struct World {
     supersede: Option<(String, Instant, Instant)>,
     /// Share of the supersede record's runs in its window that fail ([`Plan::supersede_failures`]).
     supersede_failures: f64,
+    /// Until when they fail ([`Plan::supersede_failing_tail`] after the window).
+    supersede_failing_until: Option<Instant>,
 }
 
 impl World {
@@ -1958,6 +1968,22 @@ impl Logic for SimLogic {
                     };
                 (d, slow_stop.or(stop), slow_stop.is_some(), sup_fails)
             }
+            // After the window, for the plan's tail: ordinary runs, failing with the same chance.
+            Some((r, _, to))
+                if *r == ctx.record_id.as_str()
+                    && now >= *to
+                    && world.supersede_failing_until.is_some_and(|until| now < until)
+                    && world.supersede_failures > 0.0
+                    && !detached =>
+            {
+                let mut rng = world.logic_rng.lock().unwrap();
+                if rng.random_bool(world.supersede_failures) {
+                    let fail_at = Duration::from_millis(rng.random_range(1_000..15_000));
+                    (duration.min(fail_at), slow_stop, true, true)
+                } else {
+                    (duration, slow_stop, true, false)
+                }
+            }
             _ => (duration, slow_stop, true, false),
         };
         let bad = world
@@ -2574,6 +2600,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
             .supersede
             .map(|s| (format!("r{}", s.record), epoch + s.from, epoch + s.to)),
         supersede_failures: plan.supersede_failures,
+        supersede_failing_until: plan.supersede.map(|s| epoch + s.to + plan.supersede_failing_tail),
     });
     if plan.supersede.is_some() {
         world.count(|c| c.supersede_seeds += 1);
@@ -3127,7 +3154,7 @@ fn check(plan: &Plan, world: &World) -> Report {
                 .supersede
                 .iter()
                 .filter(|_| world.supersede_failures > 0.0)
-                .map(|(r, _, to)| (r.as_str(), *to)),
+                .map(|(r, _, to)| (r.as_str(), world.supersede_failing_until.unwrap_or(*to))),
         )
         .collect();
     for (corr, record, t) in &j.accepted {
