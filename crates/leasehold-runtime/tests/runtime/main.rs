@@ -446,6 +446,12 @@ fn simulation_fingerprints() {
             (false, true) => " supersede",
             (false, false) => "",
         };
-        println!("fingerprint {seed} {:016x}{mark}", report.fingerprint);
+        // And one whose supersede record's runs fail ([`sim::Plan::supersede_failures`]).
+        let failing = if plan.supersede_failures > 0.0 {
+            " failing"
+        } else {
+            ""
+        };
+        println!("fingerprint {seed} {:016x}{mark}{failing}", report.fingerprint);
     }
 }
