@@ -1517,7 +1517,9 @@ fn keep_until_ended(guard: Held, mut task: JoinHandle<Result<(), LogicError>>) {
         async move {
             let since = Instant::now();
             loop {
+                // Biased, so the same instants give the same choice (the simulation replays).
                 tokio::select! {
+                    biased;
                     _ = &mut task => break,
                     _ = tokio::time::sleep(STILL_RUNNING_EVERY) => tracing::error!(
                         running_for_s = since.elapsed().as_secs(),

@@ -1883,7 +1883,10 @@ impl SimLogic {
             }
         });
         let mut work = std::pin::pin!(work);
+        // Biased: a tie between the work's end and a stop resolves the same way in every
+        // process (an unbiased select draws from a per-process random source).
         tokio::select! {
+            biased;
             _ = &mut work => {}
             _ = ctx.cancel.cancelled() => {
                 {
