@@ -1128,6 +1128,10 @@ impl RecordRunner {
             async move {
                 let until = Instant::now() + budget;
                 while renewals.changed().await.is_ok() && Instant::now() < until {
+                    // Let whoever else follows the renewals (the watchdog's push, under
+                    // Functions) go first: the channel wakes its waiters in no fixed order, and
+                    // the simulation replays a seed only if the requests keep theirs.
+                    tokio::task::yield_now().await;
                     match markers.is_set(&key).await {
                         Ok(true) => {
                             tracing::info!("a trigger arrived during the run: stopping it, to run again on the new data");
