@@ -255,8 +255,9 @@ impl Operator {
             superseded_in_a_row: info
                 .notes
                 .get(leasehold_runtime::SUPERSEDED_NOTE)
-                .and_then(|n| n.split_once(':'))
-                .and_then(|(runs, ms)| Some((runs.parse().ok()?, ms.parse::<f64>().ok()? / 1000.0))),
+                .map(String::as_str)
+                .and_then(leasehold_runtime::superseded_streak)
+                .map(|(runs, lost)| (runs, lost.as_secs_f64())),
             at: now,
         })
     }

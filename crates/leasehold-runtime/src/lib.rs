@@ -29,5 +29,5 @@ pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId,
 pub use runner::ProtocolVariant;
 pub use runner::{
     Delivery, Logic, Outcome, RecordRunner, RunContext, RunPolicy, RunnerOptions, SUPERSEDED_NOTE,
-    WATCHDOG_MARGIN,
+    WATCHDOG_MARGIN, superseded_streak,
 };

@@ -107,6 +107,12 @@ impl std::fmt::Display for RunPolicy {
 
 /// The lock note holding a record's streak of superseded runs: `<runs>:<run time in ms>`.
 pub const SUPERSEDED_NOTE: &str = "superseded";
+
+/// Reads a [`SUPERSEDED_NOTE`]: superseded runs in a row, and the run time they cost.
+pub fn superseded_streak(note: &str) -> Option<(u32, Duration)> {
+    let (runs, ms) = note.split_once(':')?;
+    Some((runs.parse().ok()?, Duration::from_millis(ms.parse().ok()?)))
+}
 /// The lock note naming, by its fencing token, the run whose retry or deferral is pending in a
 /// superseding scope: a later run that completes (or is superseded) removes it, and the retry,
 /// finding it gone or another's, stands down.
@@ -988,14 +994,16 @@ impl RecordRunner {
                 };
             }
         }
-        ended.after_token = after_token;
+        // From the release on, a storage failure leaves this delivery answering for triggers
+        // that may have come during a later run (a marker it may have consumed, a lease held
+        // past its run): its retry carries no token, and must run. Only the run's own failure,
+        // at the end, hands the token on.
+        ended.after_token = None;
         // Release first, then look at the marker: a trigger that finds the lease held has set
         // the marker before our release, so we see it; one that comes later finds the lease free.
         if let Err(e) = guard.release().await {
             // The lease stays until it expires; a trigger seeing it in that window would rely on
-            // us. Not acknowledging makes our own message come back and look again — and run:
-            // it answers for those triggers, whatever a later run does.
-            ended.after_token = None;
+            // us. Not acknowledging makes our own message come back and look again.
             return storage_failed("release lease", e);
         }
         if let Some(outcome) = deferral {
@@ -1026,12 +1034,7 @@ impl RecordRunner {
                         next.after_token = None;
                     }
                     Ok(_) => next.after_token = after_token,
-                    Err(e) => {
-                        // The take may have consumed a marker set during a later run: the retry
-                        // answers for it and must run.
-                        ended.after_token = None;
-                        return storage_failed("check retrigger marker", e);
-                    }
+                    Err(e) => return storage_failed("check retrigger marker", e),
                 }
                 return Outcome::Deferred {
                     after,
@@ -1045,10 +1048,7 @@ impl RecordRunner {
             // triggers that coalesced onto the run get a retrigger of their own.
             let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
                 Ok(r) => r,
-                Err(e) => {
-                    ended.after_token = None;
-                    return storage_failed("check retrigger marker", e);
-                }
+                Err(e) => return storage_failed("check retrigger marker", e),
             };
             return match outcome {
                 Outcome::Failed { error, .. } => Outcome::Failed { error, retriggered },
@@ -1057,12 +1057,7 @@ impl RecordRunner {
         }
         let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
             Ok(r) => r,
-            Err(e) => {
-                // The take (or the retrigger's put) failed after it may have consumed a marker
-                // set during a later run, which does not cover it: the retry must run.
-                ended.after_token = None;
-                return storage_failed("check retrigger marker", e);
-            }
+            Err(e) => return storage_failed("check retrigger marker", e),
         };
         match result {
             Ok(()) => Outcome::Completed {
@@ -1075,7 +1070,10 @@ impl RecordRunner {
                 retriggered,
                 run_time,
             },
-            Err(error) => Outcome::Failed { error, retriggered },
+            Err(error) => {
+                ended.after_token = after_token;
+                Outcome::Failed { error, retriggered }
+            }
         }
     }
 
@@ -1087,25 +1085,16 @@ impl RecordRunner {
         }
         guard.fencing_token()?;
         let note = guard.note(SUPERSEDED_NOTE);
-        let pending = guard.note(PENDING_NOTE).and_then(|p| p.parse().ok());
-        Some(
-            note.as_deref()
-                .and_then(|n| {
-                    let (runs, ms) = n.split_once(':')?;
-                    Some(Streak {
-                        runs: runs.parse().ok()?,
-                        lost: Duration::from_millis(ms.parse().ok()?),
-                        noted: true,
-                        pending,
-                    })
-                })
-                .unwrap_or(Streak {
-                    runs: 0,
-                    lost: Duration::ZERO,
-                    noted: note.is_some(),
-                    pending,
-                }),
-        )
+        let (runs, lost) = note
+            .as_deref()
+            .and_then(superseded_streak)
+            .unwrap_or((0, Duration::ZERO));
+        Some(Streak {
+            runs,
+            lost,
+            noted: note.is_some(),
+            pending: guard.note(PENDING_NOTE).and_then(|p| p.parse().ok()),
+        })
     }
 
     /// Starts watching for triggers during the run, unless the streak protects it: after each

@@ -278,6 +278,22 @@ async fn watched(
         .await
 }
 
+/// One first delivery of `message` through [`RecordRunner::handle_watched`] (Functions), with
+/// a poison queue of its own, never cancelled; it owns what it needs, so it can be spawned.
+async fn watched_message(runner: RecordRunner, message: TriggerMessage) -> Outcome {
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    runner
+        .handle_watched(
+            &Delivery {
+                message,
+                dequeue_count: 1,
+            },
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await
+}
+
 /// A consumer with default options over `store`, and one trigger for `acct/r` taken from the
 /// queue as the consumer would take it (hidden 40 s), ready for `Consumer::process`.
 async fn consumer_with_one_trigger(store: &Arc<Scripted>, runner: RecordRunner) -> (Consumer, Vec<Received>) {
@@ -2474,22 +2490,7 @@ async fn fresh_triggers_joining_a_sweeps_deferrals_get_an_unconditional_sweep() 
         .unwrap()
         .follow_up(TriggerKind::Sweep, 0);
     sweep.given_up = 1;
-    let deliver = |message: TriggerMessage| {
-        let runner = runner.clone();
-        let poison = MemoryQueue::new("p", OpCounters::new());
-        async move {
-            runner
-                .handle_watched(
-                    &Delivery {
-                        message,
-                        dequeue_count: 1,
-                    },
-                    &poison,
-                    &CancellationToken::new(),
-                )
-                .await
-        }
-    };
+    let deliver = |message| watched_message(runner.clone(), message);
     // No trigger during the run: the deferral keeps the chain's give-ups.
     let outcome = deliver(sweep.clone()).await;
     let Outcome::Deferred { next, .. } = outcome else {
@@ -2526,22 +2527,7 @@ async fn a_trigger_during_the_run_that_spends_the_budget_gets_a_retrigger() {
     let spent = TriggerMessage::parse("acct", "r")
         .unwrap()
         .deferred(0, Duration::from_secs(60), 1);
-    let holder = tokio::spawn({
-        let runner = runner.clone();
-        async move {
-            let poison = MemoryQueue::new("p", OpCounters::new());
-            runner
-                .handle_watched(
-                    &Delivery {
-                        message: spent,
-                        dequeue_count: 1,
-                    },
-                    &poison,
-                    &CancellationToken::new(),
-                )
-                .await
-        }
-    });
+    let holder = tokio::spawn(watched_message(runner.clone(), spent));
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(
         watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await,
@@ -2618,16 +2604,7 @@ async fn a_retry_whose_duty_a_later_run_took_over_stands_down() {
     let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     assert!(!notes(&store).await.contains_key("pending"));
-    let outcome = runner
-        .handle_watched(
-            &Delivery {
-                message: retry.clone(),
-                dequeue_count: 1,
-            },
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let outcome = watched_message(runner.clone(), retry.clone()).await;
     assert_eq!(outcome, Outcome::Coalesced, "a stand-down");
     assert_eq!(logic.runs.load(Ordering::SeqCst), 2, "the retry did not run");
 
@@ -2640,16 +2617,7 @@ async fn a_retry_whose_duty_a_later_run_took_over_stands_down() {
     let runner = runner_on(&store, logic.clone(), supersede_options());
     watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
     let retry = messages(&store).remove(0);
-    let outcome = runner
-        .handle_watched(
-            &Delivery {
-                message: retry,
-                dequeue_count: 1,
-            },
-            &poison,
-            &CancellationToken::new(),
-        )
-        .await;
+    let outcome = watched_message(runner.clone(), retry).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     // The pending chain's own run leaves the note as it was (stale, and harmless: only copies of
     // this chain carry its token, and they run; the next run of another chain clears it).
@@ -2784,22 +2752,7 @@ async fn a_deferral_that_took_a_later_runs_marker_does_not_stand_down_for_it() {
 #[tokio::test(start_paused = true)]
 async fn the_pending_chain_carries_its_token_on_and_only_fresh_chains_take_a_duty_over() {
     let poison = MemoryQueue::new("poison", OpCounters::new());
-    let deliver = |runner: &RecordRunner, message: TriggerMessage| {
-        let runner = runner.clone();
-        async move {
-            let poison = MemoryQueue::new("p", OpCounters::new());
-            runner
-                .handle_watched(
-                    &Delivery {
-                        message,
-                        dequeue_count: 1,
-                    },
-                    &poison,
-                    &CancellationToken::new(),
-                )
-                .await
-        }
-    };
+    let deliver = |runner: &RecordRunner, message| watched_message(runner.clone(), message);
     // R1 fails (pending 1); its retry fails again: the note stays 1, the next retry carries 1.
     let store = Scripted::new();
     let logic = Arc::new(FailsFirst {
