@@ -2828,3 +2828,30 @@ async fn the_pending_chain_carries_its_token_on_and_only_fresh_chains_take_a_dut
     assert!(matches!(outcome, Outcome::Retrying { .. }), "{outcome:?}");
     assert_eq!(messages(&store)[0].after_token, None);
 }
+
+/// A sweep stands for other triggers than the one given up: it starts a deferral budget of its
+/// own and waits for no pending run (a sweep carrying the given-up retry's `afterToken` could
+/// stand down for a later run that does not cover what it sweeps).
+#[tokio::test(start_paused = true)]
+async fn a_sweep_carries_neither_the_deferral_nor_the_after_token_of_what_was_given_up() {
+    let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let mut given_up = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .deferred(2, Duration::from_secs(300), 9);
+    given_up.after_token = Some(4);
+    let entry = PoisonMessage::new(
+        given_up.encode(),
+        Some(given_up.clone()),
+        &Error::GaveUp {
+            deliveries: 5,
+            max: 5,
+            last: None,
+        },
+        5,
+    );
+    runner.give_up(&poison, &entry).await.unwrap();
+    let sweep = messages(&store).remove(0);
+    assert_eq!(sweep.kind, TriggerKind::Sweep);
+    assert_eq!((sweep.deferral, sweep.after_token), (None, None));
+}
