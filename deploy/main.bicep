@@ -87,6 +87,12 @@ param maxDeferralSeconds string = '86400'
 @description('What a trigger during a run does: coalesce (one more run after it) or supersede (stop it, run again on the new data; needs fencing), as <default>[,<scope>=<policy>]...')
 param runPolicy string = 'coalesce'
 
+@description('Debounce: a record runs once no trigger for it came for this many seconds (0: off, the default), as <default>[,<scope>=<seconds>]... (0-3600 each).')
+param debounceSeconds string = '0'
+
+@description('Debounce: the longest a record waits for its burst of triggers to end, in seconds, at least the quiet period, as <default>[,<scope>=<seconds>]... (1-86400 each).')
+param debounceMaxSeconds string = '60'
+
 var suffix = '${namePrefix}${environmentName}'
 var storageName = toLower('${take(namePrefix, 11)}${environmentName}st${take(uniqueString(resourceGroup().id), 6)}')
 var isFlex = planSku == 'FC1'
@@ -252,6 +258,8 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         { name: 'LEASEHOLD_RUN_TIMEOUT_SECONDS', value: runTimeoutSeconds }
         { name: 'LEASEHOLD_MAX_DEFERRAL_SECONDS', value: maxDeferralSeconds }
         { name: 'LEASEHOLD_RUN_POLICY', value: runPolicy }
+        { name: 'LEASEHOLD_DEBOUNCE_SECONDS', value: debounceSeconds }
+        { name: 'LEASEHOLD_DEBOUNCE_MAX_SECONDS', value: debounceMaxSeconds }
         { name: 'LEASEHOLD_LOG_FORMAT', value: 'json' }
         // How often the handler logs its metrics event (and samples the queue depths): the default.
         { name: 'LEASEHOLD_METRICS_INTERVAL_SECONDS', value: '' }

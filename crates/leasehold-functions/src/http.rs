@@ -384,6 +384,13 @@ fn describe(outcome: &Outcome) -> String {
                 "the logic asked to be run later ({why}); runs again in {after:?} (put off {total:?} in all)"
             )
         }
+        Outcome::Waiting { after, .. } => {
+            format!("waiting for the record's burst of triggers to end; looking again in {after:?}")
+        }
+        Outcome::Debounced { joined: true } => {
+            "joined the record's wait: it runs once its burst of triggers has ended".into()
+        }
+        Outcome::Debounced { joined: false } => "another delivery ended this wait and runs the record".into(),
     }
 }
 

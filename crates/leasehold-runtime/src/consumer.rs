@@ -235,7 +235,16 @@ impl Consumer {
 
         let outcome = match outcome {
             Outcome::Deferred { after, ref next, .. } => {
-                self.persist_deferral(&received, &receipt, next, after)
+                self.persist_in_place(&received, &receipt, next, after, "persist the deferral")
+                    .instrument(span.clone())
+                    .await;
+                outcome
+            }
+            // The waiter is the delivered message, hidden for another period: one request,
+            // which is also the acknowledgement. If it fails, the message comes back as a
+            // redelivery, which consumes the wait marker and runs: nothing is lost.
+            Outcome::Waiting { after, ref next } => {
+                self.persist_in_place(&received, &receipt, next, after, "persist the waiter")
                     .instrument(span.clone())
                     .await;
                 outcome
@@ -284,21 +293,22 @@ impl Consumer {
         span.in_scope(|| self.runner.finished(&delivery, &outcome, ended.ran));
     }
 
-    /// Turns the delivered message into its deferral `next`, hidden for `after`, in one Update
-    /// Message: the deferral and the acknowledgement land together or not at all, so a crash
-    /// never leaves both the old message and the deferred one (an extra run), nor neither (a
-    /// lost trigger). `next` keeps the message's dequeue count as its re-hides, so the deferral
-    /// does not count as an attempt.
+    /// Turns the delivered message into `next` (its deferral, or its next wait), hidden for
+    /// `after`, in one Update Message: the follow-up and the acknowledgement land together or
+    /// not at all, so a crash never leaves both the old message and the new one (an extra run),
+    /// nor neither (a lost trigger). `next` keeps the message's dequeue count as its re-hides, so
+    /// the re-hide does not count as an attempt (nor makes its next delivery a redelivery).
     ///
     /// If the update fails, the message reappears when its visibility lapses and runs early
     /// (its logic may ask again); nothing is lost. A retried update answered "not found" means
     /// an earlier attempt landed (its answer lost): the receipt it made is the one we lack.
-    async fn persist_deferral(
+    async fn persist_in_place(
         &self,
         received: &Received,
         receipt: &str,
         next: &TriggerMessage,
         after: Duration,
+        what: &'static str,
     ) {
         let mut next = next.clone();
         #[cfg(feature = "testing")]
@@ -321,7 +331,7 @@ impl Consumer {
             .lock()
             .options()
             .retry
-            .run("persist the deferral", || {
+            .run(what, || {
                 attempts += 1;
                 self.queue().set_visibility(&received.id, receipt, &body, after)
             })
@@ -329,10 +339,13 @@ impl Consumer {
         match result {
             Ok(_) => {}
             Err(e) if e.kind() == leasehold_lock::StoreErrorKind::NotFound && attempts > 1 => {
-                tracing::debug!("a retried deferral found the message changed: the earlier attempt landed");
+                tracing::debug!(
+                    step = what,
+                    "a retried update found the message changed: the earlier attempt landed"
+                );
             }
-            Err(e) => tracing::warn!(error = %e,
-                "could not persist the deferral; the message reappears when its visibility lapses and the record runs again early"),
+            Err(e) => tracing::warn!(step = what, error = %e,
+                "could not update the message; it reappears when its visibility lapses and the record runs early"),
         }
     }
 

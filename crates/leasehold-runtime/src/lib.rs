@@ -18,9 +18,10 @@ pub use consumer::{Consumer, ConsumerOptions, poison_queue_name};
 pub use error::{Error, LogicError};
 pub use flow::PerScope;
 pub use markers::{
-    AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, record_status,
+    AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, WAIT_PREFIX,
+    WaitConsumed, record_status,
 };
-pub use message::{DecodeError, Deferral, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage};
+pub use message::{DecodeError, Deferral, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage, Wait};
 pub use observe::{OutcomeLabel, OutcomeSink, record_outcome};
 pub use poison::PoisonMessage;
 pub use queue::{AzureQueue, Enqueued, MAX_MESSAGE_BYTES, MemoryQueue, Peeked, Received, TriggerQueue};
@@ -28,6 +29,6 @@ pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId,
 #[cfg(feature = "testing")]
 pub use runner::ProtocolVariant;
 pub use runner::{
-    Delivery, Logic, Outcome, RecordRunner, RunContext, RunPolicy, RunnerOptions, SUPERSEDED_NOTE,
+    Debounce, Delivery, Logic, Outcome, RecordRunner, RunContext, RunPolicy, RunnerOptions, SUPERSEDED_NOTE,
     WATCHDOG_MARGIN, superseded_streak,
 };

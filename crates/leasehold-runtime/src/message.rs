@@ -86,6 +86,42 @@ pub struct TriggerMessage {
     /// still names it; otherwise a later run has taken its duty over and it stands down.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after_token: Option<u64>,
+    /// In a scope that debounces: this message waits for the record's burst of triggers to end
+    /// (it is the *waiter* of the record's wait marker), or stands in for a delivery that may
+    /// have created a wait marker and died. See [`crate::RecordRunner`], *Debounce*.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<Wait>,
+}
+
+/// How far a waiter has got ([`TriggerMessage::wait`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Wait {
+    /// The wait marker's ETag when the waiter last looked (`None`: not known), so it can tell
+    /// whether a trigger joined since. An ETag is short; a longer one in a message another tool
+    /// put is cut when read (it then only fails to match).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "bounded_etag"
+    )]
+    pub etag: Option<String>,
+    /// How long it has waited so far, in milliseconds: the sum of its own delays, not a clock
+    /// reading, so the longest wait holds whatever the workers' clocks say.
+    #[serde(default)]
+    pub waited_ms: u64,
+    /// Whether it owes a run even if it finds no wait marker: a delete of it whose first answer
+    /// was lost may have consumed one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub owed: bool,
+}
+
+/// Longest wait marker ETag a message carries, in bytes (Azure's are about 20).
+const MAX_ETAG_LEN: usize = 128;
+
+fn bounded_etag<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let tag = Option::<String>::deserialize(d)?;
+    Ok(tag.map(|t| truncate_to(&t, MAX_ETAG_LEN).to_string()))
 }
 
 /// How long a trigger's chain has been put off because its logic asked to be run later.
@@ -156,6 +192,7 @@ impl TriggerMessage {
             rehides: 0,
             deferral: None,
             after_token: None,
+            wait: None,
         }
     }
 
@@ -198,6 +235,7 @@ impl TriggerMessage {
                 hops: before.hops.saturating_add(1),
                 id: before.id,
             }),
+            wait: None,
             ..self.follow_up(TriggerKind::Recheck, prior_attempts)
         }
     }
@@ -215,6 +253,7 @@ impl TriggerMessage {
             rehides: 0,
             deferral: None,
             after_token: None,
+            wait: None,
             ..self.clone()
         }
     }

@@ -34,6 +34,8 @@ pub const LOCK_SECONDS: &str = "leasehold_lock_seconds";
 /// | `Poisoned` (given up: in the poison queue), and a message that is no trigger at all, poisoned as it arrives | `poisoned` |
 /// | `Deferred` (the logic asked to be run later; its delay goes to [`DEFERRAL_SECONDS`]) | `deferred` |
 /// | `Superseded` (a trigger arrived during the run, in a scope that supersedes: it was stopped) | `superseded` |
+/// | `Waiting` (a scope that debounces: the record waits for its burst of triggers to end) | `waiting` |
+/// | `Debounced` (a scope that debounces: the trigger joined a wait in progress, or a waiter stood down for another's run) | `debounced` |
 ///
 /// So the successful runs are `completed` + `retriggered`, and every failed delivery is
 /// `failed` or `lease_lost` in both modes (under Functions a failure is mostly `Retrying`,
@@ -49,11 +51,13 @@ pub enum OutcomeLabel {
     Poisoned,
     Deferred,
     Superseded,
+    Waiting,
+    Debounced,
 }
 
 impl OutcomeLabel {
     /// Every label, in display order.
-    pub const ALL: [OutcomeLabel; 9] = [
+    pub const ALL: [OutcomeLabel; 11] = [
         OutcomeLabel::Completed,
         OutcomeLabel::Retriggered,
         OutcomeLabel::Coalesced,
@@ -63,6 +67,8 @@ impl OutcomeLabel {
         OutcomeLabel::Poisoned,
         OutcomeLabel::Deferred,
         OutcomeLabel::Superseded,
+        OutcomeLabel::Waiting,
+        OutcomeLabel::Debounced,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -76,6 +82,8 @@ impl OutcomeLabel {
             OutcomeLabel::Poisoned => "poisoned",
             OutcomeLabel::Deferred => "deferred",
             OutcomeLabel::Superseded => "superseded",
+            OutcomeLabel::Waiting => "waiting",
+            OutcomeLabel::Debounced => "debounced",
         }
     }
 }
@@ -105,6 +113,8 @@ impl Outcome {
             Outcome::Poisoned { .. } => OutcomeLabel::Poisoned,
             Outcome::Deferred { .. } => OutcomeLabel::Deferred,
             Outcome::Superseded { .. } => OutcomeLabel::Superseded,
+            Outcome::Waiting { .. } => OutcomeLabel::Waiting,
+            Outcome::Debounced { .. } => OutcomeLabel::Debounced,
         }
     }
 }
@@ -246,6 +256,14 @@ mod tests {
                 },
                 "superseded",
             ),
+            (
+                Outcome::Waiting {
+                    after: Duration::from_secs(10),
+                    next: Box::new(crate::TriggerMessage::parse("a", "b").unwrap()),
+                },
+                "waiting",
+            ),
+            (Outcome::Debounced { joined: true }, "debounced"),
         ];
         for (outcome, label) in cases {
             assert_eq!(outcome.label().as_str(), label, "{outcome:?}");
@@ -262,7 +280,9 @@ mod tests {
                 "lease_lost",
                 "poisoned",
                 "deferred",
-                "superseded"
+                "superseded",
+                "waiting",
+                "debounced"
             ]
         );
     }

@@ -20,6 +20,11 @@ use crate::queue::TriggerQueue;
 use crate::record::{RecordId, Scope};
 use crate::watchdog::Watchdog;
 
+mod debounce;
+
+pub use debounce::Debounce;
+use debounce::{Next, marked};
+
 /// What the logic is told about its run.
 #[derive(Debug, Clone)]
 pub struct RunContext {
@@ -153,6 +158,8 @@ pub struct RunnerOptions {
     pub run_policy: PerScope<RunPolicy>,
     /// Superseded runs of a record in a row after which a run is let finish. Default 3.
     pub supersede_streak: u32,
+    /// Each scope's debounce window; `None` (the default): triggers run as they come.
+    pub debounce: PerScope<Option<Debounce>>,
     /// The protocol variant (feature `testing` only).
     #[cfg(feature = "testing")]
     pub variant: ProtocolVariant,
@@ -171,6 +178,7 @@ impl Default for RunnerOptions {
             max_deferral: PerScope::new(Duration::from_secs(86_400)),
             run_policy: PerScope::new(RunPolicy::Coalesce),
             supersede_streak: 3,
+            debounce: PerScope::new(None),
             #[cfg(feature = "testing")]
             variant: ProtocolVariant::Correct,
         }
@@ -286,6 +294,19 @@ pub enum Outcome {
         why: String,
         next: Box<TriggerMessage>,
     },
+    /// In a scope that debounces: the record waits for its burst of triggers to end, and
+    /// `next` (the delivered message, as its waiter) must become visible after `after` to look
+    /// again. Under Functions it is already queued (the watchdog became it). Standalone the
+    /// consumer turns the delivered message into it in place, which is also the
+    /// acknowledgement; if that fails, the message comes back as a redelivery, which runs.
+    Waiting {
+        after: Duration,
+        next: Box<TriggerMessage>,
+    },
+    /// In a scope that debounces: the trigger joined a wait in progress (`joined`), whose waiter
+    /// runs the record once the burst has ended; or a waiter found its wait consumed by another
+    /// delivery, which runs it. Acknowledge.
+    Debounced { joined: bool },
     /// The run failed, timed out, lost its lease, was cancelled, or storage failed. Do not
     /// acknowledge: the message is delivered again (and poisoned after too many deliveries).
     Failed { error: Error, retriggered: bool },
@@ -302,6 +323,8 @@ impl Outcome {
             | Outcome::Coalesced
             | Outcome::Rechecking { .. }
             | Outcome::Deferred { .. }
+            | Outcome::Waiting { .. }
+            | Outcome::Debounced { .. }
             | Outcome::Superseded { .. } => None,
         }
     }
@@ -316,6 +339,8 @@ impl Outcome {
                 | Outcome::Retrying { .. }
                 | Outcome::Poisoned { .. }
                 | Outcome::Deferred { .. }
+                | Outcome::Waiting { .. }
+                | Outcome::Debounced { .. }
                 | Outcome::Superseded { .. }
         )
     }
@@ -330,6 +355,8 @@ impl Outcome {
             Outcome::Poisoned { .. } => "poisoned",
             Outcome::Deferred { .. } => "deferred",
             Outcome::Superseded { .. } => "superseded",
+            Outcome::Waiting { .. } => "waiting",
+            Outcome::Debounced { .. } => "debounced",
             Outcome::Failed { .. } => "failed",
         }
     }
@@ -492,9 +519,13 @@ impl RecordRunner {
         cancel: &CancellationToken,
     ) -> (Outcome, Ended) {
         let mut ended = Ended::of(delivery);
-        let outcome = self
-            .handle_key(&delivery.message.key(), delivery, cancel, None, &mut ended)
-            .await;
+        let outcome = match self.debounce(self.debounce_step(delivery), delivery).await {
+            Next::Done(outcome) => outcome,
+            Next::Carry(carried) => {
+                self.handle_key(&carried.message.key(), &carried, cancel, None, &mut ended)
+                    .await
+            }
+        };
         (outcome, ended)
     }
 
@@ -542,7 +573,11 @@ impl RecordRunner {
             };
             return self.poison_delivery(poison, delivery, error).await;
         }
-        let standin = msg.follow_up(TriggerKind::Watchdog, attempts);
+        // A delivery that may leave a wait marker behind has carriers that stand in for it.
+        let step = self.debounce_step(delivery);
+        let marks = step.marks_carrier();
+        let carrier = |m: TriggerMessage| if marks { marked(m) } else { m };
+        let standin = carrier(msg.follow_up(TriggerKind::Watchdog, attempts));
         let watchdog = match Watchdog::arm(
             self.queue.clone(),
             &self.options_retry(),
@@ -555,9 +590,27 @@ impl RecordRunner {
             // Nothing happened yet: the host retries its message.
             Err(e) => return storage_failed("put watchdog", e),
         };
-        let outcome = self
-            .handle_key(&key, delivery, cancel, Some(&watchdog), ended)
-            .await;
+        // What the delivery's follow-ups (a retry, a recheck) are made of: once it carries on
+        // past its debounce step, the message without `wait`.
+        let (outcome, carried) = match self.debounce(step, delivery).await {
+            Next::Done(outcome) => (outcome, carrier(msg.clone())),
+            Next::Carry(carried) => (
+                self.handle_key(&key, &carried, cancel, Some(&watchdog), ended)
+                    .await,
+                carried.message,
+            ),
+        };
+        let msg = &carried;
+        let outcome = match outcome {
+            // The watchdog becomes the waiter; the host's message is acknowledged.
+            Outcome::Waiting { after, next } => match self.rearm_or_put(&watchdog, &next, after).await {
+                Ok(()) => return Outcome::Waiting { after, next },
+                // Not acknowledged: it may be that nobody waits for a marker this delivery
+                // created. Its retry, or the host's redelivery, stands in for it.
+                Err(e) => storage_failed("persist the waiter", e),
+            },
+            other => other,
+        };
         match outcome {
             Outcome::Rechecking { after } => {
                 // Leave the watchdog in place as the look again; this delivery did not fail.
@@ -674,6 +727,8 @@ impl RecordRunner {
             // run it waits for.
             sweep.deferral = None;
             sweep.after_token = None;
+            // A sweep always stands in for a wait marker its trigger may have left.
+            sweep.wait = None;
             self.enqueue(&sweep, Duration::ZERO).await?;
         }
         Ok(())

@@ -13,7 +13,7 @@ use leasehold_lock::LockKey;
 pub use leasehold_lock::testing::{Effect, FaultyStore, Interceptor};
 use leasehold_storage::{Op, OpCounters, StoreResult};
 
-use crate::markers::{MarkerSet, MarkerStore};
+use crate::markers::{MarkerSet, MarkerStore, WaitConsumed};
 use crate::queue::{Enqueued, Peeked, Received, TriggerQueue};
 
 /// A [`MarkerStore`] whose every request goes through an [`Interceptor`] before it reaches `inner`.
@@ -54,6 +54,29 @@ impl<I: Interceptor> MarkerStore for FaultyMarkers<I> {
     async fn is_set(&self, key: &LockKey) -> StoreResult<bool> {
         self.send(Op::BlobProperties, key, |m, k| async move { m.is_set(&k).await })
             .await
+    }
+
+    async fn wait_create(&self, key: &LockKey) -> StoreResult<Option<String>> {
+        self.send(Op::WaitPut, key, |m, k| async move { m.wait_create(&k).await })
+            .await
+    }
+
+    async fn wait_touch(&self, key: &LockKey) -> StoreResult<bool> {
+        self.send(Op::WaitTouch, key, |m, k| async move { m.wait_touch(&k).await })
+            .await
+    }
+
+    async fn wait_look(&self, key: &LockKey) -> StoreResult<Option<String>> {
+        self.send(Op::WaitHead, key, |m, k| async move { m.wait_look(&k).await })
+            .await
+    }
+
+    async fn wait_consume(&self, key: &LockKey, if_match: Option<&str>) -> StoreResult<WaitConsumed> {
+        let if_match = if_match.map(str::to_string);
+        self.send(Op::WaitDelete, key, |m, k| async move {
+            m.wait_consume(&k, if_match.as_deref()).await
+        })
+        .await
     }
 
     fn counters(&self) -> &OpCounters {

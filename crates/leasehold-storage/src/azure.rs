@@ -309,6 +309,76 @@ impl BlobContainer {
         self.with_container(attempt).await
     }
 
+    /// Puts an empty blob unless one exists (`If-None-Match: *`), creating the container on
+    /// first use: the new blob's ETag if this call created it, `None` if it was there already.
+    pub async fn create_empty_tagged(&self, name: &str, op: Op) -> StoreResult<Option<String>> {
+        let blob = self.blob(name);
+        let attempt = || {
+            let fut = blob.upload(
+                azure_core::Bytes::new().into(),
+                Some(BlobClientUploadOptions::default().if_not_exists()),
+            );
+            async move {
+                match self.call(op, fut).await {
+                    Ok(answer) => answer.etag.map(|tag| Some(tag.to_string())).ok_or_else(|| {
+                        StoreError::new(StoreErrorKind::Transient, op, "unreadable answer: no ETag")
+                    }),
+                    Err(e) if e.code() == Some("BlobAlreadyExists") || e.status() == Some(412) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        self.with_container(attempt).await
+    }
+
+    /// Replaces a blob's metadata with `metadata`, without a lease, which changes its ETag: the
+    /// new ETag, or `None` if the blob (or its container) does not exist. Never creates it.
+    pub async fn set_metadata_if_present(
+        &self,
+        name: &str,
+        metadata: &std::collections::HashMap<String, String>,
+        op: Op,
+    ) -> StoreResult<Option<String>> {
+        match self.call(op, self.blob(name).set_metadata(metadata, None)).await {
+            Ok(answer) => answer
+                .headers()
+                .get_optional_str(&azure_core::http::headers::ETAG)
+                .map(|tag| Some(tag.to_string()))
+                .ok_or_else(|| StoreError::new(StoreErrorKind::Transient, op, "unreadable answer: no ETag")),
+            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A blob's ETag (one properties request), `None` if it does not exist.
+    pub async fn etag(&self, name: &str, op: Op) -> StoreResult<Option<String>> {
+        use azure_storage_blob::models::BlobClientGetPropertiesResultHeaders;
+        match self.call(op, self.blob(name).get_properties(None)).await {
+            Ok(answer) => answer
+                .etag()
+                .ok()
+                .flatten()
+                .map(|tag| Some(tag.to_string()))
+                .ok_or_else(|| StoreError::new(StoreErrorKind::Transient, op, "unreadable answer: no ETag")),
+            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Deletes a blob, only if its ETag is `if_match` when one is given.
+    pub async fn delete_if_match(&self, name: &str, if_match: Option<&str>, op: Op) -> StoreResult<Deleted> {
+        let options = azure_storage_blob::models::BlobClientDeleteOptions {
+            if_match: if_match.map(|tag| azure_core::http::Etag::from(tag.to_string())),
+            ..Default::default()
+        };
+        match self.call(op, self.blob(name).delete(Some(options))).await {
+            Ok(_) => Ok(Deleted::Deleted),
+            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(Deleted::NotFound),
+            Err(e) if e.status() == Some(412) => Ok(Deleted::Changed),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Deletes a blob: `true` if it existed, `false` if not.
     pub async fn delete_if_present(&self, name: &str, op: Op) -> StoreResult<bool> {
         match self.call(op, self.blob(name).delete(None)).await {
@@ -391,6 +461,17 @@ impl BlobContainer {
             Err(e) => Err(e),
         }
     }
+}
+
+/// Answer of [`BlobContainer::delete_if_match`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deleted {
+    /// This call deleted the blob.
+    Deleted,
+    /// There was no such blob.
+    NotFound,
+    /// The blob's ETag was not the one given (412): it was left as it is.
+    Changed,
 }
 
 /// One page of a blob listing ([`BlobContainer::list_page`]).

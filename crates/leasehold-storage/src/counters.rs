@@ -19,6 +19,10 @@ pub enum Op {
     LeaseBreak,
     FlagPut,
     FlagDelete,
+    WaitPut,
+    WaitTouch,
+    WaitHead,
+    WaitDelete,
     QueueCreate,
     QueuePut,
     QueueGet,
@@ -31,7 +35,7 @@ pub enum Op {
 
 impl Op {
     /// Every kind, in display order.
-    pub const ALL: [Op; 18] = [
+    pub const ALL: [Op; 22] = [
         Op::ContainerCreate,
         Op::BlobCreate,
         Op::BlobProperties,
@@ -42,6 +46,10 @@ impl Op {
         Op::LeaseBreak,
         Op::FlagPut,
         Op::FlagDelete,
+        Op::WaitPut,
+        Op::WaitTouch,
+        Op::WaitHead,
+        Op::WaitDelete,
         Op::QueueCreate,
         Op::QueuePut,
         Op::QueueGet,
@@ -64,6 +72,10 @@ impl Op {
             Op::LeaseBreak => "lease break",
             Op::FlagPut => "flag put",
             Op::FlagDelete => "flag delete",
+            Op::WaitPut => "wait put",
+            Op::WaitTouch => "wait touch",
+            Op::WaitHead => "wait head",
+            Op::WaitDelete => "wait delete",
             Op::QueueCreate => "queue create",
             Op::QueuePut => "queue put",
             Op::QueueGet => "queue get",
@@ -88,6 +100,10 @@ impl Op {
             Op::LeaseBreak => "lease_break",
             Op::FlagPut => "flag_put",
             Op::FlagDelete => "flag_delete",
+            Op::WaitPut => "wait_put",
+            Op::WaitTouch => "wait_touch",
+            Op::WaitHead => "wait_head",
+            Op::WaitDelete => "wait_delete",
             Op::QueueCreate => "queue_create",
             Op::QueuePut => "queue_put",
             Op::QueueGet => "queue_get",

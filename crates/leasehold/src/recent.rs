@@ -108,6 +108,14 @@ fn describe(outcome: &Outcome) -> String {
             after.as_secs(),
             total.as_secs()
         ),
+        Outcome::Waiting { after, .. } => format!(
+            "waiting for the burst of triggers to end; looking again in {} s",
+            after.as_secs()
+        ),
+        Outcome::Debounced { joined: true } => {
+            "joined the wait for the burst to end; it runs once the burst has ended".into()
+        }
+        Outcome::Debounced { joined: false } => "another delivery ended the wait and runs the record".into(),
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use leasehold_functions::start::{Secret, StartPolicy};
 use leasehold_lock::{LeaseDuration, LeaseOptions};
-use leasehold_runtime::{ConsumerOptions, PerScope, RunPolicy, RunnerOptions};
+use leasehold_runtime::{ConsumerOptions, Debounce, PerScope, RunPolicy, RunnerOptions, Scope};
 use leasehold_storage::StorageAccount;
 use serde::Deserialize;
 
@@ -25,6 +25,64 @@ pub struct SettingInfo {
 /// The most `LEASEHOLD_MAX_DEFERRAL_SECONDS` may be: 7 days, the longest a queue message can stay
 /// hidden.
 const MAX_DEFERRAL_LIMIT: u64 = 604_800;
+
+/// The longest `LEASEHOLD_DEBOUNCE_SECONDS` may be: an hour (a quiet period longer than that is
+/// a schedule, not a debounce).
+const MAX_DEBOUNCE_QUIET: u64 = 3_600;
+/// The longest `LEASEHOLD_DEBOUNCE_MAX_SECONDS` may be: a day.
+const MAX_DEBOUNCE_LONGEST: u64 = 86_400;
+
+/// Reads `LEASEHOLD_DEBOUNCE_SECONDS` (Q, default 0: off) and `LEASEHOLD_DEBOUNCE_MAX_SECONDS` (M,
+/// default 60), each `<default>[,<scope>=<seconds>]…`, into each scope's window; M below Q in a
+/// scope that debounces is refused.
+fn debounce(quiet: Option<&str>, longest: Option<&str>) -> anyhow::Result<PerScope<Option<Debounce>>> {
+    let seconds =
+        |name: &'static str, text: Option<&str>, default: u64, range: std::ops::RangeInclusive<u64>| {
+            match text {
+                None => Ok(PerScope::new(default)),
+                Some(text) => PerScope::parse(text, default, |v| {
+                    let n: u64 = v
+                        .parse()
+                        .map_err(|_| "not a whole number of seconds".to_string())?;
+                    if !range.contains(&n) {
+                        return Err(format!("must be {}–{} seconds", range.start(), range.end()));
+                    }
+                    Ok(n)
+                })
+                .map_err(|e| anyhow::anyhow!("{name}: {e}")),
+            }
+        };
+    let quiet = seconds("LEASEHOLD_DEBOUNCE_SECONDS", quiet, 0, 0..=MAX_DEBOUNCE_QUIET)?;
+    let longest = seconds(
+        "LEASEHOLD_DEBOUNCE_MAX_SECONDS",
+        longest,
+        60,
+        1..=MAX_DEBOUNCE_LONGEST,
+    )?;
+    let window = |scope: Option<&Scope>| -> anyhow::Result<Option<Debounce>> {
+        let (q, m) = match scope {
+            None => (*quiet.default_value(), *longest.default_value()),
+            Some(s) => (*quiet.get(s), *longest.get(s)),
+        };
+        if q > 0 && m < q {
+            let within = scope.map_or(String::new(), |s| format!(" for scope {s}"));
+            bail!(
+                "LEASEHOLD_DEBOUNCE_MAX_SECONDS: {m} s is below LEASEHOLD_DEBOUNCE_SECONDS ({q} s){within}: the longest wait must be at least the quiet period"
+            );
+        }
+        Ok(Debounce::new(Duration::from_secs(q), Duration::from_secs(m)))
+    };
+    let mut windows = PerScope::new(window(None)?);
+    for scope in quiet
+        .overrides()
+        .chain(longest.overrides())
+        .map(|(s, _)| s.clone())
+    {
+        let w = window(Some(&scope))?;
+        windows = windows.with(scope, w);
+    }
+    Ok(windows)
+}
 
 const fn setting(name: &'static str, default: Option<&'static str>) -> SettingInfo {
     SettingInfo { name, default }
@@ -57,6 +115,8 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_MAX_DEQUEUE_COUNT", Some("5")),
     setting("LEASEHOLD_MAX_DEFERRAL_SECONDS", Some("86400")),
     setting("LEASEHOLD_RUN_POLICY", Some("coalesce")),
+    setting("LEASEHOLD_DEBOUNCE_SECONDS", Some("0")),
+    setting("LEASEHOLD_DEBOUNCE_MAX_SECONDS", Some("60")),
     setting("LEASEHOLD_POLL_MAX_SECONDS", Some("2")),
     setting("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", Some("30")),
     setting("LEASEHOLD_PORT", Some("7071")),
@@ -111,6 +171,8 @@ struct Raw {
     leasehold_max_dequeue_count: Option<String>,
     leasehold_max_deferral_seconds: Option<String>,
     leasehold_run_policy: Option<String>,
+    leasehold_debounce_seconds: Option<String>,
+    leasehold_debounce_max_seconds: Option<String>,
     leasehold_poll_max_seconds: Option<String>,
     leasehold_shutdown_grace_seconds: Option<String>,
     leasehold_allowed_organizations: Option<String>,
@@ -391,7 +453,12 @@ impl Settings {
                 "LEASEHOLD_RUN_POLICY: supersede needs LEASEHOLD_FENCING=true (a record's streak of stopped runs is kept with its fencing generation)"
             );
         }
+        let debounce = debounce(
+            raw.leasehold_debounce_seconds.as_deref(),
+            raw.leasehold_debounce_max_seconds.as_deref(),
+        )?;
         let runner = RunnerOptions {
+            debounce,
             // Under Functions the handler gives a trigger up itself (the host would drop the reason).
             max_attempts: max_dequeue_count,
             max_deferral,
@@ -606,6 +673,18 @@ mod tests {
                     s.runner.max_deferral.clone().map(|d| d.as_secs()).to_string()
                 }
                 "LEASEHOLD_RUN_POLICY" => s.runner.run_policy.to_string(),
+                "LEASEHOLD_DEBOUNCE_SECONDS" => {
+                    let window = s.runner.debounce.default_value();
+                    window.map_or(0, |w| w.quiet.as_secs()).to_string()
+                }
+                // Only meaningful once debounce is on; the default applies then.
+                "LEASEHOLD_DEBOUNCE_MAX_SECONDS" => debounce(Some("1"), None)
+                    .unwrap()
+                    .default_value()
+                    .unwrap()
+                    .longest
+                    .as_secs()
+                    .to_string(),
                 "LEASEHOLD_POLL_MAX_SECONDS" => s.consumer.poll_max.as_secs().to_string(),
                 "LEASEHOLD_SHUTDOWN_GRACE_SECONDS" => s.consumer.shutdown_grace.as_secs().to_string(),
                 "LEASEHOLD_PORT" => s.port.to_string(),
@@ -798,6 +877,55 @@ mod tests {
                 e.starts_with("LEASEHOLD_RUN_POLICY: ") && e.contains(wants),
                 "{policy}: {e}"
             );
+        }
+    }
+
+    /// `LEASEHOLD_DEBOUNCE_SECONDS` and `LEASEHOLD_DEBOUNCE_MAX_SECONDS` give each scope its
+    /// window, per scope; off by default; M below Q, or a bad value, stops start-up naming the
+    /// setting.
+    #[test]
+    fn debounce_is_read_per_scope_and_the_longest_wait_is_at_least_the_quiet_period() {
+        let s = Settings::from_raw(raw()).unwrap();
+        assert_eq!(*s.runner.debounce.default_value(), None);
+        let s = Settings::from_raw(Raw {
+            leasehold_debounce_seconds: Some("0,account=5, contact=10".into()),
+            leasehold_debounce_max_seconds: Some("120,contact=30".into()),
+            ..raw()
+        })
+        .unwrap();
+        let get = |scope: &str| *s.runner.debounce.get(&scope.parse().unwrap());
+        let window = |q, m| Debounce::new(Duration::from_secs(q), Duration::from_secs(m));
+        assert_eq!(get("lead"), None);
+        assert_eq!(get("account"), window(5, 120));
+        assert_eq!(get("contact"), window(10, 30));
+        for (q, m, wants) in [
+            ("10", "5", "5 s is below LEASEHOLD_DEBOUNCE_SECONDS (10 s)"),
+            (
+                "0,account=90",
+                "60",
+                "60 s is below LEASEHOLD_DEBOUNCE_SECONDS (90 s) for scope account",
+            ),
+            (
+                "-1",
+                "60",
+                "LEASEHOLD_DEBOUNCE_SECONDS: \"-1\": not a whole number",
+            ),
+            (
+                "3601",
+                "86400",
+                "LEASEHOLD_DEBOUNCE_SECONDS: \"3601\": must be 0–3600",
+            ),
+            ("5", "0", "LEASEHOLD_DEBOUNCE_MAX_SECONDS: \"0\": must be 1–86400"),
+            ("5,account=x", "60", "LEASEHOLD_DEBOUNCE_SECONDS"),
+        ] {
+            let e = Settings::from_raw(Raw {
+                leasehold_debounce_seconds: Some(q.into()),
+                leasehold_debounce_max_seconds: Some(m.into()),
+                ..raw()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(wants), "{q} / {m}: {e}");
         }
     }
 

@@ -1,0 +1,243 @@
+//! Debounce: a record's run starts only once its burst of triggers has ended.
+//!
+//! Per record there is a *wait marker* (`waiting/<scope>/<record>`), whose existence means
+//! "triggers are waiting for the record's burst to end", and one queue message, its *waiter*
+//! ([`TriggerMessage::wait`]), which wakes every quiet period Q, looks at the marker's ETag and,
+//! once it has not changed for a whole period (or the waiter has waited the longest wait M),
+//! consumes the marker and carries on as one trigger through the coalescing protocol.
+//!
+//! * **A, a trigger** (a first delivery, in a scope that debounces): create the marker
+//!   (`If-None-Match: *`). Created: become its waiter (the delivered message, re-hidden for Q).
+//!   There already: touch it (a metadata write changes its ETag; never a create) and
+//!   acknowledge: the waiter consumes it later and runs after that, which covers this trigger.
+//! * **B, a waiter's wake**: look; unchanged since the last look → delete `If-Match` that ETag,
+//!   then run; changed → wait another Q; waited M → delete unconditionally, then run; gone →
+//!   someone else consumed it and owes the run: stand down (unless `owed`).
+//! * **C, a possible stand-in** (a redelivered trigger, a sweep, a watchdog or retry of an A or
+//!   B delivery, a waiter whose scope no longer debounces): delete whatever marker exists, then
+//!   carry on as today. It may be the carrier of a delivery that created a marker and died
+//!   before becoming its waiter; consuming it and running covers every trigger that joined it.
+//!
+//! So every wait marker has a waiter or a stand-in, and whoever consumes one owes a run that
+//! starts after. The design and its proof: `docs/design.md` (*Debounce*).
+
+use std::time::Duration;
+
+use leasehold_lock::LockKey;
+
+use super::{Delivery, Outcome, RecordRunner, storage_failed};
+use crate::markers::WaitConsumed;
+use crate::message::{TriggerKind, TriggerMessage, Wait};
+
+/// A scope's debounce window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Debounce {
+    /// The quiet period Q: a run starts once no trigger arrived for this long (between Q and 2Q
+    /// after the last one, as waiters look every Q).
+    pub quiet: Duration,
+    /// The longest wait M (at least Q): a steady stream of triggers still runs this long after
+    /// the first trigger that waits.
+    pub longest: Duration,
+}
+
+impl Debounce {
+    /// A window; `None` (debounce off) if `quiet` is zero. `longest` is raised to `quiet`.
+    pub fn new(quiet: Duration, longest: Duration) -> Option<Self> {
+        (!quiet.is_zero()).then_some(Self {
+            quiet,
+            longest: longest.max(quiet),
+        })
+    }
+}
+
+/// What a delivery does about debounce before the coalescing protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Nothing.
+    Skip,
+    /// Path A: a trigger's first delivery in a scope that debounces.
+    Trigger(Debounce),
+    /// Path B: a waiter's wake.
+    Wake(Debounce, Wait),
+    /// Path C: consume whatever wait marker there is, then carry on.
+    StandIn,
+}
+
+/// Where a delivery goes after its debounce step.
+pub(crate) enum Next {
+    /// It has its outcome ([`Outcome::Waiting`], [`Outcome::Debounced`] or a failure).
+    Done(Outcome),
+    /// It carries on through the coalescing protocol as this delivery (its message without
+    /// `wait`).
+    Carry(Delivery),
+}
+
+impl Step {
+    /// Whether this delivery's carrier (a Functions watchdog, or its retry) must stand in for a
+    /// wait marker it may leave: marked with `wait`, it takes path C if it surfaces.
+    pub(crate) fn marks_carrier(&self) -> bool {
+        !matches!(self, Step::Skip)
+    }
+}
+
+impl RecordRunner {
+    /// The debounce step of `delivery`.
+    pub(crate) fn debounce_step(&self, delivery: &Delivery) -> Step {
+        let message = &delivery.message;
+        let window = *self.options.debounce.get(&message.scope);
+        let first = !delivery.redelivered();
+        match (&message.wait, message.kind, window) {
+            (Some(wait), TriggerKind::Trigger, Some(window)) if first => Step::Wake(window, wait.clone()),
+            (Some(_), _, _) => Step::StandIn,
+            // A redelivered trigger may be its own orphan's stand-in (standalone, it died after
+            // creating a marker; under Functions, its handler died): in any scope, because
+            // debounce may have been on when it was first delivered.
+            (None, TriggerKind::Trigger, _) if !first => Step::StandIn,
+            (None, TriggerKind::Trigger, Some(window)) => Step::Trigger(window),
+            // A sweep stands for a trigger given up, which may have been such a delivery.
+            (None, TriggerKind::Sweep, _) => Step::StandIn,
+            _ => Step::Skip,
+        }
+    }
+
+    /// Takes `step` for `delivery`, in the delivery's span.
+    pub(crate) async fn debounce(&self, step: Step, delivery: &Delivery) -> Next {
+        let key = delivery.message.key();
+        match step {
+            Step::Skip => Next::Carry(delivery.clone()),
+            Step::Trigger(window) => self.join_or_wait(&key, delivery, window).await,
+            Step::Wake(window, wait) => self.wake(&key, delivery, window, wait).await,
+            Step::StandIn => {
+                let (consumed, _) = self
+                    .marker_op("consume wait marker", |m| m.wait_consume(&key, None))
+                    .await;
+                match consumed {
+                    Ok(consumed) => {
+                        if consumed == WaitConsumed::Consumed {
+                            tracing::info!(
+                                "consumed a wait marker this delivery may stand in for; running without waiting"
+                            );
+                        }
+                        Next::Carry(carried_on(delivery))
+                    }
+                    Err(e) => Next::Done(storage_failed("consume wait marker", e)),
+                }
+            }
+        }
+    }
+
+    /// Path A.
+    async fn join_or_wait(&self, key: &LockKey, delivery: &Delivery, window: Debounce) -> Next {
+        let (created, retried) = self.marker_op("create wait marker", |m| m.wait_create(key)).await;
+        match created {
+            Ok(Some(etag)) => Next::Done(self.rewait(delivery, window, Some(etag), 0, false)),
+            // Our own create may have landed with its answer lost: counted as created (at worst
+            // a second waiter), its ETag unknown.
+            Ok(None) if retried => Next::Done(self.rewait(delivery, window, None, 0, false)),
+            Ok(None) => {
+                // Covered by whoever consumes the marker: it runs after this trigger was
+                // accepted. The touch only makes the waiter wait for quiet, so any answer will
+                // do, a failure included.
+                match self.markers.wait_touch(key).await {
+                    Ok(true) => {}
+                    Ok(false) => tracing::debug!(
+                        "the wait marker was consumed before the touch; its consumer's run covers this trigger"
+                    ),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "touching the wait marker failed; the waiter may run before the burst ends")
+                    }
+                }
+                Next::Done(Outcome::Debounced { joined: true })
+            }
+            Err(e) => Next::Done(storage_failed("create wait marker", e)),
+        }
+    }
+
+    /// Path B.
+    async fn wake(&self, key: &LockKey, delivery: &Delivery, window: Debounce, wait: Wait) -> Next {
+        let looked = self
+            .lock
+            .options()
+            .retry
+            .run("look at wait marker", || self.markers.wait_look(key))
+            .await;
+        let now = match looked {
+            Ok(now) => now,
+            Err(e) => return Next::Done(storage_failed("look at wait marker", e)),
+        };
+        let waited = Duration::from_millis(wait.waited_ms);
+        let condition = match &now {
+            None if wait.owed => return Next::Carry(carried_on(delivery)),
+            // Someone else consumed it (a stand-in), and owes the run.
+            None => return Next::Done(Outcome::Debounced { joined: false }),
+            Some(_) if waited >= window.longest => None,
+            Some(tag) if wait.etag.as_ref() == Some(tag) => Some(tag.clone()),
+            Some(tag) => {
+                return Next::Done(self.rewait(
+                    delivery,
+                    window,
+                    Some(tag.clone()),
+                    wait.waited_ms,
+                    wait.owed,
+                ));
+            }
+        };
+        let (consumed, retried) = self
+            .marker_op("consume wait marker", |m| {
+                m.wait_consume(key, condition.as_deref())
+            })
+            .await;
+        let owed = wait.owed || retried;
+        match consumed {
+            Ok(WaitConsumed::Consumed) => Next::Carry(carried_on(delivery)),
+            // A trigger joined between the look and the delete: wait for quiet again. If the
+            // delete was retried, its first attempt may have consumed an earlier marker.
+            Ok(WaitConsumed::Changed) => {
+                Next::Done(self.rewait(delivery, window, None, wait.waited_ms, owed))
+            }
+            Ok(WaitConsumed::Gone) if owed => Next::Carry(carried_on(delivery)),
+            Ok(WaitConsumed::Gone) => Next::Done(Outcome::Debounced { joined: false }),
+            Err(e) => Next::Done(storage_failed("consume wait marker", e)),
+        }
+    }
+
+    /// The waiter's next wake: the delivered message with its wait, visible after one more
+    /// quiet period (or what is left of the longest wait).
+    fn rewait(
+        &self,
+        delivery: &Delivery,
+        window: Debounce,
+        etag: Option<String>,
+        waited_ms: u64,
+        owed: bool,
+    ) -> Outcome {
+        let left = window.longest.saturating_sub(Duration::from_millis(waited_ms));
+        let after = window.quiet.min(left).max(Duration::from_millis(1));
+        let mut next = delivery.message.clone();
+        next.wait = Some(Wait {
+            etag,
+            waited_ms: waited_ms.saturating_add(after.as_millis() as u64),
+            owed,
+        });
+        Outcome::Waiting {
+            after,
+            next: Box::new(next),
+        }
+    }
+}
+
+/// The delivery as it carries on through the coalescing protocol: its message without `wait`
+/// (its continuations never consume again).
+fn carried_on(delivery: &Delivery) -> Delivery {
+    let mut delivery = delivery.clone();
+    delivery.message.wait = None;
+    delivery
+}
+
+/// `message` marked as the carrier of a delivery that may leave a wait marker behind.
+pub(crate) fn marked(mut message: TriggerMessage) -> TriggerMessage {
+    if message.wait.is_none() {
+        message.wait = Some(Wait::default());
+    }
+    message
+}
