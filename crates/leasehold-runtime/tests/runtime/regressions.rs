@@ -15,9 +15,9 @@ use leasehold_lock::{
 };
 use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Error, Logic, LogicError, MarkerStore, MemoryMarkers, MemoryQueue,
-    Outcome, PoisonMessage, Received, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
-    TriggerQueue,
+    Consumer, ConsumerOptions, Debounce, Delivery, Error, Logic, LogicError, MarkerStore, MemoryMarkers,
+    MemoryQueue, Outcome, PerScope, PoisonMessage, Received, RecordRunner, RunContext, RunnerOptions,
+    TriggerKind, TriggerMessage, TriggerQueue, Wait,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -2854,4 +2854,378 @@ async fn a_sweep_carries_neither_the_deferral_nor_the_after_token_of_what_was_gi
     let sweep = messages(&store).remove(0);
     assert_eq!(sweep.kind, TriggerKind::Sweep);
     assert_eq!((sweep.deferral, sweep.after_token), (None, None));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Debounce: a record's run starts once its burst of triggers has ended (issue 24). Section 9 of
+// docs/flow-control-design.md lists the sequences; each test here names its number there.
+
+fn debounce_options(quiet: u64, longest: u64) -> RunnerOptions {
+    RunnerOptions {
+        debounce: PerScope::new(Debounce::new(
+            Duration::from_secs(quiet),
+            Duration::from_secs(longest),
+        )),
+        ..RunnerOptions::default()
+    }
+}
+
+fn record_key() -> leasehold_lock::LockKey {
+    TriggerMessage::parse("acct", "r").unwrap().key()
+}
+
+async fn waiting(store: &Scripted) -> bool {
+    store.markers.wait_look(&record_key()).await.unwrap().is_some()
+}
+
+/// Start's put of one trigger for `acct/r`.
+async fn trigger_now(store: &Scripted) {
+    store
+        .queue()
+        .put(
+            &TriggerMessage::parse("acct", "r").unwrap().encode(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+}
+
+/// A standalone consumer over `store` running until the token fires; it polls at most every
+/// 100 ms, so a message is taken within that of becoming visible.
+fn consuming(runner: RecordRunner) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    let consumer = Consumer::new(
+        runner,
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions {
+            poll_max: Duration::from_millis(100),
+            ..ConsumerOptions::default()
+        },
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move { consumer.run(stop).await }
+    });
+    (stop, task)
+}
+
+/// An emulated Functions host over `store`: takes visible messages (hidden 10 minutes, as the
+/// host does), hands each to `handle_watched` with its dequeue count, and deletes it when the
+/// outcome says so; every dequeue count it saw is kept.
+fn hosting(
+    store: &Arc<Scripted>,
+    runner: RecordRunner,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<()>,
+    Arc<Mutex<Vec<u32>>>,
+) {
+    let stop = CancellationToken::new();
+    let counts = Arc::new(Mutex::new(Vec::new()));
+    let task = tokio::spawn({
+        let (stop, counts, queue) = (stop.clone(), counts.clone(), store.queue().clone());
+        async move {
+            let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+            while !stop.is_cancelled() {
+                for m in queue.get(32, Duration::from_secs(600)).await.unwrap() {
+                    counts.lock().unwrap().push(m.dequeue_count);
+                    let (runner, queue, poison) = (runner.clone(), queue.clone(), poison.clone());
+                    tokio::spawn(async move {
+                        let delivery = Delivery {
+                            message: TriggerMessage::decode(&m.body).unwrap(),
+                            dequeue_count: m.dequeue_count,
+                        };
+                        let outcome = runner
+                            .handle_watched(&delivery, &*poison, &CancellationToken::new())
+                            .await;
+                        if outcome.acknowledge() {
+                            queue.delete(&m.id, &m.pop_receipt).await.unwrap();
+                        }
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    });
+    (stop, task, counts)
+}
+
+/// Puts triggers at these offsets (seconds) from now, then waits `after` past the last.
+async fn burst(store: &Scripted, at: &[f64], after: u64) -> Instant {
+    let start = Instant::now();
+    for t in at {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(*t)).await;
+        trigger_now(store).await;
+    }
+    tokio::time::sleep(Duration::from_secs(after)).await;
+    start
+}
+
+/// 18, and section 5.4's burst: Q = 10 s, M = 60 s, triggers at 0, 3, 7, 12 and 19 s. One
+/// waiter, woken at 10 and 20 s to find a trigger joined, at 30 s to find none: one run, at
+/// about 30 s, at least Q after the last trigger; in both modes, and the wait marker gone.
+#[tokio::test(start_paused = true)]
+async fn a_burst_shorter_than_the_quiet_period_apart_costs_one_run_after_it() {
+    for functions in [false, true] {
+        let store = Scripted::new();
+        let logic = Script::new(Duration::from_secs(1), End::Succeed);
+        let runner = runner_on(&store, logic.clone(), debounce_options(10, 60));
+        let (stop, task, counts) = if functions {
+            let (s, t, c) = hosting(&store, runner);
+            (s, t, Some(c))
+        } else {
+            let (s, t) = consuming(runner);
+            (s, t, None)
+        };
+        let start = burst(&store, &[0.0, 3.0, 7.0, 12.0, 19.0], 60).await;
+        stop.cancel();
+        task.await.unwrap();
+        let starts = logic.starts.lock().unwrap().clone();
+        assert_eq!(starts.len(), 1, "functions {functions}: one run: {starts:?}");
+        let at = starts[0] - start;
+        assert!(
+            at >= Duration::from_secs(29) && at < Duration::from_secs(32),
+            "functions {functions}: started {at:?} in"
+        );
+        assert!(!waiting(&store).await, "the wait marker is consumed");
+        assert!(messages(&store).is_empty(), "{:?}", messages(&store));
+        let ops = store.rules.counters.snapshot();
+        assert_eq!(
+            (
+                ops.get(Op::WaitPut),
+                ops.get(Op::WaitTouch),
+                ops.get(Op::WaitHead),
+                ops.get(Op::WaitDelete)
+            ),
+            (5, 4, 3, 1),
+            "functions {functions}: one create each, a touch for each joiner, a look per wake, one consume"
+        );
+        if let Some(counts) = counts {
+            assert!(
+                counts.lock().unwrap().iter().all(|c| *c == 1),
+                "no host delivery counted twice: {:?}",
+                counts.lock().unwrap()
+            );
+        }
+    }
+}
+
+/// 26: a stream that never goes quiet still runs, every M: triggers every Q/2 for 3M give a
+/// run at about M and 2M after the first, and one after the last (which joined the third wait,
+/// begun at about 2M, and so runs at about 3M).
+#[tokio::test(start_paused = true)]
+async fn a_stream_that_never_goes_quiet_runs_every_longest_wait() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_millis(500), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(4, 12));
+    let (stop, task) = consuming(runner);
+    let at: Vec<f64> = (0..18).map(|i| i as f64 * 2.0).collect();
+    let start = burst(&store, &at, 40).await;
+    stop.cancel();
+    task.await.unwrap();
+    let starts: Vec<f64> = logic
+        .starts
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| (*s - start).as_secs_f64())
+        .collect();
+    assert_eq!(starts.len(), 3, "{starts:?}");
+    for (run, (from, to)) in starts.iter().zip([(12.0, 13.0), (24.0, 27.0), (36.0, 40.0)]) {
+        assert!((from..to).contains(run), "runs at {starts:?}");
+    }
+    assert!(!waiting(&store).await);
+}
+
+/// 19: the create's answer is lost (it landed); its retry answers "exists", which is our own
+/// marker: the delivery becomes its waiter (ETag unknown) rather than joining a wait nobody
+/// waits for. One run, no marker left.
+#[tokio::test(start_paused = true)]
+async fn a_create_whose_answer_was_lost_makes_its_delivery_the_waiter() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    store.then(Op::WaitPut, &[Act::LoseAnswer]);
+    let (stop, task) = consuming(runner);
+    burst(&store, &[0.0], 40).await;
+    stop.cancel();
+    task.await.unwrap();
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+    assert!(!waiting(&store).await, "the orphan a joiner would rely on");
+    assert_eq!(
+        store.rules.counters.snapshot().get(Op::WaitTouch),
+        0,
+        "it did not join its own marker"
+    );
+}
+
+/// 20: standalone, a trigger creates the marker and its update into the waiter fails, so its
+/// message comes back as a redelivery when its visibility lapses; a trigger that joined the
+/// orphan meanwhile is served, because the redelivery stands in: it consumes and runs.
+#[tokio::test(start_paused = true)]
+async fn an_orphaned_wait_is_consumed_by_its_creators_redelivery() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    store.then(Op::QueueUpdate, &[Act::Refuse(StoreErrorKind::Transient); 10]);
+    let (stop, task) = consuming(runner);
+    let start = burst(&store, &[0.0, 2.0], 60).await;
+    stop.cancel();
+    task.await.unwrap();
+    let starts = logic.starts.lock().unwrap().clone();
+    assert_eq!(starts.len(), 1, "{starts:?}");
+    assert!(
+        starts[0] - start >= Duration::from_secs(2),
+        "the run covers the joiner"
+    );
+    assert!(!waiting(&store).await);
+    assert_eq!(
+        store.rules.counters.snapshot().get(Op::WaitTouch),
+        1,
+        "the joiner touched"
+    );
+}
+
+/// 22: the waiter's conditional delete landed but its answer was lost; the retry answers "gone"
+/// for our own delete. The waiter owes the run and runs (standing down would lose the burst).
+#[tokio::test(start_paused = true)]
+async fn a_consume_whose_answer_was_lost_still_runs() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    store.then(Op::WaitDelete, &[Act::LoseAnswer]);
+    let (stop, task) = consuming(runner);
+    burst(&store, &[0.0, 1.0], 30).await;
+    stop.cancel();
+    task.await.unwrap();
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+    assert!(!waiting(&store).await);
+}
+
+/// 24: a joiner's touch finds the marker gone (its waiter consumed it in between): it is
+/// acknowledged, and the run that consumer starts covers it.
+#[tokio::test(start_paused = true)]
+async fn a_touch_that_finds_the_wait_consumed_is_covered_by_its_consumer() {
+    let (store, logic, _) = fixture(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    store.markers.wait_create(&record_key()).await.unwrap();
+    // The waiter consumes between the joiner's create (409) and its touch.
+    store.then(Op::WaitTouch, &[Act::Slow(Duration::from_secs(1))]);
+    let joiner = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.markers.wait_consume(&record_key(), None).await.unwrap();
+    assert_eq!(joiner.await.unwrap(), Outcome::Debounced { joined: true });
+    assert!(!waiting(&store).await, "a touch never creates");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 0);
+}
+
+/// 25: a concluded waiter that finds a run in progress coalesces onto it (the marker); the
+/// holder's retrigger then runs without waiting again.
+#[tokio::test(start_paused = true)]
+async fn a_concluded_wait_coalesces_onto_a_run_and_its_retrigger_does_not_wait() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(30), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    // A run in progress, from a retrigger (which never waits).
+    let holder = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Retrigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (stop, task) = consuming(runner);
+    burst(&store, &[0.0], 0).await;
+    let outcome = holder.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Completed {
+                retriggered: true,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    stop.cancel();
+    task.await.unwrap();
+    let starts = logic.starts.lock().unwrap().clone();
+    assert_eq!(starts.len(), 2, "{starts:?}");
+    assert!(
+        starts[1] - starts[0] < Duration::from_secs(31),
+        "the retrigger ran as soon as the run ended: {starts:?}"
+    );
+    assert_eq!(
+        store.rules.counters.snapshot().get(Op::WaitPut),
+        1,
+        "only the trigger waited"
+    );
+}
+
+/// 27: debounce switched off while a waiter is in flight: the waiter consumes its marker
+/// (no incarnation is left for a trigger to rely on) and runs at once.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_scope_stopped_debouncing_consumes_and_runs() {
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let tag = store.markers.wait_create(&record_key()).await.unwrap();
+    let mut waiter = TriggerMessage::parse("acct", "r").unwrap();
+    waiter.wait = Some(Wait {
+        etag: tag,
+        waited_ms: 5_000,
+        owed: false,
+    });
+    let outcome = runner
+        .handle(
+            &Delivery {
+                message: waiter,
+                dequeue_count: 1,
+            },
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(!waiting(&store).await);
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+}
+
+/// 28: under Functions the handler dies after its watchdog became the waiter, before the host
+/// deleted the trigger: the host delivers the trigger again (`DequeueCount` 2), which stands
+/// in: it consumes the marker and runs; the waiter then wakes, finds no marker and stands down.
+#[tokio::test(start_paused = true)]
+async fn a_functions_redelivery_after_the_waiter_was_persisted_runs_and_the_waiter_stands_down() {
+    let (store, logic, _) = fixture(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let first = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(first, Outcome::Waiting { .. }), "{first:?}");
+    assert!(waiting(&store).await);
+    // The host's message was never deleted: it comes back.
+    let again = watched(&runner, &poison, TriggerKind::Trigger, 2, 0).await;
+    assert!(matches!(again, Outcome::Completed { .. }), "{again:?}");
+    assert!(!waiting(&store).await);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let waiter = take_one(&store).await;
+    let delivery = Delivery {
+        message: TriggerMessage::decode(&waiter.body).unwrap(),
+        dequeue_count: waiter.dequeue_count,
+    };
+    assert!(delivery.message.wait.is_some());
+    let woke = runner
+        .handle_watched(&delivery, &poison, &CancellationToken::new())
+        .await;
+    assert_eq!(woke, Outcome::Debounced { joined: false });
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+}
+
+/// A sweep stands in: it consumes a wait marker its given-up trigger may have left.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_consumes_a_wait_its_trigger_may_have_left() {
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    store.markers.wait_create(&record_key()).await.unwrap();
+    let outcome = standalone(&runner, TriggerKind::Sweep, 1, 0).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(!waiting(&store).await);
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
 }
