@@ -117,6 +117,8 @@ pub struct RecordView {
     /// The last fencing token granted (0: none yet).
     pub generation: u64,
     pub retrigger_pending: bool,
+    /// Whether triggers wait for the record's burst to end (`LEASEHOLD_DEBOUNCE_SECONDS`).
+    pub waiting: bool,
     pub sharers: Vec<String>,
     /// Runs of the record stopped in a row by newer triggers (`LEASEHOLD_RUN_POLICY=supersede`),
     /// and the run time they cost, in seconds; `None` when the last run was not stopped.
@@ -251,6 +253,7 @@ impl Operator {
             since_age_seconds: info.since.map(|s| clock::age_seconds(s, now)),
             generation: info.generation,
             retrigger_pending: status.retrigger_pending,
+            waiting: status.waiting,
             sharers: info.sharers,
             superseded_in_a_row: info
                 .notes

@@ -150,6 +150,9 @@ pub fn record(r: &RecordView, queue: Option<(&QueueView, &QueueView)>) -> String
         "retrigger   {}",
         if r.retrigger_pending { "pending" } else { "none" }
     ));
+    if r.waiting {
+        out.push("waiting     triggers wait for the record's burst to end (debounce)".into());
+    }
     if let Some((queue, poison)) = queue {
         out.push(queue_line("queue", queue, now));
         out.push(queue_line("poison", poison, now));

@@ -226,6 +226,8 @@ const EVENT_FIELDS: &[&str] = &[
     "deliveries_poisoned",
     "deliveries_deferred",
     "deliveries_superseded",
+    "deliveries_waiting",
+    "deliveries_debounced",
     "storage_requests",
     "storage_errors",
     "storage_errors_transient",
