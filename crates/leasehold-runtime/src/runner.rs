@@ -522,6 +522,7 @@ impl RecordRunner {
         let outcome = match self.debounce(self.debounce_step(delivery), delivery).await {
             Next::Done(outcome) => outcome,
             Next::Carry(carried) => {
+                ended = Ended::of(&carried);
                 self.handle_key(&carried.message.key(), &carried, cancel, None, &mut ended)
                     .await
             }
@@ -594,11 +595,14 @@ impl RecordRunner {
         // past its debounce step, the message without `wait`.
         let (outcome, carried) = match self.debounce(step, delivery).await {
             Next::Done(outcome) => (outcome, carrier(msg.clone())),
-            Next::Carry(carried) => (
-                self.handle_key(&key, &carried, cancel, Some(&watchdog), ended)
-                    .await,
-                carried.message,
-            ),
+            Next::Carry(carried) => {
+                *ended = Ended::of(&carried);
+                (
+                    self.handle_key(&key, &carried, cancel, Some(&watchdog), ended)
+                        .await,
+                    carried.message,
+                )
+            }
         };
         let msg = &carried;
         let outcome = match outcome {

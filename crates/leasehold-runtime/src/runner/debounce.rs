@@ -108,7 +108,7 @@ impl RecordRunner {
             Step::Trigger(window) => self.join_or_wait(&key, delivery, window).await,
             Step::Wake(window, wait) => self.wake(&key, delivery, window, wait).await,
             Step::StandIn => {
-                let (consumed, _) = self
+                let (consumed, retried) = self
                     .marker_op("consume wait marker", |m| m.wait_consume(&key, None))
                     .await;
                 match consumed {
@@ -118,7 +118,9 @@ impl RecordRunner {
                                 "consumed a wait marker this delivery may stand in for; running without waiting"
                             );
                         }
-                        Next::Carry(carried_on(delivery))
+                        // A delete that found a marker (or may have: retried) owes a run.
+                        let owes = consumed == WaitConsumed::Consumed || retried;
+                        Next::Carry(carried_on(delivery, owes))
                     }
                     Err(e) => Next::Done(storage_failed("consume wait marker", e)),
                 }
@@ -167,7 +169,7 @@ impl RecordRunner {
         };
         let waited = Duration::from_millis(wait.waited_ms);
         let condition = match &now {
-            None if wait.owed => return Next::Carry(carried_on(delivery)),
+            None if wait.owed => return Next::Carry(carried_on(delivery, true)),
             // Someone else consumed it (a stand-in), and owes the run.
             None => return Next::Done(Outcome::Debounced { joined: false }),
             Some(_) if waited >= window.longest => None,
@@ -189,13 +191,13 @@ impl RecordRunner {
             .await;
         let owed = wait.owed || retried;
         match consumed {
-            Ok(WaitConsumed::Consumed) => Next::Carry(carried_on(delivery)),
+            Ok(WaitConsumed::Consumed) => Next::Carry(carried_on(delivery, true)),
             // A trigger joined between the look and the delete: wait for quiet again. If the
             // delete was retried, its first attempt may have consumed an earlier marker.
             Ok(WaitConsumed::Changed) => {
                 Next::Done(self.rewait(delivery, window, None, wait.waited_ms, owed))
             }
-            Ok(WaitConsumed::Gone) if owed => Next::Carry(carried_on(delivery)),
+            Ok(WaitConsumed::Gone) if owed => Next::Carry(carried_on(delivery, true)),
             Ok(WaitConsumed::Gone) => Next::Done(Outcome::Debounced { joined: false }),
             Err(e) => Next::Done(storage_failed("consume wait marker", e)),
         }
@@ -227,10 +229,19 @@ impl RecordRunner {
 }
 
 /// The delivery as it carries on through the coalescing protocol: its message without `wait`
-/// (its continuations never consume again).
-fn carried_on(delivery: &Delivery) -> Delivery {
+/// (its continuations never consume again). One that consumed a wait marker (`owes`) owes a run
+/// that starts after: it must not stand down for a run that may have ended before the triggers
+/// that joined the marker came — neither as a retry whose duty a later run took over
+/// (`afterToken`), nor as a sweep that runs only if the retrigger marker is set.
+fn carried_on(delivery: &Delivery, owes: bool) -> Delivery {
     let mut delivery = delivery.clone();
     delivery.message.wait = None;
+    if owes {
+        delivery.message.after_token = None;
+        if delivery.message.kind == TriggerKind::Sweep {
+            delivery.message.given_up = delivery.message.given_up.min(1);
+        }
+    }
     delivery
 }
 

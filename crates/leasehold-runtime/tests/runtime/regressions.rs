@@ -3229,3 +3229,47 @@ async fn a_sweep_consumes_a_wait_its_trigger_may_have_left() {
     assert!(!waiting(&store).await);
     assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
 }
+
+/// A stand-in that consumed a wait marker owes a run that starts after it, so it never stands
+/// down for a run that may have ended before the marker's triggers came: not as a sweep of a
+/// chain given up twice (which otherwise runs only if the retrigger marker is set), nor as a
+/// retry whose `afterToken` a later run has taken over (found by review of the stand-in path).
+#[tokio::test(start_paused = true)]
+async fn a_stand_in_that_consumed_a_wait_never_stands_down() {
+    // A sweep of a chain given up twice, no retrigger marker: without a wait it stands down.
+    let (store, logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let mut sweep = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .follow_up(TriggerKind::Sweep, 0);
+    sweep.given_up = 2;
+    let sweep = Delivery {
+        message: sweep,
+        dequeue_count: 1,
+    };
+    let outcome = runner.handle(&sweep, &CancellationToken::new()).await;
+    assert_eq!(outcome, Outcome::Coalesced);
+    store.markers.wait_create(&record_key()).await.unwrap();
+    let outcome = runner.handle(&sweep, &CancellationToken::new()).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+
+    // A redelivered retry of run 1 in a superseding scope whose note no longer names it.
+    let (store, logic, _) = fixture(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let mut retry = TriggerMessage::parse("acct", "r").unwrap();
+    retry.after_token = Some(1);
+    let retry = Delivery {
+        message: retry,
+        dequeue_count: 2,
+    };
+    store.markers.wait_create(&record_key()).await.unwrap();
+    let outcome = runner.handle(&retry, &CancellationToken::new()).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
+    let outcome = runner.handle(&retry, &CancellationToken::new()).await;
+    assert_eq!(
+        outcome,
+        Outcome::Coalesced,
+        "without a wait consumed it stands down"
+    );
+}
