@@ -448,6 +448,11 @@ impl RecordRunner {
             tracing::warn!(stop_grace = ?options.stop_grace, safety_margin = ?lock.options().safety_margin,
                 "the runner's stop grace is not 2 s shorter than the lease's safety margin: logic told of a lost lease may still run when storage hands the lease on");
         }
+        let late_window = lock.options().retry.late_window;
+        if options.debounce.values().any(Option::is_some) && options.retry_delay < late_window {
+            tracing::warn!(retry_delay = ?options.retry_delay, ?late_window,
+                "debounce is on and the retry delay is shorter than the storage retry's late window: a wait marker created by a request that landed after its delivery failed may outlive that delivery's retry, which should have consumed it");
+        }
         Self {
             lock,
             markers,
