@@ -27,9 +27,9 @@ pub enum Command {
     /// records with a retrigger pending, queue and poison depths and the age of the oldest
     /// message. With a record: that record's lease and retrigger marker.
     ///
-    /// Without a record it lists the lock blobs with their lease state and metadata: one
-    /// storage request per 5,000 records that ever ran (use --scope to narrow it), plus four
-    /// queue requests.
+    /// Without a record it lists the lock blobs with their lease state and metadata, the
+    /// retrigger markers and the wait markers (debounce): one storage request per 5,000 records
+    /// that ever ran (use --scope to narrow it), plus four queue requests.
     #[command(
         after_help = "Examples:\n  leasehold status\n  leasehold status --scope account --limit 20\n  \
         leasehold status --scope account 8f9c1d2e-0000-4000-8000-000000000001\n  leasehold status --json | jq .heldCount"

@@ -1,16 +1,18 @@
 //! The system at a glance: which records are held and by whom, which have a retrigger
-//! pending, how deep the queues are and how old their oldest message is.
+//! pending, which wait for their burst of triggers to end, how deep the queues are and how old
+//! their oldest message is.
 //!
-//! Built from two blob listings (the lock blobs `locks/<scope>/<record>` with their lease
-//! state and metadata, and the retrigger markers `retrigger/<scope>/<record>`): one List Blobs
-//! request per 5,000 records, never a request per record, plus three queue requests.
+//! Built from three blob listings (the lock blobs `locks/<scope>/<record>` with their lease
+//! state and metadata, the retrigger markers `retrigger/<scope>/<record>` and the wait markers
+//! `waiting/<scope>/<record>`): one List Blobs request per 5,000 records, never a request per
+//! record, plus four queue requests.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound;
 use std::time::SystemTime;
 
 use leasehold_lock::{LOCK_PREFIX, META_GENERATION, META_HOLDER, META_SINCE};
-use leasehold_runtime::{MARKER_PREFIX, RecordId, Scope, TriggerQueue};
+use leasehold_runtime::{MARKER_PREFIX, RecordId, Scope, TriggerQueue, WAIT_PREFIX};
 use leasehold_storage::azure::{BlobContainer, ListedBlob};
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +65,18 @@ pub struct HeldRecord {
     pub retrigger_pending: bool,
 }
 
+/// A record whose triggers wait for its burst to end.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WaitingRecord {
+    pub scope: Scope,
+    pub record_id: RecordId,
+    /// When its wait marker last changed: its first trigger, or the last that joined.
+    #[serde(serialize_with = "clock::serialize_opt")]
+    pub last_trigger_at: Option<SystemTime>,
+    pub last_trigger_age_seconds: Option<f64>,
+}
+
 /// A record named by scope and id.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -89,6 +103,11 @@ pub struct Overview {
     /// holder has not yet taken it (those of this page).
     pub pending: Vec<RecordRef>,
     pub pending_count: usize,
+    /// Records waiting for their burst of triggers to end (`LEASEHOLD_DEBOUNCE_SECONDS`), the
+    /// first `limit` of them in `scope/record` order, and how long ago a trigger last joined
+    /// each. One that has waited far longer than `LEASEHOLD_DEBOUNCE_MAX_SECONDS` is suspect.
+    pub waiting: Vec<WaitingRecord>,
+    pub waiting_count: usize,
     /// Records that have a lock blob (every record that ever ran), held or not.
     pub records_seen: usize,
     /// Pass as `after` for the next page, when there is one.
@@ -143,7 +162,7 @@ impl Operator {
             None => prefix.to_string(),
         };
         let inner = &self.inner;
-        let (markers, locks, queue, poison) = tokio::join!(
+        let (markers, waits, locks, queue, poison) = tokio::join!(
             async {
                 let mut pending = BTreeSet::new();
                 list_all(&inner.container, &scoped(MARKER_PREFIX), &inner.retry, |blob| {
@@ -151,6 +170,16 @@ impl Operator {
                 })
                 .await
                 .map(|()| pending)
+            },
+            async {
+                let mut waiting = BTreeMap::new();
+                list_all(&inner.container, &scoped(WAIT_PREFIX), &inner.retry, |blob| {
+                    if let Some(record) = record_of(&blob.name, WAIT_PREFIX) {
+                        waiting.insert(key_of(&record), (record, blob.last_modified));
+                    }
+                })
+                .await
+                .map(|()| waiting)
             },
             async {
                 let mut seen = 0usize;
@@ -171,6 +200,7 @@ impl Operator {
             self.queue_view(&*inner.poison),
         );
         let pending = markers?;
+        let waits = waits?;
         let (records_seen, held) = locks?;
         let now = SystemTime::now();
         let after = query.after.as_deref().unwrap_or("");
@@ -218,6 +248,17 @@ impl Operator {
         }
         let next = keys.next().and(last);
         let pending = pending_shown;
+        let waiting_count = waits.len();
+        let waiting = waits
+            .into_values()
+            .take(limit)
+            .map(|(record, at)| WaitingRecord {
+                scope: record.scope,
+                record_id: record.record_id,
+                last_trigger_at: at,
+                last_trigger_age_seconds: at.map(|at| clock::age_seconds(at, now)),
+            })
+            .collect();
         Ok(Overview {
             at: now,
             scope: query.scope.clone(),
@@ -227,6 +268,8 @@ impl Operator {
             held_count,
             pending,
             pending_count,
+            waiting,
+            waiting_count,
             records_seen,
             next,
             requests: self.requests() - before,

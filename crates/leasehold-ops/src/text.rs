@@ -66,6 +66,21 @@ pub fn overview(o: &Overview) -> String {
                 .unwrap_or_default()
         ),
     ];
+    if o.waiting_count > 0 {
+        let shown: Vec<String> = o
+            .waiting
+            .iter()
+            .map(|w| match w.last_trigger_age_seconds {
+                Some(age) => format!("{}/{} ({age:.0} s since a trigger)", w.scope, w.record_id),
+                None => format!("{}/{}", w.scope, w.record_id),
+            })
+            .collect();
+        out.push(format!(
+            "waiting     {} record(s) wait for their burst of triggers to end: {}",
+            o.waiting_count,
+            shown.join(", ")
+        ));
+    }
     if !o.held.is_empty() {
         let rows: Vec<Vec<String>> = o
             .held
