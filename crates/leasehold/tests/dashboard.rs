@@ -13,7 +13,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{Env, Running, get};
-use leasehold_runtime::{Error, LogicError, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name};
+use leasehold_runtime::{
+    Error, LogicError, MarkerStore, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name,
+};
 use leasehold_test_support::browser::Browser;
 use leasehold_test_support::{eventually, workspace_root};
 use serde_json::{Value, json};
@@ -602,6 +604,26 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
         "the coalesced trigger as a pending retrigger",
     )
     .await;
+    // A record waiting for its burst of triggers to end (debounce): its wait marker.
+    let markers = leasehold_runtime::AzureMarkers::new(
+        &leasehold_test_support::Azurite::shared().account(),
+        &env.container,
+        leasehold_storage::OpCounters::new(),
+    );
+    markers
+        .wait_create(&TriggerMessage::parse("account", "burst-lead-0007").unwrap().key())
+        .await
+        .unwrap();
+    let chip = wait(
+        &browser,
+        "(document.querySelector('#waiting [data-record=\"account/burst-lead-0007\"]') || {}).textContent",
+        "the waiting record",
+    )
+    .await;
+    assert!(
+        chip.as_str().unwrap().ends_with(" s"),
+        "with the time since a trigger: {chip}"
+    );
     let stamp = eval(&browser, "document.getElementById('stamp-text').textContent").await;
     assert!(stamp.as_str().unwrap().starts_with("updated "), "{stamp}");
 
