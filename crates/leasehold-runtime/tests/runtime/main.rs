@@ -456,6 +456,11 @@ fn simulation_fingerprints() {
         } else {
             ""
         };
-        println!("fingerprint {seed} {:016x}{mark}{failing}", report.fingerprint);
+        // And one with debounce records ([`sim::DebouncePlan`]).
+        let debounce = if plan.debounce.is_some() { " debounce" } else { "" };
+        println!(
+            "fingerprint {seed} {:016x}{mark}{failing}{debounce}",
+            report.fingerprint
+        );
     }
 }
