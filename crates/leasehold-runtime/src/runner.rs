@@ -72,6 +72,16 @@ pub enum ProtocolVariant {
     /// (then note, release and retrigger as usual): a logic slow to stop still runs when the next
     /// holder starts.
     SupersedeReleasesAtCancel,
+    /// Debounce: a stand-in (path C: a redelivery, a sweep, a carrier marked with `wait`) trusts
+    /// the wait marker to have a waiter and does not consume it: an orphan (its creator died
+    /// before becoming its waiter) is left, with the triggers that joined it.
+    StandInTrustsWaitMarker,
+    /// Debounce: a waiter ignores that its consume was retried (not `owed`): a retried delete
+    /// that answers "gone" (its own lost first attempt took the marker) stands down.
+    WaiterStandsDownAfterRetriedDelete,
+    /// Debounce: a joining trigger whose touch finds the marker gone creates it again: an
+    /// incarnation with no waiter.
+    TouchByPut,
 }
 
 /// What a scope does with a trigger that arrives during a run of its record.

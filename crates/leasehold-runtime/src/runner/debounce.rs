@@ -108,6 +108,11 @@ impl RecordRunner {
             Step::Trigger(window) => self.join_or_wait(&key, delivery, window).await,
             Step::Wake(window, wait) => self.wake(&key, delivery, window, wait).await,
             Step::StandIn => {
+                #[cfg(feature = "testing")]
+                if self.options.variant == crate::ProtocolVariant::StandInTrustsWaitMarker {
+                    // WRONG on purpose: a marker whose creator died has no waiter but this.
+                    return Next::Carry(carried_on(delivery, false));
+                }
                 let (consumed, retried) = self
                     .marker_op("consume wait marker", |m| m.wait_consume(&key, None))
                     .await;
@@ -142,9 +147,16 @@ impl RecordRunner {
                 // do, a failure included.
                 match self.markers.wait_touch(key).await {
                     Ok(true) => {}
-                    Ok(false) => tracing::debug!(
-                        "the wait marker was consumed before the touch; its consumer's run covers this trigger"
-                    ),
+                    Ok(false) => {
+                        #[cfg(feature = "testing")]
+                        if self.options.variant == crate::ProtocolVariant::TouchByPut {
+                            // WRONG on purpose: nobody waits for the marker this creates.
+                            let _ = self.markers.wait_create(key).await;
+                        }
+                        tracing::debug!(
+                            "the wait marker was consumed before the touch; its consumer's run covers this trigger"
+                        )
+                    }
                     Err(e) => {
                         tracing::debug!(error = %e, "touching the wait marker failed; the waiter may run before the burst ends")
                     }
@@ -190,6 +202,13 @@ impl RecordRunner {
             })
             .await;
         let owed = wait.owed || retried;
+        #[cfg(feature = "testing")]
+        // WRONG on purpose: the first attempt may have consumed the marker.
+        let owed = if self.options.variant == crate::ProtocolVariant::WaiterStandsDownAfterRetriedDelete {
+            wait.owed
+        } else {
+            owed
+        };
         match consumed {
             Ok(WaitConsumed::Consumed) => Next::Carry(carried_on(delivery, true)),
             // A trigger joined between the look and the delete: wait for quiet again. If the

@@ -260,8 +260,9 @@ fn simulation_is_deterministic() {
     // Plain seeds, and seeds with each flow under the emulated Functions host (odd seeds): 9 and
     // 27 supersede, 13 throttles and supersedes, 15 supersedes a failing record. Each run builds
     // a runtime of its own, with its own random state: a history that depends on it (the order
-    // in which a channel wakes its waiters, say) shows here.
-    for seed in [1, 2, 7, 9, 13, 15, 27, 42, 1234] {
+    // in which a channel wakes its waiters, say) shows here. Debounce: 18 (standalone, fault-free),
+    // 45 (Functions, faulty) and 21 (Functions, faulty, with a throttle and supersede).
+    for seed in [1, 2, 7, 9, 13, 15, 18, 21, 27, 42, 45, 1234] {
         let a = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
         let b = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
         assert_eq!(a, b, "seed {seed} gave two different histories");
@@ -424,6 +425,56 @@ fn simulation_catches_a_supersede_that_releases_at_cancel() {
         .find_map(|(seed, v)| v.into_iter().find(overlap).map(|v| (seed, v)))
         .expect("the simulation should catch a supersede that releases the lease at the stop (an overlap)");
     println!("supersede releasing at cancel caught by seed {seed}: {violation}");
+}
+
+/// Runs seeds `seeds` of a known-wrong variant until one breaks an invariant `wanted` picks, and
+/// returns it (a seed failing only for another reason does not count).
+fn first_caught(
+    variant: ProtocolVariant,
+    seeds: std::ops::Range<u64>,
+    wanted: fn(&Violation) -> bool,
+) -> Option<(u64, Violation)> {
+    let run = run_seeds(seeds, variant, Stop::OnViolation(wanted));
+    run.failures
+        .into_iter()
+        .find_map(|(seed, v)| v.into_iter().find(wanted).map(|v| (seed, v)))
+}
+
+/// A stand-in (path C) that does not consume the wait marker leaves an orphan, a marker whose
+/// creator died before it became its waiter, and the triggers that joined it: B2 finds the
+/// marker at drain (or (2) the lost triggers).
+#[test]
+fn simulation_catches_a_stand_in_that_trusts_the_wait_marker() {
+    let (seed, violation) = first_caught(ProtocolVariant::StandInTrustsWaitMarker, 0..5_000, |v| {
+        matches!(v, Violation::Debounce(_) | Violation::Lost(_))
+    })
+    .expect("the simulation should catch a stand-in that leaves the wait marker (B2 or a lost trigger)");
+    println!("stand-in trusting the wait marker caught by seed {seed}: {violation}");
+}
+
+/// A waiter whose consume was retried, the retry answering "gone" (its own first attempt took
+/// the marker, its answer lost), stands down: nobody runs for the burst, and (2) finds its
+/// triggers lost. Met through the debounce seeds' aimed lost answers at a waiter's consume.
+#[test]
+fn simulation_catches_a_waiter_that_stands_down_after_a_retried_delete() {
+    let (seed, violation) = first_caught(
+        ProtocolVariant::WaiterStandsDownAfterRetriedDelete,
+        0..5_000,
+        |v| matches!(v, Violation::Lost(_)),
+    )
+    .expect("the simulation should catch a waiter that ignores its retried consume (a lost trigger)");
+    println!("waiter standing down after a retried delete caught by seed {seed}: {violation}");
+}
+
+/// A joining trigger whose touch found the marker consumed, and which creates it again, leaves
+/// a marker nobody waits for: B2 finds it at drain.
+#[test]
+fn simulation_catches_a_touch_that_creates_the_wait_marker() {
+    let (seed, violation) = first_caught(ProtocolVariant::TouchByPut, 0..5_000, |v| {
+        matches!(v, Violation::Debounce(_) | Violation::Lost(_))
+    })
+    .expect("the simulation should catch a touch that creates the wait marker (B2)");
+    println!("touch by put caught by seed {seed}: {violation}");
 }
 
 #[test]
