@@ -4089,7 +4089,8 @@ fn check(plan: &Plan, world: &World) -> Report {
     // A burst no longer than M less a delivery is one wait, so exactly one run starts between its
     // first trigger and the next burst's. A longer one is cut at M (the wake that has waited M
     // consumes), and its later triggers wait anew and run again: its first run is checked.
-    // A burst is checked only when no run of the record is in progress at its first trigger: a
+    // A burst is checked only when no run of the record is in progress at its first trigger (or
+    // ended within a retrigger's latency before it, seed 12149): a
     // run then (the previous burst's, runs last up to 70 s) holds the lease, the concluded waiter
     // sets the retrigger marker and its run comes when that one ends; and the previous burst's
     // second wait may then spill its run into this burst's (seen: seed 418).
@@ -4114,9 +4115,10 @@ fn check(plan: &Plan, world: &World) -> Report {
                 .map(|(_, first, last)| (world.epoch + *first, world.epoch + *last))
                 .collect();
             for (i, (first, last)) in bursts.iter().copied().enumerate() {
+                // (Or ended so shortly before that its holder's retrigger comes after it.)
                 let busy = runs
                     .iter()
-                    .any(|r| r.start < first && r.end.is_none_or(|e| e > first));
+                    .any(|r| r.start < first && r.end.is_none_or(|e| e + START + DELIVERY > first));
                 if busy {
                     continue;
                 }
