@@ -22,7 +22,7 @@ use crate::message::TriggerMessage;
 use crate::observe::record_outcome;
 use crate::poison::PoisonMessage;
 use crate::queue::{Received, TriggerQueue};
-use crate::runner::{Delivery, Outcome, RecordRunner};
+use crate::runner::{Delivery, HiddenUntil, Outcome, RecordRunner};
 
 /// The poison queue of a trigger queue, as the Functions host names it.
 pub fn poison_queue_name(queue: &str) -> String {
@@ -210,12 +210,20 @@ impl Consumer {
         // Visibility is renewed by a task of its own, so a slow renewal never stalls the run;
         // it stops when this delivery ends, however it ends.
         let receipt = Arc::new(std::sync::Mutex::new(received.pop_receipt.clone()));
+        // Hidden for `visibility` from when the service answered our get, which was sent at
+        // most a request's time limit ago (a slower one would have failed).
+        let hidden = HiddenUntil::new(
+            (Instant::now() + self.options.visibility)
+                .checked_sub(leasehold_storage::azure::DEFAULT_REQUEST_TIMEOUT)
+                .unwrap_or_else(Instant::now),
+        );
         let stop_renewing = CancellationToken::new();
         let mut renewer = AbortOnDrop(tokio::spawn(
             keep_hidden(
                 self.queue().clone(),
                 received.clone(),
                 receipt.clone(),
+                hidden.clone(),
                 self.options.clone(),
                 stop_renewing.clone(),
             )
@@ -224,7 +232,7 @@ impl Consumer {
         let span = delivery.span();
         let (outcome, ended) = self
             .runner
-            .handle_untold(&delivery, &cancel)
+            .handle_untold(&delivery, &cancel, Some(&hidden))
             .instrument(span.clone())
             .await;
         // Stop renewing, but let an update in flight finish: cut off, it could land and change
@@ -241,17 +249,40 @@ impl Consumer {
                 outcome
             }
             // The waiter is the delivered message, hidden for another period: one request,
-            // which is also the acknowledgement. If it fails, the message comes back as a
-            // redelivery, which consumes the wait marker and runs: nothing is lost.
+            // which is also the acknowledgement. If the message is gone (another delivery took
+            // it, or our own update landed and its answer was lost), the waiter is put afresh:
+            // at worst there are two waiters, and the second stands down. (That other delivery
+            // stood in for this one only after our create landed: requests that create a wait
+            // marker are sent only while the message stays hidden until they land.) If the
+            // update failed otherwise, the message comes back as a redelivery, which stands in.
             Outcome::Waiting { after, ref next } => {
-                self.persist_in_place(&received, &receipt, next, after, "persist the waiter")
+                let gone = self
+                    .persist_in_place(&received, &receipt, next, after, "persist the waiter")
                     .instrument(span.clone())
-                    .await;
+                    .await
+                    == Some(leasehold_lock::StoreErrorKind::NotFound);
+                if gone {
+                    let body = next.encode();
+                    let put = self
+                        .runner
+                        .lock()
+                        .options()
+                        .retry
+                        .run("put the waiter afresh", || self.queue().put(&body, after))
+                        .await;
+                    if let Err(e) = put {
+                        span.in_scope(|| {
+                            tracing::warn!(error = %e,
+                            "could not put the waiter afresh; the message, if it comes back, stands in")
+                        });
+                    }
+                }
                 outcome
             }
             // Given up at once (its deferral budget is spent), whatever its attempts.
             Outcome::Failed { error, .. } if error.gives_up() => {
-                self.poison(&received, &receipt, Some(delivery.message.clone()), error)
+                let trigger = ended.carried.clone().unwrap_or_else(|| delivery.message.clone());
+                self.poison(&received, &receipt, Some(trigger), error)
                     .instrument(span.clone())
                     .await
             }
@@ -263,20 +294,22 @@ impl Consumer {
                 o
             }
             Outcome::Failed { .. } => {
-                // Hand the message back for a retry after a pause (or at once if we were cancelled
-                // by shutdown, so another worker can take it).
+                // Hand the message back for a retry after a pause (or soon if we were cancelled
+                // by shutdown, so another worker can take it: not before a request of ours that
+                // timed out may still land, which the retry must come after).
                 let delay = if cancel.is_cancelled() {
-                    Duration::ZERO
+                    self.runner.lock().options().retry.late_window
                 } else {
                     self.options.retry_delay
                 };
                 // In a superseding scope the retry names the run it retries, which noted itself
-                // as pending: a later run that covers it makes the retry stand down.
-                let body = if ended.after_token == delivery.message.after_token {
+                // as pending: a later run that covers it makes the retry stand down. After a
+                // debounce step that owes a run, the retry is the message it carried on as.
+                let mut retry = ended.carried.clone().unwrap_or_else(|| delivery.message.clone());
+                retry.after_token = ended.after_token;
+                let body = if retry == delivery.message {
                     received.body.clone()
                 } else {
-                    let mut retry = delivery.message.clone();
-                    retry.after_token = ended.after_token;
                     retry.encode()
                 };
                 if let Err(e) = self
@@ -302,6 +335,7 @@ impl Consumer {
     /// If the update fails, the message reappears when its visibility lapses and runs early
     /// (its logic may ask again); nothing is lost. A retried update answered "not found" means
     /// an earlier attempt landed (its answer lost): the receipt it made is the one we lack.
+    /// Says how the update failed (`None`: it landed).
     async fn persist_in_place(
         &self,
         received: &Received,
@@ -309,19 +343,19 @@ impl Consumer {
         next: &TriggerMessage,
         after: Duration,
         what: &'static str,
-    ) {
+    ) -> Option<leasehold_lock::StoreErrorKind> {
         let mut next = next.clone();
         #[cfg(feature = "testing")]
         if self.runner.options().variant == crate::ProtocolVariant::DeferralDeletesThenPuts {
             // WRONG on purpose: between the delete and the put neither message exists.
             if let Err(e) = self.queue().delete(&received.id, receipt).await {
                 tracing::warn!(error = %e, "could not delete the deferred message");
-                return;
+                return None;
             }
             if let Err(e) = self.queue().put(&next.encode(), after).await {
                 tracing::warn!(error = %e, "could not put the deferral");
             }
-            return;
+            return None;
         }
         next.rehides = received.dequeue_count;
         let body = next.encode();
@@ -337,15 +371,19 @@ impl Consumer {
             })
             .await;
         match result {
-            Ok(_) => {}
+            Ok(_) => None,
             Err(e) if e.kind() == leasehold_lock::StoreErrorKind::NotFound && attempts > 1 => {
                 tracing::debug!(
                     step = what,
-                    "a retried update found the message changed: the earlier attempt landed"
+                    "a retried update found the message changed: the earlier attempt landed, or another delivery took it"
                 );
+                Some(e.kind())
             }
-            Err(e) => tracing::warn!(step = what, error = %e,
-                "could not update the message; it reappears when its visibility lapses and the record runs early"),
+            Err(e) => {
+                tracing::warn!(step = what, error = %e,
+                    "could not update the message; it reappears when its visibility lapses, if it is still there");
+                Some(e.kind())
+            }
         }
     }
 
@@ -396,6 +434,7 @@ async fn keep_hidden(
     queue: Arc<dyn TriggerQueue>,
     received: Received,
     receipt: Arc<std::sync::Mutex<String>>,
+    hidden: HiddenUntil,
     options: ConsumerOptions,
     stop: CancellationToken,
 ) {
@@ -416,6 +455,7 @@ async fn keep_hidden(
             Ok(fresh) => {
                 *receipt.lock().expect("receipt mutex") = fresh;
                 hidden_until = sent + options.visibility;
+                hidden.set(hidden_until);
                 next = sent + options.visibility_renew_every;
             }
             Err(e) if e.is_transient() && Instant::now() + Duration::from_secs(2) < hidden_until => {

@@ -518,7 +518,7 @@ impl RecordRunner {
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
         let span = delivery.span();
         let (outcome, ended) = self
-            .handle_untold(delivery, cancel)
+            .handle_untold(delivery, cancel, None)
             .instrument(span.clone())
             .await;
         span.in_scope(|| self.finished(delivery, &outcome, ended.ran));
@@ -528,16 +528,27 @@ impl RecordRunner {
     /// [`handle`](Self::handle) without telling the outcome ([`finished`](Self::finished)), for
     /// a caller that acts on it first (the consumer gives a trigger up, or writes the retry):
     /// the outcome, and what else the delivery leaves ([`Ended`]). Call it in the delivery's span.
+    /// `hidden`, when the caller knows it, says until when the delivered message stays hidden:
+    /// a wait marker is then never created or deleted by a request that could land after the
+    /// message may have come back (see [`HiddenUntil`]).
     pub(crate) async fn handle_untold(
         &self,
         delivery: &Delivery,
         cancel: &CancellationToken,
+        hidden: Option<&HiddenUntil>,
     ) -> (Outcome, Ended) {
         let mut ended = Ended::of(delivery);
-        let outcome = match self.debounce(self.debounce_step(delivery), delivery).await {
-            Next::Done(outcome) => outcome,
+        let step = self.debounce_step(delivery);
+        let marks = step.marks_carrier();
+        let outcome = match self.debounce(step, delivery, hidden).await {
+            Next::Done(outcome) => {
+                if marks && outcome.error().is_some() {
+                    ended = Ended::failed_step(delivery);
+                }
+                outcome
+            }
             Next::Carry(carried) => {
-                ended = Ended::of(&carried);
+                ended = Ended::carried(delivery, &carried);
                 self.handle_key(&carried.message.key(), &carried, cancel, None, &mut ended)
                     .await
             }
@@ -608,10 +619,20 @@ impl RecordRunner {
         };
         // What the delivery's follow-ups (a retry, a recheck) are made of: once it carries on
         // past its debounce step, the message without `wait`.
-        let (outcome, carried) = match self.debounce(step, delivery).await {
-            Next::Done(outcome) => (outcome, carrier(msg.clone())),
+        // The host keeps its message hidden for 10 minutes whatever happens: no visibility to
+        // watch here (a wait marker left by a late request is covered by that message, or the
+        // watchdog put afresh).
+        let (outcome, carried) = match self.debounce(step, delivery, None).await {
+            Next::Done(outcome) => {
+                if marks && outcome.error().is_some() {
+                    *ended = Ended::failed_step(delivery);
+                }
+                let mut retry_of = carrier(msg.clone());
+                retry_of.after_token = ended.after_token;
+                (outcome, retry_of)
+            }
             Next::Carry(carried) => {
-                *ended = Ended::of(&carried);
+                *ended = Ended::carried(delivery, &carried);
                 (
                     self.handle_key(&key, &carried, cancel, Some(&watchdog), ended)
                         .await,
@@ -620,6 +641,12 @@ impl RecordRunner {
             }
         };
         let msg = &carried;
+        // Given up as the message it carried on as (a stand-in that consumed a wait marker has
+        // a fresh chain's give-up count).
+        let delivery = &Delivery {
+            message: carried.clone(),
+            dequeue_count: delivery.dequeue_count,
+        };
         let outcome = match outcome {
             // The watchdog becomes the waiter; the host's message is acknowledged.
             Outcome::Waiting { after, next } => match self.rearm_or_put(&watchdog, &next, after).await {
@@ -748,7 +775,10 @@ impl RecordRunner {
             sweep.after_token = None;
             // A sweep always stands in for a wait marker its trigger may have left.
             sweep.wait = None;
-            self.enqueue(&sweep, Duration::ZERO).await?;
+            // Not before a request of the given-up delivery that timed out may still land (a
+            // marker take, a wait marker's create or delete): the sweep's run must start after it.
+            self.enqueue(&sweep, self.lock.options().retry.late_window)
+                .await?;
         }
         Ok(())
     }
@@ -1509,14 +1539,40 @@ struct Streak {
     pending: Option<u64>,
 }
 
+/// Until when a standalone delivery's message is known to stay hidden: its consumer moves it on
+/// with each visibility renewal that lands. A request that creates or deletes a wait marker is
+/// sent only while the message stays hidden for a request's time limit and its late window
+/// more: one that landed after the message came back could create a marker after that
+/// redelivery consumed the record's, or delete one created since, with nobody left to run the
+/// record for the triggers that joined it (found by the simulation, seeds 10466 and 13190).
+#[derive(Debug, Clone)]
+pub(crate) struct HiddenUntil(Arc<std::sync::Mutex<Instant>>);
+
+impl HiddenUntil {
+    pub(crate) fn new(at: Instant) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(at)))
+    }
+
+    pub(crate) fn set(&self, at: Instant) {
+        *self.0.lock().expect("hidden-until mutex") = at;
+    }
+
+    pub(crate) fn get(&self) -> Instant {
+        *self.0.lock().expect("hidden-until mutex")
+    }
+}
+
 /// What a delivery leaves for whoever acts on its outcome, besides the outcome.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Ended {
     /// How long the logic ran, if it ran.
     pub(crate) ran: Option<Duration>,
     /// The `afterToken` the delivery's retry must carry: the message's own until a run changes
     /// it (its run noted itself as pending, or its duty grew beyond the pending run's).
     pub(crate) after_token: Option<u64>,
+    /// What the delivery's retry is made of, when it is not the delivered message: the message
+    /// it carried on as after a debounce step that owes a run ([`debounce`]).
+    pub(crate) carried: Option<TriggerMessage>,
 }
 
 impl Ended {
@@ -1524,6 +1580,24 @@ impl Ended {
         Self {
             ran: None,
             after_token: delivery.message.after_token,
+            carried: None,
+        }
+    }
+
+    /// After a debounce step that carried on as `carried`.
+    fn carried(delivery: &Delivery, carried: &Delivery) -> Self {
+        Self {
+            carried: (carried.message != delivery.message).then(|| carried.message.clone()),
+            ..Self::of(carried)
+        }
+    }
+
+    /// After a debounce step that failed: a wait marker delete that failed may have landed, and
+    /// then this delivery owes a run, which no later run may stand in for.
+    fn failed_step(delivery: &Delivery) -> Self {
+        Self {
+            after_token: None,
+            ..Self::of(delivery)
         }
     }
 }

@@ -25,7 +25,12 @@ use std::time::Duration;
 
 use leasehold_lock::LockKey;
 
-use super::{Delivery, Outcome, RecordRunner, storage_failed};
+use leasehold_lock::{StoreError, StoreErrorKind};
+use leasehold_storage::Op;
+use leasehold_storage::azure::DEFAULT_REQUEST_TIMEOUT;
+use tokio::time::Instant;
+
+use super::{Delivery, HiddenUntil, Outcome, RecordRunner, storage_failed};
 use crate::markers::WaitConsumed;
 use crate::message::{TriggerKind, TriggerMessage, Wait};
 
@@ -101,12 +106,22 @@ impl RecordRunner {
     }
 
     /// Takes `step` for `delivery`, in the delivery's span.
-    pub(crate) async fn debounce(&self, step: Step, delivery: &Delivery) -> Next {
+    /// `hidden`: until when the delivered message stays hidden, if the caller knows.
+    pub(crate) async fn debounce(
+        &self,
+        step: Step,
+        delivery: &Delivery,
+        hidden: Option<&HiddenUntil>,
+    ) -> Next {
         let key = delivery.message.key();
+        let carrier = Carrier {
+            hidden,
+            margin: DEFAULT_REQUEST_TIMEOUT + self.lock.options().retry.late_window,
+        };
         match step {
             Step::Skip => Next::Carry(delivery.clone()),
-            Step::Trigger(window) => self.join_or_wait(&key, delivery, window).await,
-            Step::Wake(window, wait) => self.wake(&key, delivery, window, wait).await,
+            Step::Trigger(window) => self.join_or_wait(&key, delivery, window, carrier).await,
+            Step::Wake(window, wait) => self.wake(&key, delivery, window, wait, carrier).await,
             Step::StandIn => {
                 #[cfg(feature = "testing")]
                 if self.options.variant == crate::ProtocolVariant::StandInTrustsWaitMarker {
@@ -114,7 +129,14 @@ impl RecordRunner {
                     return Next::Carry(carried_on(delivery, false));
                 }
                 let (consumed, retried) = self
-                    .marker_op("consume wait marker", |m| m.wait_consume(&key, None))
+                    .marker_op("consume wait marker", |m| {
+                        let sent = carrier.may_send(Op::WaitDelete);
+                        let key = &key;
+                        async move {
+                            sent?;
+                            m.wait_consume(key, None).await
+                        }
+                    })
                     .await;
                 match consumed {
                     Ok(consumed) => {
@@ -134,8 +156,22 @@ impl RecordRunner {
     }
 
     /// Path A.
-    async fn join_or_wait(&self, key: &LockKey, delivery: &Delivery, window: Debounce) -> Next {
-        let (created, retried) = self.marker_op("create wait marker", |m| m.wait_create(key)).await;
+    async fn join_or_wait(
+        &self,
+        key: &LockKey,
+        delivery: &Delivery,
+        window: Debounce,
+        carrier: Carrier<'_>,
+    ) -> Next {
+        let (created, retried) = self
+            .marker_op("create wait marker", |m| {
+                let sent = carrier.may_send(Op::WaitPut);
+                async move {
+                    sent?;
+                    m.wait_create(key).await
+                }
+            })
+            .await;
         match created {
             Ok(Some(etag)) => Next::Done(self.rewait(delivery, window, Some(etag), 0, false)),
             // Our own create may have landed with its answer lost: counted as created (at worst
@@ -168,7 +204,14 @@ impl RecordRunner {
     }
 
     /// Path B.
-    async fn wake(&self, key: &LockKey, delivery: &Delivery, window: Debounce, wait: Wait) -> Next {
+    async fn wake(
+        &self,
+        key: &LockKey,
+        delivery: &Delivery,
+        window: Debounce,
+        wait: Wait,
+        carrier: Carrier<'_>,
+    ) -> Next {
         let looked = self
             .lock
             .options()
@@ -198,7 +241,12 @@ impl RecordRunner {
         };
         let (consumed, retried) = self
             .marker_op("consume wait marker", |m| {
-                m.wait_consume(key, condition.as_deref())
+                let sent = carrier.may_send(Op::WaitDelete);
+                let condition = condition.as_deref();
+                async move {
+                    sent?;
+                    m.wait_consume(key, condition).await
+                }
             })
             .await;
         let owed = wait.owed || retried;
@@ -235,6 +283,8 @@ impl RecordRunner {
         let left = window.longest.saturating_sub(Duration::from_millis(waited_ms));
         let after = window.quiet.min(left).max(Duration::from_millis(1));
         let mut next = delivery.message.clone();
+        // A new queue message under Functions (the standalone consumer sets its own).
+        next.rehides = 0;
         next.wait = Some(Wait {
             etag,
             waited_ms: waited_ms.saturating_add(after.as_millis() as u64),
@@ -247,19 +297,46 @@ impl RecordRunner {
     }
 }
 
+/// A delivery's carrier, as far as its debounce step can see it.
+#[derive(Clone, Copy)]
+struct Carrier<'a> {
+    /// Until when the delivered message stays hidden (standalone), if known.
+    hidden: Option<&'a HiddenUntil>,
+    /// How long after it is sent a request may still land: its time limit and the late window.
+    margin: Duration,
+}
+
+impl Carrier<'_> {
+    /// Whether a request that creates or deletes a wait marker may be sent now: only if it
+    /// lands while the delivered message is still hidden, before any redelivery of it can
+    /// stand in ([`HiddenUntil`]). Otherwise the delivery fails without sending it, and its
+    /// message, when it comes back, stands in.
+    fn may_send(&self, op: Op) -> Result<(), StoreError> {
+        match self.hidden {
+            Some(until) if Instant::now() + self.margin > until.get() => Err(StoreError::new(
+                StoreErrorKind::Rejected,
+                op,
+                "not sent: the delivered message may be visible again before it could land (its visibility could not be renewed)",
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// The delivery as it carries on through the coalescing protocol: its message without `wait`
 /// (its continuations never consume again). One that consumed a wait marker (`owes`) owes a run
 /// that starts after: it must not stand down for a run that may have ended before the triggers
 /// that joined the marker came — neither as a retry whose duty a later run took over
-/// (`afterToken`), nor as a sweep that runs only if the retrigger marker is set.
+/// (`afterToken`), nor as a sweep that runs only if the retrigger marker is set; and its chain,
+/// if given up, gets a sweep that runs whatever the marker says.
 fn carried_on(delivery: &Delivery, owes: bool) -> Delivery {
     let mut delivery = delivery.clone();
     delivery.message.wait = None;
     if owes {
+        // It stands for fresh triggers now, owed what any new trigger is (as a deferral that
+        // took a set marker): a chain never given up, whose sweep, if it is, runs regardless.
         delivery.message.after_token = None;
-        if delivery.message.kind == TriggerKind::Sweep {
-            delivery.message.given_up = delivery.message.given_up.min(1);
-        }
+        delivery.message.given_up = 0;
     }
     delivery
 }

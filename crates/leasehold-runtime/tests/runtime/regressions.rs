@@ -37,6 +37,8 @@ enum Act {
     SlowLoseAnswer(Duration),
     /// Do it at once, but answer only after this long.
     SlowAnswer(Duration),
+    /// Wait this long, then time out without doing it.
+    SlowTimeOut(Duration),
 }
 
 /// Scripted acts for chosen calls: `script[op]` is consumed one act per call; `always[op]`
@@ -82,6 +84,10 @@ impl Interceptor for Rules {
             Some(Act::SlowLoseAnswer(d)) => {
                 tokio::time::sleep(d).await;
                 let _ = effect.await;
+                Err(StoreError::timeout(op, Duration::from_secs(10)))
+            }
+            Some(Act::SlowTimeOut(d)) => {
+                tokio::time::sleep(d).await;
                 Err(StoreError::timeout(op, Duration::from_secs(10)))
             }
             Some(Act::SlowAnswer(d)) => {
@@ -515,6 +521,13 @@ async fn b3_a_watched_delivery_over_the_limit_is_given_up_with_a_sweep() {
     assert_eq!(
         messages(&store).iter().map(|m| m.kind).collect::<Vec<_>>(),
         [TriggerKind::Sweep]
+    );
+    // Hidden for the storage retry's late window: a request of the given-up delivery that timed
+    // out (a marker take, a wait marker's delete) may still land, and the sweep's run must start
+    // after it (found by review: a late delete could remove a wait marker created after the run).
+    assert_eq!(
+        store.queue().next_visible_at(),
+        Some(Instant::now() + Duration::from_secs(5))
     );
     assert_eq!(logic.runs.load(Ordering::SeqCst), 0);
 }
@@ -1354,6 +1367,10 @@ impl Logic for Failing {
 
 /// Takes the one message on the queue as a new delivery (dequeue count `dequeue_count`).
 async fn take_only(store: &Scripted, dequeue_count: u32) -> Delivery {
+    // A sweep is put hidden for the storage retry's late window.
+    if let Some(at) = store.queue().next_visible_at() {
+        tokio::time::sleep_until(at).await;
+    }
     let taken = store.queue().get(8, Duration::from_secs(600)).await.unwrap();
     assert_eq!(taken.len(), 1, "{taken:?}");
     store
@@ -3272,4 +3289,96 @@ async fn a_stand_in_that_consumed_a_wait_never_stands_down() {
         Outcome::Coalesced,
         "without a wait consumed it stands down"
     );
+}
+
+/// Standalone, a delivery whose message can no longer be kept hidden never sends a request that
+/// could create (or delete) a wait marker after that message came back: the redelivery stands
+/// in, consumes and runs, and a create of the first delivery landing after that would leave a
+/// marker with no waiter, which every later trigger of the record would join and be lost in
+/// (found by the simulation, seed 13190). Here the first delivery's create times out twice;
+/// its visibility renewal is refused, so the message is visible again at 40 s; a third attempt
+/// sent at 30 s could land at 42 s, after the redelivery at 40 s.
+#[tokio::test(start_paused = true)]
+async fn a_delivery_whose_message_may_be_visible_again_creates_no_wait_marker() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    let consumer = Consumer::new(
+        runner.clone(),
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    store.then(
+        Op::QueueUpdate,
+        &[
+            Act::Refuse(StoreErrorKind::Rejected),
+            Act::Refuse(StoreErrorKind::Rejected),
+        ],
+    );
+    let ten = Duration::from_secs(10);
+    store.then(
+        Op::WaitPut,
+        &[
+            Act::SlowTimeOut(ten),
+            Act::SlowTimeOut(ten),
+            Act::SlowLoseAnswer(Duration::from_secs(12)),
+            Act::SlowTimeOut(ten),
+            Act::SlowTimeOut(ten),
+        ],
+    );
+    let start = Instant::now();
+    trigger_now(&store).await;
+    let first = take_one(&store).await;
+    let d1 = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.process(first, CancellationToken::new()).await }
+    });
+    // The message is visible again once its 40 s lapse: another worker takes it; it stands in.
+    tokio::time::sleep_until(start + Duration::from_secs(40)).await;
+    let again = take_one(&store).await;
+    assert_eq!(again.dequeue_count, 2);
+    consumer.process(again, CancellationToken::new()).await;
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1, "the redelivery ran");
+    d1.await.unwrap();
+    tokio::time::sleep_until(start + Duration::from_secs(80)).await;
+    assert!(!waiting(&store).await, "a wait marker nobody waits for");
+    // A later trigger of the record is served (storage answers at once again).
+    store.rules.script.lock().unwrap().clear();
+    let (stop, task) = consuming(runner);
+    burst(&store, &[0.0], 30).await;
+    stop.cancel();
+    task.await.unwrap();
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A stand-in whose wait marker delete failed (its answer lost, then no answer at all) may have
+/// consumed the marker: its retry carries no `afterToken`, so it runs even if a later run took
+/// its own duty over (found by review: standing down would leave the consumed wait's triggers
+/// with no run).
+#[tokio::test(start_paused = true)]
+async fn a_stand_in_whose_consume_failed_retries_without_its_after_token() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let consumer = Consumer::new(
+        runner,
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    let mut retry = TriggerMessage::parse("acct", "r").unwrap();
+    retry.after_token = Some(7);
+    store.queue().put(&retry.encode(), Duration::ZERO).await.unwrap();
+    // Its first delivery died: it comes back when its visibility lapses.
+    let _died = take_one(&store).await;
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    // Redelivered: it stands in, and its delete lands with its answer lost, then fails.
+    store.markers.wait_create(&record_key()).await.unwrap();
+    store.then(Op::WaitDelete, &[Act::LoseAnswer]);
+    store.always(Op::WaitDelete, Act::Refuse(StoreErrorKind::Transient));
+    let again = take_one(&store).await;
+    assert_eq!(again.dequeue_count, 2);
+    consumer.process(again, CancellationToken::new()).await;
+    let left = messages(&store);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].after_token, None, "the retry must run: {left:?}");
 }
