@@ -19,8 +19,8 @@ use async_trait::async_trait;
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseDuration, LeaseLock, LeaseOptions, LeaseStore, OpCounters, OpCounts};
 use leasehold_runtime::{
-    AzureMarkers, AzureQueue, Consumer, ConsumerOptions, Debounce, Delivery, Logic, LogicError, PerScope, RecordRunner,
-    RunContext, RunPolicy, RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
+    AzureMarkers, AzureQueue, Consumer, ConsumerOptions, Debounce, Delivery, Logic, LogicError, PerScope,
+    RecordRunner, RunContext, RunPolicy, RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
 };
 use leasehold_storage::azure::BlobContainer;
 use leasehold_test_support::{Azurite, unique_name};
@@ -648,7 +648,11 @@ async fn bursts(az: &Azurite, records: usize, triggers: usize, run_for: Duration
             .filter_map(|r| {
                 let record = format!("burst{r}");
                 let last = accepted.iter().filter(|a| a.0 == record).map(|a| a.1).max()?;
-                let first = starts.iter().filter(|s| s.0 == record && s.1 > last).map(|s| s.1).min()?;
+                let first = starts
+                    .iter()
+                    .filter(|s| s.0 == record && s.1 > last)
+                    .map(|s| s.1)
+                    .min()?;
                 Some((first - last).as_secs_f64())
             })
             .collect();

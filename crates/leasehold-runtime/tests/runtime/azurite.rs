@@ -295,7 +295,11 @@ async fn wait_markers_are_created_touched_and_consumed_as_debounce_assumes() {
     let created = markers.wait_create(&key).await.unwrap().expect("created");
     let counts = counters.snapshot().since(&t);
     assert_eq!(
-        (counts.get(Op::WaitPut), counts.get(Op::ContainerCreate), counts.total()),
+        (
+            counts.get(Op::WaitPut),
+            counts.get(Op::ContainerCreate),
+            counts.total()
+        ),
         (2, 1, 3),
         "the first create makes the container and is sent once more: {counts}"
     );
@@ -324,7 +328,11 @@ async fn wait_markers_are_created_touched_and_consumed_as_debounce_assumes() {
     let looked = |before: OpCounts, call: &str| {
         let counts = counters.snapshot().since(&before);
         assert_eq!(
-            (counts.get(Op::WaitDelete), counts.get(Op::WaitHead), counts.total()),
+            (
+                counts.get(Op::WaitDelete),
+                counts.get(Op::WaitHead),
+                counts.total()
+            ),
             (1, 1, 2),
             "{call}: a delete, then a look: {counts}"
         );
@@ -393,7 +401,8 @@ async fn wait_markers_are_created_touched_and_consumed_as_debounce_assumes() {
     assert_eq!(markers.wait_look(&key).await.unwrap(), None);
 
     // The ETag a metadata write answers is written as a look writes it (quotes included).
-    let blob = leasehold_storage::azure::BlobContainer::new(&account, &unique_name("waits"), OpCounters::new());
+    let blob =
+        leasehold_storage::azure::BlobContainer::new(&account, &unique_name("waits"), OpCounters::new());
     blob.create().await.unwrap();
     let made = blob.create_empty_tagged("b", Op::WaitPut).await.unwrap().unwrap();
     let metadata = std::collections::HashMap::from([("k".to_string(), "v".to_string())]);
@@ -407,7 +416,10 @@ async fn wait_markers_are_created_touched_and_consumed_as_debounce_assumes() {
         Some(written.as_str())
     );
     assert_ne!(made, written);
-    assert!(made.starts_with('"') && made.ends_with('"'), "quoted as the service sends it: {made}");
+    assert!(
+        made.starts_with('"') && made.ends_with('"'),
+        "quoted as the service sends it: {made}"
+    );
 
     // A record's status shows its wait marker.
     let container = unique_name("waits");
