@@ -19,8 +19,8 @@ use async_trait::async_trait;
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseDuration, LeaseLock, LeaseOptions, LeaseStore, OpCounters, OpCounts};
 use leasehold_runtime::{
-    AzureMarkers, AzureQueue, Consumer, ConsumerOptions, Delivery, Logic, LogicError, PerScope, RecordRunner,
-    RunContext, RunPolicy, RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
+    AzureMarkers, AzureQueue, Consumer, ConsumerOptions, Debounce, Delivery, Logic, LogicError, PerScope,
+    RecordRunner, RunContext, RunPolicy, RunnerOptions, TriggerMessage, TriggerQueue, poison_queue_name,
 };
 use leasehold_storage::azure::BlobContainer;
 use leasehold_test_support::{Azurite, unique_name};
@@ -162,6 +162,17 @@ fn env(azurite: &Azurite) -> Env {
 }
 
 fn runner(env: &Env, logic: Arc<dyn Logic>, fencing: bool, lease_seconds: u64) -> RecordRunner {
+    runner_with(env, logic, fencing, lease_seconds, RunnerOptions::default())
+}
+
+/// [`runner`] with its runner options.
+fn runner_with(
+    env: &Env,
+    logic: Arc<dyn Logic>,
+    fencing: bool,
+    lease_seconds: u64,
+    runner_options: RunnerOptions,
+) -> RecordRunner {
     let options = LeaseOptions {
         fencing,
         ..LeaseOptions::with_duration(
@@ -174,7 +185,7 @@ fn runner(env: &Env, logic: Arc<dyn Logic>, fencing: bool, lease_seconds: u64) -
         env.markers.clone(),
         env.queue.clone(),
         logic,
-        RunnerOptions::default(),
+        runner_options,
     )
 }
 
@@ -506,7 +517,10 @@ async fn latency(az: &Azurite, samples: usize, report: &mut String) {
     writeln!(report).unwrap();
 }
 
-/// 5. Burst coalescing, Leasehold against the seed design.
+/// The debounce quiet period of section 5 (its longest wait: 30 s, never reached by a burst).
+const BURST_QUIET: Duration = Duration::from_secs(2);
+
+/// 5. Burst coalescing, Leasehold (coalesce, debounce, supersede) against the seed design.
 async fn bursts(az: &Azurite, records: usize, triggers: usize, run_for: Duration, report: &mut String) {
     writeln!(
         report,
@@ -514,9 +528,16 @@ async fn bursts(az: &Azurite, records: usize, triggers: usize, run_for: Duration
         run_for.as_millis()
     )
     .unwrap();
-    writeln!(report, "| design | runs per record | busy periods per record | runs per busy period | triggers lost |\n| --- | ---: | ---: | ---: | ---: |").unwrap();
-    for design in ["Leasehold", "seed design"] {
+    writeln!(report, "| design | runs per record | busy periods per record | runs per busy period | triggers lost | last trigger to first run after it | storage requests per trigger (queue polls excluded) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |").unwrap();
+    let debounce_name = format!("Leasehold, debounce (Q {} s)", BURST_QUIET.as_secs());
+    for design in [
+        "Leasehold, coalesce",
+        debounce_name.as_str(),
+        "Leasehold, supersede",
+        "seed design",
+    ] {
         let e = env(az);
+        let t0 = e.counters.snapshot();
         let probe = Probe::new(run_for);
         let shutdown = CancellationToken::new();
         let mut tasks = Vec::new();
@@ -526,9 +547,22 @@ async fn bursts(az: &Azurite, records: usize, triggers: usize, run_for: Duration
             probe.clone(),
             7,
         ));
-        if design == "Leasehold" {
+        if let Some(policy) = design.strip_prefix("Leasehold, ") {
+            let options = if policy == "supersede" {
+                RunnerOptions {
+                    run_policy: PerScope::new(RunPolicy::Supersede),
+                    ..RunnerOptions::default()
+                }
+            } else if policy == "coalesce" {
+                RunnerOptions::default()
+            } else {
+                RunnerOptions {
+                    debounce: PerScope::new(Debounce::new(BURST_QUIET, Duration::from_secs(30))),
+                    ..RunnerOptions::default()
+                }
+            };
             let consumer = Consumer::new(
-                runner(&e, probe.clone(), true, 30),
+                runner_with(&e, probe.clone(), true, 30, options),
                 e.poison.clone(),
                 ConsumerOptions::default(),
             );
@@ -608,17 +642,43 @@ async fn bursts(az: &Azurite, records: usize, triggers: usize, run_for: Duration
             })
             .count();
         let runs: usize = runs_per.values().sum();
+        // Per record: from its last trigger to the first run that started after it (the run
+        // that makes the record's data fresh), the median over records.
+        let settle: Vec<f64> = (0..records)
+            .filter_map(|r| {
+                let record = format!("burst{r}");
+                let last = accepted.iter().filter(|a| a.0 == record).map(|a| a.1).max()?;
+                let first = starts
+                    .iter()
+                    .filter(|s| s.0 == record && s.1 > last)
+                    .map(|s| s.1)
+                    .min()?;
+                Some((first - last).as_secs_f64())
+            })
+            .collect();
+        let settle = if settle.is_empty() {
+            "none".to_string()
+        } else {
+            format!("{:.1} s", percentile(settle, 0.5))
+        };
+        let counts = e.counters.snapshot().since(&t0);
+        let requests = counts.total() - counts.get(leasehold_lock::Op::QueueGet);
         writeln!(
             report,
-            "| {design} | {:.1} | {:.1} | {:.1} | {lost} of {} |",
+            "| {design} | {:.1} | {:.1} | {:.1} | {lost} of {} | {settle} | {:.1} |",
             runs as f64 / records as f64,
             periods as f64 / records as f64,
             runs as f64 / periods.max(1) as f64,
-            accepted.len()
+            accepted.len(),
+            requests as f64 / accepted.len() as f64
         )
         .unwrap();
     }
-    writeln!(report).unwrap();
+    writeln!(
+        report,
+        "\nStorage requests count every blob and queue request of the design (the triggers' puts included, idle queue polls excluded) over its triggers. Under debounce each record's triggers wait for quiet: its run starts once no trigger came for Q (between Q and 2Q after the last one, and a poll), which spends a wait marker's requests (a create or a touch per trigger, a look and a re-hide per wake) to save the runs.\n"
+    )
+    .unwrap();
 }
 
 /// 5b. Saves during long runs, coalesce against supersede, one record: for each scenario (the

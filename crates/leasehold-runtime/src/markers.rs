@@ -71,7 +71,8 @@ pub trait MarkerStore: Send + Sync + fmt::Debug + 'static {
     async fn wait_look(&self, key: &LockKey) -> Result<Option<String>, StoreError>;
 
     /// Deletes the wait marker, only if its ETag is `if_match` when one is given
-    /// ([`Op::WaitDelete`]).
+    /// ([`Op::WaitDelete`]; on Azure, a conditional delete that fails also looks,
+    /// [`Op::WaitHead`], as the service answers 412 both for another ETag and for no marker).
     async fn wait_consume(&self, key: &LockKey, if_match: Option<&str>) -> Result<WaitConsumed, StoreError>;
 
     /// The round-trip counters this store records into.
@@ -156,7 +157,7 @@ impl MarkerStore for AzureMarkers {
         Ok(
             match self
                 .container
-                .delete_if_match(&wait_blob_name(key), if_match, Op::WaitDelete)
+                .delete_if_match(&wait_blob_name(key), if_match, Op::WaitDelete, Op::WaitHead)
                 .await?
             {
                 Deleted::Deleted => WaitConsumed::Consumed,

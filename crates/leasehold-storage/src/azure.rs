@@ -365,8 +365,22 @@ impl BlobContainer {
         }
     }
 
-    /// Deletes a blob, only if its ETag is `if_match` when one is given.
-    pub async fn delete_if_match(&self, name: &str, if_match: Option<&str>, op: Op) -> StoreResult<Deleted> {
+    /// Deletes a blob, only if its ETag is `if_match` when one is given: one round trip (`op`),
+    /// and a second (`look`, a properties request) when a conditional delete fails.
+    ///
+    /// A write with `If-Match` on a blob that does not exist fails with 412 `ConditionNotMet`,
+    /// exactly as one on a blob whose ETag differs (the service's rule for write operations;
+    /// Azurite follows it): the status tells "changed" from "gone" only without a condition.
+    /// So a 412 is followed by a look: no blob now is [`Deleted::NotFound`] (whether it was
+    /// already gone or was deleted since, someone else deleted it), a blob is
+    /// [`Deleted::Changed`].
+    pub async fn delete_if_match(
+        &self,
+        name: &str,
+        if_match: Option<&str>,
+        op: Op,
+        look: Op,
+    ) -> StoreResult<Deleted> {
         let options = azure_storage_blob::models::BlobClientDeleteOptions {
             if_match: if_match.map(|tag| azure_core::http::Etag::from(tag.to_string())),
             ..Default::default()
@@ -374,7 +388,10 @@ impl BlobContainer {
         match self.call(op, self.blob(name).delete(Some(options))).await {
             Ok(_) => Ok(Deleted::Deleted),
             Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(Deleted::NotFound),
-            Err(e) if e.status() == Some(412) => Ok(Deleted::Changed),
+            Err(e) if e.status() == Some(412) => Ok(match self.etag(name, look).await? {
+                Some(_) => Deleted::Changed,
+                None => Deleted::NotFound,
+            }),
             Err(e) => Err(e),
         }
     }
@@ -470,7 +487,7 @@ pub enum Deleted {
     Deleted,
     /// There was no such blob.
     NotFound,
-    /// The blob's ETag was not the one given (412): it was left as it is.
+    /// The blob's ETag was not the one given (412, and the blob is there): it was left as it is.
     Changed,
 }
 

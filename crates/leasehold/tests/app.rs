@@ -1311,3 +1311,156 @@ fn alive(pid: u32) -> bool {
         )
     })
 }
+
+/// Debounce, end to end against Azurite in both modes (serve, and the handler under the emulated
+/// Functions host), side by side: six triggers for one record 0.4 s apart through Start, in a
+/// scope that debounces (Q 2 s, M 30 s), give exactly one run, which starts at least Q after the
+/// last trigger and soon after (waiters look every Q: within 2Q and the polls); a record of a
+/// scope that does not debounce, triggered mid-burst, runs at once. Nothing is poisoned, and
+/// under the emulated host every invocation has `DequeueCount` 1 (a waiter's wait never raises
+/// the host's count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_with_debounce_gives_one_run() {
+    let (a, b) = tokio::join!(debounce_scenario(false), debounce_scenario(true));
+    for line in [a, b] {
+        println!("[debounce] {line}");
+    }
+}
+
+async fn debounce_scenario(handler: bool) -> String {
+    const QUIET: u64 = 2;
+    const OTHER: &str = "8f9c1d2e-0000-4000-8000-000000000002";
+    let env = Env::new();
+    let extra = vec![
+        ("LEASEHOLD_LOGIC_COMMAND", env.logic("true")),
+        ("LEASEHOLD_DEBOUNCE_SECONDS", format!("0,account={QUIET}")),
+        ("LEASEHOLD_DEBOUNCE_MAX_SECONDS", "30".to_string()),
+        ("LEASEHOLD_MAX_DEQUEUE_COUNT", "2".to_string()),
+    ];
+    let app = env.start_as(handler, extra).await;
+    let queue = common::queue(&env.queue);
+    let counts: std::sync::Arc<std::sync::Mutex<Vec<u32>>> = Default::default();
+    let host = handler.then(|| emulated_host(&env.queue, app.url("/Worker"), counts.clone()));
+    let mode_name = if handler { "handler" } else { "serve" };
+    // Start as a program calls it: `serve`'s endpoint, or the handler's Start function as the
+    // host invokes it, the trigger then put by the host's queue output binding.
+    let start = |scope: &'static str, record: &'static str| {
+        let (app_url, queue) = (app.url(""), &queue);
+        async move {
+            let body = json!({"scope": scope, "recordId": record}).to_string();
+            if !handler {
+                let (status, answer) = post(&format!("{app_url}/api/start"), &body, &[]).await;
+                assert_eq!(status, 202, "{answer}");
+                return;
+            }
+            let invocation = json!({
+                "Data": { "req": {
+                    "Url": format!("{app_url}/api/start"), "Method": "POST", "Query": {},
+                    "Headers": { "Content-Type": ["application/json"] }, "Params": {},
+                    "Identities": [], "Body": body
+                } },
+                "Metadata": { "sys": { "MethodName": "Start" } }
+            });
+            let r: Value = reqwest::Client::new()
+                .post(format!("{app_url}/Start"))
+                .json(&invocation)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(r["Outputs"]["res"]["statusCode"], 202, "{r}");
+            let message = TriggerMessage::from_json(r["Outputs"]["message"].as_str().unwrap()).unwrap();
+            queue.put(&message.encode(), Duration::ZERO).await.unwrap();
+        }
+    };
+
+    let mut last = 0;
+    let mut other_sent = 0;
+    for i in 0..6 {
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+        start("account", RECORD).await;
+        last = now_ns();
+        if i == 2 {
+            other_sent = now_ns();
+            start("contact", OTHER).await;
+        }
+    }
+    let first_run = |record: &str| env.runs().into_iter().find(|r| r.0 == record).map(|r| r.2);
+    let other_ran = eventually(
+        Duration::from_secs(20),
+        "the record of a scope that does not debounce to run",
+        || async { first_run(OTHER) },
+    )
+    .await;
+    let ran = eventually(Duration::from_secs(30), "the debounced record to run", || async {
+        first_run(RECORD)
+    })
+    .await;
+    eventually(Duration::from_secs(30), "the queue to drain", || async {
+        (unless_transient(queue.approximate_len().await, "the queue's length")? == 0).then_some(())
+    })
+    .await;
+    let runs: Vec<_> = env.runs().into_iter().filter(|r| r.0 == RECORD).collect();
+    assert_eq!(runs.len(), 1, "{mode_name}: one run for the burst: {runs:?}");
+    let after = (ran as f64 - last as f64) / 1e9;
+    let bound = 2.0 * QUIET as f64 + 5.0;
+    assert!(
+        after >= QUIET as f64 && after < bound,
+        "{mode_name}: the run started {after:.2} s after the last trigger (quiet period {QUIET} s, bound {bound} s)"
+    );
+    let other_after = (other_ran as f64 - other_sent as f64) / 1e9;
+    assert!(
+        other_after < 5.0 && other_ran < ran,
+        "{mode_name}: a scope that does not debounce runs at once ({other_after:.2} s), before the debounced one"
+    );
+    assert_eq!(
+        env.runs().iter().filter(|r| r.0 == OTHER).count(),
+        1,
+        "{mode_name}: {:?}",
+        env.runs()
+    );
+    let poison = common::queue(&poison_queue_name(&env.queue));
+    assert_eq!(
+        poison.approximate_len().await.unwrap(),
+        0,
+        "{mode_name}: nothing is poisoned"
+    );
+    let mut invocations = 0;
+    if let Some(host) = host {
+        host.abort();
+        let counts = counts.lock().unwrap().clone();
+        invocations = counts.len();
+        assert!(
+            counts.len() >= 7 && counts.iter().all(|c| *c == 1),
+            "{mode_name}: every invocation is a first delivery: {counts:?}"
+        );
+    } else {
+        // The joins and the wait are counted (the recorder is the process's: the other mode's
+        // deliveries count too, never fewer).
+        let metrics = common::get(&app.url("/metrics"), &[]).await.text().await.unwrap();
+        let outcome = |name: &str| {
+            metrics
+                .lines()
+                .find(|l| l.starts_with(&format!("leasehold_deliveries_total{{outcome=\"{name}\"}}")))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        assert!(
+            outcome("debounced") >= 5.0 && outcome("waiting") >= 1.0,
+            "{metrics}"
+        );
+    }
+    app.stop().await;
+    format!(
+        "{mode_name}: 6 triggers 0.4 s apart, Q {QUIET} s: one run, {after:.2} s after the last trigger; another scope's record ran {other_after:.2} s after its trigger{}; nothing poisoned",
+        if handler {
+            format!("; {invocations} host invocations, all DequeueCount 1")
+        } else {
+            String::new()
+        }
+    )
+}

@@ -265,6 +265,180 @@ async fn markers_are_created_once_and_taken_once() {
     assert!(!markers.is_set(&key).await.unwrap());
 }
 
+/// Wait markers on Azurite, as the debounce paths assume them: created once (`If-None-Match: *`,
+/// whoever creates it gets its ETag), looked at with the same ETag, touched (a metadata write:
+/// the ETag changes, and a touch never creates one), consumed only with the ETag it has (a stale
+/// one is a 412 that leaves it), or unconditionally; a marker made again gets a new ETag. Each
+/// call is one round trip (the first create on a container that does not exist yet: two, and
+/// the container create; a conditional consume that fails: a look after the 412, which the
+/// service answers for a deleted marker too).
+#[tokio::test]
+async fn wait_markers_are_created_touched_and_consumed_as_debounce_assumes() {
+    use leasehold_runtime::WaitConsumed;
+
+    let account = Azurite::shared().account();
+    let counters = OpCounters::new();
+    let markers = AzureMarkers::new(&account, &unique_name("waits"), counters.clone());
+    let key = TriggerMessage::parse("acct", "w").unwrap().key();
+
+    // What one call sent: exactly one request of `op`.
+    let sent = |before: OpCounts, op: Op, call: &str| {
+        let counts = counters.snapshot().since(&before);
+        assert_eq!(
+            (counts.get(op), counts.total()),
+            (1, 1),
+            "{call}: one {op} request and nothing else: {counts}"
+        );
+    };
+
+    let t = counters.snapshot();
+    let created = markers.wait_create(&key).await.unwrap().expect("created");
+    let counts = counters.snapshot().since(&t);
+    assert_eq!(
+        (
+            counts.get(Op::WaitPut),
+            counts.get(Op::ContainerCreate),
+            counts.total()
+        ),
+        (2, 1, 3),
+        "the first create makes the container and is sent once more: {counts}"
+    );
+    assert!(!created.is_empty(), "an ETag: {created:?}");
+
+    let t = counters.snapshot();
+    assert_eq!(markers.wait_create(&key).await.unwrap(), None, "there already");
+    sent(t, Op::WaitPut, "create again");
+
+    let t = counters.snapshot();
+    assert_eq!(
+        markers.wait_look(&key).await.unwrap().as_deref(),
+        Some(created.as_str()),
+        "a look sees the ETag the create answered, written the same way"
+    );
+    sent(t, Op::WaitHead, "look");
+
+    let t = counters.snapshot();
+    assert!(markers.wait_touch(&key).await.unwrap(), "touched");
+    sent(t, Op::WaitTouch, "touch");
+    let touched = markers.wait_look(&key).await.unwrap().expect("still there");
+    assert_ne!(touched, created, "a touch changes the ETag");
+
+    // A failed conditional delete is a 412 whether the marker changed or is gone: a look
+    // tells which (a second round trip, only then).
+    let looked = |before: OpCounts, call: &str| {
+        let counts = counters.snapshot().since(&before);
+        assert_eq!(
+            (
+                counts.get(Op::WaitDelete),
+                counts.get(Op::WaitHead),
+                counts.total()
+            ),
+            (1, 1, 2),
+            "{call}: a delete, then a look: {counts}"
+        );
+    };
+    let t = counters.snapshot();
+    assert_eq!(
+        markers.wait_consume(&key, Some(&created)).await.unwrap(),
+        WaitConsumed::Changed,
+        "a stale ETag: 412, left as it is"
+    );
+    looked(t, "consume with a stale ETag");
+    assert_eq!(
+        markers.wait_look(&key).await.unwrap().as_deref(),
+        Some(touched.as_str()),
+        "the marker stays, untouched"
+    );
+
+    let t = counters.snapshot();
+    assert_eq!(
+        markers.wait_consume(&key, Some(&touched)).await.unwrap(),
+        WaitConsumed::Consumed
+    );
+    sent(t, Op::WaitDelete, "consume with the current ETag");
+
+    let t = counters.snapshot();
+    assert_eq!(
+        markers.wait_consume(&key, Some(&touched)).await.unwrap(),
+        WaitConsumed::Gone,
+        "conditional consume of a deleted marker: gone, not changed (Azurite answers 412)"
+    );
+    looked(t, "consume again (conditional)");
+    let t = counters.snapshot();
+    assert_eq!(
+        markers.wait_consume(&key, None).await.unwrap(),
+        WaitConsumed::Gone
+    );
+    sent(t, Op::WaitDelete, "consume again (unconditional)");
+
+    let t = counters.snapshot();
+    assert!(!markers.wait_touch(&key).await.unwrap(), "nothing to touch");
+    sent(t, Op::WaitTouch, "touch of a deleted marker");
+    let t = counters.snapshot();
+    assert_eq!(
+        markers.wait_look(&key).await.unwrap(),
+        None,
+        "a touch never creates the marker"
+    );
+    sent(t, Op::WaitHead, "look at a deleted marker");
+
+    let t = counters.snapshot();
+    let again = markers.wait_create(&key).await.unwrap().expect("created again");
+    sent(t, Op::WaitPut, "create after a consume");
+    assert!(
+        again != created && again != touched,
+        "a marker made again has a new ETag: {again} (before: {created}, {touched})"
+    );
+
+    // Unconditional: whatever its ETag (touched since the create).
+    assert!(markers.wait_touch(&key).await.unwrap());
+    let t = counters.snapshot();
+    assert_eq!(
+        markers.wait_consume(&key, None).await.unwrap(),
+        WaitConsumed::Consumed
+    );
+    sent(t, Op::WaitDelete, "unconditional consume");
+    assert_eq!(markers.wait_look(&key).await.unwrap(), None);
+
+    // The ETag a metadata write answers is written as a look writes it (quotes included).
+    let blob =
+        leasehold_storage::azure::BlobContainer::new(&account, &unique_name("waits"), OpCounters::new());
+    blob.create().await.unwrap();
+    let made = blob.create_empty_tagged("b", Op::WaitPut).await.unwrap().unwrap();
+    let metadata = std::collections::HashMap::from([("k".to_string(), "v".to_string())]);
+    let written = blob
+        .set_metadata_if_present("b", &metadata, Op::WaitTouch)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        blob.etag("b", Op::WaitHead).await.unwrap().as_deref(),
+        Some(written.as_str())
+    );
+    assert_ne!(made, written);
+    assert!(
+        made.starts_with('"') && made.ends_with('"'),
+        "quoted as the service sends it: {made}"
+    );
+
+    // A record's status shows its wait marker.
+    let container = unique_name("waits");
+    let markers = AzureMarkers::new(&account, &container, counters.clone());
+    let message = TriggerMessage::parse("acct", "w").unwrap();
+    let store = Arc::new(AzureBlobStore::new(&account, &container, counters.clone()));
+    let lock = LeaseLock::new(store, lease_options(false)).unwrap();
+    markers.wait_create(&key).await.unwrap().expect("created");
+    let status = record_status(&lock, &markers, &message.scope, &message.record_id)
+        .await
+        .unwrap();
+    assert!(status.waiting && !status.retrigger_pending, "{status:?}");
+    assert_eq!(
+        markers.counters().snapshot(),
+        counters.snapshot(),
+        "the store records into the counters it was given"
+    );
+}
+
 /// A message Leasehold puts (a trigger, a retrigger, a poison entry) is kept until it is taken:
 /// by default Azure drops a queue message 7 days after it was put, unread and unreported.
 #[tokio::test]
