@@ -120,6 +120,9 @@ impl Consumer {
                 }
             };
             let want = (free as u32).clamp(1, self.options.batch_size.min(32));
+            // The messages are hidden for `visibility` from when the service took them, which
+            // is after this.
+            let asked = Instant::now();
             let taken = match self.queue().get(want, self.options.visibility).await {
                 Ok(messages) => messages,
                 Err(e) => {
@@ -146,7 +149,7 @@ impl Consumer {
                 let this = self.clone();
                 let cancel = runs_cancel.child_token();
                 tracker.spawn(async move {
-                    this.process(received, cancel).await;
+                    this.process_taken(received, asked, cancel).await;
                     drop(permit);
                 });
             }
@@ -166,12 +169,20 @@ impl Consumer {
 
     /// Handles one taken message from start to acknowledgement (or not), in a span naming the
     /// message (its delivery's span, with the record, nests inside).
+    /// Call it as soon as the message was taken, hidden for the options' `visibility`.
     pub async fn process(&self, received: Received, cancel: CancellationToken) {
-        let span = tracing::info_span!("message", id = %received.id, dequeue_count = received.dequeue_count);
-        self.process_message(received, cancel).instrument(span).await
+        self.process_taken(received, Instant::now(), cancel).await
     }
 
-    async fn process_message(&self, received: Received, cancel: CancellationToken) {
+    /// [`process`](Self::process) of a message taken by a request sent at `asked`.
+    async fn process_taken(&self, received: Received, asked: Instant, cancel: CancellationToken) {
+        let span = tracing::info_span!("message", id = %received.id, dequeue_count = received.dequeue_count);
+        self.process_message(received, asked, cancel)
+            .instrument(span)
+            .await
+    }
+
+    async fn process_message(&self, received: Received, asked: Instant, cancel: CancellationToken) {
         let message = match TriggerMessage::decode(&received.body) {
             Ok(m) => m,
             Err(e) => {
@@ -210,13 +221,8 @@ impl Consumer {
         // Visibility is renewed by a task of its own, so a slow renewal never stalls the run;
         // it stops when this delivery ends, however it ends.
         let receipt = Arc::new(std::sync::Mutex::new(received.pop_receipt.clone()));
-        // Hidden for `visibility` from when the service answered our get, which was sent at
-        // most a request's time limit ago (a slower one would have failed).
-        let hidden = HiddenUntil::new(
-            (Instant::now() + self.options.visibility)
-                .checked_sub(leasehold_storage::azure::DEFAULT_REQUEST_TIMEOUT)
-                .unwrap_or_else(Instant::now),
-        );
+        // Hidden for `visibility` from when the service took it, after our get was sent.
+        let hidden = HiddenUntil::new(asked + self.options.visibility);
         let stop_renewing = CancellationToken::new();
         let mut renewer = AbortOnDrop(tokio::spawn(
             keep_hidden(
