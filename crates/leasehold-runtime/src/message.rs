@@ -336,6 +336,28 @@ mod tests {
         assert_eq!((r.rehides, r.deferral), (0, None));
     }
 
+    /// A waiter's `wait` is its own: a retrigger or a deferral made from it is no waiter (nor a
+    /// stand-in), while a follow-up of the same delivery (its watchdog, its retry) keeps it.
+    #[test]
+    fn only_a_follow_up_keeps_the_wait() {
+        let mut m = TriggerMessage::parse("account", "42").unwrap();
+        m.wait = Some(Wait {
+            etag: Some("\"0x1\"".into()),
+            waited_ms: 5_000,
+            owed: true,
+        });
+        assert_eq!(m.follow_up(TriggerKind::Watchdog, 1).wait, m.wait);
+        assert_eq!(m.retrigger().wait, None);
+        assert_eq!(m.deferred(0, std::time::Duration::from_secs(1), 3).wait, None);
+        assert_eq!(TriggerMessage::decode(&m.encode()).unwrap(), m);
+        assert!(
+            m.to_json()
+                .contains(r#""wait":{"etag":"\"0x1\"","waitedMs":5000,"owed":true}"#),
+            "{}",
+            m.to_json()
+        );
+    }
+
     /// A message put by another tool is read into the form Start would have given it.
     #[test]
     fn reads_names_into_their_canonical_form() {

@@ -539,10 +539,10 @@ impl RecordRunner {
     ) -> (Outcome, Ended) {
         let mut ended = Ended::of(delivery);
         let step = self.debounce_step(delivery);
-        let marks = step.marks_carrier();
         let outcome = match self.debounce(step, delivery, hidden).await {
+            // Only a debounce step ends a delivery here.
             Next::Done(outcome) => {
-                if marks && outcome.error().is_some() {
+                if outcome.error().is_some() {
                     ended = Ended::failed_step(delivery);
                 }
                 outcome
@@ -624,7 +624,7 @@ impl RecordRunner {
         // watchdog put afresh).
         let (outcome, carried) = match self.debounce(step, delivery, None).await {
             Next::Done(outcome) => {
-                if marks && outcome.error().is_some() {
+                if outcome.error().is_some() {
                     *ended = Ended::failed_step(delivery);
                 }
                 let mut retry_of = carrier(msg.clone());
