@@ -543,7 +543,7 @@ impl RecordRunner {
             // Only a debounce step ends a delivery here.
             Next::Done(outcome) => {
                 if outcome.error().is_some() {
-                    ended = Ended::failed_step(delivery);
+                    ended = Ended::failed_step();
                 }
                 outcome
             }
@@ -625,7 +625,7 @@ impl RecordRunner {
         let (outcome, carried) = match self.debounce(step, delivery, None).await {
             Next::Done(outcome) => {
                 if outcome.error().is_some() {
-                    *ended = Ended::failed_step(delivery);
+                    *ended = Ended::failed_step();
                 }
                 let mut retry_of = carrier(msg.clone());
                 retry_of.after_token = ended.after_token;
@@ -1593,12 +1593,9 @@ impl Ended {
     }
 
     /// After a debounce step that failed: a wait marker delete that failed may have landed, and
-    /// then this delivery owes a run, which no later run may stand in for.
-    fn failed_step(delivery: &Delivery) -> Self {
-        Self {
-            after_token: None,
-            ..Self::of(delivery)
-        }
+    /// then this delivery owes a run, which no later run may stand in for (no `afterToken`).
+    fn failed_step() -> Self {
+        Self::default()
     }
 }
 

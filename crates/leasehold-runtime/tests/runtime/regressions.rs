@@ -3382,3 +3382,117 @@ async fn a_stand_in_whose_consume_failed_retries_without_its_after_token() {
     assert_eq!(left.len(), 1, "{left:?}");
     assert_eq!(left[0].after_token, None, "the retry must run: {left:?}");
 }
+
+/// A delivery whose visibility renewals land keeps sending its wait-marker requests however long
+/// its create takes: the renewals move the time its message is known to stay hidden.
+#[tokio::test(start_paused = true)]
+async fn a_delivery_kept_hidden_may_take_its_time_over_a_wait_marker() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    let (consumer, mut taken) = consumer_with_one_trigger(&store, runner).await;
+    let ten = Duration::from_secs(10);
+    // Two time-outs: the third attempt goes out 30 s in, past the first 40 s of visibility
+    // less the 15 s a request may take to land.
+    store.then(Op::WaitPut, &[Act::SlowTimeOut(ten), Act::SlowTimeOut(ten)]);
+    consumer.process(taken.remove(0), CancellationToken::new()).await;
+    assert_eq!(store.rules.counters.snapshot().get(Op::WaitPut), 3);
+    assert!(waiting(&store).await);
+    let left = messages(&store);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].wait.is_some(), "the delivery became the waiter: {left:?}");
+}
+
+/// Under Functions only a delivery that may leave a wait marker behind has a watchdog marked to
+/// stand in for it: a trigger of a debouncing scope is; a retrigger (which never waits) is not,
+/// so its watchdog, if it surfaces, cuts no wait short.
+#[tokio::test(start_paused = true)]
+async fn only_a_delivery_that_may_leave_a_wait_has_a_marked_watchdog() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(60), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), debounce_options(5, 30));
+    let run = tokio::spawn({
+        let runner = runner.clone();
+        async move {
+            let poison = MemoryQueue::new("poison", OpCounters::new());
+            watched(&runner, &poison, TriggerKind::Retrigger, 1, 0).await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let during = messages(&store);
+    assert_eq!(during.len(), 1, "{during:?}");
+    assert_eq!((during[0].kind, &during[0].wait), (TriggerKind::Watchdog, &None));
+    assert!(matches!(run.await.unwrap(), Outcome::Completed { .. }));
+    // A trigger: its watchdog is marked (then becomes the waiter).
+    store.always(Op::WaitPut, Act::Slow(Duration::from_secs(2)));
+    let wait = tokio::spawn({
+        let runner = runner.clone();
+        async move {
+            let poison = MemoryQueue::new("poison", OpCounters::new());
+            watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let during = messages(&store);
+    assert_eq!(during.len(), 1, "{during:?}");
+    assert_eq!(during[0].kind, TriggerKind::Watchdog);
+    assert!(during[0].wait.is_some(), "{during:?}");
+    assert!(matches!(wait.await.unwrap(), Outcome::Waiting { .. }));
+}
+
+/// A standalone stand-in that consumed a wait marker and then failed is retried as the message it
+/// carried on as: a fresh chain (its give-ups cleared), without `wait`.
+#[tokio::test(start_paused = true)]
+async fn a_stand_in_that_consumed_a_wait_and_failed_retries_as_a_fresh_chain() {
+    let store = Scripted::new();
+    let runner = runner_on(
+        &store,
+        Arc::new(Failing(Duration::from_secs(1))),
+        RunnerOptions::default(),
+    );
+    let consumer = Consumer::new(
+        runner,
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    let mut chain = TriggerMessage::parse("acct", "r").unwrap();
+    chain.given_up = 2;
+    chain.wait = Some(Wait::default());
+    store.queue().put(&chain.encode(), Duration::ZERO).await.unwrap();
+    let _died = take_one(&store).await;
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    store.markers.wait_create(&record_key()).await.unwrap();
+    let again = take_one(&store).await;
+    consumer.process(again, CancellationToken::new()).await;
+    assert!(!waiting(&store).await);
+    let left = messages(&store);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!((left[0].given_up, &left[0].wait), (0, &None), "{left:?}");
+}
+
+/// Under Functions, a delivery that fails before its run keeps its `afterToken` on the retry
+/// (it took no duty over, so it may still stand down for a later run).
+#[tokio::test(start_paused = true)]
+async fn a_retry_that_failed_before_its_run_keeps_its_after_token() {
+    let (store, _logic, runner) = fixture(Duration::from_secs(1), End::Succeed);
+    let mut retry = TriggerMessage::parse("acct", "r")
+        .unwrap()
+        .follow_up(TriggerKind::Watchdog, 1);
+    retry.after_token = Some(7);
+    store.then(Op::LeaseAcquire, &[Act::Refuse(StoreErrorKind::Rejected)]);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let outcome = runner
+        .handle_watched(
+            &Delivery {
+                message: retry,
+                dequeue_count: 1,
+            },
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Retrying { .. }), "{outcome:?}");
+    let left = messages(&store);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].after_token, Some(7), "{left:?}");
+}
