@@ -543,7 +543,9 @@ impl RecordRunner {
             // Only a debounce step ends a delivery here.
             Next::Done(outcome) => {
                 if outcome.error().is_some() {
-                    ended = Ended::failed_step();
+                    // A wait marker delete that failed may have landed: the delivery then owes
+                    // a run, which no later run may stand in for (no `afterToken`).
+                    ended = Ended::default();
                 }
                 outcome
             }
@@ -625,7 +627,8 @@ impl RecordRunner {
         let (outcome, carried) = match self.debounce(step, delivery, None).await {
             Next::Done(outcome) => {
                 if outcome.error().is_some() {
-                    *ended = Ended::failed_step();
+                    // As in `handle_untold`: the retry carries no `afterToken`.
+                    *ended = Ended::default();
                 }
                 let mut retry_of = carrier(msg.clone());
                 retry_of.after_token = ended.after_token;
@@ -1590,12 +1593,6 @@ impl Ended {
             carried: (carried.message != delivery.message).then(|| carried.message.clone()),
             ..Self::of(carried)
         }
-    }
-
-    /// After a debounce step that failed: a wait marker delete that failed may have landed, and
-    /// then this delivery owes a run, which no later run may stand in for (no `afterToken`).
-    fn failed_step() -> Self {
-        Self::default()
     }
 }
 

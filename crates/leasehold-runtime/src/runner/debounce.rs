@@ -140,11 +140,11 @@ impl RecordRunner {
                     .await;
                 match consumed {
                     Ok(consumed) => {
-                        if consumed == WaitConsumed::Consumed {
-                            tracing::info!(
-                                "consumed a wait marker this delivery may stand in for; running without waiting"
-                            );
-                        }
+                        tracing::debug!(
+                            ?consumed,
+                            retried,
+                            "a possible stand-in consumed the wait marker, if any; running without waiting"
+                        );
                         // A delete that found a marker (or may have: retried) owes a run.
                         let owes = consumed == WaitConsumed::Consumed || retried;
                         Next::Carry(carried_on(delivery, owes))
