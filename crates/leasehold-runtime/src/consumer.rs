@@ -339,9 +339,10 @@ impl Consumer {
     /// the re-hide does not count as an attempt (nor makes its next delivery a redelivery).
     ///
     /// If the update fails, the message reappears when its visibility lapses and runs early
-    /// (its logic may ask again); nothing is lost. A retried update answered "not found" means
-    /// an earlier attempt landed (its answer lost): the receipt it made is the one we lack.
-    /// Says how the update failed (`None`: it landed).
+    /// (its logic may ask again); nothing is lost. A retried update answered "not found" may
+    /// mean an earlier attempt landed (its answer lost): the receipt it made is the one we lack;
+    /// or that another delivery took the message. Says how the update failed (`None`: it
+    /// landed).
     async fn persist_in_place(
         &self,
         received: &Received,
@@ -365,29 +366,22 @@ impl Consumer {
         }
         next.rehides = received.dequeue_count;
         let body = next.encode();
-        let mut attempts = 0u32;
         let result = self
             .runner
             .lock()
             .options()
             .retry
             .run(what, || {
-                attempts += 1;
                 self.queue().set_visibility(&received.id, receipt, &body, after)
             })
             .await;
         match result {
             Ok(_) => None,
-            Err(e) if e.kind() == leasehold_lock::StoreErrorKind::NotFound && attempts > 1 => {
-                tracing::debug!(
-                    step = what,
-                    "a retried update found the message changed: the earlier attempt landed, or another delivery took it"
-                );
-                Some(e.kind())
-            }
             Err(e) => {
+                // "Not found" after a retry may mean our first attempt landed (its answer lost)
+                // as well as that another delivery took the message.
                 tracing::warn!(step = what, error = %e,
-                    "could not update the message; it reappears when its visibility lapses, if it is still there");
+                    "could not update the message; if it is still there, it reappears when its visibility lapses");
                 Some(e.kind())
             }
         }
