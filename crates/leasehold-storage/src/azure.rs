@@ -291,27 +291,27 @@ impl BlobContainer {
     /// Puts an empty blob unless one exists (`If-None-Match: *`), creating the container on
     /// first use: `true` if this call created it, `false` if it was there already.
     pub async fn put_empty_if_absent(&self, name: &str, op: Op) -> StoreResult<bool> {
-        let blob = self.blob(name);
-        let attempt = || {
-            let fut = blob.upload(
-                azure_core::Bytes::new().into(),
-                Some(BlobClientUploadOptions::default().if_not_exists()),
-            );
-            async move {
-                match self.call(op, fut).await {
-                    Ok(_) => Ok(true),
-                    // 409 BlobAlreadyExists, or 412 when the blob is there and leased.
-                    Err(e) if e.code() == Some("BlobAlreadyExists") || e.status() == Some(412) => Ok(false),
-                    Err(e) => Err(e),
-                }
-            }
-        };
-        self.with_container(attempt).await
+        Ok(self.create_empty(name, op).await?.is_some())
     }
 
-    /// Puts an empty blob unless one exists (`If-None-Match: *`), creating the container on
-    /// first use: the new blob's ETag if this call created it, `None` if it was there already.
+    /// [`put_empty_if_absent`](Self::put_empty_if_absent) that says what it created: the new
+    /// blob's ETag if this call created it, `None` if it was there already.
     pub async fn create_empty_tagged(&self, name: &str, op: Op) -> StoreResult<Option<String>> {
+        match self.create_empty(name, op).await? {
+            None => Ok(None),
+            Some(answer) => answer
+                .etag
+                .map(|tag| Some(tag.to_string()))
+                .ok_or_else(|| StoreError::new(StoreErrorKind::Transient, op, "unreadable answer: no ETag")),
+        }
+    }
+
+    /// The upload of an empty blob with `If-None-Match: *`: its answer if this call created it.
+    async fn create_empty(
+        &self,
+        name: &str,
+        op: Op,
+    ) -> StoreResult<Option<azure_storage_blob::models::BlobClientUploadResult>> {
         let blob = self.blob(name);
         let attempt = || {
             let fut = blob.upload(
@@ -320,9 +320,8 @@ impl BlobContainer {
             );
             async move {
                 match self.call(op, fut).await {
-                    Ok(answer) => answer.etag.map(|tag| Some(tag.to_string())).ok_or_else(|| {
-                        StoreError::new(StoreErrorKind::Transient, op, "unreadable answer: no ETag")
-                    }),
+                    Ok(answer) => Ok(Some(answer)),
+                    // 409 BlobAlreadyExists, or 412 when the blob is there and leased.
                     Err(e) if e.code() == Some("BlobAlreadyExists") || e.status() == Some(412) => Ok(None),
                     Err(e) => Err(e),
                 }
