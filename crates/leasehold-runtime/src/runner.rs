@@ -515,6 +515,11 @@ impl RecordRunner {
     /// Handles one delivery whose message the caller keeps hidden only while this process lives
     /// (the standalone [`crate::Consumer`]): the message itself is the carrier. `cancel` stops a
     /// run from outside (shutdown); the trigger is then not acknowledged.
+    ///
+    /// In a scope that debounces, prefer [`crate::Consumer`], which also knows until when the
+    /// message stays hidden and sends no wait-marker request that could land after it may be
+    /// delivered again; a caller of this method must keep its messages hidden, renewed, for at
+    /// least 15 s past any delivery in progress (a request's time limit and its late window).
     pub async fn handle(&self, delivery: &Delivery, cancel: &CancellationToken) -> Outcome {
         let span = delivery.span();
         let (outcome, ended) = self
