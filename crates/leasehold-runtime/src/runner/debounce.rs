@@ -128,16 +128,7 @@ impl RecordRunner {
                     // WRONG on purpose: a marker whose creator died has no waiter but this.
                     return Next::Carry(carried_on(delivery, false));
                 }
-                let (consumed, retried) = self
-                    .marker_op("consume wait marker", |m| {
-                        let sent = carrier.may_send(Op::WaitDelete);
-                        let key = &key;
-                        async move {
-                            sent?;
-                            m.wait_consume(key, None).await
-                        }
-                    })
-                    .await;
+                let (consumed, retried) = self.consume_wait(&key, None, carrier).await;
                 match consumed {
                     Ok(consumed) => {
                         tracing::debug!(
@@ -239,16 +230,7 @@ impl RecordRunner {
                 ));
             }
         };
-        let (consumed, retried) = self
-            .marker_op("consume wait marker", |m| {
-                let sent = carrier.may_send(Op::WaitDelete);
-                let condition = condition.as_deref();
-                async move {
-                    sent?;
-                    m.wait_consume(key, condition).await
-                }
-            })
-            .await;
+        let (consumed, retried) = self.consume_wait(key, condition.as_deref(), carrier).await;
         let owed = wait.owed || retried;
         #[cfg(feature = "testing")]
         // WRONG on purpose: the first attempt may have consumed the marker.
@@ -268,6 +250,24 @@ impl RecordRunner {
             Ok(WaitConsumed::Gone) => Next::Done(Outcome::Debounced { joined: false }),
             Err(e) => Next::Done(storage_failed("consume wait marker", e)),
         }
+    }
+
+    /// Deletes the wait marker (only if its ETag is `condition`, when given), with retries and
+    /// only while `carrier` allows: its answer, and whether it was retried.
+    async fn consume_wait(
+        &self,
+        key: &LockKey,
+        condition: Option<&str>,
+        carrier: Carrier<'_>,
+    ) -> (Result<WaitConsumed, StoreError>, bool) {
+        self.marker_op("consume wait marker", |m| {
+            let sent = carrier.may_send(Op::WaitDelete);
+            async move {
+                sent?;
+                m.wait_consume(key, condition).await
+            }
+        })
+        .await
     }
 
     /// The waiter's next wake: the delivered message with its wait, visible after one more
