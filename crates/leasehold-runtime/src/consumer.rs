@@ -268,14 +268,7 @@ impl Consumer {
                     .await
                     == Some(leasehold_lock::StoreErrorKind::NotFound);
                 if gone {
-                    let body = next.encode();
-                    let put = self
-                        .runner
-                        .lock()
-                        .options()
-                        .retry
-                        .run("put the waiter afresh", || self.queue().put(&body, after))
-                        .await;
+                    let put = self.runner.enqueue(next, after).await;
                     if let Err(e) = put {
                         span.in_scope(|| {
                             tracing::warn!(error = %e,

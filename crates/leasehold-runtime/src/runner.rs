@@ -1456,7 +1456,7 @@ impl RecordRunner {
         (result, attempts > 1)
     }
 
-    async fn enqueue(&self, message: &TriggerMessage, delay: Duration) -> Result<(), StoreError> {
+    pub(crate) async fn enqueue(&self, message: &TriggerMessage, delay: Duration) -> Result<(), StoreError> {
         let body = message.encode();
         self.lock
             .options()
