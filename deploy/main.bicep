@@ -93,6 +93,18 @@ param debounceSeconds string = '0'
 @description('Debounce: the longest a record waits for its burst of triggers to end, in seconds, at least the quiet period, as <default>[,<scope>=<seconds>]... (1-86400 each).')
 param debounceMaxSeconds string = '60'
 
+@description('The downstream budget each scope\'s runs draw on (they share its pause after a throttle and its adaptive concurrency), as <default>[,<scope>=<name>]...')
+param budget string = 'default'
+
+@description('Whether each worker adapts how many runs of a budget it starts at once after throttles (true) or always starts up to its concurrency (false).')
+param adaptiveConcurrency string = 'true'
+
+@description('How long a throttle without a usable Retry-After pauses its budget, in seconds (1-86400).')
+param throttlePauseSeconds string = '10'
+
+@description('The longest one throttle pauses its budget, in seconds (1-86400; a longer Retry-After is capped).')
+param maxThrottlePauseSeconds string = '300'
+
 var suffix = '${namePrefix}${environmentName}'
 var storageName = toLower('${take(namePrefix, 11)}${environmentName}st${take(uniqueString(resourceGroup().id), 6)}')
 var isFlex = planSku == 'FC1'
@@ -260,6 +272,10 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         { name: 'LEASEHOLD_RUN_POLICY', value: runPolicy }
         { name: 'LEASEHOLD_DEBOUNCE_SECONDS', value: debounceSeconds }
         { name: 'LEASEHOLD_DEBOUNCE_MAX_SECONDS', value: debounceMaxSeconds }
+        { name: 'LEASEHOLD_BUDGET', value: budget }
+        { name: 'LEASEHOLD_ADAPTIVE_CONCURRENCY', value: adaptiveConcurrency }
+        { name: 'LEASEHOLD_THROTTLE_PAUSE_SECONDS', value: throttlePauseSeconds }
+        { name: 'LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS', value: maxThrottlePauseSeconds }
         { name: 'LEASEHOLD_LOG_FORMAT', value: 'json' }
         // How often the handler logs its metrics event (and samples the queue depths): the default.
         { name: 'LEASEHOLD_METRICS_INTERVAL_SECONDS', value: '' }

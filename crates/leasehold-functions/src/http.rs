@@ -391,6 +391,9 @@ fn describe(outcome: &Outcome) -> String {
             "joined the record's wait: it runs once its burst of triggers has ended".into()
         }
         Outcome::Debounced { joined: false } => "another delivery ended this wait and runs the record".into(),
+        Outcome::Paused { budget, after, .. } => format!(
+            "downstream budget {budget} is paused after a throttle; the trigger comes back in {after:?}, not counted as an attempt"
+        ),
     }
 }
 

@@ -38,7 +38,8 @@ const STDERR_TAIL: usize = 2048;
 
 /// The exit code with which a logic command asks to be run again later (`EX_TEMPFAIL` of
 /// `sysexits.h`). The delay is the last `Retry-After: <seconds or HTTP-date>` line the command
-/// wrote to stderr; without one, the runner's default.
+/// wrote to stderr; without one, the runner's default. With such a line the command passes on
+/// its downstream's "too many" ([`LogicError::throttled`]): its downstream budget pauses too.
 pub const RUN_LATER_EXIT_CODE: i32 = 75;
 
 /// The delay a `Retry-After` value asks for: whole seconds, or an HTTP-date (a date in the past
@@ -440,7 +441,12 @@ impl Logic for CommandLogic {
                 ),
                 None => "the logic command exited with 75, without a Retry-After line".to_string(),
             };
-            return Err(LogicError::run_later(after, why));
+            // A Retry-After line passes on the downstream's "too many": the run's budget pauses.
+            // Without one, only this record is put off.
+            return Err(match asked {
+                Some(_) => LogicError::throttled(after, why),
+                None => LogicError::run_later(after, why),
+            });
         }
         Err(Error::CommandFailed {
             code: status.code(),
@@ -787,7 +793,9 @@ impl Logic for UrlLogic {
                 ),
                 None => format!("logic URL {target} answered {status} without Retry-After"),
             };
-            return Err(LogicError::run_later(after, why));
+            // The downstream said "too many": the run's budget pauses (for the asked time, or
+            // its default), and this worker starts fewer of its runs at once.
+            return Err(LogicError::throttled(after, why));
         }
         let text = response.text().await.unwrap_or_default();
         Err(Error::Refused {

@@ -151,6 +151,8 @@ async fn url_logic_answered_429_or_503_with_retry_after_asks_to_be_run_later() {
         run.deferred = Duration::from_secs(61);
         let err = logic.run(run).await.unwrap_err();
         assert_eq!(err.asks_to_run_later(), wants, "{case}: {err}");
+        // Every "too many" pauses the run's downstream budget too.
+        assert_eq!(err.is_throttled(), wants.is_some(), "{case}: {err}");
         assert!(!err.to_string().contains("SECRET"), "{err}");
     }
     let first = logic.run(ctx("seconds", None)).await.unwrap_err().to_string();

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use anyhow::Result;
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseLock, LeaseOptions};
-use leasehold_runtime::{AzureMarkers, AzureQueue, MarkerStore, TriggerQueue, poison_queue_name};
+use leasehold_runtime::{
+    AzureBudgets, AzureMarkers, AzureQueue, BudgetStore, MarkerStore, TriggerQueue, poison_queue_name,
+};
 use leasehold_storage::{OpCounters, StorageAccount};
 
 /// Where a deployment's state lives: the part of the application's settings that the
@@ -31,6 +33,8 @@ pub struct Wiring {
     pub poison: Arc<dyn TriggerQueue>,
     pub lock: LeaseLock,
     pub markers: Arc<dyn MarkerStore>,
+    /// The downstream budgets' shared pauses (blobs `budgets/<name>` in the container).
+    pub budgets: Arc<dyn BudgetStore>,
     /// The round-trip counters all of the above record into.
     pub counters: OpCounters,
 }
@@ -49,8 +53,14 @@ pub fn wire(settings: &StorageSettings) -> Result<Wiring> {
         &settings.container,
         counters.clone(),
     ));
+    let budgets = Arc::new(AzureBudgets::new(
+        &settings.account,
+        &settings.container,
+        counters.clone(),
+    ));
     Ok(Wiring {
         markers,
+        budgets,
         queue: Arc::new(AzureQueue::new(
             &settings.account,
             &settings.queue,

@@ -254,6 +254,15 @@ impl Consumer {
                     .await;
                 outcome
             }
+            // Turned away by a paused budget before anything was done: the message itself,
+            // hidden until the pause ends, not counted as an attempt. If the update fails, it
+            // comes back when its visibility lapses (and meets the pause again).
+            Outcome::Paused { after, ref next, .. } => {
+                self.persist_in_place(&received, &receipt, next, after, "hand the paused trigger back")
+                    .instrument(span.clone())
+                    .await;
+                outcome
+            }
             // The waiter is the delivered message, hidden for another period: one request,
             // which is also the acknowledgement. If the message is gone (another delivery took
             // it, or our own update landed and its answer was lost), the waiter is put afresh:

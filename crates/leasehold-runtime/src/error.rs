@@ -17,6 +17,8 @@ pub struct LogicError {
     /// `Some` when the logic asks to be run again later: after this delay, or after the default
     /// (`None`).
     run_later: Option<Option<Duration>>,
+    /// Whether the downstream said "too many" ([`LogicError::throttled`]).
+    throttled: bool,
 }
 
 impl LogicError {
@@ -24,6 +26,7 @@ impl LogicError {
         Self {
             message: message.to_string(),
             run_later: None,
+            throttled: false,
         }
     }
 
@@ -49,7 +52,28 @@ impl LogicError {
         Self {
             message: why.to_string(),
             run_later: Some(after),
+            throttled: false,
         }
+    }
+
+    /// The downstream this run writes to said "too many" (HTTP 429, or 503 with `Retry-After`),
+    /// asking for `after` (`None`: it did not say, or not readably): a [`run_later`] that also
+    /// pauses the run's downstream budget, so no run of that budget starts anywhere before the
+    /// time has passed, and makes this worker start fewer of its runs at once
+    /// ([`crate::Budgets`]). A delay beyond the budget's longest pause is capped to it.
+    ///
+    /// [`run_later`]: LogicError::run_later
+    pub fn throttled(after: Option<Duration>, why: impl fmt::Display) -> Self {
+        Self {
+            message: why.to_string(),
+            run_later: Some(after),
+            throttled: true,
+        }
+    }
+
+    /// Whether the downstream said "too many" ([`LogicError::throttled`]).
+    pub fn is_throttled(&self) -> bool {
+        self.throttled
     }
 
     /// `Some(after)` when this is a request to be run later ([`LogicError::run_later`]).

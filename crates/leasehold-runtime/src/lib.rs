@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod budget;
 mod consumer;
 mod error;
 mod flow;
@@ -14,6 +15,10 @@ mod runner;
 pub mod testing;
 mod watchdog;
 
+pub use budget::{
+    Admission, AzureBudgets, BUDGET_PREFIX, BudgetOptions, BudgetPermit, BudgetStore, BudgetView, Budgets,
+    DEFAULT_BUDGET, Lane, MemoryBudgets, check_budget_name,
+};
 pub use consumer::{Consumer, ConsumerOptions, poison_queue_name};
 pub use error::{Error, LogicError};
 pub use flow::PerScope;

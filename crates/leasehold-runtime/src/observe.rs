@@ -36,6 +36,7 @@ pub const LOCK_SECONDS: &str = "leasehold_lock_seconds";
 /// | `Superseded` (a trigger arrived during the run, in a scope that supersedes: it was stopped) | `superseded` |
 /// | `Waiting` (a scope that debounces: the record waits for its burst of triggers to end) | `waiting` |
 /// | `Debounced` (a scope that debounces: the trigger joined a wait in progress, or a waiter stood down for another's run) | `debounced` |
+/// | `Paused` (its downstream budget is paused after a throttle: handed back, not an attempt) | `paused` |
 ///
 /// So the successful runs are `completed` + `retriggered`, and every failed delivery is
 /// `failed` or `lease_lost` in both modes (under Functions a failure is mostly `Retrying`,
@@ -53,11 +54,12 @@ pub enum OutcomeLabel {
     Superseded,
     Waiting,
     Debounced,
+    Paused,
 }
 
 impl OutcomeLabel {
     /// Every label, in display order.
-    pub const ALL: [OutcomeLabel; 11] = [
+    pub const ALL: [OutcomeLabel; 12] = [
         OutcomeLabel::Completed,
         OutcomeLabel::Retriggered,
         OutcomeLabel::Coalesced,
@@ -69,6 +71,7 @@ impl OutcomeLabel {
         OutcomeLabel::Superseded,
         OutcomeLabel::Waiting,
         OutcomeLabel::Debounced,
+        OutcomeLabel::Paused,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -84,6 +87,7 @@ impl OutcomeLabel {
             OutcomeLabel::Superseded => "superseded",
             OutcomeLabel::Waiting => "waiting",
             OutcomeLabel::Debounced => "debounced",
+            OutcomeLabel::Paused => "paused",
         }
     }
 }
@@ -115,6 +119,7 @@ impl Outcome {
             Outcome::Superseded { .. } => OutcomeLabel::Superseded,
             Outcome::Waiting { .. } => OutcomeLabel::Waiting,
             Outcome::Debounced { .. } => OutcomeLabel::Debounced,
+            Outcome::Paused { .. } => OutcomeLabel::Paused,
         }
     }
 }
@@ -264,6 +269,14 @@ mod tests {
                 "waiting",
             ),
             (Outcome::Debounced { joined: true }, "debounced"),
+            (
+                Outcome::Paused {
+                    budget: "default".into(),
+                    after: Duration::from_secs(10),
+                    next: Box::new(crate::TriggerMessage::parse("a", "b").unwrap()),
+                },
+                "paused",
+            ),
         ];
         for (outcome, label) in cases {
             assert_eq!(outcome.label().as_str(), label, "{outcome:?}");
@@ -282,7 +295,8 @@ mod tests {
                 "deferred",
                 "superseded",
                 "waiting",
-                "debounced"
+                "debounced",
+                "paused"
             ]
         );
     }

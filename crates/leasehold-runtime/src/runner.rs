@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::budget::{Admission, BudgetPermit, Budgets, Lane};
 use crate::error::{Error, LogicError};
 use crate::flow::PerScope;
 use crate::markers::{MarkerSet, MarkerStore, RecordStatus, record_status};
@@ -317,6 +318,16 @@ pub enum Outcome {
     /// runs the record once the burst has ended; or a waiter found its wait consumed by another
     /// delivery, which runs it. Acknowledge.
     Debounced { joined: bool },
+    /// The record's downstream budget is paused ([`crate::Budgets`]): nothing was done, and
+    /// `next` (the delivered message, unchanged) must become visible after `after`, without the
+    /// delivery counting as an attempt. Under Functions it is already queued (a copy);
+    /// standalone the consumer turns the delivered message into it in place, which is also the
+    /// acknowledgement. Acknowledge.
+    Paused {
+        budget: String,
+        after: Duration,
+        next: Box<TriggerMessage>,
+    },
     /// The run failed, timed out, lost its lease, was cancelled, or storage failed. Do not
     /// acknowledge: the message is delivered again (and poisoned after too many deliveries).
     Failed { error: Error, retriggered: bool },
@@ -335,6 +346,7 @@ impl Outcome {
             | Outcome::Deferred { .. }
             | Outcome::Waiting { .. }
             | Outcome::Debounced { .. }
+            | Outcome::Paused { .. }
             | Outcome::Superseded { .. } => None,
         }
     }
@@ -351,6 +363,7 @@ impl Outcome {
                 | Outcome::Deferred { .. }
                 | Outcome::Waiting { .. }
                 | Outcome::Debounced { .. }
+                | Outcome::Paused { .. }
                 | Outcome::Superseded { .. }
         )
     }
@@ -367,6 +380,7 @@ impl Outcome {
             Outcome::Superseded { .. } => "superseded",
             Outcome::Waiting { .. } => "waiting",
             Outcome::Debounced { .. } => "debounced",
+            Outcome::Paused { .. } => "paused",
             Outcome::Failed { .. } => "failed",
         }
     }
@@ -435,6 +449,10 @@ pub struct RecordRunner {
     options: RunnerOptions,
     recheck_delay: Duration,
     sink: Option<OutcomeSink>,
+    /// The downstream budgets its runs draw on, if any.
+    budgets: Option<Budgets>,
+    /// The lane its queue is: its deliveries' priority for a budget's slots.
+    lane: Lane,
 }
 
 impl std::fmt::Debug for dyn Logic {
@@ -471,7 +489,29 @@ impl RecordRunner {
             options,
             recheck_delay,
             sink: None,
+            budgets: None,
+            lane: Lane::High,
         }
+    }
+
+    /// This runner, its runs drawing on `budgets` (shared by every runner of the process).
+    pub fn with_budgets(mut self, budgets: Budgets) -> Self {
+        self.budgets = Some(budgets);
+        self
+    }
+
+    /// This runner, serving the queue of `lane` (its follow-ups go to that same queue).
+    pub fn with_lane(mut self, lane: Lane) -> Self {
+        self.lane = lane;
+        self
+    }
+
+    pub fn lane(&self) -> Lane {
+        self.lane
+    }
+
+    pub fn budgets(&self) -> Option<&Budgets> {
+        self.budgets.as_ref()
     }
 
     /// This runner, telling `sink` of every delivery's outcome (after it is logged and counted).
@@ -542,6 +582,9 @@ impl RecordRunner {
         cancel: &CancellationToken,
         hidden: Option<&HiddenUntil>,
     ) -> (Outcome, Ended) {
+        if let Some(paused) = self.paused(delivery) {
+            return (paused, Ended::of(delivery));
+        }
         let mut ended = Ended::of(delivery);
         let step = self.debounce_step(delivery);
         let outcome = match self.debounce(step, delivery, hidden).await {
@@ -561,6 +604,70 @@ impl RecordRunner {
             }
         };
         (outcome, ended)
+    }
+
+    /// The outcome of a delivery its downstream budget's pause turns away before it does
+    /// anything ([`Budgets::paused`]): [`Outcome::Paused`] with the message as it is, for a
+    /// standalone caller to hide again in place (see [`handle_watched`](Self::handle_watched)
+    /// for Functions). `None`: go on.
+    ///
+    /// Only a trigger that would run is turned away: not a carrier ([`TriggerKind::is_carrier`]:
+    /// it may stand in for a dead holder, whose record must run again within the recovery
+    /// bound), a redelivery (the same, and hidden again in place it would no longer look like
+    /// one), a debounce waiter or stand-in (its wait has its own clock, and the lease is where
+    /// it meets the pause), nor a trigger that is about to wait for its burst to end (it will
+    /// not run now anyway). The holder of the lease meets the pause again before its run
+    /// ([`slot`](Self::slot)).
+    fn paused(&self, delivery: &Delivery) -> Option<Outcome> {
+        let budgets = self.budgets.as_ref()?;
+        let message = &delivery.message;
+        if message.kind.is_carrier() || delivery.redelivered() || message.wait.is_some() {
+            return None;
+        }
+        if message.kind == TriggerKind::Trigger && self.options.debounce.get(&message.scope).is_some() {
+            return None;
+        }
+        let (budget, after) = budgets.paused(&message.scope)?;
+        Some(Outcome::Paused {
+            budget,
+            after,
+            next: Box::new(message.clone()),
+        })
+    }
+
+    /// A holder's slot of its downstream budget, taken just before its run ([`Budgets::admit`]):
+    /// it waits for one while its lease is renewed, a delivery of the high lane before any of the
+    /// low lane (under Functions at most [`MAX_SLOT_WAIT_WATCHED`]: the host's invocation must
+    /// not be held for minutes). `Err((budget, after))`: the budget is paused past that wait (or,
+    /// under Functions, no slot came in time): the trigger is handed back, hidden for `after`,
+    /// without running. A carrier or a redelivery is neither put off by a pause nor held by the
+    /// limit (it may stand in for a dead holder: see [`paused`](Self::paused)); its run counts
+    /// all the same. `Ok(None)`: no budgets.
+    async fn slot(
+        &self,
+        delivery: &Delivery,
+        cancel: &CancellationToken,
+        watched: bool,
+    ) -> Result<Option<Slot>, (String, Duration)> {
+        let Some(budgets) = &self.budgets else {
+            return Ok(None);
+        };
+        let message = &delivery.message;
+        let honour_pause = !message.kind.is_carrier() && !delivery.redelivered();
+        let max_wait = watched.then_some(MAX_SLOT_WAIT_WATCHED);
+        let asked = Instant::now();
+        let admitted = tokio::select! {
+            admitted = budgets.admit(&message.scope, self.lane, max_wait, honour_pause) => admitted,
+            // Stopped while waiting: the caller's cancellation ends the run (`Cancelled`).
+            _ = cancel.cancelled() => return Ok(None),
+        };
+        match admitted {
+            Admission::Go(permit) => Ok(Some(Slot {
+                permit,
+                waited: asked.elapsed() > Duration::ZERO,
+            })),
+            Admission::Paused { budget, after } => Err((budget, after)),
+        }
     }
 
     /// Handles one delivery whose message someone else keeps hidden, for longer than a lease,
@@ -596,7 +703,6 @@ impl RecordRunner {
         ended: &mut Ended,
     ) -> Outcome {
         let msg = &delivery.message;
-        let key = msg.key();
         let attempts = delivery.attempts();
         if attempts > self.options.max_attempts {
             // Only a message the host redelivered after a crash can get here.
@@ -607,6 +713,33 @@ impl RecordRunner {
             };
             return self.poison_delivery(poison, delivery, error).await;
         }
+        if let Some(Outcome::Paused { budget, after, .. }) = self.paused(delivery) {
+            // Nothing was done: a copy comes back after the pause, carrying the attempts so far
+            // (this delivery does not count), and the host's message is acknowledged.
+            let next = msg.follow_up(msg.kind, attempts - 1);
+            return match self.enqueue(&next, after).await {
+                Ok(()) => Outcome::Paused {
+                    budget,
+                    after,
+                    next: Box::new(next),
+                },
+                Err(e) => storage_failed("put the paused trigger back", e),
+            };
+        }
+        self.handle_watched_admitted(delivery, poison, cancel, ended)
+            .await
+    }
+
+    async fn handle_watched_admitted(
+        &self,
+        delivery: &Delivery,
+        poison: &dyn TriggerQueue,
+        cancel: &CancellationToken,
+        ended: &mut Ended,
+    ) -> Outcome {
+        let msg = &delivery.message;
+        let key = msg.key();
+        let attempts = delivery.attempts();
         // A delivery that may leave a wait marker behind has carriers that stand in for it.
         let step = self.debounce_step(delivery);
         let marks = step.marks_carrier();
@@ -656,6 +789,13 @@ impl RecordRunner {
             dequeue_count: delivery.dequeue_count,
         };
         let outcome = match outcome {
+            // Handed back before its run: the watchdog becomes it; the host's message is
+            // acknowledged. If that fails, the host retries its message (early, nothing lost).
+            Outcome::Paused { budget, after, next } => match self.rearm_or_put(&watchdog, &next, after).await
+            {
+                Ok(()) => return Outcome::Paused { budget, after, next },
+                Err(e) => storage_failed("hand the paused trigger back", e),
+            },
             // The watchdog becomes the waiter; the host's message is acknowledged.
             Outcome::Waiting { after, next } => match self.rearm_or_put(&watchdog, &next, after).await {
                 Ok(()) => return Outcome::Waiting { after, next },
@@ -939,13 +1079,17 @@ impl RecordRunner {
         // Keep the watchdog a lease ahead of the lease while we hold it; once the hold ends,
         // let a push in flight finish so the watchdog's receipt is current for what follows.
         let follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
-        let outcome = self.hold_lease(key, delivery, guard, first, cancel, ended).await;
+        let watched = watchdog.is_some();
+        let outcome = self
+            .hold_lease(key, delivery, guard, first, cancel, watched, ended)
+            .await;
         if let Some(follower) = follower {
             follower.finish().await;
         }
         outcome
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn hold_lease(
         &self,
         key: &LockKey,
@@ -953,6 +1097,7 @@ impl RecordRunner {
         guard: LeaseGuard,
         first: MarkerFirst,
         cancel: &CancellationToken,
+        watched: bool,
         ended: &mut Ended,
     ) -> Outcome {
         let guard = Held(Some(guard));
@@ -1019,21 +1164,87 @@ impl RecordRunner {
                 }
             };
         }
-        let superseded = streak.and_then(|s| self.watch_for_triggers(key, guard.get(), s));
-        let started = Instant::now();
-        let end = self
-            .run_logic(
-                ctx,
-                guard.get(),
-                &run_cancel,
-                cancel,
-                superseded.as_ref().map(|w| &w.fired),
-            )
-            .await;
-        drop(superseded);
-        let run_time = started.elapsed();
-        record_run(run_time);
-        ended.ran = Some(run_time);
+        // The downstream budget's slot, waited for under the lease: triggers that come
+        // meanwhile find the lease held and coalesce onto this run, as during the run itself.
+        let (end, run_time) = match self.slot(delivery, cancel, watched).await {
+            Err((budget, after)) => {
+                // Put off before the run: the trigger is handed back as it is, hidden until the
+                // pause ends — as a holder: release, then take the marker, which the trigger
+                // handed back now stands for too. The streak and the notes stay as they are
+                // (nothing ran).
+                if let Err(e) = guard.release().await {
+                    return storage_failed("release lease", e);
+                }
+                let message = &delivery.message;
+                let mut next = message.follow_up(message.kind, delivery.attempts().saturating_sub(1));
+                let (taken, retried) = self
+                    .marker_op("check retrigger marker", |markers| markers.take(key))
+                    .await;
+                match taken {
+                    // Fresh triggers joined it: it is owed as any new trigger is, and may not
+                    // stand down for a later run (as a deferral that took a set marker).
+                    Ok(set) if set || retried => {
+                        next.given_up = 0;
+                        next.after_token = None;
+                    }
+                    Ok(_) => {}
+                    Err(e) => return storage_failed("check retrigger marker", e),
+                }
+                return Outcome::Paused {
+                    budget,
+                    after,
+                    next: Box::new(next),
+                };
+            }
+            Ok(slot) => {
+                let waited = slot.as_ref().is_some_and(|s| s.waited);
+                let mut permit = slot.map(|s| s.permit);
+                if waited {
+                    // Triggers that found the lease held while this holder waited for its slot
+                    // set the marker: the run, starting after them, covers them. Taken now, so
+                    // they cost no run more (nor stop this one, in a superseding scope). A take
+                    // that fails leaves the marker for the usual retrigger.
+                    let (taken, _) = self
+                        .marker_op("clear the marker before the run", |markers| markers.take(key))
+                        .await;
+                    if let Err(e) = taken {
+                        tracing::debug!(error = %e, "could not clear the marker before the run; it gives a retrigger after it");
+                    }
+                }
+                let superseded = streak.and_then(|s| self.watch_for_triggers(key, guard.get(), s));
+                let started = Instant::now();
+                let end = self
+                    .run_logic(
+                        ctx,
+                        guard.get(),
+                        &run_cancel,
+                        cancel,
+                        superseded.as_ref().map(|w| &w.fired),
+                    )
+                    .await;
+                drop(superseded);
+                let run_time = started.elapsed();
+                record_run(run_time);
+                ended.ran = Some(run_time);
+                let logic_end = match &end.result {
+                    Ok(()) => LogicEnd::Succeeded,
+                    Err(Error::Logic(e)) if e.is_throttled() => LogicEnd::Throttled(
+                        self.budgets
+                            .as_ref()
+                            .map(|b| b.pause_for(e.asks_to_run_later().flatten())),
+                    ),
+                    Err(_) => LogicEnd::Other,
+                };
+                ended.logic = Some(logic_end);
+                // The slot is free once the logic has ended (or been abandoned); a throttle
+                // pauses the budget before this holder's follow-ups are written.
+                if let Some(permit) = &mut permit {
+                    tell_budget(permit, logic_end).await;
+                }
+                drop(permit);
+                (end, run_time)
+            }
+        };
         if let Some(task) = end.still_running {
             // The logic is still running: releasing would let another holder start beside it.
             // Keep the lease renewed until the task has really ended, then release it; the
@@ -1066,7 +1277,14 @@ impl RecordRunner {
         }
 
         let was_superseded = matches!(result, Err(Error::Superseded));
-        let deferral = asks_to_run_later(&result).map(|(asked, why)| self.defer(delivery, asked, why));
+        let deferral = asks_to_run_later(&result).map(|(asked, why)| {
+            // A throttle's run comes back once its budget's pause is over (the pause is bounded).
+            let asked = match ended.logic {
+                Some(LogicEnd::Throttled(Some(pause))) => Some(pause),
+                _ => asked,
+            };
+            self.defer(delivery, asked, why)
+        });
         // Whether this delivery's trigger will be tried again later by a message of its own (a
         // retry, or the deferral): then, in a superseding scope, it pends.
         let pends = match (&result, &deferral) {
@@ -1518,6 +1736,12 @@ fn log(outcome: &Outcome) {
             run_ms = run_time.as_millis() as u64,
             "record run stopped: a trigger arrived during it; the record runs again on the new data"
         ),
+        Outcome::Paused { budget, after, .. } => tracing::info!(
+            outcome = "paused",
+            budget = %budget,
+            run_again_in_s = after.as_secs_f64(),
+            "the downstream budget is paused (a run was throttled): the trigger comes back when the pause ends, not counted as an attempt"
+        ),
         other => tracing::info!(outcome = other.name(), "trigger handled without a run"),
     }
 }
@@ -1581,7 +1805,38 @@ pub(crate) struct Ended {
     /// What the delivery's retry is made of, when it is not the delivered message: the message
     /// it carried on as after a debounce step that owes a run ([`debounce`]).
     pub(crate) carried: Option<TriggerMessage>,
+    /// How the logic ended, if it ran: what its downstream budget learns from the run.
+    pub(crate) logic: Option<LogicEnd>,
 }
+
+/// How a run's logic ended, for its downstream budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LogicEnd {
+    Succeeded,
+    /// The downstream said "too many"; the pause its budget takes (`None`: no budgets).
+    Throttled(Option<Duration>),
+    Other,
+}
+
+/// A holder's slot of its budget ([`RecordRunner::slot`]).
+struct Slot {
+    permit: BudgetPermit,
+    /// Whether the holder had to wait for it (time passed under its lease).
+    waited: bool,
+}
+
+/// Tells a run's budget slot how its run went (a throttle pauses the budget).
+async fn tell_budget(permit: &mut BudgetPermit, end: LogicEnd) {
+    match end {
+        LogicEnd::Succeeded => permit.succeeded(),
+        LogicEnd::Throttled(Some(pause)) => permit.throttled(pause).await,
+        _ => {}
+    }
+}
+
+/// The longest a delivery under Functions waits for a slot of its budget before it is put back
+/// to come again a second later: the host's invocation must not be held for minutes.
+const MAX_SLOT_WAIT_WATCHED: Duration = Duration::from_secs(30);
 
 impl Ended {
     pub(crate) fn of(delivery: &Delivery) -> Self {
@@ -1589,6 +1844,7 @@ impl Ended {
             ran: None,
             after_token: delivery.message.after_token,
             carried: None,
+            logic: None,
         }
     }
 

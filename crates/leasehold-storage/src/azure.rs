@@ -349,6 +349,24 @@ impl BlobContainer {
         }
     }
 
+    /// A blob's metadata (one properties request), `None` if it (or its container) does not
+    /// exist.
+    pub async fn metadata(
+        &self,
+        name: &str,
+        op: Op,
+    ) -> StoreResult<Option<std::collections::HashMap<String, String>>> {
+        use azure_storage_blob::models::BlobClientGetPropertiesResultHeaders;
+        match self.call(op, self.blob(name).get_properties(None)).await {
+            Ok(answer) => answer
+                .metadata()
+                .map(Some)
+                .map_err(|_| StoreError::new(StoreErrorKind::Transient, op, "unreadable answer: metadata")),
+            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// A blob's ETag (one properties request), `None` if it does not exist.
     pub async fn etag(&self, name: &str, op: Op) -> StoreResult<Option<String>> {
         use azure_storage_blob::models::BlobClientGetPropertiesResultHeaders;

@@ -23,6 +23,8 @@ pub enum Op {
     WaitTouch,
     WaitHead,
     WaitDelete,
+    BudgetRead,
+    BudgetWrite,
     QueueCreate,
     QueuePut,
     QueueGet,
@@ -35,7 +37,7 @@ pub enum Op {
 
 impl Op {
     /// Every kind, in display order.
-    pub const ALL: [Op; 22] = [
+    pub const ALL: [Op; 24] = [
         Op::ContainerCreate,
         Op::BlobCreate,
         Op::BlobProperties,
@@ -50,6 +52,8 @@ impl Op {
         Op::WaitTouch,
         Op::WaitHead,
         Op::WaitDelete,
+        Op::BudgetRead,
+        Op::BudgetWrite,
         Op::QueueCreate,
         Op::QueuePut,
         Op::QueueGet,
@@ -76,6 +80,8 @@ impl Op {
             Op::WaitTouch => "wait touch",
             Op::WaitHead => "wait head",
             Op::WaitDelete => "wait delete",
+            Op::BudgetRead => "budget read",
+            Op::BudgetWrite => "budget write",
             Op::QueueCreate => "queue create",
             Op::QueuePut => "queue put",
             Op::QueueGet => "queue get",
@@ -104,6 +110,8 @@ impl Op {
             Op::WaitTouch => "wait_touch",
             Op::WaitHead => "wait_head",
             Op::WaitDelete => "wait_delete",
+            Op::BudgetRead => "budget_read",
+            Op::BudgetWrite => "budget_write",
             Op::QueueCreate => "queue_create",
             Op::QueuePut => "queue_put",
             Op::QueueGet => "queue_get",

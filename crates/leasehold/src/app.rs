@@ -11,7 +11,7 @@ use leasehold_functions::logic::{DemoLogic, UrlLogic};
 use leasehold_lock::OpCounters;
 use leasehold_ops::Operator;
 use leasehold_ops::wiring::{Wiring, wire};
-use leasehold_runtime::{AzureQueue, Consumer, Logic, RecordRunner, poison_queue_name};
+use leasehold_runtime::{AzureQueue, Budgets, Consumer, Logic, RecordRunner, poison_queue_name};
 use leasehold_storage::azure::BlobContainer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -71,6 +71,7 @@ fn runner(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> Record
         settings.runner.clone(),
     )
     .with_outcome_sink(crate::recent::sink())
+    .with_budgets(Budgets::new(wiring.budgets.clone(), settings.budget.clone()))
 }
 
 /// The metrics task over the wiring's queues.

@@ -116,6 +116,10 @@ fn describe(outcome: &Outcome) -> String {
             "joined the wait for the burst to end; it runs once the burst has ended".into()
         }
         Outcome::Debounced { joined: false } => "another delivery ended the wait and runs the record".into(),
+        Outcome::Paused { budget, after, .. } => format!(
+            "its downstream budget ({budget}) is paused after a throttle; it comes back in {} s, not counted as an attempt",
+            after.as_secs()
+        ),
     }
 }
 

@@ -6,7 +6,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use leasehold_functions::start::{Secret, StartPolicy};
 use leasehold_lock::{LeaseDuration, LeaseOptions};
-use leasehold_runtime::{ConsumerOptions, Debounce, PerScope, RunPolicy, RunnerOptions, Scope};
+use leasehold_runtime::{
+    BudgetOptions, ConsumerOptions, Debounce, PerScope, RunPolicy, RunnerOptions, Scope, check_budget_name,
+};
 use leasehold_storage::StorageAccount;
 use serde::Deserialize;
 
@@ -84,6 +86,66 @@ fn debounce(quiet: Option<&str>, longest: Option<&str>) -> anyhow::Result<PerSco
     Ok(windows)
 }
 
+/// The longest a throttle may pause a downstream budget: a day.
+const MAX_THROTTLE_PAUSE_LIMIT: u64 = 86_400;
+
+/// The budget settings as read.
+struct BudgetRaw<'a> {
+    leasehold_budget: &'a Option<String>,
+    leasehold_adaptive_concurrency: &'a Option<String>,
+    leasehold_throttle_pause_seconds: &'a Option<String>,
+    leasehold_max_throttle_pause_seconds: &'a Option<String>,
+}
+
+/// Reads the downstream budget settings; `concurrency` is where the adaptive limit starts.
+fn budget_options(raw: BudgetRaw<'_>, concurrency: usize) -> anyhow::Result<BudgetOptions> {
+    let defaults = BudgetOptions::default();
+    let names = match raw.leasehold_budget {
+        None => defaults.names.clone(),
+        Some(text) => PerScope::parse(text, defaults.names.default_value().clone(), |v| {
+            check_budget_name(v)?;
+            Ok(v.to_ascii_lowercase())
+        })
+        .map_err(|e| anyhow::anyhow!("LEASEHOLD_BUDGET: {e}"))?,
+    };
+    let pause = |name: &str, value: &Option<String>, default: Duration| -> anyhow::Result<Duration> {
+        let seconds: u64 = number(name, value, default.as_secs())?;
+        if !(1..=MAX_THROTTLE_PAUSE_LIMIT).contains(&seconds) {
+            bail!("{name} must be 1–{MAX_THROTTLE_PAUSE_LIMIT} seconds");
+        }
+        Ok(Duration::from_secs(seconds))
+    };
+    let default_pause = pause(
+        "LEASEHOLD_THROTTLE_PAUSE_SECONDS",
+        raw.leasehold_throttle_pause_seconds,
+        defaults.default_pause,
+    )?;
+    let max_pause = pause(
+        "LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS",
+        raw.leasehold_max_throttle_pause_seconds,
+        defaults.max_pause,
+    )?;
+    if max_pause < default_pause {
+        bail!(
+            "LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS ({} s) is below LEASEHOLD_THROTTLE_PAUSE_SECONDS ({} s)",
+            max_pause.as_secs(),
+            default_pause.as_secs()
+        );
+    }
+    Ok(BudgetOptions {
+        names,
+        max_concurrency: concurrency,
+        adaptive: flag(
+            "LEASEHOLD_ADAPTIVE_CONCURRENCY",
+            raw.leasehold_adaptive_concurrency,
+            defaults.adaptive,
+        )?,
+        default_pause,
+        max_pause,
+        ..defaults
+    })
+}
+
 const fn setting(name: &'static str, default: Option<&'static str>) -> SettingInfo {
     SettingInfo { name, default }
 }
@@ -117,6 +179,10 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_RUN_POLICY", Some("coalesce")),
     setting("LEASEHOLD_DEBOUNCE_SECONDS", Some("0")),
     setting("LEASEHOLD_DEBOUNCE_MAX_SECONDS", Some("60")),
+    setting("LEASEHOLD_BUDGET", Some("default")),
+    setting("LEASEHOLD_ADAPTIVE_CONCURRENCY", Some("true")),
+    setting("LEASEHOLD_THROTTLE_PAUSE_SECONDS", Some("10")),
+    setting("LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS", Some("300")),
     setting("LEASEHOLD_POLL_MAX_SECONDS", Some("2")),
     setting("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", Some("30")),
     setting("LEASEHOLD_PORT", Some("7071")),
@@ -173,6 +239,10 @@ struct Raw {
     leasehold_run_policy: Option<String>,
     leasehold_debounce_seconds: Option<String>,
     leasehold_debounce_max_seconds: Option<String>,
+    leasehold_budget: Option<String>,
+    leasehold_adaptive_concurrency: Option<String>,
+    leasehold_throttle_pause_seconds: Option<String>,
+    leasehold_max_throttle_pause_seconds: Option<String>,
     leasehold_poll_max_seconds: Option<String>,
     leasehold_shutdown_grace_seconds: Option<String>,
     leasehold_allowed_organizations: Option<String>,
@@ -225,6 +295,9 @@ pub struct Settings {
     pub lease: LeaseOptions,
     pub runner: RunnerOptions,
     pub consumer: ConsumerOptions,
+    /// `LEASEHOLD_BUDGET`, `LEASEHOLD_ADAPTIVE_CONCURRENCY`, `LEASEHOLD_THROTTLE_PAUSE_SECONDS`
+    /// and `LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS`: the downstream budgets runs draw on.
+    pub budget: BudgetOptions,
 }
 
 impl std::fmt::Debug for Settings {
@@ -489,6 +562,16 @@ impl Settings {
             ..consumer_defaults
         };
 
+        let budget = budget_options(
+            BudgetRaw {
+                leasehold_budget: &raw.leasehold_budget,
+                leasehold_adaptive_concurrency: &raw.leasehold_adaptive_concurrency,
+                leasehold_throttle_pause_seconds: &raw.leasehold_throttle_pause_seconds,
+                leasehold_max_throttle_pause_seconds: &raw.leasehold_max_throttle_pause_seconds,
+            },
+            concurrency,
+        )?;
+
         let mut integration_user_ids = Vec::new();
         for id in list(&raw.leasehold_integration_user_ids) {
             let guid = uuid::Uuid::try_parse(id.trim_matches(['{', '}']))
@@ -603,6 +686,7 @@ impl Settings {
             lease,
             runner,
             consumer,
+            budget,
         })
     }
 }
@@ -685,6 +769,10 @@ mod tests {
                     .longest
                     .as_secs()
                     .to_string(),
+                "LEASEHOLD_BUDGET" => s.budget.names.to_string(),
+                "LEASEHOLD_ADAPTIVE_CONCURRENCY" => s.budget.adaptive.to_string(),
+                "LEASEHOLD_THROTTLE_PAUSE_SECONDS" => s.budget.default_pause.as_secs().to_string(),
+                "LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS" => s.budget.max_pause.as_secs().to_string(),
                 "LEASEHOLD_POLL_MAX_SECONDS" => s.consumer.poll_max.as_secs().to_string(),
                 "LEASEHOLD_SHUTDOWN_GRACE_SECONDS" => s.consumer.shutdown_grace.as_secs().to_string(),
                 "LEASEHOLD_PORT" => s.port.to_string(),

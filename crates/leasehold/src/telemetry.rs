@@ -381,6 +381,7 @@ fn log_event(mut c: Changes, g: Gauges, since_last: Duration) {
     );
     let (deferred, superseded) = (d(OutcomeLabel::Deferred), d(OutcomeLabel::Superseded));
     let (waiting, debounced) = (d(OutcomeLabel::Waiting), d(OutcomeLabel::Debounced));
+    let paused = d(OutcomeLabel::Paused);
     let (run_p50, run_p95) = (c.run.quantile(0.5), c.run.quantile(0.95));
     tracing::info!(
         target: EVENT_TARGET,
@@ -396,6 +397,7 @@ fn log_event(mut c: Changes, g: Gauges, since_last: Duration) {
         deliveries_superseded = superseded,
         deliveries_waiting = waiting,
         deliveries_debounced = debounced,
+        deliveries_paused = paused,
         storage_requests = c.storage_requests,
         storage_errors = c.storage_errors,
         storage_errors_transient = c.storage_errors_transient,

@@ -181,19 +181,22 @@ async fn command_gets_the_record_in_its_environment_and_its_exit_code_counts() {
 #[tokio::test]
 async fn a_command_exiting_75_asks_to_be_run_later() {
     let tree = Tree::new();
+    // The last case column: whether it passes a downstream's "too many" on (a Retry-After line).
     let cases = [
         (
             "echo 'Retry-After: 9' >&2; echo 'throttled, Retry-After: 30' >&2; echo 'Retry-After: 12' >&2; exit 75",
             Some(Some(Duration::from_secs(12))),
+            true,
         ),
-        ("echo throttled >&2; exit 75", Some(None)),
-        ("echo 'Retry-After: soon' >&2; exit 75", Some(None)),
-        ("echo 'Retry-After: 12' >&2; exit 74", None),
+        ("echo throttled >&2; exit 75", Some(None), false),
+        ("echo 'Retry-After: soon' >&2; exit 75", Some(None), true),
+        ("echo 'Retry-After: 12' >&2; exit 74", None, false),
     ];
-    for (command, wants) in cases {
+    for (command, wants, throttled) in cases {
         let logic = CommandLogic::new(command, supervisor());
         let err = logic.run(tree.ctx()).await.unwrap_err();
         assert_eq!(err.asks_to_run_later(), wants, "{command}: {err}");
+        assert_eq!(err.is_throttled(), throttled, "{command}: {err}");
     }
     let logic = CommandLogic::new("echo 'Retry-After: soon' >&2; exit 75", supervisor());
     let err = logic.run(tree.ctx()).await.unwrap_err().to_string();

@@ -228,6 +228,7 @@ const EVENT_FIELDS: &[&str] = &[
     "deliveries_superseded",
     "deliveries_waiting",
     "deliveries_debounced",
+    "deliveries_paused",
     "storage_requests",
     "storage_errors",
     "storage_errors_transient",

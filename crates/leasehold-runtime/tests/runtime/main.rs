@@ -509,8 +509,10 @@ fn simulation_fingerprints() {
         };
         // And one with debounce records ([`sim::DebouncePlan`]).
         let debounce = if plan.debounce.is_some() { " debounce" } else { "" };
+        // And one with a downstream budget ([`sim::BudgetPlan`]).
+        let budget = if plan.budget.is_some() { " budget" } else { "" };
         println!(
-            "fingerprint {seed} {:016x}{mark}{failing}{debounce}",
+            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}",
             report.fingerprint
         );
     }

@@ -59,9 +59,10 @@ use leasehold_lock::{
 };
 use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet, MarkerStore, MemoryMarkers,
-    MemoryQueue, Outcome, PerScope, PoisonMessage, ProtocolVariant, Received, RecordRunner, RunContext,
-    RunPolicy, RunnerOptions, Scope, TriggerKind, TriggerMessage, TriggerQueue, WaitConsumed,
+    BudgetOptions, Budgets, Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet,
+    MarkerStore, MemoryBudgets, MemoryMarkers, MemoryQueue, Outcome, PerScope, PoisonMessage,
+    ProtocolVariant, Received, RecordRunner, RunContext, RunPolicy, RunnerOptions, Scope, TriggerKind,
+    TriggerMessage, TriggerQueue, WaitConsumed,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -303,6 +304,19 @@ pub struct Plan {
     /// Debounce ([`DebouncePlan`], drawn after everything else): records in a scope of their own
     /// that waits for each burst of triggers to end.
     pub debounce: Option<DebouncePlan>,
+    /// Downstream budget ([`BudgetPlan`], drawn from a generator of its own): the throttled
+    /// record's runs say "too many", which pauses every record's runs on every machine.
+    pub budget: Option<BudgetPlan>,
+}
+
+/// Downstream budgets (issue 25), in half the seeds with a throttled record: every scope draws
+/// on one budget; the throttled record's runs are throttles ([`LogicError::throttled`]), which
+/// pause it for every record and machine (shared through a budget store), and each machine
+/// starts at most `max_concurrency` runs at once, adapting (or not).
+#[derive(Debug, Clone, Copy)]
+pub struct BudgetPlan {
+    pub max_concurrency: usize,
+    pub adaptive: bool,
 }
 
 /// Debounce (issue 24): one or two records of their own ([`DEBOUNCE_FIRST_RECORD`] on) in a
@@ -716,6 +730,12 @@ impl Plan {
             }
             faults.sort();
         }
+        // From a generator of its own, so every seed keeps the plan it had.
+        let mut budget_rng = SmallRng::seed_from_u64(seed ^ 0xb0d6_e725);
+        let budget = (throttled.is_some() && budget_rng.random_bool(0.5)).then(|| BudgetPlan {
+            max_concurrency: budget_rng.random_range(1..=4),
+            adaptive: budget_rng.random_bool(0.7),
+        });
         Self {
             seed,
             mode,
@@ -739,6 +759,7 @@ impl Plan {
             supersede_failures,
             supersede_failing_tail,
             debounce,
+            budget,
         }
     }
 }
@@ -918,6 +939,11 @@ pub struct FaultCounts {
     /// Bursts B1 checked (fault-free), and worker deaths during a waiter's wake.
     pub b1_checks: u64,
     pub wake_deaths: u64,
+    /// Seeds with a downstream budget ([`BudgetPlan`]).
+    pub budget_seeds: u64,
+    /// Throttles that paused the budget, and deliveries a paused budget handed back.
+    pub budget_throttles: u64,
+    pub budget_paused: u64,
     /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
     pub landed_late: [u64; 7],
     /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
@@ -1143,6 +1169,15 @@ impl FaultCounts {
             ),
             ("bursts checked by B1", self.b1_checks),
             ("worker deaths during a waiter's wake", self.wake_deaths),
+            (
+                "seeds with a downstream budget (throttles pause it)",
+                self.budget_seeds,
+            ),
+            ("runs throttled (the budget paused)", self.budget_throttles),
+            (
+                "deliveries a paused budget handed back (not attempts)",
+                self.budget_paused,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -1259,6 +1294,9 @@ impl FaultCounts {
             standin_consumes: v[58],
             b1_checks: v[59],
             wake_deaths: v[60],
+            budget_seeds: v[61],
+            budget_throttles: v[62],
+            budget_paused: v[63],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
             landed_late: std::array::from_fn(|i| self.landed_late[i] + other.landed_late[i]),
@@ -1298,6 +1336,8 @@ struct Journal {
     runs: Vec<RunRecord>,
     /// Accepted triggers: correlation id, record, time.
     accepted: Vec<(String, String, Instant)>,
+    /// Budget pauses: when a throttle asked, and until when it paused the budget.
+    pauses: Vec<(Instant, Instant)>,
     /// When each external trigger was first received by a worker (for the coalescing check).
     arrivals: Vec<(String, Instant)>,
     /// Worker deaths: when, machine, the records it was running, restart pause, whole host.
@@ -1386,6 +1426,8 @@ pub struct World {
     poison_outage: Option<(Instant, Instant)>,
     /// The throttled record and its window ([`Throttle`]).
     throttle: Option<(String, Instant, Instant)>,
+    /// The budgets' shared pauses ([`BudgetPlan`]), when the seed has one.
+    budgets: Option<(Arc<MemoryBudgets>, BudgetPlan)>,
     /// The supersede record and its stream's window ([`SupersedePlan`]).
     supersede: Option<(String, Instant, Instant)>,
     /// Share of the supersede record's runs in its window that fail ([`Plan::supersede_failures`]).
@@ -2253,6 +2295,13 @@ impl SimLogic {
         let mut j = self.world.journal.lock().unwrap();
         j.counts.deferrals_asked += 1;
         j.runs[index].run_later = Some((Instant::now(), asked));
+        if self.world.budgets.is_some() {
+            j.counts.budget_throttles += 1;
+            let now = Instant::now();
+            let pause = asked.map_or(SIM_DEFAULT_DEFERRAL, |a| a.min(SIM_MAX_PAUSE));
+            j.pauses.push((now, now + pause));
+            return LogicError::throttled(asked, "sim: throttled (too many)");
+        }
         LogicError::run_later(asked, "sim: throttled")
     }
 }
@@ -2518,8 +2567,16 @@ fn granted(plan: &Plan, so_far: Duration, asked: Option<Duration>) -> Option<Dur
     if remaining < floor.max(Duration::from_millis(1)) {
         return None;
     }
+    // A throttle's delay is its budget's pause: the asked time, capped (the default when none).
+    let asked = match plan.budget {
+        Some(_) => Some(asked.map_or(SIM_DEFAULT_DEFERRAL, |a| a.min(SIM_MAX_PAUSE))),
+        None => asked,
+    };
     Some(asked.unwrap_or(SIM_DEFAULT_DEFERRAL).max(floor).min(remaining))
 }
+
+/// The longest pause of a budget in the simulation ([`BudgetOptions::max_pause`]).
+const SIM_MAX_PAUSE: Duration = Duration::from_secs(90);
 
 /// Per run of `runs` (one record's, in start order): when the chain of deferrals it belongs to
 /// started — its first run's start, its own if it was never put off. Each run of a deferred
@@ -2834,7 +2891,29 @@ impl Sim {
             killed: killed.clone(),
             machine,
         });
-        let runner = RecordRunner::new(lock, markers, queue, logic, runner_options);
+        let mut runner = RecordRunner::new(lock, markers, queue, logic, runner_options);
+        if let Some((store, plan)) = &self.world.budgets {
+            // Each worker its own view (a restarted one starts afresh), one store for all.
+            runner = runner.with_budgets(Budgets::new(
+                store.clone(),
+                BudgetOptions {
+                    max_concurrency: plan.max_concurrency,
+                    adaptive: plan.adaptive,
+                    // The default pause is the default deferral (as the checks of run later
+                    // expect, [`granted`]).
+                    default_pause: SIM_DEFAULT_DEFERRAL,
+                    max_pause: SIM_MAX_PAUSE,
+                    ..BudgetOptions::default()
+                },
+            ));
+            let world = self.world.clone();
+            runner =
+                runner.with_outcome_sink(leasehold_runtime::OutcomeSink::new(move |_, _, outcome, _| {
+                    if matches!(outcome, Outcome::Paused { .. }) {
+                        world.count(|c| c.budget_paused += 1);
+                    }
+                }));
+        }
         // The poison queue is reached like any queue: delays, failures, partitions, late landings.
         let poison: Arc<dyn TriggerQueue> = Arc::new(FaultyQueue::new(
             Arc::new(PoisonSink(self.world.clone(), self.counters.clone())),
@@ -2956,6 +3035,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         throttle: plan
             .throttled
             .map(|t| (format!("r{}", t.record), epoch + t.from, epoch + t.to)),
+        budgets: plan.budget.map(|b| (Arc::new(MemoryBudgets::new()), b)),
         supersede: plan
             .supersede
             .map(|s| (format!("r{}", s.record), epoch + s.from, epoch + s.to)),
@@ -2985,6 +3065,9 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     }
     if plan.throttled.is_some() {
         world.count(|c| c.throttled_seeds += 1);
+    }
+    if plan.budget.is_some() {
+        world.count(|c| c.budget_seeds += 1);
     }
     if plan.skew > 0.0 {
         world.count(|c| c.skewed_clock += 1);
@@ -4120,6 +4203,15 @@ fn check(plan: &Plan, world: &World) -> Report {
                     .iter()
                     .any(|r| r.start < first && r.end.is_none_or(|e| e + START + DELIVERY > first));
                 if busy {
+                    continue;
+                }
+                // A budget paused while the burst waits puts its run off until the pause ends,
+                // and a holder waits for a slot of its budget: timing is not checked then.
+                let paused = j
+                    .pauses
+                    .iter()
+                    .any(|(from, to)| *to >= first && *from <= last + q * 2 + m + DELIVERY * 4);
+                if paused || plan.budget.is_some_and(|b| b.max_concurrency < 3) {
                     continue;
                 }
                 counts.b1_checks += 1;
