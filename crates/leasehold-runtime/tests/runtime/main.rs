@@ -2,6 +2,7 @@
 
 mod azurite;
 mod behaviour;
+mod budgets;
 mod regressions;
 mod sim;
 

@@ -1,0 +1,335 @@
+//! Downstream budgets (issue 25) on the in-memory store and queue, with paused time: a pause
+//! turns triggers away without counting them as attempts, a holder waits for its slot under its
+//! lease and covers what coalesced meanwhile, a holder the pause outlasts hands its trigger back
+//! standing for what coalesced onto it, and a carrier is never held. Each test fails without
+//! the behaviour it names.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use leasehold_lock::memory::MemoryStore;
+use leasehold_lock::{LeaseLock, LeaseOptions, OpCounters, RetryOptions};
+use leasehold_runtime::{
+    BudgetOptions, Budgets, Delivery, Logic, LogicError, MarkerStore, MemoryBudgets, MemoryMarkers,
+    MemoryQueue, Outcome, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
+};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// Logic whose runs of a record last as long as the test says, and may answer "too many".
+#[derive(Default)]
+struct Downstream {
+    /// Per record: how long its runs take (default 1 s).
+    length: Mutex<HashMap<String, Duration>>,
+    /// Records whose next run is throttled, with the Retry-After it gives.
+    throttle: Mutex<HashMap<String, Option<Duration>>>,
+    /// Runs so far, in start order.
+    runs: Mutex<Vec<String>>,
+    started: Notify,
+}
+
+#[async_trait]
+impl Logic for Downstream {
+    async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
+        let record = ctx.record_id.to_string();
+        self.runs.lock().unwrap().push(record.clone());
+        self.started.notify_waiters();
+        let length = self
+            .length
+            .lock()
+            .unwrap()
+            .get(&record)
+            .copied()
+            .unwrap_or(Duration::from_secs(1));
+        tokio::time::sleep(length).await;
+        if let Some(asked) = self.throttle.lock().unwrap().remove(&record) {
+            return Err(LogicError::throttled(asked, "429 Too Many Requests"));
+        }
+        Ok(())
+    }
+}
+
+impl Downstream {
+    fn runs_of(&self, record: &str) -> usize {
+        self.runs.lock().unwrap().iter().filter(|r| *r == record).count()
+    }
+}
+
+struct Fixture {
+    markers: Arc<MemoryMarkers>,
+    queue: Arc<MemoryQueue>,
+    budget_store: Arc<MemoryBudgets>,
+    logic: Arc<Downstream>,
+    runner: RecordRunner,
+}
+
+fn fixture(max_concurrency: usize) -> Fixture {
+    let counters = OpCounters::new();
+    let store = Arc::new(MemoryStore::with_counters(counters.clone()));
+    let markers = Arc::new(MemoryMarkers::with_counters(counters.clone()));
+    let queue = Arc::new(MemoryQueue::new("triggers", counters));
+    let lock = LeaseLock::new(
+        store,
+        LeaseOptions {
+            retry: RetryOptions {
+                jitter_seed: Some(1),
+                ..RetryOptions::default()
+            },
+            ..LeaseOptions::default()
+        },
+    )
+    .unwrap();
+    let logic = Arc::new(Downstream::default());
+    let budget_store = Arc::new(MemoryBudgets::new());
+    let runner = RecordRunner::new(
+        lock,
+        markers.clone(),
+        queue.clone(),
+        logic.clone(),
+        RunnerOptions::default(),
+    )
+    .with_budgets(Budgets::new(
+        budget_store.clone(),
+        BudgetOptions {
+            max_concurrency,
+            ..BudgetOptions::default()
+        },
+    ));
+    Fixture {
+        markers,
+        queue,
+        budget_store,
+        logic,
+        runner,
+    }
+}
+
+fn delivery(record: &str, kind: TriggerKind, dequeue_count: u32) -> Delivery {
+    let mut message = TriggerMessage::parse("account", record).unwrap();
+    message.kind = kind;
+    Delivery {
+        message,
+        dequeue_count,
+    }
+}
+
+fn trigger(record: &str) -> Delivery {
+    delivery(record, TriggerKind::Trigger, 1)
+}
+
+async fn handle(runner: &RecordRunner, d: Delivery) -> Outcome {
+    runner.handle(&d, &CancellationToken::new()).await
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_throttle_pauses_every_record_and_a_paused_trigger_is_handed_back_without_counting() {
+    let f = fixture(4);
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(30)));
+    // The throttled run is put off by the downstream's Retry-After.
+    match handle(&f.runner, trigger("a")).await {
+        Outcome::Deferred { after, .. } => assert_eq!(after, Duration::from_secs(30)),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        f.budget_store.paused_until("default").is_some(),
+        "the pause is shared"
+    );
+    // Another record's trigger is turned away before it touches anything: the message as it is,
+    // back after the pause (29 s left), and the delivery does not count.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    match handle(&f.runner, trigger("b")).await {
+        Outcome::Paused { budget, after, next } => {
+            assert_eq!(budget, "default");
+            assert_eq!(after, Duration::from_secs(29));
+            assert_eq!(*next, trigger("b").message);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(f.logic.runs_of("b"), 0);
+    // Once the pause is over it runs.
+    tokio::time::sleep(Duration::from_secs(29)).await;
+    assert!(matches!(
+        handle(&f.runner, trigger("b")).await,
+        Outcome::Completed { .. }
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_garbage_or_endless_retry_after_is_defaulted_or_capped() {
+    let f = fixture(4);
+    // No usable Retry-After: the default pause (10 s). Years: the longest (300 s).
+    for (asked, pause) in [
+        (None, Duration::from_secs(10)),
+        (
+            Some(Duration::from_secs(10 * 365 * 86_400)),
+            Duration::from_secs(300),
+        ),
+    ] {
+        f.logic.throttle.lock().unwrap().insert("a".into(), asked);
+        match handle(&f.runner, trigger("a")).await {
+            Outcome::Deferred { after, .. } => assert_eq!(after, pause, "{asked:?}"),
+            other => panic!("{other:?}"),
+        }
+        match handle(&f.runner, trigger("b")).await {
+            Outcome::Paused { after, .. } => assert_eq!(after, pause, "{asked:?}"),
+            other => panic!("{other:?}"),
+        }
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// A holder waits for a slot of its budget under its lease; a trigger that comes meanwhile
+/// finds the lease held and sets the marker; the run, starting after it, covers it: the marker
+/// is cleared before the run, so no retrigger follows (without that, one run more).
+#[tokio::test(start_paused = true)]
+async fn a_holder_that_waited_for_its_slot_covers_the_triggers_that_came_meanwhile() {
+    let f = fixture(1);
+    f.logic
+        .length
+        .lock()
+        .unwrap()
+        .insert("a".into(), Duration::from_secs(20));
+    let runner = f.runner.clone();
+    let long = tokio::spawn(async move { handle(&runner, trigger("a")).await });
+    f.logic.started.notified().await;
+    // b takes its lease, then waits for the only slot.
+    let runner = f.runner.clone();
+    let waiting = tokio::spawn(async move { handle(&runner, trigger("b")).await });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(f.logic.runs_of("b"), 0, "b waits for a's slot");
+    // A trigger for b meanwhile coalesces onto the waiting holder.
+    assert_eq!(handle(&f.runner, trigger("b")).await, Outcome::Coalesced);
+    assert!(f.markers.is_set(&trigger("b").message.key()).await.unwrap());
+    assert!(matches!(long.await.unwrap(), Outcome::Completed { .. }));
+    match waiting.await.unwrap() {
+        Outcome::Completed { retriggered, .. } => assert!(!retriggered, "the run covered it"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(f.logic.runs_of("b"), 1);
+    assert!(f.queue.bodies().is_empty(), "no retrigger");
+}
+
+/// A holder whose budget a throttle paused while it waited for its slot, for longer than it
+/// may wait (under Functions, 30 s), hands its trigger back: as a holder — the lease released,
+/// the marker taken — and the trigger handed back stands for what coalesced onto the hold: a
+/// plain trigger that may not stand down for a later run (no `afterToken`).
+#[tokio::test(start_paused = true)]
+async fn a_holder_the_pause_outlasts_hands_its_trigger_back_for_what_coalesced_too() {
+    let f = fixture(1);
+    f.logic
+        .length
+        .lock()
+        .unwrap()
+        .insert("a".into(), Duration::from_secs(5));
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(120)));
+    let poison = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let runner = f.runner.clone();
+    let throttled = tokio::spawn(async move { handle(&runner, trigger("a")).await });
+    f.logic.started.notified().await;
+    // b's delivery (under Functions: it waits at most 30 s) takes its lease and waits.
+    let runner = f.runner.clone();
+    let poison2 = poison.clone();
+    let mut b = trigger("b");
+    b.message.after_token = Some(7);
+    let waiting = tokio::spawn(async move {
+        runner
+            .handle_watched(&b, &*poison2, &CancellationToken::new())
+            .await
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(handle(&f.runner, trigger("b")).await, Outcome::Coalesced);
+    assert!(matches!(throttled.await.unwrap(), Outcome::Deferred { .. }));
+    match waiting.await.unwrap() {
+        Outcome::Paused { after, next, .. } => {
+            assert!(after > Duration::from_secs(100), "{after:?}");
+            assert_eq!(next.kind, TriggerKind::Trigger);
+            assert_eq!(next.after_token, None, "it stands for a fresh trigger now");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(f.logic.runs_of("b"), 0);
+    assert!(
+        !f.markers.is_set(&trigger("b").message.key()).await.unwrap(),
+        "taken: the trigger handed back covers it"
+    );
+    let b = trigger("b").message;
+    assert!(
+        !f.runner.status(&b.scope, &b.record_id).await.unwrap().lock.held,
+        "released"
+    );
+    // The hand-back is a message of its own (the watchdog became it), hidden until the pause
+    // ends; the host's message is acknowledged.
+    let kinds: Vec<TriggerKind> = f
+        .queue
+        .bodies()
+        .iter()
+        .map(|b| TriggerMessage::decode(b).unwrap().kind)
+        .collect();
+    assert_eq!(
+        kinds,
+        [TriggerKind::Trigger],
+        "b's trigger handed back (a's deferral is the consumer's to persist)"
+    );
+    assert!(poison.bodies().is_empty());
+}
+
+/// A carrier (here a recheck, standing in for a dead holder) is neither turned away by a pause
+/// nor held by the limit: its record runs again within the recovery bound.
+#[tokio::test(start_paused = true)]
+async fn a_carrier_is_never_held_by_its_budget() {
+    let f = fixture(1);
+    f.logic
+        .length
+        .lock()
+        .unwrap()
+        .insert("a".into(), Duration::from_secs(60));
+    let runner = f.runner.clone();
+    let long = tokio::spawn(async move { handle(&runner, trigger("a")).await });
+    f.logic.started.notified().await;
+    // The only slot is a's, for a minute: a recheck of b runs at once all the same.
+    let started = tokio::time::Instant::now();
+    assert!(matches!(
+        handle(&f.runner, delivery("b", TriggerKind::Recheck, 1)).await,
+        Outcome::Completed { .. }
+    ));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // And through a pause.
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("c".into(), Some(Duration::from_secs(60)));
+    assert!(matches!(
+        handle(&f.runner, delivery("c", TriggerKind::Recheck, 1)).await,
+        Outcome::Deferred { .. }
+    ));
+    assert!(matches!(
+        handle(&f.runner, delivery("b", TriggerKind::Watchdog, 1)).await,
+        Outcome::Completed { .. }
+    ));
+    // A redelivered trigger (standalone: it may stand in for its own dead holder) likewise.
+    assert!(matches!(
+        handle(&f.runner, delivery("d", TriggerKind::Trigger, 2)).await,
+        Outcome::Completed { .. }
+    ));
+    // But a fresh trigger is turned away.
+    assert!(matches!(
+        handle(&f.runner, trigger("e")).await,
+        Outcome::Paused { .. }
+    ));
+    long.abort();
+}
