@@ -781,3 +781,61 @@ async fn a_deferral_costs_what_a_run_costs_on_azurite() {
         assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     }
 }
+
+/// A budget's pause written by one worker (process) is read by another from the same blob, at
+/// a request per look no more often than its refresh interval, and a write that does not
+/// lengthen the pause is not sent again.
+#[tokio::test]
+async fn a_budget_pause_written_by_one_worker_stops_run_starts_on_another() {
+    use leasehold_runtime::{Admission, AzureBudgets, BudgetOptions, BudgetStore, Budgets, Lane};
+
+    let account = Azurite::shared().account();
+    let container = unique_name("budgets");
+    let (one_counters, two_counters) = (OpCounters::new(), OpCounters::new());
+    let store_one = Arc::new(AzureBudgets::new(&account, &container, one_counters.clone()));
+    let store_two = Arc::new(AzureBudgets::new(&account, &container, two_counters.clone()));
+    let options = BudgetOptions {
+        refresh_every: Duration::from_millis(300),
+        ..BudgetOptions::default()
+    };
+    let one = Budgets::new(store_one.clone(), options.clone());
+    let two = Budgets::new(store_two.clone(), options);
+    let scope: leasehold_runtime::Scope = "account".parse().unwrap();
+
+    // Nothing written yet: not paused, and reading a budget never written is no error.
+    assert_eq!(store_two.read("default").await.unwrap(), None);
+    assert_eq!(two.paused(&scope), None);
+
+    // Worker one's run is throttled for 30 s: the first write creates the container and blob.
+    let Admission::Go(mut permit) = one.admit(&scope, Lane::High, None, true).await else {
+        panic!("a free budget gives a slot")
+    };
+    permit.throttled(Duration::from_secs(30)).await;
+    drop(permit);
+    let left = store_two.read("default").await.unwrap().expect("written");
+    assert!(
+        left > Duration::from_secs(25) && left <= Duration::from_secs(30),
+        "{left:?}"
+    );
+    // A throttle that does not lengthen it is not written again.
+    let writes = one_counters.snapshot().get(Op::BudgetWrite);
+    let Admission::Paused { .. } = one.admit(&scope, Lane::High, Some(Duration::ZERO), true).await else {
+        panic!("paused")
+    };
+    assert_eq!(one_counters.snapshot().get(Op::BudgetWrite), writes);
+
+    // Worker two learns of it at a look after its refresh interval, without waiting on the read.
+    let (budget, after) = eventually(Duration::from_secs(10), "worker two to see the pause", || async {
+        two.paused(&scope)
+    })
+    .await;
+    assert_eq!(budget, "default");
+    assert!(after > Duration::from_secs(20), "{after:?}");
+    // Looks cost at most one read per refresh interval, however many there are.
+    let reads = two_counters.snapshot().get(Op::BudgetRead);
+    for _ in 0..1000 {
+        two.paused(&scope);
+    }
+    tokio::task::yield_now().await;
+    assert!(two_counters.snapshot().get(Op::BudgetRead) <= reads + 1);
+}
