@@ -69,6 +69,9 @@ param allowedOrganizations string = ''
 @description('User GUIDs whose events are ignored (the integration\'s own writes), comma list.')
 param integrationUserIds string = ''
 
+@description('User GUIDs whose events go to the low lane (the users a data import or a bulk integration runs as), comma list.')
+param lowPriorityUserIds string = ''
+
 @description('Dataverse events deeper than this are ignored; empty for no limit.')
 param maxDepth string = ''
 
@@ -264,6 +267,7 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         { name: 'LEASEHOLD_DEMO_SECONDS', value: '' }
         { name: 'LEASEHOLD_ALLOWED_ORGANIZATIONS', value: allowedOrganizations }
         { name: 'LEASEHOLD_INTEGRATION_USER_IDS', value: integrationUserIds }
+        { name: 'LEASEHOLD_LOW_PRIORITY_USER_IDS', value: lowPriorityUserIds }
         { name: 'LEASEHOLD_MAX_DEPTH', value: maxDepth }
         { name: 'LEASEHOLD_LEASE_SECONDS', value: leaseSeconds }
         { name: 'LEASEHOLD_FENCING', value: fencing }

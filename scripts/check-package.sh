@@ -19,7 +19,7 @@ python3 - "$zip" <<'PY'
 import sys, zipfile, stat
 z = zipfile.ZipFile(sys.argv[1])
 names = sorted(z.namelist())
-want = sorted(["host.json", "leasehold", "Start/function.json", "Worker/function.json",
+want = sorted(["host.json", "leasehold", "Start/function.json", "Worker/function.json", "WorkerLow/function.json",
                "Ops/function.json", "Dashboard/function.json"])
 assert names == want, f"zip holds {names}, expected {want}"
 mode = z.getinfo("leasehold").external_attr >> 16

@@ -68,6 +68,7 @@ entries = [("host.json", "host.json", 0o644),
            ("leasehold", binary, 0o755),
            ("Start/function.json", "Start/function.json", 0o644),
            ("Worker/function.json", "Worker/function.json", 0o644),
+           ("WorkerLow/function.json", "WorkerLow/function.json", 0o644),
            ("Ops/function.json", "Ops/function.json", 0o644),
            ("Dashboard/function.json", "Dashboard/function.json", 0o644)]
 if logic:

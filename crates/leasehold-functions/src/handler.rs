@@ -6,8 +6,9 @@
 //!
 //! | function | trigger | outputs |
 //! | --- | --- | --- |
-//! | `Start` | `req` (httpTrigger) | `res` (http), `message` (queue) |
-//! | `Worker` | `trigger` (queueTrigger) | none |
+//! | `Start` | `req` (httpTrigger) | `res` (http), `message` (queue, the high lane) or `messageLow` (the low lane's queue) |
+//! | `Worker` | `trigger` (queueTrigger on the high lane) | none |
+//! | `WorkerLow` | `trigger` (queueTrigger on the low lane) | none |
 //!
 //! Hosts differ in small ways, so both forms are accepted where they are known to vary: a
 //! queue message plain or JSON-encoded as a string ("double-encoded"), `DequeueCount` as a
@@ -15,17 +16,21 @@
 
 use serde_json::{Map, Value, json};
 
-use leasehold_runtime::{DecodeError, TriggerMessage};
+use leasehold_runtime::{DecodeError, Lane, TriggerMessage};
 
 use crate::Error;
 
 /// Function names, as the folder names `Start/` and `Worker/` (the host calls `POST /<name>`).
 pub const START_FUNCTION: &str = "Start";
 pub const WORKER_FUNCTION: &str = "Worker";
+/// The low lane's worker (`WorkerLow/`), triggered by `<LEASEHOLD_QUEUE>-low`.
+pub const WORKER_LOW_FUNCTION: &str = "WorkerLow";
 /// Binding names used in the `function.json` files.
 pub const HTTP_IN: &str = "req";
 pub const HTTP_OUT: &str = "res";
 pub const QUEUE_OUT: &str = "message";
+/// Start's output to the low lane's queue.
+pub const QUEUE_OUT_LOW: &str = "messageLow";
 pub const QUEUE_IN: &str = "trigger";
 
 /// The dequeue count assumed when the host's `DequeueCount` is missing or unreadable.
@@ -111,7 +116,7 @@ pub fn parse_http_invocation(payload: &Value) -> Result<HostHttpRequest, Error> 
 pub(crate) fn http_invocation_response(
     status: u16,
     body: &Value,
-    enqueue: Option<&TriggerMessage>,
+    enqueue: Option<(&TriggerMessage, Lane)>,
     logs: Vec<String>,
 ) -> Value {
     let mut outputs = Map::new();
@@ -123,10 +128,14 @@ pub(crate) fn http_invocation_response(
             "headers": { "Content-Type": "application/json" },
         }),
     );
-    if let Some(message) = enqueue {
-        // JSON text: the host writes it to the queue (base64-encoded, as messageEncoding says);
-        // JSON is never mistaken for a bare base64 token.
-        outputs.insert(QUEUE_OUT.into(), Value::String(message.to_json()));
+    if let Some((message, lane)) = enqueue {
+        // JSON text: the host writes it to the lane's queue (base64-encoded, as messageEncoding
+        // says); JSON is never mistaken for a bare base64 token.
+        let binding = match lane {
+            Lane::High => QUEUE_OUT,
+            Lane::Low => QUEUE_OUT_LOW,
+        };
+        outputs.insert(binding.into(), Value::String(message.to_json()));
     }
     json!({ "Outputs": outputs, "Logs": logs, "ReturnValue": Value::Null })
 }
@@ -318,13 +327,26 @@ mod tests {
     #[test]
     fn start_response_puts_the_callers_status_in_res_and_the_trigger_in_the_queue_output() {
         let m = TriggerMessage::parse("account", "42").unwrap();
-        let r = http_invocation_response(202, &json!({"ok": true}), Some(&m), vec!["log".into()]);
+        let r = http_invocation_response(
+            202,
+            &json!({"ok": true}),
+            Some((&m, Lane::High)),
+            vec!["log".into()],
+        );
         assert_eq!(r["Outputs"]["res"]["statusCode"], 202);
         assert_eq!(r["Outputs"]["res"]["body"], "{\"ok\":true}");
         assert_eq!(
             TriggerMessage::from_json(r["Outputs"]["message"].as_str().unwrap()).unwrap(),
             m
         );
+        assert!(r["Outputs"].get("messageLow").is_none());
+        // The low lane's trigger goes to its own output, and only there.
+        let low = http_invocation_response(202, &json!({"ok": true}), Some((&m, Lane::Low)), vec![]);
+        assert_eq!(
+            TriggerMessage::from_json(low["Outputs"]["messageLow"].as_str().unwrap()).unwrap(),
+            m
+        );
+        assert!(low["Outputs"].get("message").is_none());
         let page = http_response(200, "<p>", &[("Content-Type", "text/html")], vec![]);
         assert_eq!(
             page["Outputs"]["res"],

@@ -14,13 +14,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use leasehold_lock::RetryOptions;
 use leasehold_runtime::{
-    Delivery, Error, Outcome, PoisonMessage, RecordRunner, TriggerQueue, record_outcome,
+    Delivery, Error, Lane, Outcome, PoisonMessage, RecordRunner, TriggerQueue, record_outcome,
 };
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::handler::{self, START_FUNCTION, WORKER_FUNCTION};
+use crate::handler::{self, START_FUNCTION, WORKER_FUNCTION, WORKER_LOW_FUNCTION};
 use crate::start::{Decision, MAX_BODY_BYTES, Rejection, StartPolicy, StartRequest, check_head, decide};
 
 /// Counter of Start's answers to its callers, by `status` (the HTTP status the caller gets: in
@@ -34,15 +34,24 @@ fn count_start_response(status: u16) {
 /// Largest custom-handler invocation accepted (a Start body plus the host's envelope).
 const MAX_INVOCATION_BYTES: usize = 2 * MAX_BODY_BYTES + 64 * 1024;
 
+/// One lane: its trigger queue, its poison queue and the runner of its deliveries.
+#[derive(Debug, Clone)]
+pub struct LaneParts {
+    /// The lane's trigger queue (standalone Start enqueues here).
+    pub queue: Arc<dyn TriggerQueue>,
+    /// Its poison queue (a Worker invocation with an unreadable message goes here).
+    pub poison: Arc<dyn TriggerQueue>,
+    /// Its runner (whose queue is the lane's: follow-ups stay in the lane).
+    pub runner: RecordRunner,
+}
+
 /// What both HTTP surfaces share.
 #[derive(Debug, Clone)]
 pub struct App {
     pub policy: StartPolicy,
-    /// The trigger queue (standalone Start enqueues here).
-    pub queue: Arc<dyn TriggerQueue>,
-    /// The poison queue (a Worker invocation with an unreadable message goes here).
-    pub poison: Arc<dyn TriggerQueue>,
-    pub runner: RecordRunner,
+    /// The high lane (a person's save: the default) and the low lane (bulk traffic).
+    pub high: LaneParts,
+    pub low: LaneParts,
     /// Wakes the in-process consumer after an enqueue (standalone).
     pub wake: Option<Arc<Notify>>,
     /// Fires on shutdown: in-flight Worker invocations are cancelled and answered as failures.
@@ -64,7 +73,16 @@ pub fn standalone_router(app: App) -> Router {
         .with_state(Arc::new(app))
 }
 
-/// `GET /`, `POST /Start`, `POST /Worker` for `leasehold handler`.
+impl App {
+    pub fn lane(&self, lane: Lane) -> &LaneParts {
+        match lane {
+            Lane::High => &self.high,
+            Lane::Low => &self.low,
+        }
+    }
+}
+
+/// `GET /`, `POST /Start`, `POST /Worker`, `POST /WorkerLow` for `leasehold handler`.
 pub fn handler_router(app: App) -> Router {
     Router::new()
         .route("/", get(|| async { "leasehold custom handler ready" }))
@@ -225,10 +243,11 @@ fn url_pairs(query: &str) -> Vec<(String, String)> {
 /// Logs a decision and, for an accepted trigger in standalone mode, enqueues it.
 async fn carry_out(app: &App, decision: &Decision) -> (u16, Value) {
     match decision {
-        Decision::Enqueue(message) => {
+        Decision::Enqueue(message, lane) => {
             let body = message.encode();
+            let queue = &app.lane(*lane).queue;
             let put = RetryOptions::default()
-                .run("enqueue trigger", || app.queue.put(&body, Duration::ZERO))
+                .run("enqueue trigger", || queue.put(&body, Duration::ZERO))
                 .await;
             if let Err(e) = put {
                 tracing::error!(scope = %message.scope, record = %message.record_id, error = %e, "start: queue unreachable; trigger not accepted");
@@ -252,8 +271,8 @@ async fn carry_out(app: &App, decision: &Decision) -> (u16, Value) {
 
 fn log_decision(decision: &Decision) {
     match decision {
-        Decision::Enqueue(m) => tracing::info!(scope = %m.scope, record = %m.record_id,
-            correlation_id = m.correlation_id.as_deref().unwrap_or(""), outcome = "enqueued", "start: trigger accepted"),
+        Decision::Enqueue(m, lane) => tracing::info!(scope = %m.scope, record = %m.record_id,
+            correlation_id = m.correlation_id.as_deref().unwrap_or(""), %lane, outcome = "enqueued", "start: trigger accepted"),
         Decision::Ignore {
             scope,
             record_id,
@@ -278,7 +297,8 @@ async fn invoke(State(app): State<Arc<App>>, Path(function): Path<String>, reque
     };
     match function.as_str() {
         START_FUNCTION => invoke_start(&app, &payload).await,
-        WORKER_FUNCTION => invoke_worker(&app, &payload).await,
+        WORKER_FUNCTION => invoke_worker(&app, app.lane(Lane::High), &payload).await,
+        WORKER_LOW_FUNCTION => invoke_worker(&app, app.lane(Lane::Low), &payload).await,
         other => json_response(404, json!({ "error": format!("no function named {other:?}") })),
     }
 }
@@ -301,7 +321,7 @@ async fn invoke_start(app: &App, payload: &Value) -> Response {
     let (status, body) = decision.response();
     count_start_response(status);
     let enqueue = match &decision {
-        Decision::Enqueue(m) => Some(m),
+        Decision::Enqueue(m, lane) => Some((m, *lane)),
         _ => None,
     };
     let log = format!("start: {}", body);
@@ -311,7 +331,7 @@ async fn invoke_start(app: &App, payload: &Value) -> Response {
     )
 }
 
-async fn invoke_worker(app: &App, payload: &Value) -> Response {
+async fn invoke_worker(app: &App, lane: &LaneParts, payload: &Value) -> Response {
     let invocation = match handler::parse_queue_invocation(payload) {
         Ok(i) => i,
         Err(e) => return json_response(400, json!({ "error": e.to_string() })),
@@ -320,7 +340,7 @@ async fn invoke_worker(app: &App, payload: &Value) -> Response {
         Ok(m) => m,
         Err(e) => {
             return poison_unreadable(
-                app,
+                lane,
                 &invocation.raw,
                 invocation.dequeue_count,
                 Error::Unreadable(e),
@@ -334,9 +354,9 @@ async fn invoke_worker(app: &App, payload: &Value) -> Response {
     };
     // The host keeps its message hidden for 10 minutes whatever happens to us: the watchdog
     // carries this delivery if our host dies, and carries a failed run's retry.
-    let outcome = app
+    let outcome = lane
         .runner
-        .handle_watched(&delivery, &*app.poison, &app.shutdown)
+        .handle_watched(&delivery, &*lane.poison, &app.shutdown)
         .await;
     let log = format!(
         "worker: {} {}/{}: {}",
@@ -399,7 +419,7 @@ fn describe(outcome: &Outcome) -> String {
 
 /// A message that can never be a trigger: moved to the poison queue with its reason (the host
 /// would only retry it five times and then poison it without one), and the invocation succeeds.
-async fn poison_unreadable(app: &App, raw: &str, dequeue_count: u32, error: Error) -> Response {
+async fn poison_unreadable(app: &LaneParts, raw: &str, dequeue_count: u32, error: Error) -> Response {
     let poison = PoisonMessage::new(raw.to_string(), None, &error, dequeue_count);
     let encoded = poison.encode();
     let reason = poison.reason();

@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 use subtle::{Choice, ConstantTimeEq};
 use uuid::Uuid;
 
-use leasehold_runtime::{Field, InvalidName, MAX_CORRELATION_ID_LEN, RecordId, Scope, TriggerMessage};
+use leasehold_runtime::{Field, InvalidName, Lane, MAX_CORRELATION_ID_LEN, RecordId, Scope, TriggerMessage};
 
 use leasehold_dataverse::context::{NoRecord, guid_of, looks_like_context, record_of};
 
@@ -71,6 +71,9 @@ pub struct StartPolicy {
     pub integration_user_ids: Vec<Uuid>,
     /// `LEASEHOLD_MAX_DEPTH`: Dataverse events deeper than this are ignored.
     pub max_depth: Option<u64>,
+    /// `LEASEHOLD_LOW_PRIORITY_USER_IDS`: events initiated by these users (an import's or an
+    /// integration's) go to the low lane.
+    pub low_priority_user_ids: Vec<Uuid>,
     /// With no key: refuse what only a web page sends ([`refuse_web_pages`]). Set where Start
     /// listens on loopback without a key (standalone); not behind a front end that
     /// authenticates callers (`LEASEHOLD_INSECURE_NO_START_KEY`), whose `Host` is public.
@@ -112,8 +115,8 @@ const CORRELATION_HEADER: &str = "x-ms-correlation-request-id";
 /// Start's decision.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {
-    /// Enqueue this trigger and answer 202.
-    Enqueue(TriggerMessage),
+    /// Enqueue this trigger in this lane's queue and answer 202.
+    Enqueue(TriggerMessage, Lane),
     /// Answer 200 and enqueue nothing (loop protection); the reason is logged and returned.
     Ignore {
         scope: Scope,
@@ -184,6 +187,9 @@ pub enum Rejection {
     /// The body could not be read (the connection failed while it was being sent).
     #[error("the body could not be read: {0}")]
     BodyUnreadable(String),
+    /// A priority (the `priority` query parameter or body field) that is not `high` or `low`.
+    #[error("{field} must be \"high\" or \"low\", not {value}")]
+    InvalidPriority { field: &'static str, value: String },
 }
 
 /// What is wrong with a correlation id.
@@ -229,6 +235,7 @@ impl Rejection {
             | Rejection::NoRecord(_)
             | Rejection::InvalidCorrelationId { .. }
             | Rejection::UnreadableDepth(_)
+            | Rejection::InvalidPriority { .. }
             | Rejection::BodyUnreadable(_) => 400,
             Rejection::BodyTimeout(_) => 408,
         }
@@ -252,11 +259,12 @@ impl Decision {
     /// The HTTP status and JSON body to answer with once the decision is carried out.
     pub fn response(&self) -> (u16, Value) {
         match self {
-            Decision::Enqueue(m) => (
+            Decision::Enqueue(m, lane) => (
                 202,
                 serde_json::json!({
                     "enqueued": { "scope": m.scope, "recordId": m.record_id },
                     "correlationId": m.correlation_id,
+                    "priority": lane.as_str(),
                 }),
             ),
             Decision::Ignore {
@@ -418,12 +426,17 @@ fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Reje
         Some(h) => checked_correlation_id(CORRELATION_HEADER, h)?,
         None => None,
     };
+    let query_lane = match req.query("priority") {
+        None => None,
+        Some(v) => Some(parse_priority("the priority query parameter", v)?),
+    };
     if looks_like_context(object) {
         return decide_dataverse(
             policy,
             req.header("x-ms-dynamics-organization"),
             &body,
             from_header,
+            query_lane,
         );
     }
 
@@ -446,11 +459,34 @@ fn accept(policy: &StartPolicy, req: &StartRequest<'_>) -> Result<Decision, Reje
     };
     // Both are checked when both are sent (the header wins): a bad one is refused, not ignored.
     let from_body = correlation_id("correlationId", object.get("correlationId"))?;
+    let body_lane = match object.get("priority") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(v)) => Some(parse_priority("the body's priority", v)?),
+        Some(other) => {
+            return Err(Rejection::InvalidPriority {
+                field: "the body's priority",
+                value: printable(&other.to_string()),
+            });
+        }
+    };
     let mut message = TriggerMessage::new(scope, record_id);
     message.correlation_id = from_header
         .or(from_body)
         .or_else(|| Some(Uuid::new_v4().to_string()));
-    Ok(Decision::Enqueue(message))
+    Ok(Decision::Enqueue(message, lower(query_lane, body_lane)))
+}
+
+/// A priority as a caller names it: `high` or `low`, any case.
+fn parse_priority(field: &'static str, value: &str) -> Result<Lane, Rejection> {
+    value.parse().map_err(|_| Rejection::InvalidPriority {
+        field,
+        value: format!("{:?}", printable(value)),
+    })
+}
+
+/// The lane of a trigger whose sources said these: low if any said low.
+fn lower(a: Option<Lane>, b: Option<Lane>) -> Lane {
+    a.into_iter().chain(b).max().unwrap_or_default()
 }
 
 fn org_allowed(policy: &StartPolicy, names: &[&str]) -> bool {
@@ -481,6 +517,7 @@ fn decide_dataverse(
     org_header: Option<&str>,
     context: &Value,
     header_correlation_id: Option<String>,
+    query_lane: Option<Lane>,
 ) -> Result<Decision, Rejection> {
     if !policy.allowed_organizations.is_empty() {
         let names: Vec<&str> = ["OrganizationId", "OrganizationName"]
@@ -516,9 +553,13 @@ fn decide_dataverse(
             });
         }
     }
+    // An import's or an integration's events go to the low lane.
+    let user_lane = guid_of(context.get("InitiatingUserId"))
+        .filter(|user| policy.low_priority_user_ids.contains(user))
+        .map(|_| Lane::Low);
     let mut message = TriggerMessage::new(scope, record_id);
     message.correlation_id = correlation_id.or(header_correlation_id);
-    Ok(Decision::Enqueue(message))
+    Ok(Decision::Enqueue(message, lower(query_lane, user_lane)))
 }
 
 #[cfg(test)]
@@ -536,7 +577,104 @@ mod tests {
             integration_user_ids: vec![Uuid::parse_str(APP_USER).unwrap()],
             max_depth: Some(2),
             refuse_web_pages: false,
+            low_priority_user_ids: vec![Uuid::parse_str(IMPORT_USER).unwrap()],
         }
+    }
+
+    const IMPORT_USER: &str = "7d2c1e7a-0b9a-4c51-8f0e-2a1b3c4d5e6f";
+
+    /// Issue 25: the lane a trigger goes to. Low when `?priority=low`, a body's
+    /// `"priority": "low"`, or a Dataverse event initiated by a user listed as low priority;
+    /// high otherwise. An unknown priority is a 400 naming where it came from, and nothing is
+    /// enqueued.
+    #[test]
+    fn a_trigger_goes_to_the_lane_its_priority_or_its_user_names() {
+        let lane_of = |query: &[(&str, &str)], body: Value| {
+            let body = body.to_string();
+            let req = StartRequest {
+                method: "POST",
+                headers: json_type(),
+                query: query
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                body: body.as_bytes(),
+                check_key: false,
+            };
+            decide(
+                &StartPolicy {
+                    allowed_organizations: vec![],
+                    ..policy()
+                },
+                &req,
+            )
+        };
+        let lane = |d: Decision| match d {
+            Decision::Enqueue(_, lane) => lane,
+            other => panic!("{other:?}"),
+        };
+        let plain = json!({"recordId": "42"});
+        assert_eq!(lane(lane_of(&[], plain.clone())), Lane::High);
+        assert_eq!(lane(lane_of(&[("priority", "low")], plain.clone())), Lane::Low);
+        assert_eq!(lane(lane_of(&[("priority", "LOW")], plain.clone())), Lane::Low);
+        assert_eq!(lane(lane_of(&[("priority", "high")], plain.clone())), Lane::High);
+        assert_eq!(
+            lane(lane_of(&[], json!({"recordId": "42", "priority": "low"}))),
+            Lane::Low
+        );
+        // Either saying low is enough.
+        assert_eq!(
+            lane(lane_of(
+                &[("priority", "high")],
+                json!({"recordId": "42", "priority": "low"})
+            )),
+            Lane::Low
+        );
+        let (status, answer) = lane_of(&[("priority", "low")], plain.clone()).response();
+        assert_eq!((status, answer["priority"].as_str()), (202, Some("low")));
+        for (query, body, names) in [
+            (
+                vec![("priority", "urgent")],
+                plain.clone(),
+                "the priority query parameter",
+            ),
+            (
+                vec![],
+                json!({"recordId": "42", "priority": "urgent"}),
+                "the body's priority",
+            ),
+            (
+                vec![],
+                json!({"recordId": "42", "priority": 1}),
+                "the body's priority",
+            ),
+        ] {
+            let d = lane_of(&query, body);
+            let Decision::Reject(r) = &d else { panic!("{d:?}") };
+            assert_eq!(r.status(), 400);
+            assert!(
+                r.to_string().contains(names) && r.to_string().contains("\"high\" or \"low\""),
+                "{r}"
+            );
+        }
+        // A Dataverse event: the endpoint's query (a second registration), or its user.
+        let event = |user: &str| {
+            json!({
+                "MessageName": "Update", "PrimaryEntityName": "account",
+                "PrimaryEntityId": "6e1f4ab1-5d2c-4b4c-9c7a-1f0c2b6a7d11",
+                "InitiatingUserId": user, "Depth": 1,
+                "OrganizationId": ORG,
+            })
+        };
+        let person = "1a2b3c4d-0000-4000-8000-000000000001";
+        assert_eq!(lane(lane_of(&[], event(person))), Lane::High);
+        assert_eq!(lane(lane_of(&[], event(IMPORT_USER))), Lane::Low);
+        assert_eq!(lane(lane_of(&[("priority", "low")], event(person))), Lane::Low);
+        let d = lane_of(&[("priority", "soon")], event(person));
+        assert!(
+            matches!(d, Decision::Reject(Rejection::InvalidPriority { .. })),
+            "{d:?}"
+        );
     }
 
     fn json_type() -> Vec<(String, String)> {
@@ -680,7 +818,7 @@ mod tests {
 
     fn enqueued(d: &Decision) -> (&str, &str) {
         match d {
-            Decision::Enqueue(m) => (m.scope.as_str(), m.record_id.as_str()),
+            Decision::Enqueue(m, _) => (m.scope.as_str(), m.record_id.as_str()),
             other => panic!("expected an enqueue, got {other:?}"),
         }
     }
@@ -737,14 +875,16 @@ mod tests {
             body: text.as_bytes(),
             ..StartRequest::default()
         };
-        assert!(matches!(decide(&policy(), &with_org), Decision::Enqueue(_)));
+        assert!(matches!(decide(&policy(), &with_org), Decision::Enqueue(..)));
     }
 
     #[test]
     fn dataverse_update_create_and_trimmed_bodies() {
         let d = post(&dataverse("8f9c1d2e-0000-4000-8000-000000000001"));
         assert_eq!(enqueued(&d), ("account", "8f9c1d2e-0000-4000-8000-000000000001"));
-        let Decision::Enqueue(m) = &d else { unreachable!() };
+        let Decision::Enqueue(m, _) = &d else {
+            unreachable!()
+        };
         assert_eq!(
             m.correlation_id.as_deref(),
             Some("9a0c2f1e-6b7d-4c8e-9f0a-1b2c3d4e5f60")
@@ -837,11 +977,11 @@ mod tests {
                 &p,
                 &req(vec![("x-functions-key".into(), "s3cret".into())], vec![])
             ),
-            Decision::Enqueue(_)
+            Decision::Enqueue(..)
         ));
         assert!(matches!(
             decide(&p, &req(vec![], vec![("code".into(), "s3cret".into())])),
-            Decision::Enqueue(_)
+            Decision::Enqueue(..)
         ));
         let (_, body) = decide(&p, &req(vec![], vec![])).response();
         assert!(!body.to_string().contains("s3cret"));
@@ -854,7 +994,7 @@ mod tests {
                     vec![("code".into(), "s3cret".into())]
                 )
             ),
-            Decision::Enqueue(_)
+            Decision::Enqueue(..)
         ));
         assert!(matches!(
             decide(
@@ -864,7 +1004,7 @@ mod tests {
                     vec![("code".into(), "wrong".into())]
                 )
             ),
-            Decision::Enqueue(_)
+            Decision::Enqueue(..)
         ));
         for wrong in ["s3cret ", "S3CRET", "s3cret\0", "", "s3cret-and-more"] {
             assert!(
@@ -950,7 +1090,9 @@ mod tests {
 
         // The header.
         let d = with_header(&plain, vec![(CORRELATION_HEADER, longest.clone())]);
-        let Decision::Enqueue(m) = &d else { panic!("{d:?}") };
+        let Decision::Enqueue(m, _) = &d else {
+            panic!("{d:?}")
+        };
         assert_eq!(m.correlation_id.as_deref(), Some(longest.as_str()));
         let (field, text) = refused_correlation_id(&with_header(
             &plain,
@@ -988,7 +1130,9 @@ mod tests {
         // Absent or empty: Start makes one up.
         for body in [plain.clone(), json!({"recordId": "42", "correlationId": ""})] {
             let d = with_header(&body, vec![]);
-            let Decision::Enqueue(m) = &d else { panic!("{d:?}") };
+            let Decision::Enqueue(m, _) = &d else {
+                panic!("{d:?}")
+            };
             assert_eq!(m.correlation_id.as_ref().map(String::len), Some(36));
         }
 
@@ -1006,7 +1150,9 @@ mod tests {
         // A context without one takes the header's.
         context.as_object_mut().unwrap().remove("CorrelationId");
         let d = with_header(&context, vec![(CORRELATION_HEADER, "from-header".into())]);
-        let Decision::Enqueue(m) = &d else { panic!("{d:?}") };
+        let Decision::Enqueue(m, _) = &d else {
+            panic!("{d:?}")
+        };
         assert_eq!(m.correlation_id.as_deref(), Some("from-header"));
     }
 
@@ -1040,7 +1186,7 @@ mod tests {
             post(&context),
             Decision::Reject(Rejection::UnreadableDepth(DepthProblem::Missing))
         ));
-        assert!(matches!(with_header(&context, vec![]), Decision::Enqueue(_)));
+        assert!(matches!(with_header(&context, vec![]), Decision::Enqueue(..)));
         // An unreadable one is refused even without the setting: it is not a Dataverse body.
         context["Depth"] = json!("deep");
         assert!(matches!(

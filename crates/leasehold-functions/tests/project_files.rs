@@ -1,7 +1,10 @@
 //! The Functions project files agree with the code: function names, binding names, the queue
 //! setting and the custom-handler entry point.
 
-use leasehold_functions::handler::{HTTP_IN, HTTP_OUT, QUEUE_IN, QUEUE_OUT, START_FUNCTION, WORKER_FUNCTION};
+use leasehold_functions::handler::{
+    HTTP_IN, HTTP_OUT, QUEUE_IN, QUEUE_OUT, QUEUE_OUT_LOW, START_FUNCTION, WORKER_FUNCTION,
+    WORKER_LOW_FUNCTION,
+};
 use serde_json::Value;
 
 fn read(path: &str) -> Value {
@@ -36,12 +39,30 @@ fn start_and_worker_bindings_match_the_handler() {
         (Some("queue"), Some("%LEASEHOLD_QUEUE%"))
     );
     assert_eq!(out["connection"], "AzureWebJobsStorage");
+    // The low lane: its queue is the trigger queue's name with `-low` (low_queue_name).
+    let low = binding(&start, QUEUE_OUT_LOW);
+    assert_eq!(
+        (low["type"].as_str(), low["queueName"].as_str()),
+        (Some("queue"), Some("%LEASEHOLD_QUEUE%-low"))
+    );
+    assert_eq!(low["connection"], "AzureWebJobsStorage");
+    assert_eq!(
+        leasehold_runtime::low_queue_name("%LEASEHOLD_QUEUE%"),
+        "%LEASEHOLD_QUEUE%-low"
+    );
 
-    let worker = read(&format!("{WORKER_FUNCTION}/function.json"));
-    let trigger = binding(&worker, QUEUE_IN);
-    assert_eq!(trigger["type"], "queueTrigger");
-    assert_eq!(trigger["queueName"], "%LEASEHOLD_QUEUE%");
-    assert_eq!(trigger["connection"], "AzureWebJobsStorage");
+    // Each lane its own queue-triggered function, so Flex Consumption scales them apart.
+    for (function, queue) in [
+        (WORKER_FUNCTION, "%LEASEHOLD_QUEUE%"),
+        (WORKER_LOW_FUNCTION, "%LEASEHOLD_QUEUE%-low"),
+    ] {
+        let worker = read(&format!("{function}/function.json"));
+        let trigger = binding(&worker, QUEUE_IN);
+        assert_eq!(trigger["type"], "queueTrigger");
+        assert_eq!(trigger["queueName"], queue, "{function}");
+        assert_eq!(trigger["connection"], "AzureWebJobsStorage");
+        assert_eq!(worker["bindings"].as_array().unwrap().len(), 1, "{function}");
+    }
 }
 
 /// The dashboard's functions (handled by the `leasehold` crate's `admin` module): anonymous to
@@ -73,7 +94,7 @@ fn the_dashboard_functions_leave_the_key_to_the_handler_and_never_ask_for_the_ma
     assert_eq!(req["route"], "dashboard");
     assert_eq!(binding(&page, HTTP_OUT)["type"], "http");
 
-    for function in ["Start", "Worker", "Ops", "Dashboard"] {
+    for function in ["Start", "Worker", "WorkerLow", "Ops", "Dashboard"] {
         for b in read(&format!("{function}/function.json"))["bindings"]
             .as_array()
             .unwrap()
@@ -89,7 +110,11 @@ fn the_dashboard_functions_leave_the_key_to_the_handler_and_never_ask_for_the_ma
     }
     for script in ["scripts/package.sh", "scripts/check-package.sh"] {
         let text = std::fs::read_to_string(leasehold_test_support::workspace_root().join(script)).unwrap();
-        for folder in ["Ops/function.json", "Dashboard/function.json"] {
+        for folder in [
+            "Ops/function.json",
+            "Dashboard/function.json",
+            "WorkerLow/function.json",
+        ] {
             assert!(text.contains(folder), "{script} does not package {folder}");
         }
     }

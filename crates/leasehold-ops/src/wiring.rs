@@ -8,7 +8,8 @@ use anyhow::Result;
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseLock, LeaseOptions};
 use leasehold_runtime::{
-    AzureBudgets, AzureMarkers, AzureQueue, BudgetStore, MarkerStore, TriggerQueue, poison_queue_name,
+    AzureBudgets, AzureMarkers, AzureQueue, BudgetStore, MarkerStore, TriggerQueue, low_queue_name,
+    poison_queue_name,
 };
 use leasehold_storage::{OpCounters, StorageAccount};
 
@@ -18,7 +19,8 @@ use leasehold_storage::{OpCounters, StorageAccount};
 pub struct StorageSettings {
     /// The storage account (`AzureWebJobsStorage`).
     pub account: StorageAccount,
-    /// The trigger queue (`LEASEHOLD_QUEUE`); the poison queue is its name with `-poison`.
+    /// The trigger queue (`LEASEHOLD_QUEUE`), the high lane; the low lane's is its name with
+    /// `-low`, and each lane's poison queue its name with `-poison`.
     pub queue: String,
     /// The container of lock blobs and retrigger markers (`LEASEHOLD_CONTAINER`).
     pub container: String,
@@ -29,8 +31,12 @@ pub struct StorageSettings {
 /// Queues and lock from the settings, sharing one set of round-trip counters.
 #[derive(Debug)]
 pub struct Wiring {
+    /// The high lane (`LEASEHOLD_QUEUE`) and its poison queue.
     pub queue: Arc<dyn TriggerQueue>,
     pub poison: Arc<dyn TriggerQueue>,
+    /// The low lane (`<LEASEHOLD_QUEUE>-low`) and its poison queue (`…-low-poison`).
+    pub low_queue: Arc<dyn TriggerQueue>,
+    pub low_poison: Arc<dyn TriggerQueue>,
     pub lock: LeaseLock,
     pub markers: Arc<dyn MarkerStore>,
     /// The downstream budgets' shared pauses (blobs `budgets/<name>` in the container).
@@ -69,6 +75,16 @@ pub fn wire(settings: &StorageSettings) -> Result<Wiring> {
         poison: Arc::new(AzureQueue::new(
             &settings.account,
             &poison_queue_name(&settings.queue),
+            counters.clone(),
+        )),
+        low_queue: Arc::new(AzureQueue::new(
+            &settings.account,
+            &low_queue_name(&settings.queue),
+            counters.clone(),
+        )),
+        low_poison: Arc::new(AzureQueue::new(
+            &settings.account,
+            &poison_queue_name(&low_queue_name(&settings.queue)),
             counters.clone(),
         )),
         lock,

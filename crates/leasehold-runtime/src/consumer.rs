@@ -29,6 +29,11 @@ pub fn poison_queue_name(queue: &str) -> String {
     format!("{queue}-poison")
 }
 
+/// The low lane's queue of a trigger queue (its poison queue is [`poison_queue_name`] of it).
+pub fn low_queue_name(queue: &str) -> String {
+    format!("{queue}-low")
+}
+
 /// How the consumer behaves.
 #[derive(Debug, Clone)]
 pub struct ConsumerOptions {
@@ -55,6 +60,9 @@ pub struct ConsumerOptions {
     /// On shutdown, how long in-flight runs may take to finish before they are cancelled and
     /// handed back. Default 30 s.
     pub shutdown_grace: Duration,
+    /// With a low lane ([`Consumer::with_low_lane`]): at least one start in this many comes from
+    /// the low lane while it has messages, however busy the high lane is. Default 4.
+    pub low_every: u32,
 }
 
 impl Default for ConsumerOptions {
@@ -69,6 +77,7 @@ impl Default for ConsumerOptions {
             poll_min: Duration::from_millis(100),
             poll_max: Duration::from_secs(2),
             shutdown_grace: Duration::from_secs(30),
+            low_every: 4,
         }
     }
 }
@@ -80,6 +89,9 @@ pub struct Consumer {
     poison: Arc<dyn TriggerQueue>,
     options: ConsumerOptions,
     wake: Arc<Notify>,
+    /// The low lane's own consumer (its runner, whose queue is the low lane's, and its poison
+    /// queue), polled after this one's queue ([`ConsumerOptions::low_every`]).
+    low: Option<Arc<Consumer>>,
 }
 
 impl Consumer {
@@ -89,7 +101,17 @@ impl Consumer {
             poison,
             options,
             wake: Arc::new(Notify::new()),
+            low: None,
         }
+    }
+
+    /// This consumer, also taking from a low lane: `runner`'s queue, whose triggers give up to
+    /// `poison`. The high lane (this consumer's own queue) is polled first; at least one start
+    /// in [`ConsumerOptions::low_every`] comes from the low lane while it has messages. Both
+    /// lanes share the concurrency.
+    pub fn with_low_lane(mut self, runner: RecordRunner, poison: Arc<dyn TriggerQueue>) -> Self {
+        self.low = Some(Arc::new(Consumer::new(runner, poison, self.options.clone())));
+        self
     }
 
     /// A handle that makes the consumer poll at once (Start in the same process calls it after
@@ -109,6 +131,8 @@ impl Consumer {
         let runs_cancel = CancellationToken::new();
         let slots = Arc::new(tokio::sync::Semaphore::new(self.options.concurrency));
         let mut idle_pause = self.options.poll_min;
+        // High-lane starts since the last low-lane one.
+        let mut since_low = 0u32;
         loop {
             // Wait for a free slot before taking messages, so none sit hidden without a worker.
             let free = tokio::select! {
@@ -123,13 +147,36 @@ impl Consumer {
             // The messages are hidden for `visibility` from when the service took them, which
             // is after this.
             let asked = Instant::now();
-            let taken = match self.queue().get(want, self.options.visibility).await {
-                Ok(messages) => messages,
-                Err(e) => {
-                    tracing::warn!(queue = self.queue().name(), error = %e, "polling the queue failed; backing off");
-                    Vec::new()
+            // The high lane first, unless the low lane is due a start: then one from it first.
+            let low_due = self.low.is_some() && since_low + 1 >= self.options.low_every.max(1);
+            let mut lanes: Vec<(&Consumer, u32)> = vec![(self, want)];
+            if let Some(low) = &self.low {
+                if low_due {
+                    lanes.insert(0, (low, 1));
+                } else {
+                    lanes.push((low, want));
                 }
-            };
+            }
+            let mut taken = Vec::new();
+            let mut from = self;
+            for (lane, n) in lanes {
+                match lane.queue().get(n, self.options.visibility).await {
+                    Ok(messages) if !messages.is_empty() => {
+                        taken = messages;
+                        from = lane;
+                        break;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(queue = lane.queue().name(), error = %e, "polling the queue failed; backing off");
+                    }
+                }
+            }
+            if std::ptr::eq(from, self) {
+                since_low = since_low.saturating_add(taken.len() as u32);
+            } else {
+                since_low = 0;
+            }
             if taken.is_empty() {
                 tokio::select! {
                    biased;
@@ -146,7 +193,7 @@ impl Consumer {
                     .acquire_owned()
                     .await
                     .expect("semaphore never closed");
-                let this = self.clone();
+                let this = from.clone();
                 let cancel = runs_cancel.child_token();
                 tracker.spawn(async move {
                     this.process_taken(received, asked, cancel).await;

@@ -19,7 +19,7 @@ pub use budget::{
     Admission, AzureBudgets, BUDGET_PREFIX, BudgetOptions, BudgetPermit, BudgetStore, BudgetView, Budgets,
     DEFAULT_BUDGET, Lane, MemoryBudgets, check_budget_name,
 };
-pub use consumer::{Consumer, ConsumerOptions, poison_queue_name};
+pub use consumer::{Consumer, ConsumerOptions, low_queue_name, poison_queue_name};
 pub use error::{Error, LogicError};
 pub use flow::PerScope;
 pub use markers::{

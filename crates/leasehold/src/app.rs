@@ -6,12 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use leasehold_functions::http::{App, handler_router, standalone_router};
+use leasehold_functions::http::{App, LaneParts, handler_router, standalone_router};
 use leasehold_functions::logic::{DemoLogic, UrlLogic};
 use leasehold_lock::OpCounters;
 use leasehold_ops::Operator;
 use leasehold_ops::wiring::{Wiring, wire};
-use leasehold_runtime::{AzureQueue, Budgets, Consumer, Logic, RecordRunner, poison_queue_name};
+use leasehold_runtime::{
+    AzureQueue, Budgets, Consumer, Lane, Logic, RecordRunner, TriggerQueue, low_queue_name, poison_queue_name,
+};
 use leasehold_storage::azure::BlobContainer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -60,18 +62,28 @@ impl std::fmt::Debug for Application {
     }
 }
 
-/// The record runner over the wiring's lock, markers and trigger queue, telling
-/// [`crate::recent`] of every outcome.
-fn runner(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> RecordRunner {
-    RecordRunner::new(
-        wiring.lock.clone(),
-        wiring.markers.clone(),
-        wiring.queue.clone(),
-        logic,
-        settings.runner.clone(),
+/// Each lane's queues and record runner over the wiring's lock and markers, both runners
+/// drawing on one set of downstream budgets and telling [`crate::recent`] of every outcome.
+fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> (LaneParts, LaneParts) {
+    let budgets = Budgets::new(wiring.budgets.clone(), settings.budget.clone());
+    let lane = |queue: &Arc<dyn TriggerQueue>, poison: &Arc<dyn TriggerQueue>, lane: Lane| LaneParts {
+        queue: queue.clone(),
+        poison: poison.clone(),
+        runner: RecordRunner::new(
+            wiring.lock.clone(),
+            wiring.markers.clone(),
+            queue.clone(),
+            logic.clone(),
+            settings.runner.clone(),
+        )
+        .with_outcome_sink(crate::recent::sink())
+        .with_budgets(budgets.clone())
+        .with_lane(lane),
+    };
+    (
+        lane(&wiring.queue, &wiring.poison, Lane::High),
+        lane(&wiring.low_queue, &wiring.low_poison, Lane::Low),
     )
-    .with_outcome_sink(crate::recent::sink())
-    .with_budgets(Budgets::new(wiring.budgets.clone(), settings.budget.clone()))
 }
 
 /// The metrics task over the wiring's queues.
@@ -182,13 +194,12 @@ impl Application {
         // In the background: the host gives GET / 30 s at most, and storage may be slow.
         tokio::spawn(ensure_resources(&settings));
         let shutdown = CancellationToken::new();
-        let runner = runner(&wiring, logic, &settings);
+        let (high, low) = lanes(&wiring, logic, &settings);
         let sampler = sampler(&wiring, &settings, true);
         let app = App {
             policy: settings.policy.clone(),
-            queue: wiring.queue,
-            poison: wiring.poison,
-            runner,
+            high,
+            low,
             wake: None,
             shutdown: shutdown.clone(),
             body_timeout: settings.http.body_timeout,
@@ -285,14 +296,18 @@ impl Application {
         let mut policy = settings.policy.clone();
         policy.refuse_web_pages = addr.ip().is_loopback();
         let shutdown = CancellationToken::new();
-        let runner = runner(&wiring, logic, &settings);
-        let consumer = Consumer::new(runner.clone(), wiring.poison.clone(), settings.consumer.clone());
+        let (high, low) = lanes(&wiring, logic, &settings);
+        let consumer = Consumer::new(
+            high.runner.clone(),
+            high.poison.clone(),
+            settings.consumer.clone(),
+        )
+        .with_low_lane(low.runner.clone(), low.poison.clone());
         let sampler = sampler(&wiring, &settings, false);
         let app = App {
             policy: policy.clone(),
-            queue: wiring.queue,
-            poison: wiring.poison,
-            runner,
+            high,
+            low,
             wake: Some(consumer.waker()),
             shutdown: shutdown.clone(),
             body_timeout: settings.http.body_timeout,
@@ -344,29 +359,41 @@ impl Application {
 /// where the credentials allow.
 pub(crate) fn ensure_resources(settings: &Settings) -> impl Future<Output = ()> + Send + 'static {
     let counters = OpCounters::new();
-    let queue = AzureQueue::new(&settings.account, &settings.queue, counters.clone());
-    let poison_name = poison_queue_name(&settings.queue);
-    let poison = AzureQueue::new(&settings.account, &poison_name, counters.clone());
+    let low = low_queue_name(&settings.queue);
+    let queues: Vec<(&'static str, String)> = vec![
+        ("trigger queue", settings.queue.clone()),
+        ("poison queue", poison_queue_name(&settings.queue)),
+        ("low lane's trigger queue", low.clone()),
+        ("low lane's poison queue", poison_queue_name(&low)),
+    ];
+    let queues: Vec<(&'static str, String, AzureQueue)> = queues
+        .into_iter()
+        .map(|(what, name)| {
+            let queue = AzureQueue::new(&settings.account, &name, counters.clone());
+            (what, name, queue)
+        })
+        .collect();
     let container = BlobContainer::new(&settings.account, &settings.container, counters);
-    let (queue_name, container_name) = (settings.queue.clone(), settings.container.clone());
-    async move { ensure(queue, poison, container, queue_name, poison_name, container_name).await }
+    let container_name = settings.container.clone();
+    async move { ensure(queues, container, container_name).await }
 }
 
 async fn ensure(
-    queue: AzureQueue,
-    poison: AzureQueue,
+    queues: Vec<(&'static str, String, AzureQueue)>,
     container: BlobContainer,
-    queue_name: String,
-    poison_name: String,
     container_name: String,
 ) {
-    let (q, p, c) = tokio::join!(queue.create(), poison.create(), container.create());
+    let (queue_results, c) = tokio::join!(
+        futures::future::join_all(queues.iter().map(|(_, _, q)| q.create())),
+        container.create()
+    );
     let mut created = Vec::new();
-    for (what, name, result) in [
-        ("trigger queue", queue_name.as_str(), q),
-        ("poison queue", poison_name.as_str(), p),
-        ("container", container_name.as_str(), c),
-    ] {
+    let results = queues
+        .iter()
+        .zip(queue_results)
+        .map(|((what, name, _), result)| (*what, name.as_str(), result))
+        .chain(std::iter::once(("container", container_name.as_str(), c)));
+    for (what, name, result) in results {
         match result {
             Ok(()) => created.push(name),
             Err(e) if matches!(e.status(), Some(401 | 403)) => tracing::warn!(

@@ -169,6 +169,7 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_ADMIN_KEY", None),
     setting("LEASEHOLD_ALLOWED_ORGANIZATIONS", None),
     setting("LEASEHOLD_INTEGRATION_USER_IDS", None),
+    setting("LEASEHOLD_LOW_PRIORITY_USER_IDS", None),
     setting("LEASEHOLD_MAX_DEPTH", None),
     setting("LEASEHOLD_LEASE_SECONDS", Some("30")),
     setting("LEASEHOLD_FENCING", Some("true")),
@@ -247,6 +248,7 @@ struct Raw {
     leasehold_shutdown_grace_seconds: Option<String>,
     leasehold_allowed_organizations: Option<String>,
     leasehold_integration_user_ids: Option<String>,
+    leasehold_low_priority_user_ids: Option<String>,
     leasehold_max_depth: Option<String>,
     leasehold_demo_seconds: Option<String>,
     functions_customhandler_port: Option<String>,
@@ -578,6 +580,12 @@ impl Settings {
                 .map_err(|_| anyhow::anyhow!("LEASEHOLD_INTEGRATION_USER_IDS: {id:?} is not a GUID"))?;
             integration_user_ids.push(guid);
         }
+        let mut low_priority_user_ids = Vec::new();
+        for id in list(&raw.leasehold_low_priority_user_ids) {
+            let guid = uuid::Uuid::try_parse(id.trim_matches(['{', '}']))
+                .map_err(|_| anyhow::anyhow!("LEASEHOLD_LOW_PRIORITY_USER_IDS: {id:?} is not a GUID"))?;
+            low_priority_user_ids.push(guid);
+        }
         let max_depth = match raw.leasehold_max_depth.as_deref().map(str::trim) {
             None | Some("") => None,
             Some(_) => Some(number("LEASEHOLD_MAX_DEPTH", &raw.leasehold_max_depth, 0u64)?),
@@ -587,6 +595,7 @@ impl Settings {
             allowed_organizations: list(&raw.leasehold_allowed_organizations),
             integration_user_ids,
             max_depth,
+            low_priority_user_ids,
             // The safe side until the application knows where it listens (it lowers it off
             // loopback: a front end that authenticates callers answers there).
             refuse_web_pages: true,
@@ -660,7 +669,17 @@ impl Settings {
         };
         Ok(Self {
             account,
-            queue: name("LEASEHOLD_QUEUE", raw.leasehold_queue, "leasehold-triggers")?,
+            queue: {
+                let queue = name("LEASEHOLD_QUEUE", raw.leasehold_queue, "leasehold-triggers")?;
+                // The low lane's poison queue, `<queue>-low-poison`, must be a name too.
+                if queue.len() > 52 {
+                    bail!(
+                        "LEASEHOLD_QUEUE {queue:?} is {} characters: at most 52, so that the low lane's poison queue ({queue}-low-poison) is a valid queue name (63 at most)",
+                        queue.len()
+                    );
+                }
+                queue
+            },
             container: name("LEASEHOLD_CONTAINER", raw.leasehold_container, "leasehold-locks")?,
             logic,
             logic_env: list(&raw.leasehold_logic_env),
@@ -1078,6 +1097,35 @@ mod tests {
                     ..raw()
                 },
                 "LEASEHOLD_QUEUE",
+            ),
+            (
+                Raw {
+                    leasehold_queue: Some("q".repeat(53)),
+                    ..raw()
+                },
+                "the low lane's poison queue",
+            ),
+            (
+                Raw {
+                    leasehold_low_priority_user_ids: Some("not-a-guid".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_LOW_PRIORITY_USER_IDS",
+            ),
+            (
+                Raw {
+                    leasehold_budget: Some("default,account=no/slash".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_BUDGET",
+            ),
+            (
+                Raw {
+                    leasehold_throttle_pause_seconds: Some("600".into()),
+                    leasehold_max_throttle_pause_seconds: Some("60".into()),
+                    ..raw()
+                },
+                "LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS",
             ),
             (
                 Raw {
