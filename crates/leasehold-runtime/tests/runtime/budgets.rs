@@ -1,4 +1,5 @@
-//! Downstream budgets (issue 25) on the in-memory store and queue, with paused time: a pause
+//! Downstream budgets and priority lanes (issue 25) on the in-memory store and queue, with paused
+//! time: the consumer serves both lanes, a pause
 //! turns triggers away without counting them as attempts, a holder waits for its slot under its
 //! lease and covers what coalesced meanwhile, a holder the pause outlasts hands its trigger back
 //! standing for what coalesced onto it, and a carrier is never held. Each test fails without
@@ -13,7 +14,7 @@ use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{LeaseLock, LeaseOptions, OpCounters, RetryOptions};
 use leasehold_runtime::{
     BudgetOptions, Budgets, Delivery, Logic, LogicError, MarkerStore, MemoryBudgets, MemoryMarkers,
-    MemoryQueue, Outcome, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
+    MemoryQueue, Outcome, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage, TriggerQueue,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -332,4 +333,72 @@ async fn a_carrier_is_never_held_by_its_budget() {
         Outcome::Paused { .. }
     ));
     long.abort();
+}
+
+/// Standalone, one consumer takes from both lanes: the high lane first, and while the low lane
+/// has messages at least one start in `low_every` comes from it, however full the high lane is
+/// (a bulk import is slowed, never starved). Without the turn, the low lane would wait for the
+/// high one to empty.
+#[tokio::test(start_paused = true)]
+async fn the_consumer_serves_the_high_lane_first_and_never_starves_the_low_one() {
+    use leasehold_runtime::{Consumer, ConsumerOptions, Lane};
+
+    let f = fixture(8);
+    let low_queue = Arc::new(MemoryQueue::new("triggers-low", OpCounters::new()));
+    let lock = f.runner.lock().clone();
+    let low_runner = RecordRunner::new(
+        lock,
+        f.markers.clone(),
+        low_queue.clone(),
+        f.logic.clone(),
+        RunnerOptions::default(),
+    )
+    .with_lane(Lane::Low);
+    for i in 0..12 {
+        f.queue
+            .put(
+                &TriggerMessage::parse("account", &format!("h{i}"))
+                    .unwrap()
+                    .encode(),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+    }
+    for i in 0..3 {
+        low_queue
+            .put(
+                &TriggerMessage::parse("account", &format!("l{i}"))
+                    .unwrap()
+                    .encode(),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+    }
+    let poison: Arc<dyn TriggerQueue> = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let options = ConsumerOptions {
+        concurrency: 1,
+        batch_size: 1,
+        low_every: 4,
+        ..ConsumerOptions::default()
+    };
+    let consumer = Consumer::new(f.runner.clone(), poison.clone(), options).with_low_lane(low_runner, poison);
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { consumer.run(shutdown).await }
+    });
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    shutdown.cancel();
+    running.await.unwrap();
+    let order = f.logic.runs.lock().unwrap().clone();
+    assert_eq!(order.len(), 15, "{order:?}");
+    let lows: Vec<usize> = order
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.starts_with('l'))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(lows, [3, 7, 11], "one low start in every four: {order:?}");
 }
