@@ -512,8 +512,10 @@ fn simulation_fingerprints() {
         let debounce = if plan.debounce.is_some() { " debounce" } else { "" };
         // And one with a downstream budget ([`sim::BudgetPlan`]).
         let budget = if plan.budget.is_some() { " budget" } else { "" };
+        // And one with priority lanes ([`sim::LanePlan`]).
+        let lanes = if plan.lanes.is_some() { " lanes" } else { "" };
         println!(
-            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}",
+            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}{lanes}",
             report.fingerprint
         );
     }

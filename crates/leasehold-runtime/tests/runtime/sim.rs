@@ -307,6 +307,18 @@ pub struct Plan {
     /// Downstream budget ([`BudgetPlan`], drawn from a generator of its own): the throttled
     /// record's runs say "too many", which pauses every record's runs on every machine.
     pub budget: Option<BudgetPlan>,
+    /// Priority lanes ([`LanePlan`], drawn from a generator of its own).
+    pub lanes: Option<LanePlan>,
+}
+
+/// Priority lanes (issue 25), in a fifth of the seeds: a low lane of its own queue, served by a
+/// second runner on every machine (standalone: the same consumer, its low lane; under Functions
+/// a host loop of its own, as `WorkerLow`), and these triggers (by index) put in it. A record's
+/// triggers then come by two queues in any order; the lock and the marker are per record,
+/// whatever lane a trigger came by.
+#[derive(Debug, Clone)]
+pub struct LanePlan {
+    pub low: Vec<usize>,
 }
 
 /// Downstream budgets (issue 25), in half the seeds with a throttled record: every scope draws
@@ -736,6 +748,12 @@ impl Plan {
             max_concurrency: budget_rng.random_range(1..=4),
             adaptive: budget_rng.random_bool(0.7),
         });
+        let mut lane_rng = SmallRng::seed_from_u64(seed ^ 0x1a4e_5eed);
+        let lanes = lane_rng.random_bool(0.2).then(|| LanePlan {
+            low: (0..triggers.len())
+                .filter(|_| lane_rng.random_bool(0.5))
+                .collect(),
+        });
         Self {
             seed,
             mode,
@@ -760,6 +778,7 @@ impl Plan {
             supersede_failing_tail,
             debounce,
             budget,
+            lanes,
         }
     }
 }
@@ -944,6 +963,9 @@ pub struct FaultCounts {
     /// Throttles that paused the budget, and deliveries a paused budget handed back.
     pub budget_throttles: u64,
     pub budget_paused: u64,
+    /// Seeds with priority lanes ([`LanePlan`]), and triggers put in the low lane.
+    pub lane_seeds: u64,
+    pub low_triggers: u64,
     /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
     pub landed_late: [u64; 7],
     /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
@@ -1178,6 +1200,8 @@ impl FaultCounts {
                 "deliveries a paused budget handed back (not attempts)",
                 self.budget_paused,
             ),
+            ("seeds with priority lanes (a low lane's queue)", self.lane_seeds),
+            ("triggers put in the low lane", self.low_triggers),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -1297,6 +1321,8 @@ impl FaultCounts {
             budget_seeds: v[61],
             budget_throttles: v[62],
             budget_paused: v[63],
+            lane_seeds: v[64],
+            low_triggers: v[65],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
             landed_late: std::array::from_fn(|i| self.landed_late[i] + other.landed_late[i]),
@@ -1398,6 +1424,8 @@ pub struct World {
     blob: Arc<MemoryStore>,
     markers: Arc<MemoryMarkers>,
     queue: Arc<MemoryQueue>,
+    /// The low lane's queue ([`LanePlan`]), when the seed has one.
+    low_queue: Option<Arc<MemoryQueue>>,
     journal: Mutex<Journal>,
     epoch: Instant,
     logic_rng: Mutex<SmallRng>,
@@ -1886,6 +1914,12 @@ impl Node {
             }
         }
         !taken.is_empty()
+    }
+
+    /// The low lane's queue of this node, when the seed has one: every request through it.
+    fn low_queue(&self) -> Option<Arc<dyn TriggerQueue>> {
+        let low = self.world.low_queue.clone()?;
+        Some(Arc::new(FaultyQueue::new(low, self.clone())))
     }
 
     /// The lock store, marker store and queue of this node: every request through it.
@@ -2801,6 +2835,8 @@ struct Worker {
 #[derive(Clone)]
 struct Handler {
     runner: RecordRunner,
+    /// The low lane's runner ([`LanePlan`]).
+    low_runner: Option<RecordRunner>,
     poison: Arc<dyn TriggerQueue>,
     killed: CancellationToken,
     shutdown: CancellationToken,
@@ -2813,6 +2849,17 @@ struct Host {
     alive: Arc<AtomicBool>,
     killed: CancellationToken,
     task: tokio::task::JoinHandle<()>,
+    /// The low lane's loop ([`LanePlan`]).
+    low_task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Host {
+    fn abort(&self) {
+        self.task.abort();
+        if let Some(t) = &self.low_task {
+            t.abort();
+        }
+    }
 }
 
 struct Sim {
@@ -2891,10 +2938,26 @@ impl Sim {
             killed: killed.clone(),
             machine,
         });
-        let mut runner = RecordRunner::new(lock, markers, queue, logic, runner_options);
+        let low_queue: Option<Arc<dyn TriggerQueue>> = node.low_queue().map(|q| {
+            Arc::new(NotingQueue {
+                inner: q,
+                world: self.world.clone(),
+                machine,
+            }) as Arc<dyn TriggerQueue>
+        });
+        let mut runner = RecordRunner::new(
+            lock.clone(),
+            markers.clone(),
+            queue,
+            logic.clone(),
+            runner_options.clone(),
+        );
+        let mut low_runner = low_queue.map(|q| {
+            RecordRunner::new(lock, markers, q, logic, runner_options).with_lane(leasehold_runtime::Lane::Low)
+        });
         if let Some((store, plan)) = &self.world.budgets {
             // Each worker its own view (a restarted one starts afresh), one store for all.
-            runner = runner.with_budgets(Budgets::new(
+            let budgets = Budgets::new(
                 store.clone(),
                 BudgetOptions {
                     max_concurrency: plan.max_concurrency,
@@ -2905,14 +2968,17 @@ impl Sim {
                     max_pause: SIM_MAX_PAUSE,
                     ..BudgetOptions::default()
                 },
-            ));
+            );
             let world = self.world.clone();
-            runner =
-                runner.with_outcome_sink(leasehold_runtime::OutcomeSink::new(move |_, _, outcome, _| {
-                    if matches!(outcome, Outcome::Paused { .. }) {
-                        world.count(|c| c.budget_paused += 1);
-                    }
-                }));
+            let sink = leasehold_runtime::OutcomeSink::new(move |_, _, outcome, _| {
+                if matches!(outcome, Outcome::Paused { .. }) {
+                    world.count(|c| c.budget_paused += 1);
+                }
+            });
+            runner = runner
+                .with_budgets(budgets.clone())
+                .with_outcome_sink(sink.clone());
+            low_runner = low_runner.map(|r| r.with_budgets(budgets).with_outcome_sink(sink));
         }
         // The poison queue is reached like any queue: delays, failures, partitions, late landings.
         let poison: Arc<dyn TriggerQueue> = Arc::new(FaultyQueue::new(
@@ -2928,13 +2994,17 @@ impl Sim {
                     shutdown_grace: Duration::from_secs(10),
                     ..ConsumerOptions::default()
                 };
-                let consumer = Consumer::new(runner, poison, options);
+                let mut consumer = Consumer::new(runner, poison.clone(), options);
+                if let Some(low) = low_runner {
+                    consumer = consumer.with_low_lane(low, poison);
+                }
                 let s = shutdown.clone();
                 Some(tokio::spawn(async move { consumer.run(s).await }))
             }
             Mode::FunctionsHost => {
                 *self.slots[machine].lock().unwrap() = Some(Handler {
                     runner,
+                    low_runner,
                     poison,
                     killed: killed.clone(),
                     shutdown: shutdown.clone(),
@@ -2968,8 +3038,25 @@ impl Sim {
             self.slots[machine].clone(),
             killed.clone(),
             machine,
+            false,
         ));
-        Host { alive, killed, task }
+        // The low lane's function (`WorkerLow`): a queue trigger of its own, on the same host.
+        let low_task = node.low_queue().map(|low| {
+            tokio::spawn(host(
+                self.world.clone(),
+                low,
+                self.slots[machine].clone(),
+                killed.clone(),
+                machine,
+                true,
+            ))
+        });
+        Host {
+            alive,
+            killed,
+            task,
+            low_task,
+        }
     }
 
     /// The worker on `machine` dies now: its storage calls never return, its logic is killed
@@ -3012,6 +3099,14 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
             } else {
                 queue
             }
+        }),
+        low_queue: plan.lanes.as_ref().map(|_| {
+            let queue = MemoryQueue::new("sim-low", OpCounters::new());
+            Arc::new(if plan.shuffled_delivery {
+                queue.with_shuffled_delivery(plan.seed ^ 0x10e5_10e5)
+            } else {
+                queue
+            })
         }),
         journal: Mutex::default(),
         epoch,
@@ -3069,6 +3164,12 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     if plan.budget.is_some() {
         world.count(|c| c.budget_seeds += 1);
     }
+    if let Some(lanes) = &plan.lanes {
+        world.count(|c| {
+            c.lane_seeds += 1;
+            c.low_triggers += lanes.low.len() as u64;
+        });
+    }
     if plan.skew > 0.0 {
         world.count(|c| c.skewed_clock += 1);
     }
@@ -3093,6 +3194,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         let world = world.clone();
         let triggers = plan.triggers.clone();
         let oversized = plan.oversized.clone();
+        let low: Vec<usize> = plan.lanes.as_ref().map(|l| l.low.clone()).unwrap_or_default();
         let scopes: Vec<&'static str> = (0..=plan.triggers.iter().map(|(_, r)| *r).max().unwrap_or(0))
             .map(|r| plan.scope_of(r))
             .collect();
@@ -3106,7 +3208,10 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
                     msg.correlation_id = Some(format!("t{i}~{}", "x".repeat(30_000)));
                     world.count(|c| c.oversized_triggers += 1);
                 }
-                world.queue.put(&msg.encode(), Duration::ZERO).await.unwrap();
+                match &world.low_queue {
+                    Some(q) if low.contains(&i) => q.put(&msg.encode(), Duration::ZERO).await.unwrap(),
+                    _ => world.queue.put(&msg.encode(), Duration::ZERO).await.unwrap(),
+                };
                 world.journal.lock().unwrap().accepted.push((
                     format!("t{i}"),
                     msg.record_id.to_string(),
@@ -3213,7 +3318,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
                     if let Some(host) = hosts[machine].take() {
                         host.alive.store(false, Ordering::SeqCst);
                         host.killed.cancel();
-                        host.task.abort();
+                        host.abort();
                     }
                     world.count(|c| c.host_deaths += 1);
                 } else {
@@ -3342,6 +3447,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     let deadline = epoch + FAULT_PHASE + DRAIN_LIMIT;
     loop {
         let idle = world.queue.bodies().is_empty()
+            && world.low_queue.as_ref().is_none_or(|q| q.bodies().is_empty())
             && world
                 .journal
                 .lock()
@@ -3353,7 +3459,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
             break;
         }
         if Instant::now() >= deadline {
-            let left = world.queue.bodies().len();
+            let left = world.queue.bodies().len() + world.low_queue.as_ref().map_or(0, |q| q.bodies().len());
             world
                 .journal
                 .lock()
@@ -3371,7 +3477,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     }
     for host in hosts.into_iter().flatten() {
         host.alive.store(false, Ordering::SeqCst);
-        host.task.abort();
+        host.abort();
     }
     check(&plan, &world)
 }
@@ -3387,6 +3493,7 @@ async fn host(
     slot: Slot,
     killed: CancellationToken,
     machine: usize,
+    low: bool,
 ) {
     loop {
         let batch = queue.get(16, HOST_VISIBILITY).await.unwrap_or_default();
@@ -3450,7 +3557,10 @@ async fn host(
                         biased;
                         _ = killed.cancelled() => return,
                         _ = h.killed.cancelled() => None,
-                        outcome = DELIVERY_CHAIN.scope(chain, h.runner.handle_watched(&delivery, &*h.poison, &h.shutdown)) => Some(outcome),
+                        outcome = DELIVERY_CHAIN.scope(chain, {
+                            let runner = if low { h.low_runner.as_ref().expect("a low lane") } else { &h.runner };
+                            runner.handle_watched(&delivery, &*h.poison, &h.shutdown)
+                        }) => Some(outcome),
                     },
                     None => None,
                 };
