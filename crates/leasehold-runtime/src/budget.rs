@@ -269,7 +269,17 @@ struct Budget {
     reading: bool,
     notify: Arc<Notify>,
     throttles: u64,
+    /// The concurrency the downstream last answered "too many" at: growth stops below it until
+    /// [`PROBE_AFTER`] windows of successes have passed since.
+    ceiling: Option<usize>,
+    /// Successes since the last cut.
+    since_cut: u64,
 }
+
+/// After a cut, the limit grows back to just below the concurrency that was too many, and
+/// probes beyond it only after this many windows of successes (a window: as many successes as
+/// the ceiling): a probe costs a throttle and its pause, so it is rare.
+const PROBE_AFTER: u64 = 30;
 
 /// What a delivery may do, by its budget ([`Budgets::admit`]).
 #[derive(Debug)]
@@ -365,6 +375,8 @@ impl Budgets {
             reading: false,
             notify: Arc::new(Notify::new()),
             throttles: 0,
+            ceiling: None,
+            since_cut: 0,
         });
         f(budget)
     }
@@ -429,7 +441,7 @@ impl Budgets {
                 // A delivery that may stand in for a dead holder is not held (it still counts).
                 if !honour_pause || (b.in_flight < limit.max(1) && !behind_high) {
                     b.in_flight += 1;
-                    return Some(Ok(()));
+                    return Some(Ok(b.in_flight));
                 }
                 if lane == Lane::High && !counted.counted {
                     b.high_waiting += 1;
@@ -445,12 +457,13 @@ impl Budgets {
                         after,
                     };
                 }
-                Some(Ok(())) => {
+                Some(Ok(position)) => {
                     drop(counted);
                     return Admission::Go(BudgetPermit {
                         budgets: self.clone(),
                         name,
                         told: false,
+                        position,
                     });
                 }
                 None => {}
@@ -562,6 +575,8 @@ pub struct BudgetPermit {
     budgets: Budgets,
     name: String,
     told: bool,
+    /// Runs of the budget in flight on this worker when this one started, itself included.
+    position: usize,
 }
 
 impl BudgetPermit {
@@ -569,19 +584,31 @@ impl BudgetPermit {
         &self.name
     }
 
-    /// The run succeeded: the limit grows by one per `limit` successes.
+    /// The run succeeded: the limit grows by one per `limit` successes, up to just below the
+    /// concurrency the downstream last refused, and beyond it only after [`PROBE_AFTER`] windows
+    /// of successes.
     pub fn succeeded(&mut self) {
         if std::mem::replace(&mut self.told, true) {
             return;
         }
         let max = self.budgets.inner.options.max_concurrency.max(1) as f64;
         self.budgets.with_budget(&self.name, |b| {
-            b.limit = (b.limit + 1.0 / b.limit).min(max);
+            b.since_cut += 1;
+            let cap = match b.ceiling {
+                Some(c) if b.since_cut < PROBE_AFTER * c as u64 => {
+                    (c.saturating_sub(1).max(1) as f64).min(max)
+                }
+                _ => max,
+            };
+            if b.limit < cap {
+                b.limit = (b.limit + 1.0 / b.limit).min(cap);
+            }
         });
     }
 
     /// The downstream throttled the run and asked for `pause` (already bounded,
-    /// [`Budgets::pause_for`]): pauses the budget here, halves the limit (once per pause), and
+    /// [`Budgets::pause_for`]): pauses the budget here, cuts the limit (once per pause: to the
+    /// concurrency that was refused less one, or by half), and
     /// writes the pause for the other workers if it lengthens what they know. Never fails: a
     /// write that fails is logged (they will meet the downstream's 429 themselves).
     pub async fn throttled(&mut self, pause: Duration) {
@@ -591,11 +618,21 @@ impl BudgetPermit {
         let write = self.budgets.with_budget(&self.name, |b| {
             b.throttles += 1;
             let was_paused = b.paused_until.is_some_and(|u| u > now);
+            // This run was refused with `position` runs in flight here: fewer than that were
+            // what the downstream took. Cut to that; if it is no cut (other workers share the
+            // downstream), halve — once per pause. A later refusal in the same pause only
+            // lowers it to what it shows.
+            let shown = self.position.saturating_sub(1).max(1) as f64;
+            let before = b.limit;
             if !was_paused {
-                let before = b.limit;
-                b.limit = (b.limit / 2.0).max(1.0);
+                b.limit = if shown < b.limit { shown } else { (b.limit / 2.0).max(1.0) };
+                b.since_cut = 0;
+                b.ceiling = Some(b.limit as usize + 1);
                 tracing::info!(budget = %self.name, limit_before = before as u64, limit = b.limit as u64,
                     pause_s = pause.as_secs_f64(), "the downstream throttled a run: budget paused, fewer runs at once");
+            } else if shown < b.limit {
+                b.limit = shown;
+                b.ceiling = Some(b.limit as usize + 1);
             }
             if b.paused_until.is_none_or(|u| u < until) {
                 b.paused_until = Some(until);
@@ -652,33 +689,75 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_throttle_halves_the_limit_once_per_pause_and_successes_grow_it_back() {
+    async fn a_throttle_cuts_to_the_concurrency_the_downstream_took_and_growth_stops_below_it() {
         let (b, _) = budgets(8);
         let mut permits = Vec::new();
         for _ in 0..8 {
             permits.push(go(&b, Lane::High).await);
         }
-        // Three runs come back throttled during one pause: one cut.
-        for p in permits.iter_mut().take(3) {
-            p.throttled(Duration::from_secs(2)).await;
-        }
+        // The downstream takes 3 at once: the 5th and then the 4th come back refused, in one
+        // pause. The first cuts to 4, the second shows 3 was the most.
+        permits[4].throttled(Duration::from_secs(2)).await;
         assert_eq!(b.views()[0].limit, 4);
+        permits[3].throttled(Duration::from_secs(2)).await;
+        assert_eq!(b.views()[0].limit, 3);
         drop(permits);
         tokio::time::sleep(Duration::from_secs(3)).await;
-        // About a window of successes (4 at limit 4, each adding 1/limit) raise it by one.
-        for _ in 0..5 {
-            let mut p = go(&b, Lane::High).await;
-            p.succeeded();
+        // Successes do not take it back over the concurrency that was refused…
+        for _ in 0..PROBE_AFTER * 4 - 1 {
+            go(&b, Lane::High).await.succeeded();
         }
-        assert_eq!(b.views()[0].limit, 5);
-        // Never below 1.
+        assert_eq!(b.views()[0].limit, 3);
+        // …until enough windows have passed: then it probes beyond.
         for _ in 0..5 {
+            go(&b, Lane::High).await.succeeded();
+        }
+        assert_eq!(b.views()[0].limit, 4);
+        // A refusal at 4 in flight shows 3 was the most; refusals go on lowering it, never
+        // below 1.
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(go(&b, Lane::High).await);
+        }
+        held[3].throttled(Duration::from_secs(1)).await;
+        assert_eq!(b.views()[0].limit, 3);
+        drop(held);
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_secs(2)).await;
             let mut p = go(&b, Lane::High).await;
-            p.throttled(Duration::from_millis(10)).await;
-            drop(p);
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            p.throttled(Duration::from_secs(1)).await;
         }
         assert_eq!(b.views()[0].limit, 1);
+    }
+
+    /// `n` slots taken as carriers take them (beyond the limit).
+    async fn futures_like(b: &Budgets, n: usize) -> Vec<BudgetPermit> {
+        let mut v = Vec::new();
+        for _ in 0..n {
+            match b.admit(&scope("account"), Lane::High, None, false).await {
+                Admission::Go(p) => v.push(p),
+                other => panic!("{other:?}"),
+            }
+        }
+        v
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_that_shows_no_lower_concurrency_halves_the_limit() {
+        let (b, _) = budgets(8);
+        // Another worker fills the downstream: this one's second run is refused, at 2 in flight,
+        // with its limit at 8: cut to 1 (what it shows). With the limit at 4 and the refusal at
+        // 6 (carriers beyond the limit): halved.
+        let mut first = go(&b, Lane::High).await;
+        let mut second = go(&b, Lane::High).await;
+        second.throttled(Duration::from_millis(10)).await;
+        assert_eq!(b.views()[0].limit, 1);
+        first.succeeded();
+        drop((first, second));
+        let (b, _) = budgets(4);
+        let mut held = futures_like(&b, 6).await;
+        held[5].throttled(Duration::from_millis(10)).await;
+        assert_eq!(b.views()[0].limit, 2, "halved from 4");
     }
 
     #[tokio::test(start_paused = true)]

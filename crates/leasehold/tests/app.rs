@@ -1464,3 +1464,306 @@ async fn debounce_scenario(handler: bool) -> String {
         }
     )
 }
+
+/// A downstream like a CRM's Web API under its service-protection limits: each call takes
+/// `work`; past `limit` calls at once it answers 429 with `Retry-After: 1` at once. It notes
+/// every call: the record, when, by which worker (`/<worker>/run`) and its answer.
+#[derive(Clone, Default)]
+struct Throttled {
+    calls: std::sync::Arc<std::sync::Mutex<Vec<(String, std::time::Instant, String, u16)>>>,
+    in_flight: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Throttled {
+    async fn serve(limit: usize, work: Duration, retry_after: u64) -> (Self, String) {
+        use std::sync::atomic::Ordering;
+        let this = Self::default();
+        let state = this.clone();
+        let app = axum::Router::new().route(
+            "/{worker}/run",
+            axum::routing::post(
+                move |axum::extract::Path(worker): axum::extract::Path<String>, body: axum::Json<Value>| {
+                    let state = state.clone();
+                    async move {
+                        let record = body["recordId"].as_str().unwrap_or("").to_string();
+                        let now = std::time::Instant::now();
+                        let busy = state.in_flight.fetch_add(1, Ordering::SeqCst) >= limit;
+                        let status = if busy {
+                            429
+                        } else {
+                            tokio::time::sleep(work).await;
+                            200
+                        };
+                        state.in_flight.fetch_sub(1, Ordering::SeqCst);
+                        state.calls.lock().unwrap().push((record, now, worker, status));
+                        (
+                            axum::http::StatusCode::from_u16(status).unwrap(),
+                            [(axum::http::header::RETRY_AFTER, retry_after.to_string())],
+                            "",
+                        )
+                    }
+                },
+            ),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (this, base)
+    }
+
+    /// When each record first succeeded.
+    fn done(&self) -> std::collections::HashMap<String, std::time::Instant> {
+        let mut done = std::collections::HashMap::new();
+        for (record, at, _, status) in self.calls.lock().unwrap().iter() {
+            if *status == 200 {
+                done.entry(record.clone()).or_insert(*at);
+            }
+        }
+        done
+    }
+
+    fn throttled(&self) -> usize {
+        self.calls.lock().unwrap().iter().filter(|c| c.3 == 429).count()
+    }
+}
+
+/// Issue 25, end to end against Azurite in both modes: a bulk import of records in the low
+/// lane, run by URL logic whose downstream answers 429 past 3 calls at once, drains with
+/// nothing poisoned and every record run; a person's save sent to the high lane during the
+/// drain runs before the bulk has drained (it does not wait behind the import).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bulk_import_in_the_low_lane_drains_through_a_throttled_downstream_with_nothing_poisoned() {
+    let (a, b) = tokio::join!(bulk_scenario(false), bulk_scenario(true));
+    for line in [a, b] {
+        println!("[bulk] {line}");
+    }
+}
+
+async fn bulk_scenario(handler: bool) -> String {
+    const BULK: usize = 40;
+    const LIMIT: usize = 3;
+    let work = Duration::from_millis(250);
+    let env = Env::new();
+    let (downstream, base) = Throttled::serve(LIMIT, work, 1).await;
+    let app = env
+        .start_as(
+            handler,
+            vec![
+                ("LEASEHOLD_LOGIC_URL", format!("{base}/w/run")),
+                ("LEASEHOLD_CONCURRENCY", "8".to_string()),
+            ],
+        )
+        .await;
+    let low_name = leasehold_runtime::low_queue_name(&env.queue);
+    let counts: std::sync::Arc<std::sync::Mutex<Vec<u32>>> = Default::default();
+    let hosts = handler.then(|| {
+        [
+            emulated_host(&env.queue, app.url("/Worker"), counts.clone()),
+            emulated_host(&low_name, app.url("/WorkerLow"), counts.clone()),
+        ]
+    });
+    let low = common::queue(&low_name);
+    let started = std::time::Instant::now();
+    for i in 0..BULK {
+        let body = json!({"scope": "account", "recordId": format!("bulk-{i}")}).to_string();
+        if handler {
+            // The host writes Start's output to the queue; here the test does.
+            let m = TriggerMessage::parse("account", &format!("bulk-{i}")).unwrap();
+            low.put(&m.encode(), Duration::ZERO).await.unwrap();
+        } else {
+            let (status, answer) = common::post(
+                &app.url("/api/start?priority=low"),
+                &body,
+                &[("Content-Type", "application/json")],
+            )
+            .await;
+            assert_eq!(
+                (status, answer["priority"].as_str()),
+                (202, Some("low")),
+                "{answer}"
+            );
+        }
+    }
+    // A person saves a record during the drain.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let saved = std::time::Instant::now();
+    if handler {
+        let m = TriggerMessage::parse("account", "person").unwrap();
+        common::queue(&env.queue)
+            .put(&m.encode(), Duration::ZERO)
+            .await
+            .unwrap();
+    } else {
+        let (status, answer) = common::post(
+            &app.url("/api/start"),
+            &json!({"scope": "account", "recordId": "person"}).to_string(),
+            &[("Content-Type", "application/json")],
+        )
+        .await;
+        assert_eq!(
+            (status, answer["priority"].as_str()),
+            (202, Some("high")),
+            "{answer}"
+        );
+    }
+    let mode = if handler { "handler" } else { "serve" };
+    eventually(
+        Duration::from_secs(120),
+        "every record to run through the throttled downstream",
+        || async { (downstream.done().len() == BULK + 1).then_some(()) },
+    )
+    .await;
+    let done = downstream.done();
+    let person = done["person"];
+    let last_bulk = done
+        .iter()
+        .filter(|(r, _)| r.starts_with("bulk-"))
+        .map(|(_, t)| *t)
+        .max()
+        .unwrap();
+    assert!(
+        person < last_bulk,
+        "{mode}: the person's save ran {:?} after it was sent, after the whole bulk had drained",
+        person - saved
+    );
+    for queue in [poison_queue_name(&env.queue), poison_queue_name(&low_name)] {
+        assert_eq!(
+            common::queue(&queue).approximate_len().await.unwrap(),
+            0,
+            "{mode}: nothing is poisoned ({queue})"
+        );
+    }
+    if let Some(hosts) = hosts {
+        for h in hosts {
+            h.abort();
+        }
+    }
+    app.stop().await;
+    let drain = last_bulk - started;
+    let allowed = LIMIT as f64 / work.as_secs_f64();
+    format!(
+        "{mode}: {BULK} low-lane records drained in {:.1} s ({:.1} runs/s, {:.0} % of the {allowed:.0}/s the downstream allows), {} answers 429; the person's save ran {:.2} s after it was sent; nothing poisoned",
+        drain.as_secs_f64(),
+        BULK as f64 / drain.as_secs_f64(),
+        100.0 * BULK as f64 / drain.as_secs_f64() / allowed,
+        downstream.throttled(),
+        (person - saved).as_secs_f64(),
+    )
+}
+
+/// Issue 25: a pause one process sets stops run starts in another. Two `serve` processes on one
+/// deployment, their logic URLs telling them apart; the first call is answered 429 with a
+/// Retry-After of 12 s; from a few seconds after it (the other process reads the pause within
+/// its refresh interval of 3 s) until it ends, neither process calls the downstream, though
+/// triggers keep coming; after it, both run again, and nothing is poisoned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pause_set_by_one_process_stops_run_starts_in_another() {
+    let env = Env::new();
+    // The downstream: the first call is answered 429 (Retry-After: 12), every later one 200.
+    let throttled_at: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>> = Default::default();
+    let first = throttled_at.clone();
+    let app = axum::Router::new().route(
+        "/{worker}/run",
+        axum::routing::post(
+            move |path: axum::extract::Path<String>, body: axum::Json<Value>| {
+                let first = first.clone();
+                async move {
+                    {
+                        let mut first = first.lock().unwrap();
+                        if first.is_none() {
+                            *first = Some(std::time::Instant::now());
+                            return (
+                                axum::http::StatusCode::TOO_MANY_REQUESTS,
+                                [(axum::http::header::RETRY_AFTER, "12")],
+                            );
+                        }
+                    }
+                    downstream_ok(&path.0, &body.0);
+                    (
+                        axum::http::StatusCode::OK,
+                        [(axum::http::header::RETRY_AFTER, "0")],
+                    )
+                }
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let front = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let a = env
+        .start(
+            common::standalone(),
+            &[("LEASEHOLD_LOGIC_URL", format!("{front}/a/run"))],
+        )
+        .await;
+    let b = env
+        .start(
+            common::standalone(),
+            &[("LEASEHOLD_LOGIC_URL", format!("{front}/b/run"))],
+        )
+        .await;
+    // Triggers for different records, one every 300 ms, to either process's Start, for 16 s.
+    let mut i = 0;
+    let sent_until = std::time::Instant::now() + Duration::from_secs(16);
+    while std::time::Instant::now() < sent_until {
+        let url = if i % 2 == 0 {
+            a.url("/api/start")
+        } else {
+            b.url("/api/start")
+        };
+        let (status, _) = common::post(
+            &url,
+            &json!({"scope": "account", "recordId": format!("r{i}")}).to_string(),
+            &[("Content-Type", "application/json")],
+        )
+        .await;
+        assert_eq!(status, 202);
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    eventually(Duration::from_secs(60), "every record to run", || async {
+        (OK_CALLS.lock().unwrap().len() >= i).then_some(())
+    })
+    .await;
+    let throttled_at = throttled_at
+        .lock()
+        .unwrap()
+        .expect("the first call was throttled");
+    let calls = OK_CALLS.lock().unwrap().clone();
+    let during: Vec<_> = calls
+        .iter()
+        .filter(|(_, _, at)| {
+            *at > throttled_at + Duration::from_secs(5) && *at < throttled_at + Duration::from_secs(11)
+        })
+        .collect();
+    assert!(during.is_empty(), "calls while the pause held: {during:?}");
+    let by = |w: &str| calls.iter().filter(|(worker, _, _)| worker == w).count();
+    assert!(
+        by("a") > 0 && by("b") > 0,
+        "both processes ran records: a {} b {}",
+        by("a"),
+        by("b")
+    );
+    assert_eq!(
+        common::queue(&poison_queue_name(&env.queue))
+            .approximate_len()
+            .await
+            .unwrap(),
+        0
+    );
+    a.stop().await;
+    b.stop().await;
+}
+
+/// The successful calls of [`a_pause_set_by_one_process_stops_run_starts_in_another`]: worker,
+/// record, when.
+static OK_CALLS: std::sync::Mutex<Vec<(String, String, std::time::Instant)>> =
+    std::sync::Mutex::new(Vec::new());
+
+fn downstream_ok(worker: &str, body: &Value) {
+    OK_CALLS.lock().unwrap().push((
+        worker.to_string(),
+        body["recordId"].as_str().unwrap_or("").to_string(),
+        std::time::Instant::now(),
+    ));
+}
