@@ -1468,9 +1468,12 @@ async fn debounce_scenario(handler: bool) -> String {
 /// A downstream like a CRM's Web API under its service-protection limits: each call takes
 /// `work`; past `limit` calls at once it answers 429 with `Retry-After: 1` at once. It notes
 /// every call: the record, when, by which worker (`/<worker>/run`) and its answer.
+/// A call to [`Throttled`]: the record, when, by which worker, and the status answered.
+type Call = (String, std::time::Instant, String, u16);
+
 #[derive(Clone, Default)]
 struct Throttled {
-    calls: std::sync::Arc<std::sync::Mutex<Vec<(String, std::time::Instant, String, u16)>>>,
+    calls: std::sync::Arc<std::sync::Mutex<Vec<Call>>>,
     in_flight: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
