@@ -2469,6 +2469,132 @@ async fn a_streak_that_cost_the_run_time_limit_lets_the_next_run_finish() {
     assert!(notes(&store).await.is_empty());
 }
 
+/// A streak that has cost part of the run time limit watches the next run only for what is
+/// left of it: a trigger after that coalesces (the run finishes), not stops it. Found by
+/// mutation testing (the watch went on past its budget, `&&` turned `||`, undetected).
+#[tokio::test(start_paused = true)]
+async fn a_run_is_watched_for_triggers_only_within_what_its_streak_left_of_the_time_limit() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(40), End::Succeed);
+    let options = RunnerOptions {
+        run_timeout: Duration::from_secs(100),
+        ..supersede_options()
+    };
+    let runner = runner_on(&store, logic.clone(), options);
+    // One superseded run that cost 85 s: this run is watched for 15 s (a renewal or so).
+    let guard = lock_on(&store)
+        .try_acquire(&TriggerMessage::parse("acct", "r").unwrap().key())
+        .await
+        .unwrap()
+        .unwrap();
+    guard
+        .write_notes(&[("superseded", Some("1:85000".into()))])
+        .await
+        .unwrap();
+    guard.release().await.unwrap();
+    let holder = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    // A trigger 25 s in: past the watch, so it coalesces and the run finishes.
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    assert_eq!(
+        standalone(&runner, TriggerKind::Trigger, 1, 0).await,
+        Outcome::Coalesced
+    );
+    let outcome = holder.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Completed {
+                retriggered: true,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(logic.cancelled.load(Ordering::SeqCst), 0);
+}
+
+/// The deferral budget is spent only when less than the shortest deferral is left: with exactly
+/// that much left, a request to run later is granted it (found by mutation testing: `<` turned
+/// `<=` gave it up, undetected). A deferral's id, which names its chain in logs and JSON, is
+/// below 2^53, so every JSON reader keeps it exact (`>> 11`; `<< 11` went undetected).
+#[tokio::test(start_paused = true)]
+async fn a_deferral_budget_with_exactly_the_shortest_deferral_left_grants_it() {
+    let store = Scripted::new();
+    let logic = Script::new(
+        Duration::from_secs(1),
+        End::RunLater(Some(Duration::from_secs(60))),
+    );
+    let options = RunnerOptions {
+        max_deferral: leasehold_runtime::PerScope::new(Duration::from_secs(61)),
+        ..RunnerOptions::default()
+    };
+    let runner = runner_on(&store, logic, options);
+    let first = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    let Outcome::Deferred { after, next, .. } = first else {
+        panic!("{first:?}")
+    };
+    assert_eq!(after, Duration::from_secs(60));
+    let id = next.deferral.expect("a deferral").id;
+    assert!(id < 1 << 53, "{id} is not exact in JSON");
+    // 1 s left, the shortest deferral: granted.
+    let again = runner
+        .handle(
+            &Delivery {
+                message: *next,
+                dequeue_count: 1,
+            },
+            &CancellationToken::new(),
+        )
+        .await;
+    let Outcome::Deferred { after, total, .. } = again else {
+        panic!("{again:?}")
+    };
+    assert_eq!((after, total), (Duration::from_secs(1), Duration::from_secs(61)));
+}
+
+/// In a superseding scope a failed run whose retry comes notes itself as pending; its last
+/// attempt, which is given up (the give-up's sweep covers it), does not: a note naming a run
+/// that never retries would make other chains' retries stand down for nothing (found by
+/// mutation testing: the last attempt noting itself went undetected).
+#[tokio::test(start_paused = true)]
+async fn a_failed_runs_last_attempt_does_not_note_itself_pending() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Panic);
+    let options = RunnerOptions {
+        max_attempts: 2,
+        ..supersede_options()
+    };
+    let runner = runner_on(&store, logic, options);
+    let first = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(first, Outcome::Failed { .. }), "{first:?}");
+    let pending = notes(&store).await.get("pending").cloned();
+    assert!(pending.is_some(), "the first attempt's retry comes: it pends");
+    // The second and last attempt (a redelivery) fails too: given up, it leaves the note.
+    let last = standalone(&runner, TriggerKind::Trigger, 2, 0).await;
+    assert!(matches!(last, Outcome::Failed { .. }), "{last:?}");
+    assert_eq!(notes(&store).await.get("pending").cloned(), pending);
+}
+
+/// A run in a superseding scope whose notes need no change writes none: the pending note is
+/// written only when it changes (found by mutation testing: an unchanged note written again
+/// cost a request per run, undetected).
+#[tokio::test(start_paused = true)]
+async fn a_run_that_changes_no_note_writes_none() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let before = store.rules.counters.snapshot();
+    let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    let sent = store.rules.counters.snapshot().since(&before);
+    // The grant's own write of the generation is one metadata write; no note follows.
+    assert_eq!(sent.get(Op::BlobSetMetadata), 1, "{sent}");
+    assert!(notes(&store).await.is_empty());
+}
+
 /// Logic slow to stop when superseded: the lease is kept renewed until it has ended (nothing
 /// else can run the record meanwhile), then released; no streak is noted for a run that did
 /// not stop in time, and its trigger is retried (its run covers the trigger that stopped it).
