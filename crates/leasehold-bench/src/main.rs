@@ -29,29 +29,40 @@ use tokio_util::sync::CancellationToken;
 struct Config {
     smoke: bool,
     out: PathBuf,
+    /// `--only bulk`: just that section.
+    only: Option<String>,
 }
 
 fn parse_args() -> Result<Config> {
     let mut smoke = false;
     let mut out = PathBuf::from("target/bench/leasehold-bench.md");
+    let mut only = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--smoke" => smoke = true,
             "--out" => out = PathBuf::from(args.next().context("--out needs a path")?),
+            "--only" => {
+                let section = args.next().context("--only needs a section")?;
+                if section != "bulk" {
+                    anyhow::bail!("--only {section:?}: the only section run alone is bulk");
+                }
+                only = Some(section);
+            }
             "-h" | "--help" => {
                 println!(
-                    "leasehold-bench [--smoke] [--out FILE]\n\n\
+                    "leasehold-bench [--smoke] [--out FILE] [--only bulk]\n\n\
                      Benchmarks Leasehold against the seed design and raw storage on its own Azurite\n\
                      (installed by scripts/install-azurite.sh). Writes a markdown report to FILE\n\
-                     (default target/bench/leasehold-bench.md). --smoke: tiny sizes, for CI."
+                     (default target/bench/leasehold-bench.md). --smoke: tiny sizes, for CI.\n\
+                     --only bulk: only section 8 (bulk through a throttled downstream)."
                 );
                 std::process::exit(0);
             }
             other => anyhow::bail!("unknown argument {other:?} (see --help)"),
         }
     }
-    Ok(Config { smoke, out })
+    Ok(Config { smoke, out, only })
 }
 
 /// Median and spread of a sample.
@@ -982,6 +993,11 @@ async fn main() -> Result<()> {
     } else {
         Duration::from_millis(1000)
     };
+    if config.only.is_some() {
+        bulk(&azurite, if config.smoke { 40 } else { 2000 }, &mut report).await;
+        print!("{report}");
+        return Ok(());
+    }
     round_trips(&azurite, &mut report).await;
     overhead(&azurite, runs, &mut report).await;
     throughput(&azurite, records, repeats, &mut report).await;
@@ -1010,6 +1026,7 @@ async fn main() -> Result<()> {
     .await;
     recovery(&azurite, recovery_samples, &mut report).await;
     footprint(&azurite, footprint_samples, &mut report).await?;
+    bulk(&azurite, if config.smoke { 40 } else { 2000 }, &mut report).await;
     writeln!(
         report,
         "Total benchmark time: {:.0} s.",
@@ -1023,4 +1040,205 @@ async fn main() -> Result<()> {
     std::fs::write(&config.out, &report).with_context(|| format!("writing {}", config.out.display()))?;
     eprintln!("written to {}", config.out.display());
     Ok(())
+}
+
+/// A CRM's Web API under its service-protection limits, in process: a call takes `work`; past
+/// `concurrent` calls at once, or `per_second` calls in the last second, it answers "too many"
+/// with a `Retry-After` of `retry_after` (a throttle), at once.
+struct FakeDownstream {
+    concurrent: usize,
+    per_second: usize,
+    work: Duration,
+    retry_after: Duration,
+    in_flight: AtomicUsize,
+    /// Accepted calls' start times in the last second.
+    window: Mutex<std::collections::VecDeque<Instant>>,
+    throttled: AtomicUsize,
+    /// Per record: when its logic first started, and whether it ever succeeded.
+    started: Mutex<HashMap<String, Instant>>,
+    succeeded: Mutex<HashMap<String, Instant>>,
+}
+
+impl FakeDownstream {
+    fn new(concurrent: usize, per_second: usize, work: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            concurrent,
+            per_second,
+            work,
+            retry_after: Duration::from_secs(1),
+            in_flight: AtomicUsize::new(0),
+            window: Mutex::default(),
+            throttled: AtomicUsize::new(0),
+            started: Mutex::default(),
+            succeeded: Mutex::default(),
+        })
+    }
+
+    /// The rate it allows: the lower of its two limits, in calls per second.
+    fn allowed(&self) -> f64 {
+        (self.per_second as f64).min(self.concurrent as f64 / self.work.as_secs_f64())
+    }
+}
+
+#[async_trait]
+impl Logic for FakeDownstream {
+    async fn run(&self, ctx: RunContext) -> Result<(), LogicError> {
+        let record = ctx.record_id.to_string();
+        let now = Instant::now();
+        self.started.lock().unwrap().entry(record.clone()).or_insert(now);
+        let refused = {
+            let mut window = self.window.lock().unwrap();
+            while window.front().is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(1)) {
+                window.pop_front();
+            }
+            let busy = self.in_flight.load(Ordering::SeqCst) >= self.concurrent || window.len() >= self.per_second;
+            if !busy {
+                window.push_back(now);
+                self.in_flight.fetch_add(1, Ordering::SeqCst);
+            }
+            busy
+        };
+        if refused {
+            self.throttled.fetch_add(1, Ordering::SeqCst);
+            return Err(LogicError::throttled(
+                Some(self.retry_after),
+                "429 Too Many Requests (service protection)",
+            ));
+        }
+        tokio::time::sleep(self.work).await;
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.succeeded.lock().unwrap().entry(record).or_insert_with(Instant::now);
+        Ok(())
+    }
+}
+
+/// 8. Bulk: an import of `records` records in the low lane through a throttled downstream,
+/// with a person's save in the high lane every second during the drain; adaptive concurrency
+/// on and off.
+async fn bulk(az: &Azurite, records: usize, report: &mut String) {
+    writeln!(
+        report,
+        "## 8. Bulk: {records} records in the low lane through a throttled downstream, a high-lane save every second\n"
+    )
+    .unwrap();
+    writeln!(
+        report,
+        "The downstream (in process) takes 3 calls at once and 25 a second, 150 ms each (so it allows 20 runs/s), and answers every call past that with 429 and `Retry-After: 1`. One worker (`serve`), concurrency 8, both lanes, one budget.\n"
+    )
+    .unwrap();
+    writeln!(
+        report,
+        "| adaptive concurrency | drained in | runs/s (of 20 allowed) | 429s per 1,000 runs | high-lane save → logic start p50 / p95 | poisoned | never run |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    .unwrap();
+    for adaptive in [true, false] {
+        let e = env(az);
+        let account = az.account();
+        let low_name = leasehold_runtime::low_queue_name(e.queue.name());
+        let low: Arc<dyn TriggerQueue> = Arc::new(AzureQueue::new(&account, &low_name, e.counters.clone()));
+        let low_poison: Arc<dyn TriggerQueue> =
+            Arc::new(AzureQueue::new(&account, &poison_queue_name(&low_name), e.counters.clone()));
+        let downstream = FakeDownstream::new(3, 25, Duration::from_millis(150));
+        let budgets = leasehold_runtime::Budgets::new(
+            Arc::new(leasehold_runtime::AzureBudgets::new(
+                &account,
+                &unique_name("budget"),
+                e.counters.clone(),
+            )),
+            leasehold_runtime::BudgetOptions {
+                adaptive,
+                ..leasehold_runtime::BudgetOptions::default()
+            },
+        );
+        let high_runner = runner(&e, downstream.clone(), true, 30).with_budgets(budgets.clone());
+        let lock = high_runner.lock().clone();
+        let low_runner = RecordRunner::new(
+            lock,
+            e.markers.clone(),
+            low.clone(),
+            downstream.clone(),
+            RunnerOptions::default(),
+        )
+        .with_budgets(budgets)
+        .with_lane(leasehold_runtime::Lane::Low);
+        let consumer = Consumer::new(high_runner, e.poison.clone(), ConsumerOptions::default())
+            .with_low_lane(low_runner, low_poison.clone());
+        for i in 0..records {
+            low.put(
+                &TriggerMessage::parse("bench", &format!("bulk-{i}")).unwrap().encode(),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+        }
+        let shutdown = CancellationToken::new();
+        let wake = consumer.waker();
+        let task = {
+            let (c, s) = (consumer.clone(), shutdown.clone());
+            tokio::spawn(async move { c.run(s).await })
+        };
+        let t = Instant::now();
+        let mut saves: Vec<(String, Instant)> = Vec::new();
+        let bulk_done = |d: &FakeDownstream| {
+            d.succeeded
+                .lock()
+                .unwrap()
+                .keys()
+                .filter(|k| k.starts_with("bulk-"))
+                .count()
+        };
+        let deadline = t + Duration::from_secs(60 + records as u64);
+        while bulk_done(&downstream) < records && Instant::now() < deadline {
+            let record = format!("person-{}", saves.len());
+            e.queue
+                .put(&TriggerMessage::parse("bench", &record).unwrap().encode(), Duration::ZERO)
+                .await
+                .unwrap();
+            wake.notify_one();
+            saves.push((record, Instant::now()));
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let drained = t.elapsed();
+        // The last saves run too.
+        let all_saves = |d: &FakeDownstream| {
+            let done = d.succeeded.lock().unwrap();
+            saves.iter().all(|(r, _)| done.contains_key(r))
+        };
+        let wait_until = Instant::now() + Duration::from_secs(30);
+        while !all_saves(&downstream) && Instant::now() < wait_until {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        shutdown.cancel();
+        task.await.unwrap();
+        let started = downstream.started.lock().unwrap().clone();
+        let latencies: Vec<f64> = saves
+            .iter()
+            .filter_map(|(r, sent)| started.get(r).map(|s| s.duration_since(*sent).as_secs_f64()))
+            .collect();
+        let succeeded = downstream.succeeded.lock().unwrap().len();
+        let never_run = records + saves.len() - succeeded;
+        let poisoned = e.poison.approximate_len().await.unwrap_or(0) + low_poison.approximate_len().await.unwrap_or(0);
+        let runs = succeeded + downstream.throttled.load(Ordering::SeqCst);
+        let rate = records as f64 / drained.as_secs_f64();
+        let (p50, p95) = if latencies.is_empty() {
+            ("–".to_string(), "–".to_string())
+        } else {
+            (
+                format!("{:.2} s", percentile(latencies.clone(), 0.5)),
+                format!("{:.2} s", percentile(latencies, 0.95)),
+            )
+        };
+        writeln!(
+            report,
+            "| {} | {:.1} s | {:.1} ({:.0} %) | {:.0} | {p50} / {p95} ({} saves) | {poisoned} | {never_run} |",
+            if adaptive { "on" } else { "off" },
+            drained.as_secs_f64(),
+            rate,
+            100.0 * rate / downstream.allowed(),
+            1000.0 * downstream.throttled.load(Ordering::SeqCst) as f64 / runs.max(1) as f64,
+            saves.len(),
+        )
+        .unwrap();
+    }
+    writeln!(report).unwrap();
 }
