@@ -1088,10 +1088,14 @@ impl Logic for FakeDownstream {
         self.started.lock().unwrap().entry(record.clone()).or_insert(now);
         let refused = {
             let mut window = self.window.lock().unwrap();
-            while window.front().is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(1)) {
+            while window
+                .front()
+                .is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(1))
+            {
                 window.pop_front();
             }
-            let busy = self.in_flight.load(Ordering::SeqCst) >= self.concurrent || window.len() >= self.per_second;
+            let busy =
+                self.in_flight.load(Ordering::SeqCst) >= self.concurrent || window.len() >= self.per_second;
             if !busy {
                 window.push_back(now);
                 self.in_flight.fetch_add(1, Ordering::SeqCst);
@@ -1107,7 +1111,11 @@ impl Logic for FakeDownstream {
         }
         tokio::time::sleep(self.work).await;
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
-        self.succeeded.lock().unwrap().entry(record).or_insert_with(Instant::now);
+        self.succeeded
+            .lock()
+            .unwrap()
+            .entry(record)
+            .or_insert_with(Instant::now);
         Ok(())
     }
 }
@@ -1136,8 +1144,11 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
         let account = az.account();
         let low_name = leasehold_runtime::low_queue_name(e.queue.name());
         let low: Arc<dyn TriggerQueue> = Arc::new(AzureQueue::new(&account, &low_name, e.counters.clone()));
-        let low_poison: Arc<dyn TriggerQueue> =
-            Arc::new(AzureQueue::new(&account, &poison_queue_name(&low_name), e.counters.clone()));
+        let low_poison: Arc<dyn TriggerQueue> = Arc::new(AzureQueue::new(
+            &account,
+            &poison_queue_name(&low_name),
+            e.counters.clone(),
+        ));
         let downstream = FakeDownstream::new(3, 25, Duration::from_millis(150));
         let budgets = leasehold_runtime::Budgets::new(
             Arc::new(leasehold_runtime::AzureBudgets::new(
@@ -1165,7 +1176,9 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
             .with_low_lane(low_runner, low_poison.clone());
         for i in 0..records {
             low.put(
-                &TriggerMessage::parse("bench", &format!("bulk-{i}")).unwrap().encode(),
+                &TriggerMessage::parse("bench", &format!("bulk-{i}"))
+                    .unwrap()
+                    .encode(),
                 Duration::ZERO,
             )
             .await
@@ -1191,7 +1204,10 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
         while bulk_done(&downstream) < records && Instant::now() < deadline {
             let record = format!("person-{}", saves.len());
             e.queue
-                .put(&TriggerMessage::parse("bench", &record).unwrap().encode(), Duration::ZERO)
+                .put(
+                    &TriggerMessage::parse("bench", &record).unwrap().encode(),
+                    Duration::ZERO,
+                )
                 .await
                 .unwrap();
             wake.notify_one();
@@ -1217,7 +1233,8 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
             .collect();
         let succeeded = downstream.succeeded.lock().unwrap().len();
         let never_run = records + saves.len() - succeeded;
-        let poisoned = e.poison.approximate_len().await.unwrap_or(0) + low_poison.approximate_len().await.unwrap_or(0);
+        let poisoned =
+            e.poison.approximate_len().await.unwrap_or(0) + low_poison.approximate_len().await.unwrap_or(0);
         let runs = succeeded + downstream.throttled.load(Ordering::SeqCst);
         let rate = records as f64 / drained.as_secs_f64();
         let (p50, p95) = if latencies.is_empty() {

@@ -28,6 +28,7 @@ macro_rules! register_examples {
 leasehold dataverse register --environment-url https://contoso-dev.crm4.dynamics.com \\\n      \
 --start-url https://func-leaseholddev.azurewebsites.net/api/start --table account --messages Create,Update \\\n      \
 --filtering-attributes name,statuscode\n  \
+leasehold dataverse register ... --table account --messages Create,Update --priority low   # bulk steps to the low lane\n  \
 leasehold dataverse register ... --dry-run      # print the requests (key redacted), send nothing"
     };
 }
@@ -105,9 +106,14 @@ pub struct RegisterArgs {
     /// changed or not). Leave out the columns your logic writes back.
     #[arg(long, value_delimiter = ',', value_name = "COLUMNS")]
     pub filtering_attributes: Vec<String>,
-    /// The endpoint's name (starts with "leasehold") [default: leasehold-<host of --start-url>].
+    /// The endpoint's name (starts with "leasehold") [default: leasehold-<host of --start-url>,
+    /// with -low for --priority low].
     #[arg(long)]
     pub name: Option<String>,
+    /// The lane these steps' events go to: high (the default: a person's saves) or low (bulk
+    /// traffic: imports, integrations), a second endpoint whose URL asks Start for the low lane.
+    #[arg(long, value_parser = ["high", "low"], default_value = "high")]
+    pub priority: String,
     /// Read the Start key from this file instead of LEASEHOLD_START_KEY.
     #[arg(long, value_name = "PATH")]
     pub start_key_file: Option<PathBuf>,
@@ -181,6 +187,7 @@ pub async fn run(command: DataverseCommand) -> Result<String> {
     match command {
         DataverseCommand::Register(a) => {
             let key = StartKey::load(a.start_key_file.as_deref())?;
+            let named = a.name.is_some();
             let spec = RegisterSpec::new(
                 &a.environment.environment_url,
                 &a.start_url,
@@ -190,6 +197,11 @@ pub async fn run(command: DataverseCommand) -> Result<String> {
                 &a.filtering_attributes,
                 key,
             )?;
+            let spec = if a.priority == "low" {
+                spec.for_low_lane(named)?
+            } else {
+                spec
+            };
             let spec = RegisterSpec {
                 adopt: a.adopt,
                 ..spec

@@ -237,6 +237,27 @@ fn logical_names(values: &[String], what: &str) -> Result<Vec<String>> {
 }
 
 impl RegisterSpec {
+    /// This registration for the low lane (`--priority low`): Start's URL with `priority=low`,
+    /// so every step's event is queued behind a person's saves; the endpoint named
+    /// `<default>-low` unless `named` (so it is a second endpoint beside the high lane's).
+    pub fn for_low_lane(mut self, named: bool) -> Result<Self> {
+        if self
+            .start_url
+            .query_pairs()
+            .any(|(k, _)| k.eq_ignore_ascii_case("priority"))
+        {
+            bail!("--start-url carries a priority already: give it without one, and --priority low");
+        }
+        self.start_url.query_pairs_mut().append_pair("priority", "low");
+        if !named {
+            let mut host_url = self.start_url.clone();
+            host_url.set_query(None);
+            self.name = format!("{}-low", default_name(&host_url));
+            check_name(&self.name)?;
+        }
+        Ok(self)
+    }
+
     /// Checks and normalises the command line's values.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -1799,6 +1820,44 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("Update message only"), "{e}");
+    }
+
+    /// `--priority low`: a second endpoint, named `…-low`, whose URL asks Start for the low lane;
+    /// the steps point at it like any. A URL that names a priority already is refused.
+    #[test]
+    fn a_low_lane_registration_is_an_endpoint_of_its_own_asking_for_the_low_lane() {
+        let low = spec(Some("key-a")).for_low_lane(false).unwrap();
+        assert_eq!(low.name, "leasehold-func-leaseholddev.azurewebsites.net-low");
+        assert_eq!(
+            low.start_url.as_str(),
+            "https://func-leaseholddev.azurewebsites.net/api/start?priority=low"
+        );
+        let plan = plan_register(&low).unwrap();
+        let text = serde_json::to_string(&plan).unwrap();
+        assert!(text.contains("/api/start?priority=low"), "{text}");
+        assert!(!text.contains("key-a"), "the key never shows");
+        // A name given stays.
+        let named = RegisterSpec {
+            name: "leasehold-bulk".into(),
+            ..spec(None)
+        }
+        .for_low_lane(true)
+        .unwrap();
+        assert_eq!(named.name, "leasehold-bulk");
+        let e = RegisterSpec::new(
+            "https://contoso.crm.dynamics.com",
+            "https://x.azurewebsites.net/api/start?priority=high",
+            None,
+            &["account".into()],
+            &["Create".into()],
+            &[],
+            None,
+        )
+        .unwrap()
+        .for_low_lane(false)
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("priority already"), "{e}");
     }
 
     #[test]
