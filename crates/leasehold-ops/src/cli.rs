@@ -4,7 +4,7 @@
 
 use anyhow::{Result, bail};
 use clap::Subcommand;
-use leasehold_runtime::{RecordId, Scope};
+use leasehold_runtime::{Lane, RecordId, Scope};
 use tokio_util::sync::CancellationToken;
 
 use crate::Operator;
@@ -15,13 +15,17 @@ use crate::wiring::StorageSettings;
 pub enum Command {
     /// Put a trigger for a record on the queue (as Start would).
     #[command(
-        after_help = "Example:\n  leasehold enqueue --scope account 8f9c1d2e-0000-4000-8000-000000000001"
+        after_help = "Examples:\n  leasehold enqueue --scope account 8f9c1d2e-0000-4000-8000-000000000001\n  \
+        leasehold enqueue --scope account --priority low 8f9c1d2e-0000-4000-8000-000000000001"
     )]
     Enqueue {
         /// Scope of the record (e.g. a Dataverse table name).
         #[arg(long, default_value = "default")]
         scope: Scope,
         record_id: RecordId,
+        /// The lane: high (a person's save, the default) or low (bulk traffic, `<queue>-low`).
+        #[arg(long, default_value = "high")]
+        priority: Lane,
     },
     /// The system at a glance: held records (holder, since, fencing generation, lease state),
     /// records with a retrigger pending, queue and poison depths and the age of the oldest
@@ -29,7 +33,7 @@ pub enum Command {
     ///
     /// Without a record it lists the lock blobs with their lease state and metadata, the
     /// retrigger markers and the wait markers (debounce): one storage request per 5,000 records
-    /// that ever ran (use --scope to narrow it), plus four queue requests.
+    /// that ever ran (use --scope to narrow it), plus four queue requests per lane.
     #[command(
         after_help = "Examples:\n  leasehold status\n  leasehold status --scope account --limit 20\n  \
         leasehold status --scope account 8f9c1d2e-0000-4000-8000-000000000001\n  leasehold status --json | jq .heldCount"
@@ -50,9 +54,16 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Look at and act on the poison queue: triggers given up, with the reason.
-    #[command(subcommand)]
-    Poison(PoisonCommand),
+    /// Look at and act on a poison queue: triggers given up, with the reason. Each lane has its
+    /// own: `<queue>-poison` (high, the default) and `<queue>-low-poison` (--lane low); a
+    /// requeue puts a trigger back on its lane's queue.
+    Poison {
+        /// Whose poison queue: high (the default) or low.
+        #[arg(long, default_value = "high", global = true)]
+        lane: Lane,
+        #[command(subcommand)]
+        command: PoisonCommand,
+    },
     /// Break a record's lease: its run is told at its next renewal and stops; the record is free
     /// once that run released it or its lease would have expired (or at once with --now).
     #[command(
@@ -77,8 +88,12 @@ pub enum Command {
 /// poison requeue or purge; see [`EXIT_INCOMPLETE`], [`EXIT_INTERRUPTED`]).
 pub async fn run(command: Command, settings: &StorageSettings) -> Result<i32> {
     match command {
-        Command::Enqueue { scope, record_id } => {
-            let operator = Operator::new(settings)?;
+        Command::Enqueue {
+            scope,
+            record_id,
+            priority,
+        } => {
+            let operator = Operator::new(settings)?.lane(priority);
             operator.enqueue(&scope, &record_id).await?;
             println!("enqueued {scope}/{record_id} on {}", operator.queue_name());
             Ok(0)
@@ -96,8 +111,8 @@ pub async fn run(command: Command, settings: &StorageSettings) -> Result<i32> {
             );
             Ok(0)
         }
-        Command::Poison(command) => {
-            let (out, status) = poison(settings, command).await?;
+        Command::Poison { lane, command } => {
+            let (out, status) = poison(settings, lane, command).await?;
             if !out.is_empty() {
                 println!("{out}");
             }
@@ -281,10 +296,12 @@ fn report_status(complete: bool, interrupted: bool) -> i32 {
 }
 
 /// What a poison command prints, and the status it exits with.
-async fn poison(settings: &StorageSettings, command: PoisonCommand) -> Result<(String, i32)> {
+async fn poison(settings: &StorageSettings, lane: Lane, command: PoisonCommand) -> Result<(String, i32)> {
     // Ctrl-C (or SIGTERM) stops a scan, which puts back what it holds; a second one quits at
     // once (what the scan holds then comes back by itself within its hiding).
-    let operator = Operator::new(settings)?.with_interrupt(interrupt_signal()?);
+    let operator = Operator::new(settings)?
+        .lane(lane)
+        .with_interrupt(interrupt_signal()?);
     let interrupted = |e: &crate::OpsError| matches!(e, crate::OpsError::Interrupted(_));
     match command {
         PoisonCommand::List { limit, json } => {

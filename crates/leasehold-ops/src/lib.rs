@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Result;
 use leasehold_lock::RetryOptions;
 use leasehold_runtime::{
-    MarkerStore, RecordId, Scope, TriggerMessage, TriggerQueue, record_key, record_status,
+    Lane, MarkerStore, RecordId, Scope, TriggerMessage, TriggerQueue, record_key, record_status,
 };
 use leasehold_storage::OpCounters;
 use leasehold_storage::azure::BlobContainer;
@@ -61,6 +61,10 @@ impl OpsError {
     }
 }
 
+/// A lane's trigger queue and poison queue.
+type LaneQueues = (Arc<dyn TriggerQueue>, Arc<dyn TriggerQueue>);
+type LaneRefs<'a> = (&'a Arc<dyn TriggerQueue>, &'a Arc<dyn TriggerQueue>);
+
 /// Operations on one deployment's storage: its trigger queue, poison queue and container.
 /// Cheap to clone.
 #[derive(Clone)]
@@ -72,6 +76,11 @@ pub struct Operator {
 struct Inner {
     queue: Arc<dyn TriggerQueue>,
     poison: Arc<dyn TriggerQueue>,
+    /// The other lane's queue and poison queue: the low lane's for an operator of the high
+    /// lane (the default), the high lane's for one of the low lane ([`Operator::lane`]).
+    other: Option<LaneQueues>,
+    /// Which lane `queue` and `poison` are.
+    lane: Lane,
     lock: leasehold_lock::LeaseLock,
     markers: Arc<dyn MarkerStore>,
     container: BlobContainer,
@@ -131,6 +140,7 @@ impl Operator {
     /// Operations on the storage `settings` name.
     pub fn new(settings: &StorageSettings) -> Result<Self> {
         let wiring = wire(settings)?;
+        let low = (wiring.low_queue.clone(), wiring.low_poison.clone());
         Ok(Self::from_parts(
             wiring.queue,
             wiring.poison,
@@ -138,7 +148,47 @@ impl Operator {
             wiring.markers,
             BlobContainer::new(&settings.account, &settings.container, wiring.counters.clone()),
             wiring.counters,
-        ))
+        )
+        .with(|inner| inner.other = Some(low)))
+    }
+
+    /// The same operator, for `lane`'s queue and poison queue (its poison tools, its
+    /// enqueue): the low lane's, or back to the high lane's. The overview shows both either way.
+    pub fn lane(self, lane: Lane) -> Self {
+        if lane == self.inner.lane {
+            return self;
+        }
+        self.with(|inner| {
+            if let Some((queue, poison)) = inner.other.take() {
+                let here = (
+                    std::mem::replace(&mut inner.queue, queue),
+                    std::mem::replace(&mut inner.poison, poison),
+                );
+                inner.other = Some(here);
+                inner.lane = lane;
+            }
+        })
+    }
+
+    /// The lane this operator's queue and poison queue are.
+    pub fn lane_of(&self) -> Lane {
+        self.inner.lane
+    }
+
+    /// The low lane's queue and poison queue, when the operator knows them.
+    fn low_lane(&self) -> Option<LaneRefs<'_>> {
+        match self.inner.lane {
+            Lane::Low => Some((&self.inner.queue, &self.inner.poison)),
+            Lane::High => self.inner.other.as_ref().map(|(q, p)| (q, p)),
+        }
+    }
+
+    /// The high lane's queue and poison queue.
+    fn high_lane(&self) -> LaneRefs<'_> {
+        match (self.inner.lane, &self.inner.other) {
+            (Lane::Low, Some((q, p))) => (q, p),
+            _ => (&self.inner.queue, &self.inner.poison),
+        }
     }
 
     /// Operations over these parts (tests wrap the queues to make steps fail).
@@ -155,6 +205,8 @@ impl Operator {
             inner: Arc::new(Inner {
                 queue,
                 poison,
+                other: None,
+                lane: Lane::High,
                 lock,
                 markers,
                 container,

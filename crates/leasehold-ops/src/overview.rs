@@ -5,7 +5,7 @@
 //! Built from three blob listings (the lock blobs `locks/<scope>/<record>` with their lease
 //! state and metadata, the retrigger markers `retrigger/<scope>/<record>` and the wait markers
 //! `waiting/<scope>/<record>`): one List Blobs request per 5,000 records, never a request per
-//! record, plus four queue requests.
+//! record, plus four queue requests per lane.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound;
@@ -92,8 +92,14 @@ pub struct Overview {
     #[serde(serialize_with = "clock::serialize")]
     pub at: SystemTime,
     pub scope: Option<Scope>,
+    /// The high lane's trigger queue and poison queue.
     pub queue: QueueView,
     pub poison: QueueView,
+    /// The low lane's (bulk traffic), when the deployment has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub low_queue: Option<QueueView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub low_poison: Option<QueueView>,
     /// Held records of this page. A page is the next `limit` records after `after` that are
     /// held or have a retrigger pending, in `scope/record` order.
     pub held: Vec<HeldRecord>,
@@ -162,7 +168,18 @@ impl Operator {
             None => prefix.to_string(),
         };
         let inner = &self.inner;
-        let (markers, waits, locks, queue, poison) = tokio::join!(
+        let (high_queue, high_poison) = self.high_lane();
+        let low = self.low_lane();
+        let low_views = async {
+            match low {
+                Some((q, p)) => {
+                    let (q, p) = tokio::join!(self.queue_view(&**q), self.queue_view(&**p));
+                    Ok::<_, OpsError>(Some((q?, p?)))
+                }
+                None => Ok(None),
+            }
+        };
+        let (markers, waits, locks, queue, poison, low_views) = tokio::join!(
             async {
                 let mut pending = BTreeSet::new();
                 list_all(&inner.container, &scoped(MARKER_PREFIX), &inner.retry, |blob| {
@@ -196,9 +213,11 @@ impl Operator {
                 .await
                 .map(|()| (seen, held))
             },
-            self.queue_view(&*inner.queue),
-            self.queue_view(&*inner.poison),
+            self.queue_view(&**high_queue),
+            self.queue_view(&**high_poison),
+            low_views,
         );
+        let (low_queue, low_poison) = low_views?.unzip();
         let pending = markers?;
         let waits = waits?;
         let (records_seen, held) = locks?;
@@ -264,6 +283,8 @@ impl Operator {
             scope: query.scope.clone(),
             queue: queue?,
             poison: poison?,
+            low_queue,
+            low_poison,
             held: shown,
             held_count,
             pending,

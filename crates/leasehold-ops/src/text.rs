@@ -55,17 +55,21 @@ pub fn overview(o: &Overview) -> String {
     let mut out = vec![
         queue_line("queue", &o.queue, now),
         queue_line("poison", &o.poison, now),
-        format!(
-            "records     {} held, {} with a retrigger pending, {} known{}",
-            o.held_count,
-            o.pending_count,
-            o.records_seen,
-            o.scope
-                .as_ref()
-                .map(|s| format!(" (scope {s})"))
-                .unwrap_or_default()
-        ),
     ];
+    if let (Some(q), Some(p)) = (&o.low_queue, &o.low_poison) {
+        out.push(queue_line("low", q, now));
+        out.push(queue_line("low poison", p, now));
+    }
+    out.extend([format!(
+        "records     {} held, {} with a retrigger pending, {} known{}",
+        o.held_count,
+        o.pending_count,
+        o.records_seen,
+        o.scope
+            .as_ref()
+            .map(|s| format!(" (scope {s})"))
+            .unwrap_or_default()
+    )]);
     if o.waiting_count > 0 {
         let shown: Vec<String> = o
             .waiting

@@ -91,6 +91,8 @@ fn sampler(wiring: &Wiring, settings: &Settings, log_event: bool) -> Sampler {
     Sampler {
         queue: wiring.queue.clone(),
         poison: wiring.poison.clone(),
+        low_queue: wiring.low_queue.clone(),
+        low_poison: wiring.low_poison.clone(),
         interval: settings.metrics_interval,
         log_event,
     }

@@ -38,6 +38,10 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(60);
 pub const QUEUE_MESSAGES: &str = "leasehold_queue_messages";
 /// Gauge: approximate number of messages in the poison queue.
 pub const POISON_MESSAGES: &str = "leasehold_poison_messages";
+/// Gauge: the low lane's trigger queue's approximate depth.
+pub const LOW_QUEUE_MESSAGES: &str = "leasehold_low_queue_messages";
+/// Gauge: the low lane's poison queue's approximate depth.
+pub const LOW_POISON_MESSAGES: &str = "leasehold_low_poison_messages";
 /// Gauge: how long the front visible message of the trigger queue has waited (0 when none).
 pub const OLDEST_MESSAGE_AGE_SECONDS: &str = "leasehold_oldest_message_age_seconds";
 
@@ -142,6 +146,16 @@ fn describe() {
         POISON_MESSAGES,
         Unit::Count,
         "Approximate number of messages in the poison queue."
+    );
+    describe_gauge!(
+        LOW_QUEUE_MESSAGES,
+        Unit::Count,
+        "Approximate number of messages in the low lane's trigger queue (bulk traffic)."
+    );
+    describe_gauge!(
+        LOW_POISON_MESSAGES,
+        Unit::Count,
+        "Approximate number of messages in the low lane's poison queue."
     );
     describe_gauge!(
         OLDEST_MESSAGE_AGE_SECONDS,
@@ -272,6 +286,8 @@ impl Telemetry {
 struct Gauges {
     queue_messages: Option<u64>,
     poison_messages: Option<u64>,
+    low_queue_messages: Option<u64>,
+    low_poison_messages: Option<u64>,
     oldest_message_age_seconds: Option<f64>,
 }
 
@@ -281,6 +297,9 @@ struct Gauges {
 pub(crate) struct Sampler {
     pub(crate) queue: Arc<dyn TriggerQueue>,
     pub(crate) poison: Arc<dyn TriggerQueue>,
+    /// The low lane's queue and poison queue.
+    pub(crate) low_queue: Arc<dyn TriggerQueue>,
+    pub(crate) low_poison: Arc<dyn TriggerQueue>,
     pub(crate) interval: Duration,
     /// Log the metrics event each interval (handler mode).
     pub(crate) log_event: bool,
@@ -314,15 +333,41 @@ impl Sampler {
         }
     }
 
-    /// Reads the queue depths and the front message's age (three requests at once), and sets
-    /// the gauges of those that answered.
+    /// Reads the queue depths (both lanes') and the high lane's front message's age (five
+    /// requests at once), and sets the gauges of those that answered.
     async fn sample(&self) -> Gauges {
-        let (queue, poison, front) = tokio::join!(
+        let (queue, poison, front, low_queue, low_poison) = tokio::join!(
             self.queue.approximate_len(),
             self.poison.approximate_len(),
-            self.queue.peek(1)
+            self.queue.peek(1),
+            self.low_queue.approximate_len(),
+            self.low_poison.approximate_len(),
         );
         let mut gauges = Gauges::default();
+        for (result, slot, queue, gauge) in [
+            (
+                low_queue,
+                &mut gauges.low_queue_messages,
+                &self.low_queue,
+                LOW_QUEUE_MESSAGES,
+            ),
+            (
+                low_poison,
+                &mut gauges.low_poison_messages,
+                &self.low_poison,
+                LOW_POISON_MESSAGES,
+            ),
+        ] {
+            match result {
+                Ok(n) => {
+                    *slot = Some(n);
+                    metrics::gauge!(gauge).set(n as f64);
+                }
+                Err(e) => {
+                    tracing::warn!(queue = queue.name(), error = %e, "metrics: reading the queue depth failed; trying again at the next tick")
+                }
+            }
+        }
         match queue {
             Ok(n) => gauges.queue_messages = Some(n),
             Err(e) => {
@@ -413,6 +458,8 @@ fn log_event(mut c: Changes, g: Gauges, since_last: Duration) {
         lock_release_p95_seconds = ms(c.lock_release.quantile(0.95)),
         queue_messages = g.queue_messages,
         poison_messages = g.poison_messages,
+        low_queue_messages = g.low_queue_messages,
+        low_poison_messages = g.low_poison_messages,
         oldest_message_age_seconds = ms(g.oldest_message_age_seconds),
         "metrics"
     );

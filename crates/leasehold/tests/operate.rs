@@ -213,8 +213,14 @@ async fn status_shows_every_held_record_from_two_listings() {
 
     let all = operator.overview(&OverviewQuery::default()).await.unwrap();
     assert_eq!((all.held_count, all.records_seen), (15, 17));
-    // Three listings (one page each), a length and a peek per queue: no request per record.
-    assert_eq!(all.requests, 7, "{all:?}");
+    // Three listings (one page each), a length and a peek per queue (each lane's trigger and
+    // poison queue): no request per record.
+    assert_eq!(all.requests, 11, "{all:?}");
+    assert_eq!(
+        all.low_queue.as_ref().map(|q| q.name.clone()),
+        Some(leasehold_runtime::low_queue_name(&env.queue))
+    );
+    assert_eq!(all.low_poison.as_ref().map(|q| q.approximate_messages), Some(0));
     assert_eq!(all.waiting_count, 0);
     let a03 = all.held.iter().find(|h| h.record_id.as_str() == "a03").unwrap();
     assert_eq!(a03.lease_state, "breaking");
