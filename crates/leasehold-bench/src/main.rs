@@ -1120,9 +1120,9 @@ impl Logic for FakeDownstream {
     }
 }
 
-/// 8. Bulk: an import of `records` records in the low lane through a throttled downstream,
-/// with a person's save in the high lane every second during the drain; adaptive concurrency
-/// on and off.
+/// Section 8, bulk: an import of `records` records in the low lane through a throttled
+/// downstream, with a person's save in the high lane every second during the drain; adaptive
+/// concurrency on and off.
 async fn bulk(az: &Azurite, records: usize, report: &mut String) {
     writeln!(
         report,
