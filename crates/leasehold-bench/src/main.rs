@@ -1174,15 +1174,13 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
         .with_lane(leasehold_runtime::Lane::Low);
         let consumer = Consumer::new(high_runner, e.poison.clone(), ConsumerOptions::default())
             .with_low_lane(low_runner, low_poison.clone());
+        // A thousand puts in a row meet a refused connection now and then: retried, as Start's.
+        let retry = leasehold_lock::RetryOptions::default();
         for i in 0..records {
-            low.put(
-                &TriggerMessage::parse("bench", &format!("bulk-{i}"))
-                    .unwrap()
-                    .encode(),
-                Duration::ZERO,
-            )
-            .await
-            .unwrap();
+            let body = TriggerMessage::parse("bench", &format!("bulk-{i}"))
+                .unwrap()
+                .encode();
+            retry.run("put", || low.put(&body, Duration::ZERO)).await.unwrap();
         }
         let shutdown = CancellationToken::new();
         let wake = consumer.waker();
@@ -1203,11 +1201,9 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
         let deadline = t + Duration::from_secs(60 + records as u64);
         while bulk_done(&downstream) < records && Instant::now() < deadline {
             let record = format!("person-{}", saves.len());
-            e.queue
-                .put(
-                    &TriggerMessage::parse("bench", &record).unwrap().encode(),
-                    Duration::ZERO,
-                )
+            let body = TriggerMessage::parse("bench", &record).unwrap().encode();
+            retry
+                .run("put", || e.queue.put(&body, Duration::ZERO))
                 .await
                 .unwrap();
             wake.notify_one();
