@@ -47,7 +47,7 @@ param maximumInstanceCount int = 40
 @allowed(['Standard_LRS', 'Standard_ZRS', 'Standard_GRS'])
 param storageSku string = 'Standard_LRS'
 
-@description('Trigger queue name (the poison queue is <name>-poison).')
+@description('Trigger queue name, the high lane (the poison queue is <name>-poison; the low lane\'s queues are <name>-low and <name>-low-poison). At most 52 characters.')
 param queueName string = 'leasehold-triggers'
 
 @description('Blob container for lock blobs and retrigger markers.')
@@ -165,6 +165,17 @@ resource triggerQueue 'Microsoft.Storage/storageAccounts/queueServices/queues@20
 resource poisonQueue 'Microsoft.Storage/storageAccounts/queueServices/queues@2023-05-01' = {
   parent: queueService
   name: '${queueName}-poison'
+}
+
+// The low lane (bulk traffic: ?priority=low, LEASEHOLD_LOW_PRIORITY_USER_IDS), WorkerLow's queue.
+resource lowQueue 'Microsoft.Storage/storageAccounts/queueServices/queues@2023-05-01' = {
+  parent: queueService
+  name: '${queueName}-low'
+}
+
+resource lowPoisonQueue 'Microsoft.Storage/storageAccounts/queueServices/queues@2023-05-01' = {
+  parent: queueService
+  name: '${queueName}-low-poison'
 }
 
 resource workspace 'Microsoft.OperationalInsights/workspaces@2023-09-01' = {
@@ -307,7 +318,7 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
       ])
     }
   }
-  dependsOn: [lockContainer, triggerQueue, poisonQueue, deploymentContainer]
+  dependsOn: [lockContainer, triggerQueue, poisonQueue, lowQueue, lowPoisonQueue, deploymentContainer]
 }
 
 // The roles the app's identity needs on the account (built-in role ids).
