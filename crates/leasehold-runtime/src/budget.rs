@@ -392,6 +392,19 @@ impl Budgets {
         left.map(|after| (name.to_string(), after))
     }
 
+    /// How long every budget the scopes draw on stays paused, if all of them are (the shortest
+    /// of their pauses): a consumer then takes no message until it ends, instead of taking each
+    /// only to hand it back.
+    pub fn all_paused(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let mut left: Option<Duration> = None;
+        for name in self.inner.options.names.values() {
+            let this = self.with_budget(name, |b| b.paused_until.filter(|u| *u > now).map(|u| u - now))?;
+            left = Some(left.map_or(this, |l| l.min(this)));
+        }
+        left
+    }
+
     /// Whether a delivery of `lane` for `scope` may run now: a slot of its budget, waiting for
     /// one and for the budget's pause to end as long as it takes, or at most `max_wait`: then
     /// (or at once, for a pause that ends later than that) it is told to come back later

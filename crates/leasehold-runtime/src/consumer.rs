@@ -34,6 +34,9 @@ pub fn low_queue_name(queue: &str) -> String {
     format!("{queue}-low")
 }
 
+/// While every downstream budget is paused, the consumer takes at most one batch this often.
+const PAUSED_POLL: Duration = Duration::from_secs(5);
+
 /// How the consumer behaves.
 #[derive(Debug, Clone)]
 pub struct ConsumerOptions {
@@ -133,6 +136,8 @@ impl Consumer {
         let mut idle_pause = self.options.poll_min;
         // High-lane starts since the last low-lane one.
         let mut since_low = 0u32;
+        // While every budget is paused: when the next poll may be.
+        let mut paused_poll_at: Option<Instant> = None;
         loop {
             // Wait for a free slot before taking messages, so none sit hidden without a worker.
             let free = tokio::select! {
@@ -143,6 +148,28 @@ impl Consumer {
                     slots.available_permits()
                 }
             };
+            // Every budget paused: take one batch per PAUSED_POLL at most until the pause ends.
+            // A message taken now would only wait, or be handed back (with a backlog, a pass
+            // over all of it); but a dead holder's message, which runs through a pause, must
+            // still be taken within the recovery bound.
+            if let Some(left) = self.runner.budgets().and_then(|b| b.all_paused())
+                && paused_poll_at.is_some_and(|at| at > Instant::now())
+            {
+                let until = paused_poll_at
+                    .unwrap_or_else(Instant::now)
+                    .min(Instant::now() + left);
+                tokio::select! {
+                   biased;
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep_until(until) => {}
+                }
+                continue;
+            }
+            paused_poll_at = self
+                .runner
+                .budgets()
+                .and_then(|b| b.all_paused())
+                .map(|_| Instant::now() + PAUSED_POLL);
             let want = (free as u32).clamp(1, self.options.batch_size.min(32));
             // The messages are hidden for `visibility` from when the service took them, which
             // is after this.

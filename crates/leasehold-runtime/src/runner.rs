@@ -611,7 +611,9 @@ impl RecordRunner {
     /// standalone caller to hide again in place (see [`handle_watched`](Self::handle_watched)
     /// for Functions). `None`: go on.
     ///
-    /// Only a trigger that would run is turned away: not a carrier ([`TriggerKind::is_carrier`]:
+    /// Only a pause that outlasts what a holder may wait for its slot ([`MAX_SLOT_WAIT_WATCHED`])
+    /// turns a delivery away; a shorter one is waited out under the lease. And only a trigger
+    /// that would run is turned away: not a carrier ([`TriggerKind::is_carrier`]:
     /// it may stand in for a dead holder, whose record must run again within the recovery
     /// bound), a redelivery (the same, and hidden again in place it would no longer look like
     /// one), a debounce waiter or stand-in (its wait has its own clock, and the lease is where
@@ -628,6 +630,12 @@ impl RecordRunner {
             return None;
         }
         let (budget, after) = budgets.paused(&message.scope)?;
+        // A pause that ends within what a holder may wait is waited out under the lease (where
+        // triggers for the record coalesce onto it), not handed back: handing back costs the
+        // message a round trip and, with a backlog, a pass over all of it per pause.
+        if after <= MAX_SLOT_WAIT_WATCHED {
+            return None;
+        }
         Some(Outcome::Paused {
             budget,
             after,
@@ -1835,7 +1843,8 @@ async fn tell_budget(permit: &mut BudgetPermit, end: LogicEnd) {
 }
 
 /// The longest a delivery under Functions waits for a slot of its budget before it is put back
-/// to come again a second later: the host's invocation must not be held for minutes.
+/// to come again a second later: the host's invocation must not be held for minutes. A pause
+/// longer than this hands a trigger back before the lock, in both modes.
 const MAX_SLOT_WAIT_WATCHED: Duration = Duration::from_secs(30);
 
 impl Ended {

@@ -59,6 +59,7 @@ impl Downstream {
 }
 
 struct Fixture {
+    counters: OpCounters,
     markers: Arc<MemoryMarkers>,
     queue: Arc<MemoryQueue>,
     budget_store: Arc<MemoryBudgets>,
@@ -70,7 +71,7 @@ fn fixture(max_concurrency: usize) -> Fixture {
     let counters = OpCounters::new();
     let store = Arc::new(MemoryStore::with_counters(counters.clone()));
     let markers = Arc::new(MemoryMarkers::with_counters(counters.clone()));
-    let queue = Arc::new(MemoryQueue::new("triggers", counters));
+    let queue = Arc::new(MemoryQueue::new("triggers", counters.clone()));
     let lock = LeaseLock::new(
         store,
         LeaseOptions {
@@ -99,6 +100,7 @@ fn fixture(max_concurrency: usize) -> Fixture {
         },
     ));
     Fixture {
+        counters,
         markers,
         queue,
         budget_store,
@@ -131,10 +133,10 @@ async fn a_throttle_pauses_every_record_and_a_paused_trigger_is_handed_back_with
         .throttle
         .lock()
         .unwrap()
-        .insert("a".into(), Some(Duration::from_secs(30)));
+        .insert("a".into(), Some(Duration::from_secs(60)));
     // The throttled run is put off by the downstream's Retry-After.
     match handle(&f.runner, trigger("a")).await {
-        Outcome::Deferred { after, .. } => assert_eq!(after, Duration::from_secs(30)),
+        Outcome::Deferred { after, .. } => assert_eq!(after, Duration::from_secs(60)),
         other => panic!("{other:?}"),
     }
     assert!(
@@ -142,47 +144,117 @@ async fn a_throttle_pauses_every_record_and_a_paused_trigger_is_handed_back_with
         "the pause is shared"
     );
     // Another record's trigger is turned away before it touches anything: the message as it is,
-    // back after the pause (29 s left), and the delivery does not count.
+    // back after the pause (59 s left), and the delivery does not count.
     tokio::time::sleep(Duration::from_secs(1)).await;
     match handle(&f.runner, trigger("b")).await {
         Outcome::Paused { budget, after, next } => {
             assert_eq!(budget, "default");
-            assert_eq!(after, Duration::from_secs(29));
+            assert_eq!(after, Duration::from_secs(59));
             assert_eq!(*next, trigger("b").message);
         }
         other => panic!("{other:?}"),
     }
     assert_eq!(f.logic.runs_of("b"), 0);
-    // Once the pause is over it runs.
-    tokio::time::sleep(Duration::from_secs(29)).await;
+    // With 30 s or less of the pause left, a trigger waits it out under its lease (triggers for
+    // the record coalesce onto it meanwhile) and then runs, not before.
+    tokio::time::sleep(Duration::from_secs(39)).await;
+    let before = tokio::time::Instant::now();
     assert!(matches!(
         handle(&f.runner, trigger("b")).await,
         Outcome::Completed { .. }
     ));
+    let took = before.elapsed();
+    assert!(
+        took >= Duration::from_secs(21) && took < Duration::from_secs(23),
+        "ran once the pause (20 s left) was over: {took:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_garbage_or_endless_retry_after_is_defaulted_or_capped() {
     let f = fixture(4);
-    // No usable Retry-After: the default pause (10 s). Years: the longest (300 s).
-    for (asked, pause) in [
-        (None, Duration::from_secs(10)),
-        (
-            Some(Duration::from_secs(10 * 365 * 86_400)),
-            Duration::from_secs(300),
-        ),
-    ] {
-        f.logic.throttle.lock().unwrap().insert("a".into(), asked);
-        match handle(&f.runner, trigger("a")).await {
-            Outcome::Deferred { after, .. } => assert_eq!(after, pause, "{asked:?}"),
-            other => panic!("{other:?}"),
-        }
-        match handle(&f.runner, trigger("b")).await {
-            Outcome::Paused { after, .. } => assert_eq!(after, pause, "{asked:?}"),
-            other => panic!("{other:?}"),
-        }
-        tokio::time::sleep(pause).await;
+    // Years: the longest pause (300 s): another record's trigger is handed back for all of it.
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(10 * 365 * 86_400)));
+    match handle(&f.runner, trigger("a")).await {
+        Outcome::Deferred { after, .. } => assert_eq!(after, Duration::from_secs(300)),
+        other => panic!("{other:?}"),
     }
+    match handle(&f.runner, trigger("b")).await {
+        Outcome::Paused { after, .. } => assert_eq!(after, Duration::from_secs(300)),
+        other => panic!("{other:?}"),
+    }
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    // No usable Retry-After: the default pause (10 s), which a trigger waits out.
+    f.logic.throttle.lock().unwrap().insert("a".into(), None);
+    match handle(&f.runner, trigger("a")).await {
+        Outcome::Deferred { after, .. } => assert_eq!(after, Duration::from_secs(10)),
+        other => panic!("{other:?}"),
+    }
+    let before = tokio::time::Instant::now();
+    assert!(matches!(
+        handle(&f.runner, trigger("b")).await,
+        Outcome::Completed { .. }
+    ));
+    assert!(
+        before.elapsed() >= Duration::from_secs(10),
+        "{:?}",
+        before.elapsed()
+    );
+}
+
+/// Standalone, with every budget paused the consumer takes one batch per 5 s at most until the
+/// pause ends: each message taken would only wait or be handed back (with a backlog, a pass over
+/// all of it per pause), but a dead holder's message must still be taken within the recovery
+/// bound.
+#[tokio::test(start_paused = true)]
+async fn a_consumer_takes_a_batch_per_5_s_at_most_while_every_budget_is_paused() {
+    use leasehold_runtime::{Consumer, ConsumerOptions};
+
+    let f = fixture(4);
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(60)));
+    assert!(matches!(
+        handle(&f.runner, trigger("a")).await,
+        Outcome::Deferred { .. }
+    ));
+    for i in 0..20 {
+        f.queue
+            .put(
+                &TriggerMessage::parse("account", &format!("b{i}"))
+                    .unwrap()
+                    .encode(),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+    }
+    let poison: Arc<dyn TriggerQueue> = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let consumer = Consumer::new(f.runner.clone(), poison, ConsumerOptions::default());
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { consumer.run(shutdown).await }
+    });
+    let gets_before = f.counters.snapshot().get(leasehold_lock::Op::QueueGet);
+    tokio::time::sleep(Duration::from_secs(50)).await;
+    let gets = f.counters.snapshot().get(leasehold_lock::Op::QueueGet) - gets_before;
+    assert!(gets <= 11, "{gets} polls in 50 s of pause");
+    assert_eq!(
+        f.logic.runs.lock().unwrap().len(),
+        1,
+        "nothing ran during the pause"
+    );
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    shutdown.cancel();
+    running.await.unwrap();
+    assert_eq!(f.logic.runs.lock().unwrap().len(), 21, "all ran once it ended");
 }
 
 /// A holder waits for a slot of its budget under its lease; a trigger that comes meanwhile

@@ -4316,11 +4316,14 @@ fn check(plan: &Plan, world: &World) -> Report {
                     continue;
                 }
                 // A budget paused while the burst waits puts its run off until the pause ends,
-                // and a holder waits for a slot of its budget: timing is not checked then.
+                // and a holder waits for a slot of its budget: timing is not checked then. Nor
+                // when a pause held the previous burst's run: its trigger, handed back, may wait
+                // anew and take this burst in.
+                let span = q * 2 + m + DELIVERY * 4;
                 let paused = j
                     .pauses
                     .iter()
-                    .any(|(from, to)| *to >= first && *from <= last + q * 2 + m + DELIVERY * 4);
+                    .any(|(from, to)| *to + span >= first && *from <= last + span);
                 if paused || plan.budget.is_some_and(|b| b.max_concurrency < 3) {
                     continue;
                 }
