@@ -31,17 +31,28 @@ struct Config {
     out: PathBuf,
     /// `--only bulk`: just that section.
     only: Option<String>,
+    /// `--records N`: the bulk section's size (default 2,000; 40 with --smoke).
+    records: Option<usize>,
 }
 
 fn parse_args() -> Result<Config> {
     let mut smoke = false;
     let mut out = PathBuf::from("target/bench/leasehold-bench.md");
     let mut only = None;
+    let mut records = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--smoke" => smoke = true,
             "--out" => out = PathBuf::from(args.next().context("--out needs a path")?),
+            "--records" => {
+                records = Some(
+                    args.next()
+                        .context("--records needs a number")?
+                        .parse()
+                        .context("--records needs a number")?,
+                )
+            }
             "--only" => {
                 let section = args.next().context("--only needs a section")?;
                 if section != "bulk" {
@@ -55,14 +66,19 @@ fn parse_args() -> Result<Config> {
                      Benchmarks Leasehold against the seed design and raw storage on its own Azurite\n\
                      (installed by scripts/install-azurite.sh). Writes a markdown report to FILE\n\
                      (default target/bench/leasehold-bench.md). --smoke: tiny sizes, for CI.\n\
-                     --only bulk: only section 8 (bulk through a throttled downstream)."
+                     --only bulk: only section 8 (bulk through a throttled downstream); --records N: its size."
                 );
                 std::process::exit(0);
             }
             other => anyhow::bail!("unknown argument {other:?} (see --help)"),
         }
     }
-    Ok(Config { smoke, out, only })
+    Ok(Config {
+        smoke,
+        out,
+        only,
+        records,
+    })
 }
 
 /// Median and spread of a sample.
@@ -993,8 +1009,9 @@ async fn main() -> Result<()> {
     } else {
         Duration::from_millis(1000)
     };
+    let bulk_records = config.records.unwrap_or(if config.smoke { 40 } else { 2000 });
     if config.only.is_some() {
-        bulk(&azurite, if config.smoke { 40 } else { 2000 }, &mut report).await;
+        bulk(&azurite, bulk_records, &mut report).await;
         print!("{report}");
         return Ok(());
     }
@@ -1026,7 +1043,7 @@ async fn main() -> Result<()> {
     .await;
     recovery(&azurite, recovery_samples, &mut report).await;
     footprint(&azurite, footprint_samples, &mut report).await?;
-    bulk(&azurite, if config.smoke { 40 } else { 2000 }, &mut report).await;
+    bulk(&azurite, bulk_records, &mut report).await;
     writeln!(
         report,
         "Total benchmark time: {:.0} s.",
