@@ -484,7 +484,9 @@ impl Budgets {
             let until = held_until
                 .or(deadline)
                 .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            // Biased, so the same instants give the same choice (the simulation replays).
             tokio::select! {
+                biased;
                 _ = &mut notified => {}
                 _ = tokio::time::sleep_until(until) => {
                     if held_until.is_none() && deadline.is_some() {

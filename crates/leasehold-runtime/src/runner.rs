@@ -665,6 +665,8 @@ impl RecordRunner {
         let max_wait = watched.then_some(MAX_SLOT_WAIT_WATCHED);
         let asked = Instant::now();
         let admitted = tokio::select! {
+            // Biased, so the same instants give the same choice (the simulation replays).
+            biased;
             admitted = budgets.admit(&message.scope, self.lane, max_wait, honour_pause) => admitted,
             // Stopped while waiting: the caller's cancellation ends the run (`Cancelled`).
             _ = cancel.cancelled() => return Ok(None),
@@ -1185,18 +1187,8 @@ impl RecordRunner {
                 }
                 let message = &delivery.message;
                 let mut next = message.follow_up(message.kind, delivery.attempts().saturating_sub(1));
-                let (taken, retried) = self
-                    .marker_op("check retrigger marker", |markers| markers.take(key))
-                    .await;
-                match taken {
-                    // Fresh triggers joined it: it is owed as any new trigger is, and may not
-                    // stand down for a later run (as a deferral that took a set marker).
-                    Ok(set) if set || retried => {
-                        next.given_up = 0;
-                        next.after_token = None;
-                    }
-                    Ok(_) => {}
-                    Err(e) => return storage_failed("check retrigger marker", e),
+                if let Err(e) = self.take_marker_into(key, &mut next).await {
+                    return storage_failed("check retrigger marker", e);
                 }
                 return Outcome::Paused {
                     budget,
@@ -1357,21 +1349,9 @@ impl RecordRunner {
                 // retrigger, delayed. The marker is taken all the same (as any holder takes it
                 // after its release), so the triggers it stands for are covered by a run that
                 // starts after them, and none is left behind to cost the next holder a run more.
-                let (taken, retried) = self
-                    .marker_op("check retrigger marker", |markers| markers.take(key))
-                    .await;
-                match taken {
-                    // Fresh triggers joined the chain: it stands for them now, and they are
-                    // owed what any new trigger is, a chain that is given up once before its
-                    // sweep asks the marker (as a retrigger starts with no give-ups). Nor may it
-                    // stand down for a later run: those triggers may have arrived during that
-                    // run (this take comes after the release, while another may hold and run),
-                    // which then does not cover them — a failed run retriggers for them instead.
-                    Ok(set) if set || retried => {
-                        next.given_up = 0;
-                        next.after_token = None;
-                    }
-                    Ok(_) => next.after_token = after_token,
+                match self.take_marker_into(key, &mut next).await {
+                    Ok(true) => {}
+                    Ok(false) => next.after_token = after_token,
                     Err(e) => return storage_failed("check retrigger marker", e),
                 }
                 return Outcome::Deferred {
@@ -1648,6 +1628,26 @@ impl RecordRunner {
         let retrigger = delivery.message.retrigger();
         self.enqueue(&retrigger, Duration::ZERO).await?;
         Ok(true)
+    }
+
+    /// After the release, takes the marker for `next`, a message that carries this delivery on
+    /// (its deferral, or its trigger handed back by a paused budget), and says whether fresh
+    /// triggers joined it: the marker was set, or may have been (a retried take). It then stands
+    /// for them, and they are owed what any new trigger is: a chain that is given up once before
+    /// its sweep asks the marker (no give-ups, as a retrigger starts), and one that may not stand
+    /// down for a later run (no `afterToken`): those triggers may have arrived during that run
+    /// (this take comes after the release, while another may hold and run), which then does not
+    /// cover them — a failed run retriggers for them instead.
+    async fn take_marker_into(&self, key: &LockKey, next: &mut TriggerMessage) -> Result<bool, StoreError> {
+        let (taken, retried) = self
+            .marker_op("check retrigger marker", |markers| markers.take(key))
+            .await;
+        let joined = taken? || retried;
+        if joined {
+            next.given_up = 0;
+            next.after_token = None;
+        }
+        Ok(joined)
     }
 
     /// Sets the marker. If an earlier attempt's answer was lost, "already set" may mean we set
