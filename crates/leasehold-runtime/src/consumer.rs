@@ -152,24 +152,19 @@ impl Consumer {
             // A message taken now would only wait, or be handed back (with a backlog, a pass
             // over all of it); but a dead holder's message, which runs through a pause, must
             // still be taken within the recovery bound.
-            if let Some(left) = self.runner.budgets().and_then(|b| b.all_paused())
-                && paused_poll_at.is_some_and(|at| at > Instant::now())
+            let paused = self.runner.budgets().and_then(|b| b.all_paused());
+            let now = Instant::now();
+            if let (Some(left), Some(at)) = (paused, paused_poll_at)
+                && at > now
             {
-                let until = paused_poll_at
-                    .unwrap_or_else(Instant::now)
-                    .min(Instant::now() + left);
                 tokio::select! {
                    biased;
                     _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep_until(until) => {}
+                    _ = tokio::time::sleep_until(at.min(now + left)) => {}
                 }
                 continue;
             }
-            paused_poll_at = self
-                .runner
-                .budgets()
-                .and_then(|b| b.all_paused())
-                .map(|_| Instant::now() + PAUSED_POLL);
+            paused_poll_at = paused.map(|_| now + PAUSED_POLL);
             let want = (free as u32).clamp(1, self.options.batch_size.min(32));
             // The messages are hidden for `visibility` from when the service took them, which
             // is after this.

@@ -736,20 +736,7 @@ impl RecordRunner {
                 Err(e) => storage_failed("put the paused trigger back", e),
             };
         }
-        self.handle_watched_admitted(delivery, poison, cancel, ended)
-            .await
-    }
-
-    async fn handle_watched_admitted(
-        &self,
-        delivery: &Delivery,
-        poison: &dyn TriggerQueue,
-        cancel: &CancellationToken,
-        ended: &mut Ended,
-    ) -> Outcome {
-        let msg = &delivery.message;
         let key = msg.key();
-        let attempts = delivery.attempts();
         // A delivery that may leave a wait marker behind has carriers that stand in for it.
         let step = self.debounce_step(delivery);
         let marks = step.marks_carrier();
@@ -1176,7 +1163,8 @@ impl RecordRunner {
         }
         // The downstream budget's slot, waited for under the lease: triggers that come
         // meanwhile find the lease held and coalesce onto this run, as during the run itself.
-        let (end, run_time) = match self.slot(delivery, cancel, watched).await {
+        // With it, the pause a throttle of the run set, if one did.
+        let (end, run_time, throttle_pause) = match self.slot(delivery, cancel, watched).await {
             Err((budget, after)) => {
                 // Put off before the run: the trigger is handed back as it is, hidden until the
                 // pause ends — as a holder: release, then take the marker, which the trigger
@@ -1235,14 +1223,17 @@ impl RecordRunner {
                     ),
                     Err(_) => LogicEnd::Other,
                 };
-                ended.logic = Some(logic_end);
                 // The slot is free once the logic has ended (or been abandoned); a throttle
                 // pauses the budget before this holder's follow-ups are written.
                 if let Some(permit) = &mut permit {
                     tell_budget(permit, logic_end).await;
                 }
                 drop(permit);
-                (end, run_time)
+                let pause = match logic_end {
+                    LogicEnd::Throttled(pause) => pause,
+                    _ => None,
+                };
+                (end, run_time, pause)
             }
         };
         if let Some(task) = end.still_running {
@@ -1279,10 +1270,7 @@ impl RecordRunner {
         let was_superseded = matches!(result, Err(Error::Superseded));
         let deferral = asks_to_run_later(&result).map(|(asked, why)| {
             // A throttle's run comes back once its budget's pause is over (the pause is bounded).
-            let asked = match ended.logic {
-                Some(LogicEnd::Throttled(Some(pause))) => Some(pause),
-                _ => asked,
-            };
+            let asked = throttle_pause.or(asked);
             self.defer(delivery, asked, why)
         });
         // Whether this delivery's trigger will be tried again later by a message of its own (a
@@ -1813,13 +1801,11 @@ pub(crate) struct Ended {
     /// What the delivery's retry is made of, when it is not the delivered message: the message
     /// it carried on as after a debounce step that owes a run ([`debounce`]).
     pub(crate) carried: Option<TriggerMessage>,
-    /// How the logic ended, if it ran: what its downstream budget learns from the run.
-    pub(crate) logic: Option<LogicEnd>,
 }
 
 /// How a run's logic ended, for its downstream budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum LogicEnd {
+enum LogicEnd {
     Succeeded,
     /// The downstream said "too many"; the pause its budget takes (`None`: no budgets).
     Throttled(Option<Duration>),
@@ -1853,7 +1839,6 @@ impl Ended {
             ran: None,
             after_token: delivery.message.after_token,
             carried: None,
-            logic: None,
         }
     }
 
