@@ -474,3 +474,47 @@ async fn the_consumer_serves_the_high_lane_first_and_never_starves_the_low_one()
         .collect();
     assert_eq!(lows, [3, 7, 11], "one low start in every four: {order:?}");
 }
+
+/// Under Functions a trigger that meets a pause longer than it may wait is acknowledged to the
+/// host and comes back as a copy, hidden until the pause ends, that carries its attempts so far:
+/// the delivery does not count (its next delivery is attempt 3 again, not 4).
+#[tokio::test(start_paused = true)]
+async fn under_functions_a_paused_trigger_comes_back_as_a_copy_that_keeps_its_attempts() {
+    let f = fixture(4);
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(60)));
+    assert!(matches!(
+        handle(&f.runner, trigger("a")).await,
+        Outcome::Deferred { .. }
+    ));
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    // The third attempt of b's trigger: a retry (two failed deliveries before), first delivered.
+    let mut third = trigger("b");
+    third.message.prior_attempts = 2;
+    assert_eq!(third.attempts(), 3);
+    let outcome = f
+        .runner
+        .handle_watched(&third, &poison, &CancellationToken::new())
+        .await;
+    let Outcome::Paused { after, next, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(after, Duration::from_secs(60));
+    assert_eq!(f.logic.runs_of("b"), 0);
+    let queued: Vec<TriggerMessage> = f
+        .queue
+        .bodies()
+        .iter()
+        .map(|b| TriggerMessage::decode(b).unwrap())
+        .collect();
+    assert_eq!(queued, [*next.clone()], "one copy, and no watchdog left");
+    let again = Delivery {
+        message: *next,
+        dequeue_count: 1,
+    };
+    assert_eq!(again.attempts(), 3, "the paused delivery did not count");
+    assert_eq!(f.queue.visible_len(), 0, "hidden until the pause ends");
+}
