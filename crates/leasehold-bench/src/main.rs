@@ -982,6 +982,13 @@ fn machine() -> String {
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() -> Result<()> {
     let config = parse_args()?;
+    // RUST_LOG=leasehold_runtime=info (for example) shows what the workers did, on stderr.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let azurite = Azurite::start()?;
     let started = Instant::now();
     let now = time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339)?;
@@ -1071,6 +1078,8 @@ struct FakeDownstream {
     /// Accepted calls' start times in the last second.
     window: Mutex<std::collections::VecDeque<Instant>>,
     throttled: AtomicUsize,
+    /// When each refusal was answered (for the time the budget stood paused).
+    refusals: Mutex<Vec<Instant>>,
     /// Per record: when its logic first started, and whether it ever succeeded.
     started: Mutex<HashMap<String, Instant>>,
     succeeded: Mutex<HashMap<String, Instant>>,
@@ -1086,6 +1095,7 @@ impl FakeDownstream {
             in_flight: AtomicUsize::new(0),
             window: Mutex::default(),
             throttled: AtomicUsize::new(0),
+            refusals: Mutex::default(),
             started: Mutex::default(),
             succeeded: Mutex::default(),
         })
@@ -1094,6 +1104,23 @@ impl FakeDownstream {
     /// The rate it allows: the lower of its two limits, in calls per second.
     fn allowed(&self) -> f64 {
         (self.per_second as f64).min(self.concurrent as f64 / self.work.as_secs_f64())
+    }
+
+    /// How long, between `from` and `to`, some refusal's `Retry-After` was running: the time
+    /// its callers' budget stood paused.
+    fn refused_time(&self, from: Instant, to: Instant) -> Duration {
+        let mut total = Duration::ZERO;
+        let mut covered_to = from;
+        let mut refusals = self.refusals.lock().unwrap().clone();
+        refusals.sort();
+        for t in &refusals {
+            let (start, end) = ((*t).max(covered_to), (*t + self.retry_after).min(to));
+            if end > start {
+                total += end - start;
+                covered_to = end;
+            }
+        }
+        total
     }
 }
 
@@ -1121,6 +1148,7 @@ impl Logic for FakeDownstream {
         };
         if refused {
             self.throttled.fetch_add(1, Ordering::SeqCst);
+            self.refusals.lock().unwrap().push(now);
             return Err(LogicError::throttled(
                 Some(self.retry_after),
                 "429 Too Many Requests (service protection)",
@@ -1153,7 +1181,7 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
     .unwrap();
     writeln!(
         report,
-        "| adaptive concurrency | drained in | runs/s (of 20 allowed) | 429s per 1,000 runs | high-lane save → logic start p50 / p95 | poisoned | never run |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| adaptive concurrency | drained in | runs/s (of 20 allowed) | 429s per 1,000 runs | drain under a Retry-After | high-lane save → logic start p50 / p95 | poisoned | never run |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     .unwrap();
     for adaptive in [true, false] {
@@ -1228,6 +1256,7 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
         let drained = t.elapsed();
+        let paused_share = downstream.refused_time(t, t + drained).as_secs_f64() / drained.as_secs_f64();
         // The last saves run too.
         let all_saves = |d: &FakeDownstream| {
             let done = d.succeeded.lock().unwrap();
@@ -1258,17 +1287,18 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
                 format!("{:.2} s", percentile(latencies, 0.95)),
             )
         };
-        writeln!(
-            report,
-            "| {} | {:.1} s | {:.1} ({:.0} %) | {:.0} | {p50} / {p95} ({} saves) | {poisoned} | {never_run} |",
+        let row = format!(
+            "| {} | {:.1} s | {:.1} ({:.0} %) | {:.0} | {:.0} % | {p50} / {p95} ({} saves) | {poisoned} | {never_run} |",
             if adaptive { "on" } else { "off" },
             drained.as_secs_f64(),
             rate,
             100.0 * rate / downstream.allowed(),
             1000.0 * downstream.throttled.load(Ordering::SeqCst) as f64 / runs.max(1) as f64,
+            100.0 * paused_share,
             saves.len(),
-        )
-        .unwrap();
+        );
+        eprintln!("bulk: {row}");
+        writeln!(report, "{row}").unwrap();
     }
     writeln!(report).unwrap();
 }

@@ -270,16 +270,23 @@ struct Budget {
     notify: Arc<Notify>,
     throttles: u64,
     /// The concurrency the downstream last answered "too many" at: growth stops below it until
-    /// [`PROBE_AFTER`] windows of successes have passed since.
+    /// [`PROBE_AFTER`] windows of successes and [`PROBE_EVERY`] have passed since.
     ceiling: Option<usize>,
     /// Successes since the last cut.
     since_cut: u64,
+    /// When the limit was last cut.
+    cut_at: Option<Instant>,
 }
 
 /// After a cut, the limit grows back to just below the concurrency that was too many, and
 /// probes beyond it only after this many windows of successes (a window: as many successes as
 /// the ceiling): a probe costs a throttle and its pause, so it is rare.
 const PROBE_AFTER: u64 = 30;
+
+/// And no sooner than this after the cut: a probe costs a pause of every run of the budget (the
+/// downstream's `Retry-After`), so with fast runs, probing every [`PROBE_AFTER`] windows would
+/// pause the budget every few seconds.
+const PROBE_EVERY: Duration = Duration::from_secs(60);
 
 /// What a delivery may do, by its budget ([`Budgets::admit`]).
 #[derive(Debug)]
@@ -377,6 +384,7 @@ impl Budgets {
             throttles: 0,
             ceiling: None,
             since_cut: 0,
+            cut_at: None,
         });
         f(budget)
     }
@@ -601,7 +609,7 @@ impl BudgetPermit {
 
     /// The run succeeded: the limit grows by one per `limit` successes, up to just below the
     /// concurrency the downstream last refused, and beyond it only after [`PROBE_AFTER`] windows
-    /// of successes.
+    /// of successes and [`PROBE_EVERY`] since the cut.
     pub fn succeeded(&mut self) {
         if std::mem::replace(&mut self.told, true) {
             return;
@@ -610,7 +618,10 @@ impl BudgetPermit {
         self.budgets.with_budget(&self.name, |b| {
             b.since_cut += 1;
             let cap = match b.ceiling {
-                Some(c) if b.since_cut < PROBE_AFTER * c as u64 => {
+                Some(c)
+                    if b.since_cut < PROBE_AFTER * c as u64
+                        || b.cut_at.is_some_and(|at| at.elapsed() < PROBE_EVERY) =>
+                {
                     (c.saturating_sub(1).max(1) as f64).min(max)
                 }
                 _ => max,
@@ -635,13 +646,21 @@ impl BudgetPermit {
             let was_paused = b.paused_until.is_some_and(|u| u > now);
             // This run was refused with `position` runs in flight here: fewer than that were
             // what the downstream took. Cut to that; if it is no cut (other workers share the
-            // downstream), halve — once per pause. A later refusal in the same pause only
-            // lowers it to what it shows.
+            // downstream), halve — once per pause. A probe's refusal (the limit back at the
+            // concurrency refused before) cuts no lower than the level that has worked since:
+            // a run that started after this one may have reached the downstream first, so
+            // `position` can undercount. A later refusal in the same pause only lowers it to
+            // what it shows.
             let shown = self.position.saturating_sub(1).max(1) as f64;
             let before = b.limit;
             if !was_paused {
-                b.limit = if shown < b.limit { shown } else { (b.limit / 2.0).max(1.0) };
+                let worked = match b.ceiling {
+                    Some(c) if b.limit as usize >= c => c.saturating_sub(1).max(1) as f64,
+                    _ => 1.0,
+                };
+                b.limit = if shown < b.limit { shown } else { (b.limit / 2.0).max(1.0) }.max(worked);
                 b.since_cut = 0;
+                b.cut_at = Some(now);
                 b.ceiling = Some(b.limit as usize + 1);
                 tracing::info!(budget = %self.name, limit_before = before as u64, limit = b.limit as u64,
                     pause_s = pause.as_secs_f64(), "the downstream throttled a run: budget paused, fewer runs at once");
@@ -723,7 +742,12 @@ mod tests {
             go(&b, Lane::High).await.succeeded();
         }
         assert_eq!(b.views()[0].limit, 3);
-        // …until enough windows have passed: then it probes beyond.
+        // …until enough windows and enough time have passed: then it probes beyond.
+        for _ in 0..5 {
+            go(&b, Lane::High).await.succeeded();
+        }
+        assert_eq!(b.views()[0].limit, 3, "windows enough, but 3 s since the cut");
+        tokio::time::sleep(PROBE_EVERY).await;
         for _ in 0..5 {
             go(&b, Lane::High).await.succeeded();
         }
@@ -742,6 +766,39 @@ mod tests {
             let mut p = go(&b, Lane::High).await;
             p.throttled(Duration::from_secs(1)).await;
         }
+        assert_eq!(b.views()[0].limit, 1);
+    }
+
+    /// A probe beyond the level that worked, refused, goes back to that level even when the run
+    /// refused started early (a later one reached the downstream first, so its position shows
+    /// less than the downstream took). Without the floor it would cut to 1 here, and stay below
+    /// what works until the next probe.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_probe_goes_back_to_the_level_that_worked() {
+        let (b, _) = budgets(8);
+        let mut permits = Vec::new();
+        for _ in 0..4 {
+            permits.push(go(&b, Lane::High).await);
+        }
+        permits[3].throttled(Duration::from_secs(1)).await;
+        assert_eq!(b.views()[0].limit, 3);
+        drop(permits);
+        tokio::time::sleep(PROBE_EVERY).await;
+        for _ in 0..PROBE_AFTER * 4 + 4 {
+            go(&b, Lane::High).await.succeeded();
+        }
+        assert_eq!(b.views()[0].limit, 4, "probing");
+        let mut early = go(&b, Lane::High).await;
+        let _others: Vec<_> = futures_like(&b, 3).await;
+        early.throttled(Duration::from_secs(1)).await;
+        assert_eq!(b.views()[0].limit, 3);
+        // Refused again at the level that worked (the downstream took less since): a cut as
+        // any.
+        drop((early, _others));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let mut p = go(&b, Lane::High).await;
+        let _q = go(&b, Lane::High).await;
+        p.throttled(Duration::from_secs(1)).await;
         assert_eq!(b.views()[0].limit, 1);
     }
 

@@ -135,6 +135,13 @@ pub struct Deferral {
     pub hops: u32,
     /// Drawn at the chain's first deferral, to follow it in logs.
     pub id: u64,
+    /// Whether this message is the deferral itself, as its holder wrote it after releasing the
+    /// lease, and has not found the lease held since: it then stands in for no dead holder, and
+    /// its run draws on its downstream budget as a trigger's does
+    /// ([`Delivery::may_stand_in`](crate::Delivery::may_stand_in)). A look again made from it
+    /// (it found the lease held) is not; nor is a message written before this field existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub released: bool,
 }
 
 impl Deferral {
@@ -228,16 +235,29 @@ impl TriggerMessage {
             total_ms: 0,
             hops: 0,
             id,
+            released: false,
         });
         Self {
             deferral: Some(Deferral {
                 total_ms: before.total_ms.saturating_add(after.as_millis() as u64),
                 hops: before.hops.saturating_add(1),
                 id: before.id,
+                released: true,
             }),
             wait: None,
             ..self.follow_up(TriggerKind::Recheck, prior_attempts)
         }
+    }
+
+    /// The message that looks again for a delivery that found the lease held and may not trust
+    /// its holder: a follow-up of `kind`, which may stand in for that holder if it is dead (so a
+    /// deferral's look again is no longer [`Deferral::released`]).
+    pub fn looking_again(&self, kind: TriggerKind, prior_attempts: u32) -> Self {
+        let mut again = self.follow_up(kind, prior_attempts);
+        if let Some(d) = &mut again.deferral {
+            d.released = false;
+        }
+        again
     }
 
     /// The retrigger a holder enqueues for triggers that coalesced onto its run: a new chain
@@ -309,7 +329,7 @@ mod tests {
         assert_eq!(TriggerMessage::decode(&d.encode()).unwrap(), d);
         assert_eq!(
             d.to_json(),
-            r#"{"scope":"account","recordId":"8f9c1d2e-0000-4000-8000-000000000001","kind":"recheck","priorAttempts":2,"rehides":4,"deferral":{"totalMs":30000,"hops":1,"id":7}}"#
+            r#"{"scope":"account","recordId":"8f9c1d2e-0000-4000-8000-000000000001","kind":"recheck","priorAttempts":2,"rehides":4,"deferral":{"totalMs":30000,"hops":1,"id":7,"released":true}}"#
         );
     }
 
@@ -326,12 +346,25 @@ mod tests {
             Some(Deferral {
                 total_ms: 31_500,
                 hops: 2,
-                id: 7
+                id: 7,
+                released: true,
             })
         );
         d2.rehides = 3;
         let w = d2.follow_up(TriggerKind::Watchdog, 1);
         assert_eq!((w.rehides, w.deferral), (0, d2.deferral));
+        // A look again keeps the chain's total but may stand in for a holder: no longer
+        // released. A message written before the field existed reads as not released.
+        let again = d2.looking_again(TriggerKind::Recheck, 1);
+        assert_eq!(
+            again.deferral.map(|d| (d.total_ms, d.released)),
+            Some((31_500, false))
+        );
+        let old = TriggerMessage::decode(
+            r#"{"scope":"account","recordId":"42","kind":"recheck","deferral":{"totalMs":1000,"hops":1,"id":7}}"#,
+        )
+        .unwrap();
+        assert_eq!(old.deferral.map(|d| d.released), Some(false));
         let r = d2.retrigger();
         assert_eq!((r.rehides, r.deferral), (0, None));
     }

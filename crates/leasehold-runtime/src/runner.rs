@@ -225,6 +225,16 @@ impl Delivery {
         self.dequeue_count > self.message.rehides.saturating_add(1)
     }
 
+    /// Whether this delivery may stand in for a dead holder, whose record must run again within
+    /// the recovery bound: a carrier ([`TriggerKind::is_carrier`]) other than a deferral as its
+    /// live holder wrote it ([`Deferral::released`](crate::Deferral::released)), or a redelivery.
+    /// Such a delivery is neither held by its downstream budget's limit nor put off by its pause.
+    pub fn may_stand_in(&self) -> bool {
+        let released =
+            self.message.kind == TriggerKind::Recheck && self.message.deferral.is_some_and(|d| d.released);
+        self.redelivered() || (self.message.kind.is_carrier() && !released)
+    }
+
     /// The span every event of this delivery is logged in: scope, record, message kind, attempt,
     /// and (once the lease is granted with fencing on) the fencing token.
     pub fn span(&self) -> tracing::Span {
@@ -613,17 +623,17 @@ impl RecordRunner {
     ///
     /// Only a pause that outlasts what a holder may wait for its slot ([`MAX_SLOT_WAIT_WATCHED`])
     /// turns a delivery away; a shorter one is waited out under the lease. And only a trigger
-    /// that would run is turned away: not a carrier ([`TriggerKind::is_carrier`]:
-    /// it may stand in for a dead holder, whose record must run again within the recovery
-    /// bound), a redelivery (the same, and hidden again in place it would no longer look like
-    /// one), a debounce waiter or stand-in (its wait has its own clock, and the lease is where
+    /// that would run is turned away: not one that may stand in for a dead holder, whose record
+    /// must run again within the recovery bound ([`Delivery::may_stand_in`]: a carrier other
+    /// than a deferral as its holder wrote it, or a redelivery, which hidden again in place
+    /// would no longer look like one), a debounce waiter or stand-in (its wait has its own clock, and the lease is where
     /// it meets the pause), nor a trigger that is about to wait for its burst to end (it will
     /// not run now anyway). The holder of the lease meets the pause again before its run
     /// ([`slot`](Self::slot)).
     fn paused(&self, delivery: &Delivery) -> Option<Outcome> {
         let budgets = self.budgets.as_ref()?;
         let message = &delivery.message;
-        if message.kind.is_carrier() || delivery.redelivered() || message.wait.is_some() {
+        if delivery.may_stand_in() || message.wait.is_some() {
             return None;
         }
         if message.kind == TriggerKind::Trigger && self.options.debounce.get(&message.scope).is_some() {
@@ -648,9 +658,9 @@ impl RecordRunner {
     /// low lane (under Functions at most [`MAX_SLOT_WAIT_WATCHED`]: the host's invocation must
     /// not be held for minutes). `Err((budget, after))`: the budget is paused past that wait (or,
     /// under Functions, no slot came in time): the trigger is handed back, hidden for `after`,
-    /// without running. A carrier or a redelivery is neither put off by a pause nor held by the
-    /// limit (it may stand in for a dead holder: see [`paused`](Self::paused)); its run counts
-    /// all the same. `Ok(None)`: no budgets.
+    /// without running. A delivery that may stand in for a dead holder
+    /// ([`Delivery::may_stand_in`]) is neither put off by a pause nor held by the limit; its run
+    /// counts all the same. `Ok(None)`: no budgets.
     async fn slot(
         &self,
         delivery: &Delivery,
@@ -661,7 +671,7 @@ impl RecordRunner {
             return Ok(None);
         };
         let message = &delivery.message;
-        let honour_pause = !message.kind.is_carrier() && !delivery.redelivered();
+        let honour_pause = !delivery.may_stand_in();
         let max_wait = watched.then_some(MAX_SLOT_WAIT_WATCHED);
         let asked = Instant::now();
         let admitted = tokio::select! {
@@ -805,7 +815,7 @@ impl RecordRunner {
         match outcome {
             Outcome::Rechecking { after } => {
                 // Leave the watchdog in place as the look again; this delivery did not fail.
-                let again = msg.follow_up(delivery.continuation_kind(), attempts - 1);
+                let again = msg.looking_again(delivery.continuation_kind(), attempts - 1);
                 if let Err(e) = self.rearm_or_put(&watchdog, &again, after).await {
                     tracing::warn!(error = %e, "could not reschedule the watchdog; it surfaces when its visibility lapses");
                 }
@@ -1024,7 +1034,7 @@ impl RecordRunner {
             }
             let again = delivery
                 .message
-                .follow_up(delivery.continuation_kind(), delivery.attempts() - 1);
+                .looking_again(delivery.continuation_kind(), delivery.attempts() - 1);
             return match self.enqueue(&again, self.recheck_delay).await {
                 Ok(()) => Outcome::Rechecking {
                     after: self.recheck_delay,
@@ -1497,6 +1507,7 @@ impl RecordRunner {
             total_ms: 0,
             hops: 0,
             id: 0,
+            released: false,
         });
         let floor = self.options.min_deferral;
         let remaining = max.saturating_sub(so_far.total());

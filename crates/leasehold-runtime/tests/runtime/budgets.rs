@@ -407,6 +407,71 @@ async fn a_carrier_is_never_held_by_its_budget() {
     long.abort();
 }
 
+/// A throttled run's deferral is a recheck, a carrier, but one its live holder wrote after its
+/// release: it stands in for nobody, so it meets its budget as a trigger does — turned away by
+/// the pause, held by the limit. Were it let through as a carrier, each throttle's deferral
+/// would start beyond the limit when it came back and be throttled again (seen in the
+/// benchmark: a probe's refusal came back as a fourth run beside three). A look again made
+/// from it (it found the lease held) may stand in, and is not held.
+#[tokio::test(start_paused = true)]
+async fn a_throttled_runs_deferral_meets_its_budget_as_a_trigger_does() {
+    let f = fixture(1);
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(60)));
+    let deferral = match handle(&f.runner, trigger("a")).await {
+        Outcome::Deferred { next, .. } => *next,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(deferral.kind, TriggerKind::Recheck);
+    let back = Delivery {
+        message: deferral.clone(),
+        dequeue_count: 1,
+    };
+    assert!(!back.may_stand_in());
+    // Back early (a clock ahead, a copy): turned away by the pause.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(matches!(
+        handle(&f.runner, back.clone()).await,
+        Outcome::Paused { .. }
+    ));
+    // After the pause, with the only slot taken by b's run of a minute: it waits for the slot.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    f.logic
+        .length
+        .lock()
+        .unwrap()
+        .insert("b".into(), Duration::from_secs(60));
+    let runner = f.runner.clone();
+    let long = tokio::spawn(async move { handle(&runner, trigger("b")).await });
+    f.logic.started.notified().await;
+    let runner = f.runner.clone();
+    let waiting = tokio::spawn(async move { handle(&runner, back).await });
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(f.logic.runs_of("a"), 1, "held by the limit while b runs");
+    assert!(matches!(long.await.unwrap(), Outcome::Completed { .. }));
+    assert!(matches!(waiting.await.unwrap(), Outcome::Completed { .. }));
+    assert_eq!(f.logic.runs_of("a"), 2);
+    // Its look again may stand in for a dead holder: not held by the limit.
+    let again = Delivery {
+        message: deferral.looking_again(TriggerKind::Recheck, 0),
+        dequeue_count: 1,
+    };
+    assert!(again.may_stand_in());
+    let runner = f.runner.clone();
+    let long = tokio::spawn(async move { handle(&runner, trigger("b")).await });
+    f.logic.started.notified().await;
+    let started = tokio::time::Instant::now();
+    assert!(matches!(
+        handle(&f.runner, again).await,
+        Outcome::Completed { .. }
+    ));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    long.abort();
+}
+
 /// Standalone, one consumer takes from both lanes: the high lane first, and while the low lane
 /// has messages at least one start in `low_every` comes from it, however full the high lane is
 /// (a bulk import is slowed, never starved). Without the turn, the low lane would wait for the
