@@ -485,6 +485,30 @@ fn simulation_catches_trusting_a_dead_holder() {
     println!("trust-on-redelivery caught by seed {seed}: {violation}");
 }
 
+/// A seed replays the same: run twice in one process (each run on a runtime of its own, whose
+/// `select!`s draw their branch order afresh), a seed with a downstream budget or priority lanes
+/// gives the same runs at the same times. Without the budget code's `biased` selects, seed 255
+/// did not; a failure here makes every seed's replay (`LEASEHOLD_SIM_SEED`) untrustworthy.
+#[test]
+fn simulation_budget_and_lane_seeds_replay_the_same() {
+    let sampled: Vec<u64> = (0..4_000u64)
+        .filter(|seed| {
+            let plan = sim::Plan::from_seed(*seed);
+            plan.budget.is_some() || plan.lanes.is_some()
+        })
+        .take(150)
+        .collect();
+    assert!(sampled.contains(&255), "seed 255 is among those sampled");
+    for seed in sampled {
+        let first = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
+        let again = sim::run_seed_bounded(seed, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
+        assert_eq!(
+            first.fingerprint, again.fingerprint,
+            "seed {seed} ran differently the second time (replay: LEASEHOLD_SIM_SEED={seed} LEASEHOLD_SIM_TRACE=1)"
+        );
+    }
+}
+
 /// Prints each seed's fingerprint (its runs' times and tokens), one `seed fingerprint` line per
 /// seed: to show a change to the plan leaves seeds that draw nothing new as they were (save the
 /// list before the change, compare after). `LEASEHOLD_SIM_SEEDS` sets how many.
