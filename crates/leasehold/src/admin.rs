@@ -5,7 +5,7 @@
 //! | `GET /admin` | `GET /api/dashboard` (function `Dashboard`, anonymous) | the page (holds no data) |
 //! | `GET /api/admin/overview` | `GET /api/ops/overview` (function `Ops`; the handler checks the key) | queues, held records, pending retriggers |
 //! | `GET /api/admin/records/{scope}/{recordId}` | `GET /api/ops/records/…` | a record's lease, marker and recent outcome |
-//! | `GET /api/admin/poison` | `GET /api/ops/poison` | poison entries and their reasons |
+//! | `GET /api/admin/poison` | `GET /api/ops/poison` | poison entries and their reasons (`?lane=low`: the low lane's, for every poison operation) |
 //! | `GET /api/admin/poison/{id}` | `GET /api/ops/poison/{id}` | one entry |
 //! | `POST /api/admin/poison/requeue` | `POST /api/ops/poison/requeue` | requeue a selection |
 //! | `POST /api/admin/poison/purge` | `POST /api/ops/poison/purge` | delete a selection (`"confirm": true`) |
@@ -37,7 +37,7 @@ use axum::routing::{any, get, post};
 use base64::Engine;
 use leasehold_functions::handler::{self, HostHttpRequest};
 use leasehold_functions::start::Secret;
-use leasehold_runtime::{RecordId, Scope};
+use leasehold_runtime::{Lane, RecordId, Scope};
 use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -127,6 +127,21 @@ fn limit(query: &[(String, String)]) -> Result<Option<usize>, ApiAnswer> {
         .transpose()
 }
 
+/// The operator for the lane `?lane=` names (`high`, the default, or `low`): its poison tools act
+/// on that lane's poison queue. 400 for an unknown lane; 404 when the deployment has no low lane
+/// (never the high lane's queue in its stead: a purge must act where it was aimed).
+fn for_lane(operator: &Operator, query: &[(String, String)]) -> Result<Operator, ApiAnswer> {
+    let Some(text) = query_value(query, "lane") else {
+        return Ok(operator.clone());
+    };
+    let lane: Lane = text.parse().map_err(|e| error(400, format!("lane: {e}")))?;
+    let operator = operator.clone().lane(lane);
+    if operator.lane_of() != lane {
+        return Err(error(404, format!("this deployment has no {lane} lane")));
+    }
+    Ok(operator)
+}
+
 /// A JSON body, or 400 naming what is wrong with it.
 fn json_body(body: &[u8]) -> Result<Value, ApiAnswer> {
     if body.iter().all(u8::is_ascii_whitespace) {
@@ -163,6 +178,17 @@ pub async fn answer(operator: &Operator, request: &ApiRequest<'_>) -> ApiAnswer 
     let parts: Vec<&str> = decoded.iter().map(String::as_str).collect();
     let method = request.method.to_ascii_uppercase();
     let (get, post) = (method == "GET", method == "POST");
+    // The poison tools act on the lane the query names.
+    let lane_operator;
+    let operator = if parts.first() == Some(&"poison") {
+        lane_operator = match for_lane(operator, &request.query) {
+            Ok(o) => o,
+            Err(answer) => return answer,
+        };
+        &lane_operator
+    } else {
+        operator
+    };
     let wrong_method = |allowed: &str| {
         error(
             405,

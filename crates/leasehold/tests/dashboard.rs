@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use common::{Env, Running, get};
 use leasehold_runtime::{
-    Error, LogicError, MarkerStore, PoisonMessage, TriggerMessage, TriggerQueue, poison_queue_name,
+    Error, LogicError, MarkerStore, PoisonMessage, TriggerMessage, TriggerQueue, low_queue_name,
+    poison_queue_name,
 };
 use leasehold_test_support::browser::Browser;
 use leasehold_test_support::{eventually, workspace_root};
@@ -72,6 +73,15 @@ impl Env {
 
     /// Puts a poison entry for `record` with `reason` on the poison queue, as the runner would.
     async fn poison(&self, record: &str, reason: &str) {
+        self.poison_in(&self.queue, record, reason).await
+    }
+
+    /// The same, on the low lane's poison queue.
+    async fn poison_low(&self, record: &str, reason: &str) {
+        self.poison_in(&low_queue_name(&self.queue), record, reason).await
+    }
+
+    async fn poison_in(&self, queue: &str, record: &str, reason: &str) {
         let trigger = TriggerMessage::parse("account", record).unwrap();
         let entry = PoisonMessage::new(
             trigger.encode(),
@@ -79,7 +89,7 @@ impl Env {
             &Error::Logic(LogicError::new(reason)),
             5,
         );
-        common::queue(&poison_queue_name(&self.queue))
+        common::queue(&poison_queue_name(queue))
             .put(&entry.encode(), Duration::ZERO)
             .await
             .unwrap();
@@ -132,6 +142,8 @@ async fn without_an_admin_key_there_is_no_dashboard_and_the_key_must_differ_from
 async fn the_admin_api_needs_its_key_in_its_header_and_says_what_it_did() {
     let env = Env::new();
     env.poison("api-poisoned", "the logic exited with status 3").await;
+    env.poison_low("bulk-poisoned", "the logic exited with status 4")
+        .await;
     let app = env
         .start(
             common::standalone(),
@@ -198,6 +210,35 @@ async fn the_admin_api_needs_its_key_in_its_header_and_says_what_it_did() {
     let id = entries[0]["id"].as_str().unwrap();
     let one = get(&app.url(&format!("/api/admin/poison/{id}")), &[KEY]).await;
     assert_eq!(one.status(), 200);
+
+    // The low lane's poison queue is its own: `?lane=low`, for every poison operation.
+    let low: Value = get(&app.url("/api/admin/poison?lane=low"), &[KEY])
+        .await
+        .json()
+        .await
+        .unwrap();
+    let low_entries = low["entries"].as_array().unwrap();
+    assert_eq!(low_entries.len(), 1, "{low}");
+    assert_eq!(low_entries[0]["recordId"], "bulk-poisoned");
+    let low_id = low_entries[0]["id"].as_str().unwrap();
+    assert_eq!(
+        get(&app.url(&format!("/api/admin/poison/{low_id}")), &[KEY])
+            .await
+            .status(),
+        404,
+        "not in the high lane's"
+    );
+    let (status, report) = post(
+        &app.url("/api/admin/poison/purge?lane=low"),
+        &json!({ "ids": [low_id], "confirm": true }).to_string(),
+        &[KEY],
+    )
+    .await;
+    assert_eq!((status, &report["purged"]), (200, &json!([low_id])), "{report}");
+    let bad_lane = get(&app.url("/api/admin/poison?lane=medium"), &[KEY]).await;
+    assert_eq!(bad_lane.status(), 400);
+    let error: Value = bad_lane.json().await.unwrap();
+    assert!(error["error"].as_str().unwrap().contains("lane"), "{error}");
 
     // Wrong requests say what is wrong.
     for (path, body, status, names) in [
@@ -529,6 +570,10 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
         "the logic exited with status 3: POST /credit-check answered 502 <title id=injected>Bad Gateway</title>",
     )
     .await;
+    // And one in the low lane (bulk traffic): its own poison queue, behind the lane switch.
+    let bulk_poisoned = "bulk-import-0917";
+    env.poison_low(bulk_poisoned, "the logic exited with status 4: duplicate key")
+        .await;
     let app = env
         .start(
             common::standalone(),
@@ -691,6 +736,43 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
         &browser,
         "document.querySelectorAll('#poison tbody tr').length === 0 && !document.getElementById('poison-empty').hidden",
         "the requeued entry to leave the poison table",
+    )
+    .await;
+
+    // The low lane's poison queue, behind the lane switch (which shows each lane's depth):
+    // its entry, requeued into the low lane, runs too.
+    let switch = wait(
+        &browser,
+        "!document.getElementById('poison-lanes').hidden && document.getElementById('lane-low').textContent",
+        "the lane switch",
+    )
+    .await;
+    assert!(switch.as_str().unwrap().contains('1'), "{switch}");
+    eval(&browser, "document.getElementById('lane-low').click(); true").await;
+    let row = wait(
+        &browser,
+        "Array.from(document.querySelectorAll('#poison tbody tr')).map(r => r.textContent).join('\\n') || false",
+        "the low lane's poison entry",
+    )
+    .await;
+    assert!(row.as_str().unwrap().contains(bulk_poisoned), "{row}");
+    assert!(!env.runs().iter().any(|r| r == bulk_poisoned));
+    eval(
+        &browser,
+        "document.querySelector('#poison tbody tr button.requeue').click(); true",
+    )
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "the low lane's requeued record to run",
+        || async { env.runs().iter().any(|r| r == bulk_poisoned).then_some(()) },
+    )
+    .await;
+    wait(
+        &browser,
+        "document.querySelectorAll('#poison tbody tr').length === 0 && \
+         document.getElementById('poison-empty').textContent.includes('low lane')",
+        "the low lane's poison table to empty",
     )
     .await;
 
