@@ -98,12 +98,14 @@ pub struct Consumer {
 }
 
 impl Consumer {
+    /// A consumer of `runner`'s queue. The runner's retriggers wake it (as Start's [`waker`](Self::waker) does).
     pub fn new(runner: RecordRunner, poison: Arc<dyn TriggerQueue>, options: ConsumerOptions) -> Self {
+        let wake = Arc::new(Notify::new());
         Self {
-            runner,
+            runner: runner.waking(wake.clone()),
             poison,
             options,
-            wake: Arc::new(Notify::new()),
+            wake,
             low: None,
         }
     }
@@ -113,7 +115,11 @@ impl Consumer {
     /// in [`ConsumerOptions::low_every`] comes from the low lane while it has messages. Both
     /// lanes share the concurrency.
     pub fn with_low_lane(mut self, runner: RecordRunner, poison: Arc<dyn TriggerQueue>) -> Self {
-        self.low = Some(Arc::new(Consumer::new(runner, poison, self.options.clone())));
+        let mut low = Consumer::new(runner, poison, self.options.clone());
+        // One loop polls both lanes: the low lane's retriggers wake it too.
+        low.runner = low.runner.waking(self.wake.clone());
+        low.wake = self.wake.clone();
+        self.low = Some(Arc::new(low));
         self
     }
 

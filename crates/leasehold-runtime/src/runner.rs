@@ -463,6 +463,10 @@ pub struct RecordRunner {
     budgets: Option<Budgets>,
     /// The lane its queue is: its deliveries' priority for a budget's slots.
     lane: Lane,
+    /// Told when it puts a message that is visible at once (a retrigger): the consumer of this
+    /// process polls then instead of when its idle back-off ends ([`Consumer`](crate::Consumer)
+    /// sets it).
+    wake: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl std::fmt::Debug for dyn Logic {
@@ -501,7 +505,17 @@ impl RecordRunner {
             sink: None,
             budgets: None,
             lane: Lane::High,
+            wake: None,
         }
+    }
+
+    /// This runner, telling `wake` whenever it puts a message that is visible at once (a
+    /// retrigger), so a consumer polling its queue takes it at once: a follow-up run then starts
+    /// within a poll's round trip of the run before it, wherever the consumer's idle back-off
+    /// stood.
+    pub fn waking(mut self, wake: Arc<tokio::sync::Notify>) -> Self {
+        self.wake = Some(wake);
+        self
     }
 
     /// This runner, its runs drawing on `budgets` (shared by every runner of the process).
@@ -1687,8 +1701,13 @@ impl RecordRunner {
             .options()
             .retry
             .run("enqueue", || self.queue.put(&body, delay))
-            .await
-            .map(drop)
+            .await?;
+        if delay.is_zero()
+            && let Some(wake) = &self.wake
+        {
+            wake.notify_one();
+        }
+        Ok(())
     }
 }
 
