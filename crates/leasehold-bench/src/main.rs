@@ -55,18 +55,19 @@ fn parse_args() -> Result<Config> {
             }
             "--only" => {
                 let section = args.next().context("--only needs a section")?;
-                if section != "bulk" {
-                    anyhow::bail!("--only {section:?}: the only section run alone is bulk");
+                if section != "bulk" && section != "latency" {
+                    anyhow::bail!("--only {section:?}: the sections run alone are bulk and latency");
                 }
                 only = Some(section);
             }
             "-h" | "--help" => {
                 println!(
-                    "leasehold-bench [--smoke] [--out FILE] [--only bulk]\n\n\
+                    "leasehold-bench [--smoke] [--out FILE] [--only bulk|latency] [--records N]\n\n\
                      Benchmarks Leasehold against the seed design and raw storage on its own Azurite\n\
                      (installed by scripts/install-azurite.sh). Writes a markdown report to FILE\n\
                      (default target/bench/leasehold-bench.md). --smoke: tiny sizes, for CI.\n\
-                     --only bulk: only section 8 (bulk through a throttled downstream); --records N: its size."
+                     --only bulk: only section 8 (bulk through a throttled downstream); --records N: its size.\n\
+                     --only latency: only section 4 (trigger and follow-up run start latency)."
                 );
                 std::process::exit(0);
             }
@@ -541,6 +542,66 @@ async fn latency(az: &Azurite, samples: usize, report: &mut String) {
         };
         writeln!(report, "| {path} | {} |", summary(xs)).unwrap();
     }
+    // A follow-up run: a save during a 500 ms run coalesces; from the run's end to the start of
+    // the run its retrigger makes (the retrigger wakes the consumer of its own process).
+    let e = env(az);
+    let probe = Probe::new(Duration::from_millis(500));
+    let consumer = Consumer::new(
+        runner(&e, probe.clone(), true, 30),
+        e.poison.clone(),
+        ConsumerOptions::default(),
+    );
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (c, s) = (consumer.clone(), shutdown.clone());
+        tokio::spawn(async move { c.run(s).await })
+    };
+    let waker = consumer.waker();
+    let mut xs = Vec::new();
+    for i in 0..samples {
+        tokio::time::sleep(Duration::from_millis(4000 + 137 * i as u64 % 1000)).await;
+        let record = format!("follow{i}");
+        let body = TriggerMessage::parse("bench", &record).unwrap().encode();
+        let before = probe.count.load(Ordering::SeqCst);
+        e.queue.put(&body, Duration::ZERO).await.unwrap();
+        waker.notify_one();
+        while probe.count.load(Ordering::SeqCst) == before {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // The save during the run: it coalesces onto it.
+        e.queue.put(&body, Duration::ZERO).await.unwrap();
+        waker.notify_one();
+        while probe.count.load(Ordering::SeqCst) < before + 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let ended = probe
+            .ends
+            .lock()
+            .unwrap()
+            .iter()
+            .rev()
+            .find(|(r, _)| *r == record)
+            .map(|(_, t)| *t);
+        let again = probe
+            .starts
+            .lock()
+            .unwrap()
+            .iter()
+            .rev()
+            .find(|(r, _)| *r == record)
+            .map(|(_, t)| *t);
+        if let (Some(ended), Some(again)) = (ended, again) {
+            xs.push(ms(again.saturating_duration_since(ended)));
+        }
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+    writeln!(
+        report,
+        "| a follow-up run: from a run's end to its retrigger's run (the retrigger wakes its own consumer) | {} |",
+        summary(xs)
+    )
+    .unwrap();
     writeln!(report).unwrap();
 }
 
@@ -1017,8 +1078,12 @@ async fn main() -> Result<()> {
         Duration::from_millis(1000)
     };
     let bulk_records = config.records.unwrap_or(if config.smoke { 40 } else { 2000 });
-    if config.only.is_some() {
-        bulk(&azurite, bulk_records, &mut report).await;
+    if let Some(only) = &config.only {
+        if only == "latency" {
+            latency(&azurite, samples, &mut report).await;
+        } else {
+            bulk(&azurite, bulk_records, &mut report).await;
+        }
         print!("{report}");
         return Ok(());
     }
