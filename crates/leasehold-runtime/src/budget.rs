@@ -802,6 +802,27 @@ mod tests {
         assert_eq!(b.views()[0].limit, 1);
     }
 
+    /// The probe begins at the success that completes its windows, not one later (the limit is
+    /// read unrounded: growth is by a fraction per success).
+    #[tokio::test(start_paused = true)]
+    async fn growth_beyond_the_refused_level_begins_when_its_windows_are_complete() {
+        let (b, _) = budgets(8);
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(go(&b, Lane::High).await);
+        }
+        held[3].throttled(Duration::from_secs(1)).await;
+        drop(held);
+        tokio::time::sleep(PROBE_EVERY).await;
+        let limit = |b: &Budgets| b.with_budget(DEFAULT_BUDGET, |x| x.limit);
+        for _ in 0..PROBE_AFTER * 4 - 1 {
+            go(&b, Lane::High).await.succeeded();
+        }
+        assert_eq!(limit(&b), 3.0);
+        go(&b, Lane::High).await.succeeded();
+        assert!(limit(&b) > 3.0, "{}", limit(&b));
+    }
+
     /// `n` slots taken as carriers take them (beyond the limit).
     async fn futures_like(b: &Budgets, n: usize) -> Vec<BudgetPermit> {
         let mut v = Vec::new();
