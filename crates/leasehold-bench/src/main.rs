@@ -55,19 +55,22 @@ fn parse_args() -> Result<Config> {
             }
             "--only" => {
                 let section = args.next().context("--only needs a section")?;
-                if section != "bulk" && section != "latency" {
-                    anyhow::bail!("--only {section:?}: the sections run alone are bulk and latency");
+                if !["bulk", "latency", "footprint"].contains(&section.as_str()) {
+                    anyhow::bail!(
+                        "--only {section:?}: the sections run alone are bulk, latency and footprint"
+                    );
                 }
                 only = Some(section);
             }
             "-h" | "--help" => {
                 println!(
-                    "leasehold-bench [--smoke] [--out FILE] [--only bulk|latency] [--records N]\n\n\
+                    "leasehold-bench [--smoke] [--out FILE] [--only bulk|latency|footprint] [--records N]\n\n\
                      Benchmarks Leasehold against the seed design and raw storage on its own Azurite\n\
                      (installed by scripts/install-azurite.sh). Writes a markdown report to FILE\n\
                      (default target/bench/leasehold-bench.md). --smoke: tiny sizes, for CI.\n\
                      --only bulk: only section 8 (bulk through a throttled downstream); --records N: its size.\n\
-                     --only latency: only section 4 (trigger and follow-up run start latency)."
+                     --only latency: only section 4 (trigger and follow-up run start latency);\n\
+                     --only footprint: only section 7 (handler start-up and idle memory)."
                 );
                 std::process::exit(0);
             }
@@ -1078,44 +1081,42 @@ async fn main() -> Result<()> {
         Duration::from_millis(1000)
     };
     let bulk_records = config.records.unwrap_or(if config.smoke { 40 } else { 2000 });
-    if let Some(only) = &config.only {
-        if only == "latency" {
+    match config.only.as_deref() {
+        Some("latency") => latency(&azurite, samples, &mut report).await,
+        Some("footprint") => footprint(&azurite, footprint_samples, &mut report).await?,
+        Some(_) => bulk(&azurite, bulk_records, &mut report).await,
+        None => {
+            round_trips(&azurite, &mut report).await;
+            overhead(&azurite, runs, &mut report).await;
+            throughput(&azurite, records, repeats, &mut report).await;
             latency(&azurite, samples, &mut report).await;
-        } else {
+            bursts(&azurite, burst_records, burst_triggers, run_for, &mut report).await;
+            let (long_run, stream_every, stream_for) = if config.smoke {
+                (Duration::from_secs(7), 3, 9)
+            } else {
+                (Duration::from_secs(20), 4, 40)
+            };
+            let stream: Vec<Duration> = (0..stream_for / stream_every)
+                .map(|i| Duration::from_secs(i * stream_every))
+                .collect();
+            saves_during_long_runs(
+                &azurite,
+                long_run,
+                &[
+                    (
+                        "one, 2 s into a run",
+                        vec![Duration::ZERO, Duration::from_secs(2)],
+                    ),
+                    (&format!("every {stream_every} s for {stream_for} s"), stream),
+                ],
+                &mut report,
+            )
+            .await;
+            recovery(&azurite, recovery_samples, &mut report).await;
+            footprint(&azurite, footprint_samples, &mut report).await?;
             bulk(&azurite, bulk_records, &mut report).await;
         }
-        print!("{report}");
-        return Ok(());
     }
-    round_trips(&azurite, &mut report).await;
-    overhead(&azurite, runs, &mut report).await;
-    throughput(&azurite, records, repeats, &mut report).await;
-    latency(&azurite, samples, &mut report).await;
-    bursts(&azurite, burst_records, burst_triggers, run_for, &mut report).await;
-    let (long_run, stream_every, stream_for) = if config.smoke {
-        (Duration::from_secs(7), 3, 9)
-    } else {
-        (Duration::from_secs(20), 4, 40)
-    };
-    let stream: Vec<Duration> = (0..stream_for / stream_every)
-        .map(|i| Duration::from_secs(i * stream_every))
-        .collect();
-    saves_during_long_runs(
-        &azurite,
-        long_run,
-        &[
-            (
-                "one, 2 s into a run",
-                vec![Duration::ZERO, Duration::from_secs(2)],
-            ),
-            (&format!("every {stream_every} s for {stream_for} s"), stream),
-        ],
-        &mut report,
-    )
-    .await;
-    recovery(&azurite, recovery_samples, &mut report).await;
-    footprint(&azurite, footprint_samples, &mut report).await?;
-    bulk(&azurite, bulk_records, &mut report).await;
     writeln!(
         report,
         "Total benchmark time: {:.0} s.",
