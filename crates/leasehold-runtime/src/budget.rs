@@ -851,6 +851,12 @@ mod tests {
         let mut held = futures_like(&b, 6).await;
         held[5].throttled(Duration::from_millis(10)).await;
         assert_eq!(b.views()[0].limit, 2, "halved from 4");
+        // Refused at exactly one more than the limit: it shows the limit itself, no cut, so
+        // halved too.
+        let (b, _) = budgets(4);
+        let mut held = futures_like(&b, 5).await;
+        held[4].throttled(Duration::from_millis(10)).await;
+        assert_eq!(b.views()[0].limit, 2, "halved from 4");
     }
 
     #[tokio::test(start_paused = true)]
