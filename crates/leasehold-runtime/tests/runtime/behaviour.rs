@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::{LeaseLock, LeaseOptions, LeaseStore, OpCounters, RetryOptions};
 use leasehold_runtime::{
-    Consumer, ConsumerOptions, Delivery, Error, Field, Logic, LogicError, MemoryMarkers, MemoryQueue,
+    Consumer, ConsumerOptions, Delivery, Error, Field, Lane, Logic, LogicError, MemoryMarkers, MemoryQueue,
     Outcome, PoisonMessage, RecordRunner, RunContext, RunnerOptions, TriggerKind, TriggerMessage,
     TriggerQueue,
 };
@@ -445,48 +445,66 @@ impl Logic for Timed {
 /// A run's retrigger wakes the consumer of its own process, as Start does: the follow-up run
 /// starts at the instant the first one's follow-ups are written (paused time: the in-memory
 /// queue answers at once), not when the consumer's idle back-off ends. Without the wake it
-/// started up to `poll_max` later (here 30 s; 0.1–2 s by default).
+/// started up to `poll_max` later (here 30 s; 0.1–2 s by default). In either lane: one loop
+/// polls both.
 #[tokio::test(start_paused = true)]
 async fn a_retrigger_wakes_the_consumer_of_its_own_process() {
-    let world = world();
-    let logic = Arc::new(Timed {
-        length: Duration::from_secs(20),
-        log: Default::default(),
-    });
-    let runner = runner(&world, logic.clone(), RunnerOptions::default());
-    let options = ConsumerOptions {
-        poll_min: Duration::from_secs(1),
-        poll_max: Duration::from_secs(30),
-        ..ConsumerOptions::default()
-    };
-    let consumer = Consumer::new(runner, world.poison.clone(), options);
-    let trigger = TriggerMessage::parse("acct", "saved-twice").unwrap().encode();
-    world.queue.put(&trigger, Duration::ZERO).await.unwrap();
-    let shutdown = CancellationToken::new();
-    let task = {
-        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
-        tokio::spawn(async move { consumer.run(shutdown).await })
-    };
-    // A second save during the run: it coalesces (the marker), and the consumer, finding
-    // nothing more, backs off towards 30 s between polls.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    world.queue.put(&trigger, Duration::ZERO).await.unwrap();
-    leasehold_test_support::eventually(Duration::from_secs(120), "the follow-up run", || async {
-        (logic.log.lock().unwrap().len() >= 3).then_some(())
-    })
-    .await;
-    shutdown.cancel();
-    within(Duration::from_secs(300), "a consumer shutting down", task)
-        .await
-        .unwrap();
-    let log = logic.log.lock().unwrap().clone();
-    assert_eq!(
-        log.iter().map(|(what, _)| *what).collect::<Vec<_>>()[..3],
-        ["start", "end", "start"]
-    );
-    assert_eq!(
-        log[2].1 - log[1].1,
-        Duration::ZERO,
-        "the follow-up started when the first run's retrigger was put"
-    );
+    for lane in [Lane::High, Lane::Low] {
+        let world = world();
+        let logic = Arc::new(Timed {
+            length: Duration::from_secs(20),
+            log: Default::default(),
+        });
+        let options = ConsumerOptions {
+            poll_min: Duration::from_secs(1),
+            poll_max: Duration::from_secs(30),
+            ..ConsumerOptions::default()
+        };
+        let high = runner(&world, logic.clone(), RunnerOptions::default());
+        let low_queue = Arc::new(MemoryQueue::new("triggers-low", OpCounters::new()));
+        let low = RecordRunner::new(
+            lock(&world),
+            world.markers.clone(),
+            low_queue.clone(),
+            logic.clone(),
+            RunnerOptions::default(),
+        )
+        .with_lane(Lane::Low);
+        let consumer =
+            Consumer::new(high, world.poison.clone(), options).with_low_lane(low, world.poison.clone());
+        let queue: Arc<MemoryQueue> = if lane == Lane::Low {
+            low_queue
+        } else {
+            world.queue.clone()
+        };
+        let trigger = TriggerMessage::parse("acct", "saved-twice").unwrap().encode();
+        queue.put(&trigger, Duration::ZERO).await.unwrap();
+        let shutdown = CancellationToken::new();
+        let task = {
+            let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+            tokio::spawn(async move { consumer.run(shutdown).await })
+        };
+        // A second save during the run: it coalesces (the marker), and the consumer, finding
+        // nothing more, backs off towards 30 s between polls.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        queue.put(&trigger, Duration::ZERO).await.unwrap();
+        leasehold_test_support::eventually(Duration::from_secs(120), "the follow-up run", || async {
+            (logic.log.lock().unwrap().len() >= 3).then_some(())
+        })
+        .await;
+        shutdown.cancel();
+        within(Duration::from_secs(300), "a consumer shutting down", task)
+            .await
+            .unwrap();
+        let log = logic.log.lock().unwrap().clone();
+        assert_eq!(
+            log.iter().map(|(what, _)| *what).collect::<Vec<_>>()[..3],
+            ["start", "end", "start"]
+        );
+        assert_eq!(
+            log[2].1 - log[1].1,
+            Duration::ZERO,
+            "{lane} lane: the follow-up started when the first run's retrigger was put"
+        );
+    }
 }
