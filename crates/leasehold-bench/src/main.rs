@@ -577,23 +577,15 @@ async fn latency(az: &Azurite, samples: usize, report: &mut String) {
         while probe.count.load(Ordering::SeqCst) < before + 2 {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let ended = probe
-            .ends
-            .lock()
-            .unwrap()
-            .iter()
-            .rev()
-            .find(|(r, _)| *r == record)
-            .map(|(_, t)| *t);
-        let again = probe
-            .starts
-            .lock()
-            .unwrap()
-            .iter()
-            .rev()
-            .find(|(r, _)| *r == record)
-            .map(|(_, t)| *t);
-        if let (Some(ended), Some(again)) = (ended, again) {
+        let last = |log: &Mutex<Vec<(String, Instant)>>| {
+            log.lock()
+                .unwrap()
+                .iter()
+                .rev()
+                .find(|(r, _)| *r == record)
+                .map(|(_, t)| *t)
+        };
+        if let (Some(ended), Some(again)) = (last(&probe.ends), last(&probe.starts)) {
             xs.push(ms(again.saturating_duration_since(ended)));
         }
     }
