@@ -27,7 +27,30 @@ pub struct Azurite {
     /// With [`Azurite::start_oauth`]: the certificate authority its HTTPS certificate is signed
     /// by (PEM), for clients to trust (`SSL_CERT_FILE`).
     pub ca_file: Option<PathBuf>,
-    _child: Mutex<Child>,
+    child: Mutex<Child>,
+    /// Its working folder: a file `stop` written there ends it ([`Drop`]).
+    workdir: PathBuf,
+}
+
+/// Ends this Azurite (the shared one lives as long as the process): its watchdog shell sees
+/// the `stop` file and kills it; waited for up to 5 s, then killed outright.
+impl Drop for Azurite {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.workdir.join("stop"), "");
+        let child = self
+            .child
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
 
 static AZURITE: OnceLock<Result<Azurite, AzuriteUnavailable>> = OnceLock::new();
@@ -144,10 +167,11 @@ impl Azurite {
                 std::env::temp_dir().join(format!("leasehold-azurite-{}-{blob_port}", std::process::id()));
             std::fs::create_dir_all(&workdir).map_err(|e| format!("creating {}: {e}", workdir.display()))?;
             let log = std::fs::File::create(workdir.join("azurite.log")).map_err(|e| e.to_string())?;
-            // A watchdog shell ends Azurite when this test process ends, however it ends.
+            // A watchdog shell ends Azurite when this test process ends, however it ends, or
+            // when told to (a `stop` file in its folder: `Drop`).
             let script = format!(
-                "\"$0\" \"$@\" & child=$!; trap 'kill $child 2>/dev/null' EXIT; \
-                 while kill -0 {parent} 2>/dev/null && kill -0 $child 2>/dev/null; do sleep 0.5; done",
+                "\"$0\" \"$@\" & child=$!; trap 'kill $child 2>/dev/null; wait $child' EXIT; \
+                 while kill -0 {parent} 2>/dev/null && kill -0 $child 2>/dev/null && [ ! -e stop ]; do sleep 0.2; done",
                 parent = std::process::id()
             );
             let child = Command::new("sh")
@@ -190,7 +214,8 @@ impl Azurite {
                     blob_port,
                     queue_port,
                     ca_file: ca_file.clone(),
-                    _child: Mutex::new(child),
+                    child: Mutex::new(child),
+                    workdir,
                 });
             }
             let _ = child.kill();
@@ -510,4 +535,23 @@ fn storage_token(expires: u64) -> String {
         r#"{{"aud":"https://storage.azure.com","iss":"https://sts.windows.net/72f988bf-86f1-41af-91ab-2d7cd011db47/","iat":{now},"nbf":{now},"exp":{expires},"oid":"00000000-0000-0000-0000-000000000002","tid":"72f988bf-86f1-41af-91ab-2d7cd011db47"}}"#
     ));
     format!("{header}.{claims}.{}", b64("not-signed"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An Azurite of one's own stops when dropped: its ports refuse connections afterwards (the
+    /// benchmark starts one per design and must not leave them running).
+    #[test]
+    fn a_dropped_azurite_stops() {
+        let azurite = Azurite::start().unwrap();
+        let port = azurite.blob_port;
+        assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+        drop(azurite);
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+            "Azurite still listens on {port} after the drop"
+        );
+    }
 }
