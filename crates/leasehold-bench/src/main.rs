@@ -5,6 +5,7 @@
 //! Figures are medians of several runs with their spread (min–max); comparisons are ratios
 //! measured side by side in the same run.
 
+mod baselines;
 mod seed;
 
 use std::collections::HashMap;
@@ -55,20 +56,21 @@ fn parse_args() -> Result<Config> {
             }
             "--only" => {
                 let section = args.next().context("--only needs a section")?;
-                if !["bulk", "latency", "footprint"].contains(&section.as_str()) {
+                if !["baselines", "bulk", "latency", "footprint"].contains(&section.as_str()) {
                     anyhow::bail!(
-                        "--only {section:?}: the sections run alone are bulk, latency and footprint"
+                        "--only {section:?}: the sections run alone are baselines, bulk, latency and footprint"
                     );
                 }
                 only = Some(section);
             }
             "-h" | "--help" => {
                 println!(
-                    "leasehold-bench [--smoke] [--out FILE] [--only bulk|latency|footprint] [--records N]\n\n\
+                    "leasehold-bench [--smoke] [--out FILE] [--only baselines|bulk|latency|footprint] [--records N]\n\n\
                      Benchmarks Leasehold against the seed design and raw storage on its own Azurite\n\
                      (installed by scripts/install-azurite.sh). Writes a markdown report to FILE\n\
                      (default target/bench/leasehold-bench.md). --smoke: tiny sizes, for CI.\n\
                      --only bulk: only section 8 (bulk through a throttled downstream); --records N: its size.\n\
+                     --only baselines: only section 3 (throughput against the baselines, scaling plot);\n\
                      --only latency: only section 4 (trigger and follow-up run start latency);\n\
                      --only footprint: only section 7 (handler start-up and idle memory)."
                 );
@@ -405,90 +407,6 @@ async fn overhead(az: &Azurite, runs: usize, report: &mut String) {
         .unwrap();
     }
     writeln!(report).unwrap();
-}
-
-/// 3. Throughput of distinct records against raw queue get+delete.
-async fn throughput(az: &Azurite, records: usize, repeats: usize, report: &mut String) {
-    writeln!(
-        report,
-        "## 3. Throughput: distinct records per second, one process, concurrency 8, no-op logic\n"
-    )
-    .unwrap();
-    let mut ours = Vec::new();
-    let mut raw = Vec::new();
-    let mut ratios = Vec::new();
-    for _ in 0..repeats {
-        // Leasehold.
-        let e = env(az);
-        let probe = Probe::new(Duration::ZERO);
-        let consumer = Consumer::new(
-            runner(&e, probe.clone(), true, 30),
-            e.poison.clone(),
-            ConsumerOptions::default(),
-        );
-        for i in 0..records {
-            e.queue
-                .put(
-                    &TriggerMessage::parse("bench", &format!("r{i}")).unwrap().encode(),
-                    Duration::ZERO,
-                )
-                .await
-                .unwrap();
-        }
-        let shutdown = CancellationToken::new();
-        let t = Instant::now();
-        let task = {
-            let (c, s) = (consumer.clone(), shutdown.clone());
-            tokio::spawn(async move { c.run(s).await })
-        };
-        while probe.ends.lock().unwrap().len() < records {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let leasehold_rate = records as f64 / t.elapsed().as_secs_f64();
-        shutdown.cancel();
-        task.await.unwrap();
-        // Raw queue get+delete, 8 workers, same Azurite.
-        let e = env(az);
-        for i in 0..records {
-            e.queue.put(&format!("raw{i}"), Duration::ZERO).await.unwrap();
-        }
-        let done = Arc::new(AtomicUsize::new(0));
-        let t = Instant::now();
-        let mut workers = Vec::new();
-        for _ in 0..8 {
-            let (q, done) = (e.queue.clone(), done.clone());
-            workers.push(tokio::spawn(async move {
-                while done.load(Ordering::SeqCst) < records {
-                    let got = q.get(8, Duration::from_secs(60)).await.unwrap();
-                    for m in got {
-                        q.delete(&m.id, &m.pop_receipt).await.unwrap();
-                        done.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
-            }));
-        }
-        for w in workers {
-            w.await.unwrap();
-        }
-        let raw_rate = records as f64 / t.elapsed().as_secs_f64();
-        ours.push(leasehold_rate);
-        raw.push(raw_rate);
-        ratios.push(leasehold_rate / raw_rate);
-    }
-    writeln!(report, "| what | records/s, median (spread) |\n| --- | ---: |").unwrap();
-    writeln!(
-        report,
-        "| Leasehold (fencing on), {records} records | {} |",
-        summary(ours)
-    )
-    .unwrap();
-    writeln!(
-        report,
-        "| raw queue get+delete, 8 workers, {records} messages | {} |",
-        summary(raw)
-    )
-    .unwrap();
-    writeln!(report, "| ratio Leasehold / raw | {} |\n", summary(ratios)).unwrap();
 }
 
 /// 4. Trigger-to-logic-start latency.
@@ -1065,8 +983,9 @@ async fn main() -> Result<()> {
         if config.smoke {
             (20, 20, 1, 2, 2, 4, 1, 1)
         } else {
-            (300, 200, 3, 10, 4, 12, 3, 5)
+            (300, 300, 5, 10, 4, 12, 3, 5)
         };
+    let scaling_records = if config.smoke { 8 } else { 200 };
     let run_for = if config.smoke {
         Duration::from_millis(500)
     } else {
@@ -1074,13 +993,32 @@ async fn main() -> Result<()> {
     };
     let bulk_records = config.records.unwrap_or(if config.smoke { 40 } else { 2000 });
     match config.only.as_deref() {
+        Some("baselines") => {
+            baselines::section(
+                records,
+                repeats,
+                8,
+                scaling_records,
+                &config.out.with_extension("svg"),
+                &mut report,
+            )
+            .await
+        }
         Some("latency") => latency(&azurite, samples, &mut report).await,
         Some("footprint") => footprint(&azurite, footprint_samples, &mut report).await?,
         Some(_) => bulk(&azurite, bulk_records, &mut report).await,
         None => {
             round_trips(&azurite, &mut report).await;
             overhead(&azurite, runs, &mut report).await;
-            throughput(&azurite, records, repeats, &mut report).await;
+            baselines::section(
+                records,
+                repeats,
+                8,
+                scaling_records,
+                &config.out.with_extension("svg"),
+                &mut report,
+            )
+            .await;
             latency(&azurite, samples, &mut report).await;
             bursts(&azurite, burst_records, burst_triggers, run_for, &mut report).await;
             let (long_run, stream_every, stream_for) = if config.smoke {
