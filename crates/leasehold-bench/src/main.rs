@@ -6,6 +6,7 @@
 //! measured side by side in the same run.
 
 mod baselines;
+mod functions;
 mod seed;
 
 use std::collections::HashMap;
@@ -56,21 +57,22 @@ fn parse_args() -> Result<Config> {
             }
             "--only" => {
                 let section = args.next().context("--only needs a section")?;
-                if !["baselines", "bulk", "latency", "footprint"].contains(&section.as_str()) {
+                if !["baselines", "bulk", "functions", "latency", "footprint"].contains(&section.as_str()) {
                     anyhow::bail!(
-                        "--only {section:?}: the sections run alone are baselines, bulk, latency and footprint"
+                        "--only {section:?}: the sections run alone are baselines, bulk, functions, latency and footprint"
                     );
                 }
                 only = Some(section);
             }
             "-h" | "--help" => {
                 println!(
-                    "leasehold-bench [--smoke] [--out FILE] [--only baselines|bulk|latency|footprint] [--records N]\n\n\
+                    "leasehold-bench [--smoke] [--out FILE] [--only baselines|bulk|functions|latency|footprint] [--records N]\n\n\
                      Benchmarks Leasehold against the seed design and raw storage on its own Azurite\n\
                      (installed by scripts/install-azurite.sh). Writes a markdown report to FILE\n\
                      (default target/bench/leasehold-bench.md). --smoke: tiny sizes, for CI.\n\
                      --only bulk: only section 8 (bulk through a throttled downstream); --records N: its size.\n\
                      --only baselines: only section 3 (throughput against the baselines, scaling plot);\n\
+                     --only functions: only section 4b (the Worker through the custom handler);\n\
                      --only latency: only section 4 (trigger and follow-up run start latency);\n\
                      --only footprint: only section 7 (handler start-up and idle memory)."
                 );
@@ -1022,6 +1024,7 @@ async fn main() -> Result<()> {
             (300, 300, 5, 10, 4, 12, 3, 20)
         };
     let scaling_records = if config.smoke { 8 } else { 200 };
+    let invocations = if config.smoke { 10 } else { 300 };
     let run_for = if config.smoke {
         Duration::from_millis(500)
     } else {
@@ -1041,6 +1044,7 @@ async fn main() -> Result<()> {
             .await
         }
         Some("latency") => latency(&azurite, samples, &mut report).await,
+        Some("functions") => functions::section(&azurite, invocations, &mut report).await?,
         Some("footprint") => footprint(&azurite, footprint_samples, &mut report).await?,
         Some(_) => bulk(&azurite, bulk_records, &mut report).await,
         None => {
@@ -1056,6 +1060,7 @@ async fn main() -> Result<()> {
             )
             .await;
             latency(&azurite, samples, &mut report).await;
+            functions::section(&azurite, invocations, &mut report).await?;
             bursts(&azurite, burst_records, burst_triggers, run_for, &mut report).await;
             let (long_run, stream_every, stream_for) = if config.smoke {
                 (Duration::from_secs(7), 3, 9)

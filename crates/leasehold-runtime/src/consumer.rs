@@ -98,7 +98,8 @@ pub struct Consumer {
 }
 
 impl Consumer {
-    /// A consumer of `runner`'s queue. The runner's retriggers wake it (as Start's [`waker`](Self::waker) does).
+    /// A consumer of `runner`'s queue. The runner's retriggers wake it, as Start's
+    /// [`waker`](Self::waker) does.
     pub fn new(runner: RecordRunner, poison: Arc<dyn TriggerQueue>, options: ConsumerOptions) -> Self {
         let wake = Arc::new(Notify::new());
         Self {
