@@ -271,17 +271,27 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// Section 3: the baselines at `concurrency`, `records` triggers a pass, `repeats` rounds
-/// (designs interleaved within a round, so a noisy moment hits all of them); then the scaling
-/// curve, `scaling_records` a pass, plotted to `plot`.
-pub async fn section(
-    records: usize,
-    repeats: usize,
-    concurrency: usize,
-    scaling_records: usize,
-    plot: &Path,
-    report: &mut String,
-) {
+/// The sizes of section 3.
+#[derive(Debug, Clone, Copy)]
+pub struct Sizes {
+    /// Triggers a pass.
+    pub records: usize,
+    /// Rounds (designs interleaved within a round, so a noisy moment hits all of them).
+    pub repeats: usize,
+    /// Runs at once for the baselines table.
+    pub concurrency: usize,
+    /// Triggers a pass for the scaling curve.
+    pub scaling_records: usize,
+}
+
+/// Section 3: the baselines, then the scaling curve, plotted to `plot`.
+pub async fn section(sizes: &Sizes, plot: &Path, report: &mut String) {
+    let Sizes {
+        records,
+        repeats,
+        concurrency,
+        scaling_records,
+    } = *sizes;
     writeln!(
         report,
         "## 3. Throughput against the baselines: {records} triggers a pass, {concurrency} runs at once, no-op logic, median of {repeats}\n"

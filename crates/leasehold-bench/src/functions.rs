@@ -6,7 +6,6 @@
 //! process, so no process is spawned per run; the stub's own round trip is measured apart.
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +16,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::{Probe, env, fmt, ms, percentile, runner};
+use crate::{Probe, env, fmt, leasehold_exe, ms, percentile, runner};
 
 /// A server answering every HTTP/1.1 request with an empty 200, keeping connections open.
 async fn stub_server() -> Result<u16> {
@@ -75,20 +74,6 @@ fn invocation(message: &TriggerMessage) -> serde_json::Value {
     })
 }
 
-fn exe() -> PathBuf {
-    std::env::var("LEASEHOLD_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            let root = leasehold_test_support::workspace_root();
-            let release = root.join("target/release/leasehold");
-            if release.exists() {
-                release
-            } else {
-                root.join("target/debug/leasehold")
-            }
-        })
-}
-
 /// Section 4b: `invocations` invocations one at a time (latency), then as many 8 at a time
 /// (throughput).
 pub async fn section(az: &Azurite, invocations: usize, report: &mut String) -> Result<()> {
@@ -97,12 +82,7 @@ pub async fn section(az: &Azurite, invocations: usize, report: &mut String) -> R
         "## 4b. Functions mode: the Worker through the custom handler on loopback (the host emulated), fencing on, URL logic answered at once\n"
     )
     .unwrap();
-    let exe = exe();
-    anyhow::ensure!(
-        exe.exists(),
-        "no leasehold binary at {} (build it: cargo build --release -p leasehold)",
-        exe.display()
-    );
+    let exe = leasehold_exe()?;
     let stub = stub_server().await?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let (queue, container) = (unique_name("bench"), unique_name("bench"));

@@ -868,22 +868,7 @@ async fn recovery(az: &Azurite, samples: usize, report: &mut String) {
 /// 7. Idle resident memory and start-to-ready time of the handler.
 async fn footprint(az: &Azurite, samples: usize, report: &mut String) -> Result<()> {
     writeln!(report, "## 7. Handler start-to-ready and idle memory\n").unwrap();
-    let exe = std::env::var("LEASEHOLD_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            let root = leasehold_test_support::workspace_root();
-            let release = root.join("target/release/leasehold");
-            if release.exists() {
-                release
-            } else {
-                root.join("target/debug/leasehold")
-            }
-        });
-    anyhow::ensure!(
-        exe.exists(),
-        "no leasehold binary at {} (build it: cargo build --release -p leasehold)",
-        exe.display()
-    );
+    let exe = leasehold_exe()?;
     // The first start is of a copy just written (a new file: nothing of it mapped before);
     // the later ones start the same copy again.
     let copy = std::env::temp_dir().join(format!("leasehold-bench-{}", std::process::id()));
@@ -965,6 +950,28 @@ async fn footprint(az: &Azurite, samples: usize, report: &mut String) -> Result<
     Ok(())
 }
 
+/// The `leasehold` binary the handler sections start: `LEASEHOLD_BIN`, else the release build,
+/// else the debug one (`scripts/bench.sh` builds the release one first, so it is current).
+fn leasehold_exe() -> Result<PathBuf> {
+    let exe = std::env::var("LEASEHOLD_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            let root = leasehold_test_support::workspace_root();
+            let release = root.join("target/release/leasehold");
+            if release.exists() {
+                release
+            } else {
+                root.join("target/debug/leasehold")
+            }
+        });
+    anyhow::ensure!(
+        exe.exists(),
+        "no leasehold binary at {} (build it: cargo build --release -p leasehold)",
+        exe.display()
+    );
+    Ok(exe)
+}
+
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -1031,18 +1038,15 @@ async fn main() -> Result<()> {
         Duration::from_millis(1000)
     };
     let bulk_records = config.records.unwrap_or(if config.smoke { 40 } else { 2000 });
+    let plot = config.out.with_extension("svg");
+    let section3 = baselines::Sizes {
+        records,
+        repeats,
+        concurrency: 8,
+        scaling_records,
+    };
     match config.only.as_deref() {
-        Some("baselines") => {
-            baselines::section(
-                records,
-                repeats,
-                8,
-                scaling_records,
-                &config.out.with_extension("svg"),
-                &mut report,
-            )
-            .await
-        }
+        Some("baselines") => baselines::section(&section3, &plot, &mut report).await,
         Some("latency") => latency(&azurite, samples, &mut report).await,
         Some("functions") => functions::section(&azurite, invocations, &mut report).await?,
         Some("footprint") => footprint(&azurite, footprint_samples, &mut report).await?,
@@ -1050,15 +1054,7 @@ async fn main() -> Result<()> {
         None => {
             round_trips(&azurite, &mut report).await;
             overhead(&azurite, runs, &mut report).await;
-            baselines::section(
-                records,
-                repeats,
-                8,
-                scaling_records,
-                &config.out.with_extension("svg"),
-                &mut report,
-            )
-            .await;
+            baselines::section(&section3, &plot, &mut report).await;
             latency(&azurite, samples, &mut report).await;
             functions::section(&azurite, invocations, &mut report).await?;
             bursts(&azurite, burst_records, burst_triggers, run_for, &mut report).await;
