@@ -153,12 +153,14 @@ async fn pass(e: &Env, design: Design, records: &[String], concurrency: usize) -
             task.await.unwrap();
         }
         Design::Minimum | Design::Seed => {
-            let seed = Arc::new(seed::Seed::new(
-                e.store.clone(),
-                e.container.clone(),
-                Probe::new(Duration::ZERO),
-                1,
-            ));
+            let seed = (design == Design::Seed).then(|| {
+                Arc::new(seed::Seed::new(
+                    e.store.clone(),
+                    e.container.clone(),
+                    Probe::new(Duration::ZERO),
+                    1,
+                ))
+            });
             // As the consumer takes them: a batch of as many as there are free slots (at most
             // 32, the queue's limit), each run in a task of its own.
             let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
@@ -183,10 +185,11 @@ async fn pass(e: &Env, design: Design, records: &[String], concurrency: usize) -
                     let (queue, store, seed) = (e.queue.clone(), e.store.clone(), seed.clone());
                     runs.spawn(async move {
                         let record = TriggerMessage::decode(&m.body).unwrap().record_id.to_string();
-                        if design == Design::Seed {
-                            seed.handle(&record).await.unwrap();
-                        } else {
-                            minimum_run(store.as_ref(), &record).await;
+                        match &seed {
+                            Some(seed) => {
+                                seed.handle(&record).await.unwrap();
+                            }
+                            None => minimum_run(store.as_ref(), &record).await,
                         }
                         queue.delete(&m.id, &m.pop_receipt).await.unwrap();
                         drop(permit);

@@ -189,36 +189,32 @@ pub async fn section(az: &Azurite, invocations: usize, report: &mut String) -> R
     }
 
     let p = |xs: &Vec<f64>, q: f64| percentile(xs.clone(), q);
-    writeln!(report, "| what | p50 ms | p99 ms |\n| --- | ---: | ---: |").unwrap();
-    writeln!(
-        report,
-        "| a Worker invocation through the handler (one at a time) | {} | {} |",
-        fmt(p(&handler_ms, 0.5)),
-        fmt(p(&handler_ms, 0.99))
-    )
-    .unwrap();
-    writeln!(
-        report,
-        "| the same run in process (`handle_watched`, no-op logic) | {} | {} |",
-        fmt(p(&in_process, 0.5)),
-        fmt(p(&in_process, 0.99))
-    )
-    .unwrap();
-    writeln!(
-        report,
-        "| the logic's call to the stub (a loopback POST) | {} | {} |",
-        fmt(p(&stub_ms, 0.5)),
-        fmt(p(&stub_ms, 0.99))
-    )
-    .unwrap();
     let added = |q: f64| p(&handler_ms, q) - p(&in_process, q) - p(&stub_ms, q);
-    writeln!(
-        report,
-        "| **added by the handler** (invocation − in process − the logic's call) | {} | {} |",
-        fmt(added(0.5)),
-        fmt(added(0.99))
-    )
-    .unwrap();
+    writeln!(report, "| what | p50 ms | p99 ms |\n| --- | ---: | ---: |").unwrap();
+    for (what, p50, p99) in [
+        (
+            "a Worker invocation through the handler (one at a time)",
+            p(&handler_ms, 0.5),
+            p(&handler_ms, 0.99),
+        ),
+        (
+            "the same run in process (`handle_watched`, no-op logic)",
+            p(&in_process, 0.5),
+            p(&in_process, 0.99),
+        ),
+        (
+            "the logic's call to the stub (a loopback POST)",
+            p(&stub_ms, 0.5),
+            p(&stub_ms, 0.99),
+        ),
+        (
+            "**added by the handler** (invocation − in process − the logic's call)",
+            added(0.5),
+            added(0.99),
+        ),
+    ] {
+        writeln!(report, "| {what} | {} | {} |", fmt(p50), fmt(p99)).unwrap();
+    }
     writeln!(
         report,
         "\n{} invocations a pass; 8 at a time: **{per_second:.0} Worker invocations per second** (one handler process, Azurite on the same machine).\n",

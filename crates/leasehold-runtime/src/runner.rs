@@ -640,9 +640,9 @@ impl RecordRunner {
     /// that would run is turned away: not one that may stand in for a dead holder, whose record
     /// must run again within the recovery bound ([`Delivery::may_stand_in`]: a carrier other
     /// than a deferral as its holder wrote it, or a redelivery, which hidden again in place
-    /// would no longer look like one), a debounce waiter or stand-in (its wait has its own clock, and the lease is where
-    /// it meets the pause), nor a trigger that is about to wait for its burst to end (it will
-    /// not run now anyway). The holder of the lease meets the pause again before its run
+    /// would no longer look like one), a debounce waiter or stand-in (its wait has its own
+    /// clock, and the lease is where it meets the pause), nor a trigger that is about to wait
+    /// for its burst to end (it will not run now anyway). The holder of the lease meets the pause again before its run
     /// ([`slot`](Self::slot)).
     fn paused(&self, delivery: &Delivery) -> Option<Outcome> {
         let budgets = self.budgets.as_ref()?;
