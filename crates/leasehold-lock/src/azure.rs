@@ -9,7 +9,9 @@ use azure_core::http::Etag;
 use azure_storage_blob::BlobClient;
 use azure_storage_blob::models::{
     BlobClientAcquireLeaseOptions, BlobClientBreakLeaseOptions, BlobClientGetPropertiesResultHeaders,
-    BlobClientReleaseLeaseOptions, BlobClientSetMetadataOptions, LeaseState as AzureLeaseState,
+    BlobClientReleaseLeaseOptions, BlobClientSetMetadataOptions, BlobType, LeaseState as AzureLeaseState,
+    PageBlobClientCreateOptions, PageBlobClientCreateResultHeaders, PageBlobClientSetSequenceNumberOptions,
+    PageBlobClientSetSequenceNumberResultHeaders, SequenceNumberActionType,
 };
 use leasehold_storage::azure::BlobContainer;
 use leasehold_storage::{Op, OpCounters, StorageAccount, StoreResult};
@@ -81,12 +83,21 @@ impl LeaseStore for AzureBlobStore {
     }
 
     async fn create_blob(&self, name: &str) -> StoreResult<()> {
-        // Created now or by someone else first: either way the blob is there, which is all we
-        // wanted.
-        self.container
-            .put_empty_if_absent(name, Op::BlobCreate)
-            .await
-            .map(drop)
+        let page_blob = self.blob(name).page_blob_client();
+        let attempt = || {
+            let options = PageBlobClientCreateOptions::default().if_not_exists();
+            let fut = page_blob.create(0, Some(options));
+            async move {
+                match self.call(Op::BlobCreate, fut).await {
+                    Ok(_) => Ok(()),
+                    // Created by someone else first (409), or there and leased (412): either
+                    // way the blob is there, which is all we wanted.
+                    Err(e) if e.code() == Some("BlobAlreadyExists") || e.status() == Some(412) => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        self.container.with_container(attempt).await
     }
 
     async fn acquire_lease(&self, name: &str, lease: LeaseId, duration: LeaseDuration) -> StoreResult<()> {
@@ -137,7 +148,19 @@ impl LeaseStore for AzureBlobStore {
             .ok()
             .flatten()
             .ok_or_else(|| malformed(op, "no ETag"))?;
+        let page_blob =
+            response.blob_type().map_err(|_| malformed(op, "blob type"))? == Some(BlobType::PageBlob);
+        let sequence = if page_blob {
+            let number = response
+                .blob_sequence_number()
+                .map_err(|_| malformed(op, "sequence number"))?
+                .ok_or_else(|| malformed(op, "a page blob without a sequence number"))?;
+            Some(u64::try_from(number).map_err(|_| malformed(op, "a negative sequence number"))?)
+        } else {
+            None
+        };
         Ok(BlobProperties {
+            sequence,
             lease_state: lease_state(response.lease_state().map_err(|_| malformed(op, "lease state"))?),
             metadata: response
                 .metadata()
@@ -167,6 +190,68 @@ impl LeaseStore for AzureBlobStore {
         let etag = response
             .headers()
             .get_optional_str(&azure_core::http::headers::ETAG)
+            .ok_or_else(|| malformed(op, "no ETag"))?;
+        Ok(ETag(etag.to_string()))
+    }
+
+    async fn increment_sequence(
+        &self,
+        name: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+    ) -> StoreResult<Option<(u64, ETag)>> {
+        let page_blob = self.blob(name).page_blob_client();
+        let op = Op::BlobSequenceIncrement;
+        // No content header goes with the action: any one of them would set (and clear) all six.
+        let options = PageBlobClientSetSequenceNumberOptions {
+            lease_id: Some(lease.to_string()),
+            if_match: if_match.map(|tag| Etag::from(tag.0.clone())),
+            ..Default::default()
+        };
+        let fut = page_blob.set_sequence_number(SequenceNumberActionType::Increment, Some(options));
+        let response = match self.call(op, fut).await {
+            Ok(response) => response,
+            // The action on a block blob.
+            Err(e) if e.status() == Some(400) && e.code() == Some("InvalidOperation") => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let number = response
+            .blob_sequence_number()
+            .map_err(|_| malformed(op, "sequence number"))?
+            .ok_or_else(|| malformed(op, "no sequence number"))?;
+        let number = u64::try_from(number).map_err(|_| malformed(op, "a negative sequence number"))?;
+        let etag = response
+            .etag()
+            .ok()
+            .flatten()
+            .ok_or_else(|| malformed(op, "no ETag"))?;
+        Ok(Some((number, ETag(etag.to_string()))))
+    }
+
+    async fn replace_with_page_blob(
+        &self,
+        name: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+        sequence: u64,
+        metadata: &Metadata,
+    ) -> StoreResult<ETag> {
+        let page_blob = self.blob(name).page_blob_client();
+        let op = Op::BlobCreate;
+        let options = PageBlobClientCreateOptions {
+            lease_id: Some(lease.to_string()),
+            if_match: if_match.map(|tag| Etag::from(tag.0.clone())),
+            blob_sequence_number: Some(
+                i64::try_from(sequence).map_err(|_| malformed(op, "a sequence number past 2^63"))?,
+            ),
+            metadata: Some(metadata.clone().into_iter().collect()),
+            ..Default::default()
+        };
+        let response = self.call(op, page_blob.create(0, Some(options))).await?;
+        let etag = response
+            .etag()
+            .ok()
+            .flatten()
             .ok_or_else(|| malformed(op, "no ETag"))?;
         Ok(ETag(etag.to_string()))
     }

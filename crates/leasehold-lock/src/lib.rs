@@ -18,8 +18,8 @@ pub use leasehold_storage::{
     Op, OpCounters, OpCounts, RetryOptions, StorageAccount, StoreError, StoreErrorKind, StoreResult,
 };
 pub use lock::{
-    LOCK_PREFIX, LeaseGuard, LeaseLock, LeaseOptions, LockInfo, META_GENERATION, META_HOLDER, META_SHARERS,
-    META_SINCE, MultiGuard, lock_blob_name,
+    BeforeRenewal, LOCK_PREFIX, LeaseGuard, LeaseLock, LeaseOptions, LockInfo, META_GENERATION, META_HOLDER,
+    META_SHARERS, META_SINCE, MultiGuard, RecordedHold, lock_blob_name,
 };
 pub use store::{
     BlobProperties, ETag, InvalidLeaseDuration, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata,

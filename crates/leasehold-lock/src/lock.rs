@@ -1,9 +1,10 @@
 //! [`LeaseLock`]: per-key locks on blob leases, with renewal, a lost-lease signal and fencing.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -15,7 +16,9 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::store::{ETag, LeaseDuration, LeaseId, LeaseState, LeaseStore, Metadata};
 
-/// Metadata name of the fencing generation on a lock blob.
+/// Metadata name of the fencing generation a lock blob's metadata records: the generation of a
+/// block lock blob (made before fencing moved to the page blob's sequence number), and on a page
+/// blob the grant its holder and time belong to.
 pub const META_GENERATION: &str = "leasehold_generation";
 /// Metadata name of the holder's description (host, process).
 pub const META_HOLDER: &str = "leasehold_holder";
@@ -49,11 +52,13 @@ pub struct LeaseOptions {
     /// differences between this machine and storage: work must be dead before storage can
     /// grant the lease to anyone else. Default 10 s (a third of the duration).
     pub safety_margin: Duration,
-    /// Write a fencing generation on every grant (2 extra round trips). Default on.
+    /// Take a fencing token on every grant: one more round trip (an increment of the lock
+    /// blob's sequence number). Default on.
     pub fencing: bool,
     /// Retrying of transient storage failures.
     pub retry: RetryOptions,
-    /// Who holds: written to the lock blob (with fencing) for operators. Default `host:pid`.
+    /// Who holds: written to the lock blob (with fencing, once the lease has been renewed) for
+    /// operators. Default `host:pid`.
     pub holder: String,
 }
 
@@ -123,9 +128,11 @@ pub struct LockInfo {
     pub held: bool,
     /// The lease state as storage reports it (`None`: the key was never used).
     pub state: Option<LeaseState>,
-    /// Holder written at the last fenced grant.
+    /// Who holds (or last held) the key, as the last fenced grant recorded it. A grant records
+    /// it once its lease has been renewed, so a hold shorter than the renewal interval shows
+    /// none (a shared hold's founder records it at once).
     pub holder: Option<String>,
-    /// Time of the last fenced grant.
+    /// Time of the last fenced grant, recorded with the holder.
     pub since: Option<SystemTime>,
     /// The last fencing token granted (0 if none yet).
     pub generation: u64,
@@ -161,7 +168,7 @@ impl LeaseLock {
     }
 
     /// Tries once to take `key`: `Ok(None)` if someone else holds it. Creates the lock blob (and
-    /// container) on first use. Round trips when free: 1 (3 with fencing); when held: 1.
+    /// container) on first use. Round trips when free: 1 (2 with fencing); when held: 1.
     ///
     /// A break of a lease with the caller's own id (an earlier acquire with that id that took
     /// effect after the caller gave up on it) answers with an error of kind
@@ -184,10 +191,10 @@ impl LeaseLock {
         // outlive it unnoticed.
         let mut guard = LeaseGuard::start(self, key.clone(), blob, lease, None, sent, None);
         if self.options.fencing {
-            match self.bump_generation(&guard.blob, lease).await {
-                Ok((token, metadata)) => {
+            match self.fence(&guard.blob, lease).await {
+                Ok(token) => {
                     guard.fencing = Some(token);
-                    guard.metadata = std::sync::Mutex::new(Some(metadata));
+                    guard.record_holder_once_renewed(token);
                 }
                 Err(e) => {
                     // Whether the lease ran out meanwhile (412) or storage failed, the grant did
@@ -304,19 +311,15 @@ impl LeaseLock {
         let blob = lock_blob_name(key);
         match self.retry("inspect", || self.store.properties(&blob)).await {
             Ok(props) => {
-                let since = props
-                    .metadata
-                    .get(META_SINCE)
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+                let recorded = RecordedHold::of(&props.metadata, props.sequence);
                 Ok(LockInfo {
                     key: key.clone(),
                     held: props.lease_state.is_held(),
                     state: Some(props.lease_state),
-                    holder: props.metadata.get(META_HOLDER).cloned(),
-                    since,
-                    generation: generation_of(&props.metadata),
-                    sharers: crate::shared::members(&props.metadata),
+                    holder: recorded.holder,
+                    since: recorded.since,
+                    generation: recorded.generation,
+                    sharers: crate::shared::live_members(&props.metadata, recorded.generation),
                     notes: notes_of(&props.metadata),
                 })
             }
@@ -362,34 +365,101 @@ impl LeaseLock {
         }
     }
 
-    /// Reads the generation and writes generation + 1 under our lease; returns the new token.
-    /// Strictly increasing per key because only the lease holder can write the blob.
+    /// Takes the next fencing token of `blob`, held with `lease`: one increment of the page
+    /// blob's sequence number, which storage does only for the lease holder and answers with
+    /// the new value, so tokens strictly increase per key. A retry after a lost answer skips a
+    /// number, which fencing does not mind (a downstream only compares tokens).
     ///
-    /// The write also drops what a shared hold left (its group, member list and generation):
-    /// that session is over, since we hold the lease. Carried along, it would let a joiner of
-    /// that group who read the blob during our hold take the list for a live session once our
-    /// lease ended, and join it with *our* token instead of founding a session with a new one.
+    /// A lock blob made before fencing moved to the sequence number (a block blob, with the
+    /// generation in its metadata) is first replaced, under the lease, by a page blob at that
+    /// generation ([`move_to_page_blob`](Self::move_to_page_blob)).
     ///
-    /// Holders' notes ([`META_NOTE_PREFIX`]) are kept: they describe the key, not a hold. Returns
-    /// the token and the metadata as written.
-    async fn bump_generation(&self, blob: &str, lease: LeaseId) -> Result<(u64, Metadata)> {
+    /// The grant writes nothing else: the holder's name and the grant time are written once
+    /// the lease has been renewed ([`LeaseGuard::record_holder_once_renewed`]), and what a
+    /// shared hold left behind shows itself as over, since its generation is no longer the
+    /// blob's (see `shared.rs`).
+    pub(crate) async fn fence(&self, blob: &str, lease: LeaseId) -> Result<u64> {
+        for _ in 0..3 {
+            let increment = || self.store.increment_sequence(blob, lease, None);
+            match self.retry("take fencing token", increment).await? {
+                Some((token, _)) => return Ok(token),
+                None => drop(self.move_to_page_blob(blob, lease, None).await?),
+            }
+        }
+        Err(leasehold_storage::StoreError::new(
+            StoreErrorKind::Rejected,
+            leasehold_storage::Op::BlobSequenceIncrement,
+            format!("lock blob {blob} stays a block blob after being replaced by a page blob"),
+        )
+        .into())
+    }
+
+    /// Replaces a block lock blob, under `lease`, by a zero-length page blob whose sequence
+    /// number is the generation the block blob's metadata recorded, keeping the metadata (notes
+    /// and all): the next token is one more than the last one granted. Only the lease holder
+    /// can write the blob, so nobody grants a token in between. Nothing to do if the blob is a
+    /// page blob already (an earlier attempt whose answer was lost). `if_match`: the ETag the
+    /// caller read the block blob at, if it must not have changed since. The new ETag if this
+    /// call replaced the blob; `None` if it found it changed (a page blob already, or written
+    /// since the caller's read): look again.
+    pub(crate) async fn move_to_page_blob(
+        &self,
+        blob: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+    ) -> Result<Option<ETag>> {
         let props = self
             .retry("read fencing generation", || self.store.properties(blob))
             .await?;
-        let token = generation_of(&props.metadata) + 1;
-        let mut metadata = props.metadata;
-        for shared in [META_SHARERS, META_SHARE_GROUP, META_SHARE_GENERATION] {
-            metadata.remove(shared);
+        if props.sequence.is_some() || if_match.is_some_and(|tag| *tag != props.etag) {
+            return Ok(None);
         }
-        metadata.insert(META_GENERATION.into(), token.to_string());
-        metadata.insert(META_HOLDER.into(), self.options.holder.clone());
-        metadata.insert(META_SINCE.into(), unix_millis_now().to_string());
-        // Idempotent: a retry after a lost answer writes the same values again.
-        self.retry("write fencing generation", || {
-            self.store.set_metadata(blob, Some(lease), None, &metadata)
-        })
-        .await?;
-        Ok((token, metadata))
+        let generation = generation_of(&props.metadata);
+        let replace = || {
+            self.store
+                .replace_with_page_blob(blob, lease, Some(&props.etag), generation, &props.metadata)
+        };
+        match self.retry("move lock blob to a page blob", replace).await {
+            Ok(etag) => {
+                tracing::info!(%blob, generation, "lock blob moved to a page blob: its fencing generation is now its sequence number");
+                Ok(Some(etag))
+            }
+            // Changed since the read: by an attempt of ours whose answer was lost, or by a
+            // member of a shared hold (the lease holders).
+            Err(e) if e.kind() == StoreErrorKind::ConditionNotMet => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// What a lock blob says of its last grant: for [`LeaseLock::inspect`], and for tools that list
+/// lock blobs (a listing shows each blob's metadata and sequence number).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedHold {
+    /// The last fencing token granted (0 if none yet).
+    pub generation: u64,
+    /// Who holds (or last held) it, if its grant recorded itself.
+    pub holder: Option<String>,
+    /// When that grant was made, if it recorded itself.
+    pub since: Option<SystemTime>,
+}
+
+impl RecordedHold {
+    /// From a lock blob's metadata and, for a page blob, its sequence number. A grant records
+    /// its holder and time after its first renewal, naming its generation: a record naming an
+    /// earlier one belongs to an earlier grant and is not shown.
+    pub fn of(metadata: &Metadata, sequence: Option<u64>) -> Self {
+        let generation = sequence.unwrap_or_else(|| generation_of(metadata));
+        let recorded = generation_of(metadata) == generation;
+        Self {
+            generation,
+            holder: metadata.get(META_HOLDER).filter(|_| recorded).cloned(),
+            since: metadata
+                .get(META_SINCE)
+                .filter(|_| recorded)
+                .and_then(|v| v.parse::<u64>().ok())
+                .map(|ms| UNIX_EPOCH + Duration::from_millis(ms)),
+        }
     }
 }
 
@@ -449,9 +519,68 @@ pub struct LeaseGuard {
     lock: LeaseLock,
     member: Option<String>,
     done: bool,
-    /// The lock blob's metadata as this grant wrote it (fencing on), kept in step with the notes
-    /// this holder writes since.
-    metadata: std::sync::Mutex<Option<Metadata>>,
+    /// The lock blob's metadata, read the first time a note is asked for and kept in step with
+    /// what this holder writes since.
+    metadata: MetadataCell,
+    /// Fires at the first successful renewal (a one-shot, which wakes its one waiter at once:
+    /// the renewals' watch channel wakes its waiters in no fixed order).
+    first_renewal: Option<oneshot::Receiver<()>>,
+    /// What the renew loop runs before each renewal ([`Self::before_each_renewal`]).
+    before_renewal: BeforeSlot,
+    /// Writes the holder's name once the lease has been renewed (fencing on, exclusive holds).
+    recorder: Option<AbortOnDropHandle<()>>,
+}
+
+/// The metadata of a held lock blob, read at most once and written only under the lease, one
+/// change at a time (notes, the holder's name).
+#[derive(Debug, Clone)]
+struct MetadataCell {
+    lock: LeaseLock,
+    key: LockKey,
+    blob: String,
+    lease: LeaseId,
+    cache: Arc<tokio::sync::Mutex<Option<Metadata>>>,
+}
+
+impl MetadataCell {
+    /// The metadata in `cache`, read from the blob if it is not there yet. Only lease holders
+    /// write the blob, so what was read stays true while we hold.
+    async fn load<'a>(&self, cache: &'a mut Option<Metadata>) -> Result<&'a mut Metadata> {
+        if cache.is_none() {
+            let props = self
+                .lock
+                .retry("read lock notes", || self.lock.store.properties(&self.blob))
+                .await?;
+            *cache = Some(props.metadata);
+        }
+        Ok(cache.as_mut().expect("filled above"))
+    }
+
+    async fn read(&self) -> Result<Metadata> {
+        let mut cache = self.cache.lock().await;
+        self.load(&mut cache).await.cloned()
+    }
+
+    /// Applies `change` to the metadata in one write under the lease (retried on transient
+    /// failures): a write that comes late cannot land under a later holder (`LeaseLost`).
+    async fn change(&self, what: &str, change: impl FnOnce(&mut Metadata)) -> Result<()> {
+        let mut cache = self.cache.lock().await;
+        let mut metadata = self.load(&mut cache).await?.clone();
+        change(&mut metadata);
+        let write = || {
+            self.lock
+                .store
+                .set_metadata(&self.blob, Some(self.lease), None, &metadata)
+        };
+        match self.lock.retry(what, write).await {
+            Ok(_) => {
+                *cache = Some(metadata);
+                Ok(())
+            }
+            Err(e) if e.kind() == StoreErrorKind::LeaseLost => Err(lease_lost(&self.key)),
+            Err(e) => Err(e.into()),
+        }
+    }
 }
 
 impl LeaseGuard {
@@ -467,6 +596,8 @@ impl LeaseGuard {
         let lost = CancellationToken::new();
         let stop = CancellationToken::new();
         let (renewed_tx, renewed) = watch::channel(granted_at);
+        let (first_renewal_tx, first_renewal) = oneshot::channel();
+        let before_renewal = BeforeSlot::default();
         let renewer = tokio::spawn(renew_loop(
             lock.store.clone(),
             blob.clone(),
@@ -475,8 +606,19 @@ impl LeaseGuard {
             granted_at,
             lost.clone(),
             stop.clone(),
-            renewed_tx,
+            Renewed {
+                every: renewed_tx,
+                first: Some(first_renewal_tx),
+                before: before_renewal.clone(),
+            },
         ));
+        let metadata = MetadataCell {
+            lock: lock.clone(),
+            key: key.clone(),
+            blob: blob.clone(),
+            lease,
+            cache: Arc::default(),
+        };
         Self {
             key,
             blob,
@@ -489,8 +631,43 @@ impl LeaseGuard {
             lock: lock.clone(),
             member,
             done: false,
-            metadata: std::sync::Mutex::new(None),
+            metadata,
+            first_renewal: Some(first_renewal),
+            before_renewal,
+            recorder: None,
         }
+    }
+
+    /// Once the lease has been renewed (so only for holds longer than the renewal interval),
+    /// writes who holds it, since when and with which token, for operators (`inspect`), and
+    /// drops what a shared hold left behind. Left out of the grant to keep it at two round
+    /// trips; a short hold is never recorded. Stops with the hold.
+    pub(crate) fn record_holder_once_renewed(&mut self, token: u64) {
+        let Some(renewed) = self.first_renewal.take() else {
+            return;
+        };
+        let metadata = self.metadata.clone();
+        let since = unix_millis_now();
+        let task = async move {
+            if renewed.await.is_err() {
+                return;
+            }
+            let holder = metadata.lock.options.holder.clone();
+            let written = metadata
+                .change("record lock holder", |md| {
+                    for shared in [META_SHARERS, META_SHARE_GROUP, META_SHARE_GENERATION] {
+                        md.remove(shared);
+                    }
+                    md.insert(META_GENERATION.into(), token.to_string());
+                    md.insert(META_HOLDER.into(), holder);
+                    md.insert(META_SINCE.into(), since.to_string());
+                })
+                .await;
+            if let Err(e) = written {
+                tracing::debug!(key = %metadata.key, error = %e, "could not record the lock's holder");
+            }
+        };
+        self.recorder = Some(AbortOnDropHandle::new(tokio::spawn(task)));
     }
 
     pub fn key(&self) -> &LockKey {
@@ -525,57 +702,64 @@ impl LeaseGuard {
         self.renewed.clone()
     }
 
-    /// A note on the key, as it was at this grant or as this holder last wrote it. Notes are
-    /// small texts a holder leaves for the key's next holders (how many runs in a row were cut
-    /// short, say); they are read with the fencing generation, at no extra cost, so only with
-    /// fencing on (`None` otherwise).
-    pub fn note(&self, name: &str) -> Option<String> {
-        let metadata = self.metadata.lock().unwrap_or_else(|e| e.into_inner());
-        metadata
-            .as_ref()?
-            .get(&format!("{META_NOTE_PREFIX}{name}"))
-            .cloned()
+    /// Runs `work` just before each renewal is sent (each try), started a quarter of a second
+    /// early and for at most a fifth of the renewal interval and 2 s (the renewal then goes out
+    /// anyway). For something that must
+    /// outlast the lease by a fixed margin if the holder dies, such as a carrier message's
+    /// visibility: pushed just *before* each renewal, it is never behind the lease by more than
+    /// the push's own flight, whenever the holder dies; pushed after each renewal (with
+    /// [`renewals`](Self::renewals)), a death between a renewal and its push leaves it a whole
+    /// renewal interval behind. Replaces any work set before.
+    pub fn before_each_renewal(&self, work: BeforeRenewal) {
+        self.before_renewal.set(work);
+    }
+
+    /// A note on the key, as the last holder to write it left it (or as this holder wrote it
+    /// since). Notes are small texts a holder leaves for the key's next holders (how many runs
+    /// in a row were cut short, say). The first call reads them (one round trip); later ones
+    /// answer from what was read. Not kept on shared holds (`Config` error).
+    pub async fn note(&self, name: &str) -> Result<Option<String>> {
+        self.refuse_shared()?;
+        Ok(self
+            .metadata
+            .read()
+            .await?
+            .remove(&format!("{META_NOTE_PREFIX}{name}")))
     }
 
     /// Sets (`Some`) or removes (`None`) notes, in one write under this lease (retried on
-    /// transient failures): it lands only while this holder holds the lease, so a write that
-    /// comes late can never change a later holder's notes (`LeaseLost`). Names are letters,
-    /// digits and `_`; values plain ASCII text. Needs fencing (`Config` error otherwise).
+    /// transient failures; read first if no note was read yet): it lands only while this holder
+    /// holds the lease, so a write that comes late can never change a later holder's notes
+    /// (`LeaseLost`). Names are letters, digits and `_`; values plain ASCII text. Not kept on
+    /// shared holds (`Config` error).
     pub async fn write_notes(&self, changes: &[(&str, Option<String>)]) -> Result<()> {
-        let mut metadata = self
-            .metadata
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(|| Error::Config("notes need fencing (LeaseOptions::fencing)".into()))?;
-        for (name, value) in changes {
-            let key = format!("{META_NOTE_PREFIX}{name}");
-            match value {
-                Some(v) => metadata.insert(key, v.clone()),
-                None => metadata.remove(&key),
-            };
-        }
-        let written = self
-            .lock
-            .retry("write notes", || {
-                self.lock
-                    .store
-                    .set_metadata(&self.blob, Some(self.lease), None, &metadata)
+        self.refuse_shared()?;
+        self.metadata
+            .change("write notes", |metadata| {
+                for (name, value) in changes {
+                    let key = format!("{META_NOTE_PREFIX}{name}");
+                    match value {
+                        Some(v) => metadata.insert(key, v.clone()),
+                        None => metadata.remove(&key),
+                    };
+                }
             })
-            .await;
-        match written {
-            Ok(_) => {
-                *self.metadata.lock().unwrap_or_else(|e| e.into_inner()) = Some(metadata);
-                Ok(())
-            }
-            Err(e) if e.kind() == StoreErrorKind::LeaseLost => Err(lease_lost(&self.key)),
-            Err(e) => Err(e.into()),
+            .await
+    }
+
+    /// The members of a shared hold write its metadata with `If-Match` only; a note written
+    /// without would race their member list.
+    fn refuse_shared(&self) -> Result<()> {
+        match self.member {
+            Some(_) => Err(Error::Config("notes are not kept on a shared hold".into())),
+            None => Ok(()),
         }
     }
 
     /// Stops renewing and releases the lease. A lease that was already lost is not an error.
     pub async fn release(mut self) -> Result<()> {
         self.done = true;
+        self.recorder.take();
         self.stop_renewing().await;
         if let Some(member) = self.member.take() {
             return crate::shared::leave(&self.lock, &self.blob, self.lease, &member).await;
@@ -659,6 +843,47 @@ impl Drop for LeaseGuard {
     }
 }
 
+/// Where the renew loop tells of its renewals: every one, and the first once; and what it runs
+/// before each.
+struct Renewed {
+    every: watch::Sender<Instant>,
+    first: Option<oneshot::Sender<()>>,
+    before: BeforeSlot,
+}
+
+/// Where a guard keeps its [`BeforeRenewal`] work, shared with its renew loop.
+#[derive(Clone, Default)]
+struct BeforeSlot(Arc<std::sync::Mutex<Option<BeforeRenewal>>>);
+
+impl BeforeSlot {
+    fn get(&self) -> Option<BeforeRenewal> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set(&self, work: BeforeRenewal) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(work);
+    }
+}
+
+impl fmt::Debug for BeforeSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.get().is_some() {
+            "BeforeSlot(set)"
+        } else {
+            "BeforeSlot(empty)"
+        })
+    }
+}
+
+/// How early the renew loop starts a holder's [`BeforeRenewal`] work (at most a tenth of the
+/// renewal interval): the renewal then goes out about when it would without it.
+const BEFORE_RENEWAL_LEAD: Duration = Duration::from_millis(250);
+
+/// Work a holder runs just before each renewal of its lease is sent
+/// ([`LeaseGuard::before_each_renewal`]).
+pub type BeforeRenewal =
+    Arc<dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync>;
+
 #[allow(clippy::too_many_arguments)]
 /// Renews every `renew_every`; declares the lease lost on a definitive refusal or when the local
 /// deadline (last renewal sent + duration − safety margin) passes without a success.
@@ -670,18 +895,36 @@ async fn renew_loop(
     granted_at: Instant,
     lost: CancellationToken,
     stop: CancellationToken,
-    renewed: watch::Sender<Instant>,
+    mut renewed: Renewed,
 ) {
     let valid_for = options.duration.as_duration() - options.safety_margin;
     let mut deadline = granted_at + valid_for;
     let mut next = granted_at + options.renew_every;
     let mut failures = 0u32;
     loop {
+        // Work to run before the renewal starts a little early, so the renewal still goes out
+        // about on time.
+        let before = renewed.before.get();
+        let lead = if before.is_some() {
+            BEFORE_RENEWAL_LEAD.min(options.renew_every / 10)
+        } else {
+            Duration::ZERO
+        };
         tokio::select! {
             biased;
             _ = stop.cancelled() => return,
             _ = sleep_until(deadline) => break,
-            _ = sleep_until(next) => {}
+            _ = sleep_until(next - lead) => {}
+        }
+        if let Some(before) = before {
+            // Bounded: the renewal goes out whatever the work does.
+            let limit = (options.renew_every / 5).min(Duration::from_secs(2));
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                _ = sleep_until(deadline) => break,
+                _ = tokio::time::timeout(limit, before()) => {}
+            }
         }
         let sent = Instant::now();
         let outcome = tokio::select! {
@@ -695,7 +938,10 @@ async fn renew_loop(
                 failures = 0;
                 deadline = sent + valid_for;
                 next = sent + options.renew_every;
-                renewed.send_replace(sent);
+                renewed.every.send_replace(sent);
+                if let Some(first) = renewed.first.take() {
+                    let _ = first.send(());
+                }
             }
             Err(e) if e.is_transient() => {
                 failures += 1;

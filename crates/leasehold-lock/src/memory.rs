@@ -35,6 +35,8 @@ struct Blob {
     lease: Lease,
     metadata: Metadata,
     etag: u64,
+    /// A page blob's sequence number; `None` for a block blob.
+    sequence: Option<u64>,
     /// A lease that ran out, kept so its holder may still renew it (as Azure allows) until
     /// someone else acquires or the blob is written.
     expired: Option<(LeaseId, Duration)>,
@@ -82,6 +84,27 @@ impl MemoryStore {
         assert!(rate > 0.0, "a clock rate is positive");
         self.clock_rate = rate;
         self
+    }
+
+    /// Puts a lock blob as Leasehold made them before fencing moved to the sequence number: a
+    /// block blob whose fencing generation is in its metadata (for tests of the move). Creates
+    /// the container.
+    pub fn put_block_blob(&self, name: &str, metadata: Metadata) {
+        let mut state = self.state.lock().expect("poisoned");
+        state.container_exists = true;
+        let mut blob = state.new_blob();
+        blob.sequence = None;
+        blob.metadata = metadata;
+        state.blobs.insert(name.to_string(), blob);
+    }
+
+    /// When the active lease on `name` ends, by the caller's (tokio's) clock; `None` if no lease
+    /// is active (for tests).
+    pub fn lease_expiry(&self, name: &str) -> Option<Instant> {
+        match self.state.lock().expect("poisoned").blobs.get(name)?.lease {
+            Lease::Active { expires, .. } if expires > Instant::now() => Some(expires),
+            _ => None,
+        }
     }
 
     /// Names of the blobs that exist, sorted (for tests).
@@ -155,8 +178,36 @@ impl State {
             lease: Lease::None,
             metadata: Metadata::new(),
             etag: self.bump(),
+            sequence: Some(0),
             expired: None,
         }
+    }
+}
+
+/// Whether a write under `lease` (and `if_match`) may land on `blob`: Azure's answers to a
+/// write that names the wrong lease, none on a leased blob, or a stale ETag.
+fn check_write(blob: &Blob, lease: Option<LeaseId>, if_match: Option<&ETag>, op: Op) -> StoreResult<()> {
+    if let Some(tag) = if_match
+        && tag.0 != blob.etag.to_string()
+    {
+        return Err(err(StoreErrorKind::ConditionNotMet, op, 412, "ConditionNotMet"));
+    }
+    match (&blob.lease, lease) {
+        (Lease::Active { id, .. }, Some(given)) if *id == given => Ok(()),
+        (Lease::Active { .. }, None) => Err(err(StoreErrorKind::LeaseLost, op, 412, "LeaseIdMissing")),
+        (Lease::Active { .. }, Some(_)) => Err(err(
+            StoreErrorKind::LeaseLost,
+            op,
+            412,
+            "LeaseIdMismatchWithBlobOperation",
+        )),
+        (_, Some(_)) => Err(err(
+            StoreErrorKind::LeaseLost,
+            op,
+            412,
+            "LeaseNotPresentWithBlobOperation",
+        )),
+        (_, None) => Ok(()),
     }
 }
 
@@ -330,6 +381,7 @@ impl LeaseStore for MemoryStore {
                 lease_state: lease_state(blob),
                 metadata: blob.metadata.clone(),
                 etag: ETag(blob.etag.to_string()),
+                sequence: blob.sequence,
             })
         })
     }
@@ -347,37 +399,61 @@ impl LeaseStore for MemoryStore {
             let Some(blob) = s.blobs.get_mut(name) else {
                 return Err(not_found(s, op));
             };
-            if let Some(tag) = if_match
-                && tag.0 != blob.etag.to_string()
-            {
-                return Err(err(StoreErrorKind::ConditionNotMet, op, 412, "ConditionNotMet"));
-            }
-            match (blob.lease.clone(), lease) {
-                (Lease::Active { id, .. }, Some(given)) if id == given => {}
-                (Lease::Active { .. }, None) => {
-                    return Err(err(StoreErrorKind::LeaseLost, op, 412, "LeaseIdMissing"));
-                }
-                (Lease::Active { .. }, Some(_)) => {
-                    return Err(err(
-                        StoreErrorKind::LeaseLost,
-                        op,
-                        412,
-                        "LeaseIdMismatchWithBlobOperation",
-                    ));
-                }
-                (_, Some(_)) => {
-                    return Err(err(
-                        StoreErrorKind::LeaseLost,
-                        op,
-                        412,
-                        "LeaseNotPresentWithBlobOperation",
-                    ));
-                }
-                (_, None) => {}
-            }
+            check_write(blob, lease, if_match, op)?;
             blob.metadata = metadata.clone();
             blob.etag = etag;
             // A write ends the chance to renew an expired lease, as in Azure.
+            blob.expired = None;
+            s.next_etag = etag;
+            Ok(ETag(etag.to_string()))
+        })
+    }
+
+    async fn increment_sequence(
+        &self,
+        name: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+    ) -> StoreResult<Option<(u64, ETag)>> {
+        let op = Op::BlobSequenceIncrement;
+        self.with_state(op, |s, _| {
+            let etag = s.next_etag + 1;
+            let Some(blob) = s.blobs.get_mut(name) else {
+                return Err(not_found(s, op));
+            };
+            // Azure checks the conditions and the lease first, then refuses a block blob (400
+            // `InvalidOperation`).
+            check_write(blob, Some(lease), if_match, op)?;
+            let Some(sequence) = blob.sequence.as_mut() else {
+                return Ok(None);
+            };
+            *sequence += 1;
+            let sequence = *sequence;
+            blob.etag = etag;
+            blob.expired = None;
+            s.next_etag = etag;
+            Ok(Some((sequence, ETag(etag.to_string()))))
+        })
+    }
+
+    async fn replace_with_page_blob(
+        &self,
+        name: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+        sequence: u64,
+        metadata: &Metadata,
+    ) -> StoreResult<ETag> {
+        let op = Op::BlobCreate;
+        self.with_state(op, |s, _| {
+            let etag = s.next_etag + 1;
+            let Some(blob) = s.blobs.get_mut(name) else {
+                return Err(not_found(s, op));
+            };
+            check_write(blob, Some(lease), if_match, op)?;
+            blob.sequence = Some(sequence);
+            blob.metadata = metadata.clone();
+            blob.etag = etag;
             blob.expired = None;
             s.next_etag = etag;
             Ok(ETag(etag.to_string()))

@@ -8,14 +8,16 @@
 //! the key under the newcomer. A member that dies simply stops renewing; when every member has
 //! left or died, the lease lapses.
 //!
-//! Fencing: a session's founder takes generation + 1 and records it as the session's generation
+//! Fencing: a session's founder takes the next token (one increment of the page blob's sequence
+//! number, conditional on the ETag it read) and records it as the session's generation
 //! (`META_SHARE_GENERATION`); a joiner inherits that token only if the blob, as read just before
 //! its conditional write, shows its group's lease held, a non-empty member list and the session's
-//! generation still current. Every other grant writes the blob (an exclusive grant removes the
-//! group's metadata, another group's founder writes its own), so a joiner whose write goes
-//! through read the metadata its group's session wrote last, and no grant came in between: the
-//! token it inherits was never handed to anyone outside its session. Anything else founds a new
-//! session with a new token — keeping a live session's members listed, so none is dropped.
+//! generation still the blob's sequence number. Every other grant increments the sequence number
+//! (which also changes the ETag), so a joiner whose write goes through read the metadata its
+//! group's session wrote last, and no grant came in between: the token it inherits was never
+//! handed to anyone outside its session. An exclusive grant leaves the session's metadata behind,
+//! but its token shows the session as over. Anything else founds a new session with a new token
+//! — keeping a live session's members listed, so none is dropped.
 
 use std::time::Duration;
 
@@ -44,6 +46,16 @@ pub(crate) fn members(metadata: &Metadata) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// The members of the shared hold in `metadata`, if its session's token is `generation` (the
+/// key's last): an exclusive grant since leaves them behind, over.
+pub(crate) fn live_members(metadata: &Metadata, generation: u64) -> Vec<String> {
+    if session_generation(metadata).is_some_and(|g| g == generation) {
+        members(metadata)
+    } else {
+        Vec::new()
+    }
 }
 
 fn with_members(metadata: &Metadata, group: LeaseId, list: &[String]) -> Metadata {
@@ -91,11 +103,42 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
         } else {
             Vec::new()
         };
-        let mut token = generation_of(&before.metadata);
-        // Join the session (and share its token) only if its token is the last one granted; a
-        // generation that moved on under the group's metadata (a writer that left it behind)
-        // means someone else was granted a token since.
-        let joining = ours && !list.is_empty() && session_generation(&before.metadata) == Some(token);
+        // The last token granted: the page blob's sequence number (a block blob from before
+        // fencing moved there kept it in its metadata).
+        let current = before.sequence.unwrap_or_else(|| generation_of(&before.metadata));
+        // Join the session (and share its token) only if its token is the last one granted: a
+        // grant since (an exclusive one leaves the session's metadata behind) moved the
+        // generation on.
+        let joining = ours && !list.is_empty() && session_generation(&before.metadata) == Some(current);
+        let fencing = lock.options().fencing;
+        let mut token = current;
+        let mut etag = before.etag.clone();
+        if !joining && fencing && before.sequence.is_none() {
+            // Founding needs the next token: first turn the block blob into a page blob at its
+            // generation, keeping the metadata as read.
+            match lock.move_to_page_blob(&blob, group, Some(&before.etag)).await? {
+                Some(moved) => etag = moved,
+                None => continue,
+            }
+        }
+        if !joining && fencing {
+            let increment = || store.increment_sequence(&blob, group, Some(&etag));
+            match lock.retry("take fencing token", increment).await {
+                Ok(Some((next, tag))) => (token, etag) = (next, tag),
+                Ok(None) => continue,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        StoreErrorKind::ConditionNotMet | StoreErrorKind::LeaseLost
+                    ) =>
+                {
+                    // Someone joined or left since our read: read again.
+                    tokio::time::sleep(Duration::from_millis(10 * (attempt as u64 + 1))).await;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         // A write of ours that landed although its answer was lost already listed us.
         if !list.contains(&member) {
             list.push(member.clone());
@@ -103,13 +146,10 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
         let mut metadata = with_members(&before.metadata, group, &list);
         if !joining {
             holder_metadata(lock.options(), &mut metadata);
-            if lock.options().fencing {
-                token += 1;
-                metadata.insert(META_GENERATION.into(), token.to_string());
-            }
+            metadata.insert(META_GENERATION.into(), token.to_string());
             metadata.insert(META_SHARE_GENERATION.into(), token.to_string());
         }
-        let write = || store.set_metadata(&blob, Some(group), Some(&before.etag), &metadata);
+        let write = || store.set_metadata(&blob, Some(group), Some(&etag), &metadata);
         match lock.retry("join shared lock", write).await {
             Ok(_) => {
                 tracing::debug!(%key, %member, members = list.len(), "joined shared lock");

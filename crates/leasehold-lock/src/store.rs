@@ -128,6 +128,9 @@ pub struct BlobProperties {
     pub lease_state: LeaseState,
     pub metadata: Metadata,
     pub etag: ETag,
+    /// A page blob's sequence number (the fencing generation of a lock blob); `None` for a
+    /// block blob (a lock blob made before fencing moved to the sequence number).
+    pub sequence: Option<u64>,
 }
 
 /// The storage operations the lock and the runner need, one round trip each.
@@ -141,8 +144,8 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
     /// create it on first use by themselves; this is for start-up checks and tools.
     async fn create_container(&self) -> StoreResult<()>;
 
-    /// Creates an empty blob (and its container) if it does not exist. Losing a creation race
-    /// is success.
+    /// Creates a zero-length page blob at sequence number 0 (and its container) if the blob
+    /// does not exist. Losing a creation race is success.
     async fn create_blob(&self, blob: &str) -> StoreResult<()>;
 
     /// Acquires a lease of `duration` with the proposed id. Answers `NotFound` if the
@@ -172,6 +175,30 @@ pub trait LeaseStore: Send + Sync + fmt::Debug + 'static {
         blob: &str,
         lease: Option<LeaseId>,
         if_match: Option<&ETag>,
+        metadata: &Metadata,
+    ) -> StoreResult<ETag>;
+
+    /// Adds one to a page blob's sequence number, under `lease` (the active lease's id) and
+    /// `if_match` if given, touching nothing else, and answers the new number and ETag. Only the
+    /// lease holder can do it (`LeaseLost` otherwise), so the numbers one key hands out strictly
+    /// increase. Not idempotent: a retry after a lost answer skips a number. `Ok(None)` if the
+    /// blob is a block blob (storage refuses the action on one).
+    async fn increment_sequence(
+        &self,
+        blob: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+    ) -> StoreResult<Option<(u64, ETag)>>;
+
+    /// Replaces the blob, under `lease` and `if_match` if given, with a zero-length page blob at
+    /// `sequence` carrying `metadata` (the lease stays). Turns a block lock blob into a page blob
+    /// without its generation going backwards. Returns the new ETag.
+    async fn replace_with_page_blob(
+        &self,
+        blob: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+        sequence: u64,
         metadata: &Metadata,
     ) -> StoreResult<ETag>;
 

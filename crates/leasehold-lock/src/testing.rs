@@ -134,6 +134,35 @@ impl<I: Interceptor> LeaseStore for FaultyStore<I> {
         .await
     }
 
+    async fn increment_sequence(
+        &self,
+        blob: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+    ) -> StoreResult<Option<(u64, ETag)>> {
+        let if_match = if_match.cloned();
+        self.send(Op::BlobSequenceIncrement, blob, move |s, b| async move {
+            s.increment_sequence(&b, lease, if_match.as_ref()).await
+        })
+        .await
+    }
+
+    async fn replace_with_page_blob(
+        &self,
+        blob: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+        sequence: u64,
+        metadata: &Metadata,
+    ) -> StoreResult<ETag> {
+        let (if_match, metadata) = (if_match.cloned(), metadata.clone());
+        self.send(Op::BlobCreate, blob, move |s, b| async move {
+            s.replace_with_page_blob(&b, lease, if_match.as_ref(), sequence, &metadata)
+                .await
+        })
+        .await
+    }
+
     fn counters(&self) -> &OpCounters {
         self.interceptor.counters()
     }

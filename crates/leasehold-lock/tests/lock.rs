@@ -9,8 +9,8 @@ use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::testing::{Effect, FaultyStore, Interceptor};
 use leasehold_lock::{
-    LeaseDuration, LeaseLock, LeaseOptions, LeaseStore, LockKey, Metadata, Op, OpCounters, RetryOptions,
-    StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
+    LeaseDuration, LeaseGuard, LeaseLock, LeaseOptions, LeaseStore, LockInfo, LockKey, Metadata, Op,
+    OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult, azure::AzureBlobStore,
 };
 use leasehold_test_support::{Azurite, CountingProxy, unique_name};
 
@@ -32,9 +32,25 @@ fn fast_options() -> LeaseOptions {
 mod scenarios {
     use super::*;
 
+    /// Waits for `guard`'s first renewal and then for `inspect` to show its holder (written just
+    /// after): what `inspect` then says.
+    async fn recorded_holder(lock: &LeaseLock, k: &LockKey, guard: &LeaseGuard) -> LockInfo {
+        guard.renewals().changed().await.unwrap();
+        for _ in 0..100 {
+            let info = lock.inspect(k).await.unwrap();
+            if info.holder.is_some() {
+                assert_eq!(info.holder.as_deref(), Some("test"));
+                assert!(info.since.is_some());
+                return info;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the holder was never recorded after the first renewal");
+    }
+
     /// N tasks contend for one key; an overlap detector sees one holder at a time, and fencing
     /// tokens rise strictly in the order the grants happened.
-    pub async fn contention(store: Arc<dyn LeaseStore>, tasks: usize, rounds: usize) {
+    pub async fn contention(store: Arc<dyn LeaseStore>, tasks: usize, rounds: usize) -> Vec<u64> {
         let lock = LeaseLock::new(store, fast_options()).unwrap();
         let inside = Arc::new(AtomicUsize::new(0));
         let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -65,6 +81,49 @@ mod scenarios {
             tokens.windows(2).all(|w| w[0] < w[1]),
             "tokens not strictly increasing: {tokens:?}"
         );
+        tokens
+    }
+
+    /// What Leasehold wrote on a lock blob before fencing moved to the page blob's sequence
+    /// number: the generation (5), its holder, and a note.
+    pub fn block_blob_metadata() -> Metadata {
+        [
+            ("leasehold_generation", "5"),
+            ("leasehold_holder", "old:1"),
+            ("leasehold_since", "1795435471000"),
+            ("leasehold_note_streak", "1:100"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+    }
+
+    /// The lock blob of key `contended` is a block blob at generation 5
+    /// ([`block_blob_metadata`]). The first grant turns it into a page blob at 5 under its
+    /// lease and takes 6; the lease stays with it (nobody else can take the key), the note
+    /// comes along, and holders contending for the key afterwards get strictly rising tokens
+    /// above 5, the last of them the blob's sequence number.
+    pub async fn a_block_lock_blob_moves_to_a_page_blob_and_its_tokens_go_on(store: Arc<dyn LeaseStore>) {
+        let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
+        let k = key("contended");
+        let blob = leasehold_lock::lock_blob_name(&k);
+        assert_eq!(
+            store.properties(&blob).await.unwrap().sequence,
+            None,
+            "a block blob"
+        );
+        let first = lock.try_acquire(&k).await.unwrap().unwrap();
+        assert_eq!(first.fencing_token(), Some(6));
+        assert_eq!(store.properties(&blob).await.unwrap().sequence, Some(6));
+        assert!(lock.inspect(&k).await.unwrap().held, "the lease stayed");
+        assert!(lock.try_acquire(&k).await.unwrap().is_none());
+        assert_eq!(first.note("streak").await.unwrap().as_deref(), Some("1:100"));
+        first.release().await.unwrap();
+        let tokens = contention(store.clone(), 4, 3).await;
+        assert!(tokens[0] > 6, "{tokens:?}");
+        let info = lock.inspect(&k).await.unwrap();
+        assert_eq!(info.generation, *tokens.last().unwrap());
+        assert_eq!(info.notes.get("streak").map(String::as_str), Some("1:100"));
     }
 
     /// A guard keeps its lease well past the lease duration by renewing it.
@@ -173,16 +232,16 @@ mod scenarios {
         let lock = LeaseLock::new(store.clone(), fast_options()).unwrap();
         let k = key("noted");
         let first = lock.try_acquire(&k).await.unwrap().unwrap();
-        assert_eq!(first.note("streak"), None);
+        assert_eq!(first.note("streak").await.unwrap(), None);
         first
             .write_notes(&[("streak", Some("1:2500".into())), ("other", Some("x".into()))])
             .await
             .unwrap();
-        assert_eq!(first.note("streak").as_deref(), Some("1:2500"));
+        assert_eq!(first.note("streak").await.unwrap().as_deref(), Some("1:2500"));
         first.release().await.unwrap();
         let second = lock.try_acquire(&k).await.unwrap().unwrap();
         assert_eq!(second.fencing_token(), Some(2));
-        assert_eq!(second.note("streak").as_deref(), Some("1:2500"));
+        assert_eq!(second.note("streak").await.unwrap().as_deref(), Some("1:2500"));
         second.write_notes(&[("other", None)]).await.unwrap();
         let info = lock.inspect(&k).await.unwrap();
         assert_eq!(info.notes.get("streak").map(String::as_str), Some("1:2500"));
@@ -192,7 +251,7 @@ mod scenarios {
         // write, late, is refused.
         lock.break_lock_after(&k, "test", Duration::ZERO).await.unwrap();
         let third = lock.try_acquire(&k).await.unwrap().expect("free after the break");
-        assert_eq!(third.note("streak").as_deref(), Some("1:2500"));
+        assert_eq!(third.note("streak").await.unwrap().as_deref(), Some("1:2500"));
         let refused = second.write_notes(&[("streak", Some("9:9".into()))]).await;
         assert!(
             matches!(refused, Err(leasehold_lock::Error::LeaseLost { .. })),
@@ -203,7 +262,7 @@ mod scenarios {
         second.abandon();
         let stale = third;
         stale.release().await.unwrap();
-        // Without fencing there are no notes to read or write.
+        // Without fencing, notes are read and written the same way.
         let unfenced = LeaseLock::new(
             store,
             LeaseOptions {
@@ -212,10 +271,18 @@ mod scenarios {
             },
         )
         .unwrap();
-        let g = unfenced.try_acquire(&key("unfenced")).await.unwrap().unwrap();
-        assert_eq!(g.note("streak"), None);
-        assert!(g.write_notes(&[("streak", None)]).await.is_err());
+        let g = unfenced.try_acquire(&k).await.unwrap().unwrap();
+        assert_eq!(g.note("streak").await.unwrap().as_deref(), Some("1:2500"));
+        g.write_notes(&[("streak", None)]).await.unwrap();
         g.release().await.unwrap();
+        assert_eq!(unfenced.inspect(&k).await.unwrap().notes, Metadata::new());
+        // A shared hold keeps none: its members write the blob only with If-Match.
+        let member = unfenced.try_acquire_shared(&k, "s").await.unwrap().unwrap();
+        assert!(matches!(
+            member.note("streak").await,
+            Err(leasehold_lock::Error::Config(_))
+        ));
+        member.release().await.unwrap();
     }
 
     /// Fencing tokens rise across release/re-acquire and across takeover after expiry, and a
@@ -231,10 +298,18 @@ mod scenarios {
             last = t;
             g.release().await.unwrap();
         }
-        // Takeover after expiry: the holder "crashes" (stops renewing, never releases).
+        // Takeover after expiry: the holder "crashes" (stops renewing, never releases) after
+        // its first renewal, which recorded it as the holder.
         let dead = lock.try_acquire(&k).await.unwrap().unwrap();
         let dead_token = dead.fencing_token().unwrap();
         let dead_lease = dead.lease_id();
+        assert_eq!(
+            lock.inspect(&k).await.unwrap().holder,
+            None,
+            "recorded only once renewed"
+        );
+        let recorded = recorded_holder(&lock, &k, &dead).await;
+        assert_eq!(recorded.generation, dead_token);
         dead.abandon();
         assert!(
             lock.try_acquire(&k).await.unwrap().is_none(),
@@ -250,7 +325,13 @@ mod scenarios {
         let info = lock.inspect(&k).await.unwrap();
         assert!(info.held);
         assert_eq!(info.generation, taker.fencing_token().unwrap());
-        assert_eq!(info.holder.as_deref(), Some("test"));
+        assert_eq!(
+            (info.holder, info.since),
+            (None, None),
+            "the dead holder's record is not shown for the new grant"
+        );
+        let info = recorded_holder(&lock, &k, &taker).await;
+        assert_eq!(info.generation, taker.fencing_token().unwrap());
         taker.release().await.unwrap();
         assert!(!lock.inspect(&k).await.unwrap().held);
     }
@@ -389,7 +470,8 @@ mod scenarios {
                  [{label}] fencing={fencing}: acquire+release: {steady}\n\
                  [{label}] fencing={fencing}: failed contended attempt: {contended}"
             );
-            assert_eq!(steady.total(), if fencing { 4 } else { 2 });
+            // Acquire, the token's increment (fencing), release.
+            assert_eq!(steady.total(), if fencing { 3 } else { 2 });
             assert_eq!(contended.total(), 1);
             if fencing {
                 // The container exists by now: first use adds the failed acquire (404) and the
@@ -414,6 +496,33 @@ mod azurite {
             &unique_name("locks"),
             OpCounters::new(),
         ))
+    }
+
+    #[tokio::test]
+    async fn a_block_lock_blob_moves_to_a_page_blob_and_its_tokens_go_on() {
+        let azurite = Azurite::shared();
+        let container = unique_name("locks");
+        // Made as earlier versions made lock blobs: an empty block blob, then its metadata.
+        let blobs =
+            leasehold_storage::azure::BlobContainer::new(&azurite.account(), &container, OpCounters::new());
+        let metadata = scenarios::block_blob_metadata().into_iter().collect();
+        assert!(
+            blobs
+                .put_empty_if_absent("locks/contended", Op::BlobCreate)
+                .await
+                .unwrap()
+        );
+        blobs
+            .set_metadata_if_present("locks/contended", &metadata, Op::BlobSetMetadata)
+            .await
+            .unwrap()
+            .expect("there");
+        let store = Arc::new(AzureBlobStore::new(
+            &azurite.account(),
+            &container,
+            OpCounters::new(),
+        ));
+        scenarios::a_block_lock_blob_moves_to_a_page_blob_and_its_tokens_go_on(store).await;
     }
 
     /// A connection string with a SAS (no key) works as well as one with the key: every
@@ -621,6 +730,40 @@ mod memory {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_block_lock_blob_moves_to_a_page_blob_and_its_tokens_go_on() {
+        let store = MemoryStore::new();
+        store.put_block_blob("locks/contended", scenarios::block_blob_metadata());
+        scenarios::a_block_lock_blob_moves_to_a_page_blob_and_its_tokens_go_on(Arc::new(store)).await;
+    }
+
+    /// The move's write lands but its answer is lost: the retry finds the blob moved (the ETag
+    /// it wrote under changed) and goes on from there. An increment whose answer is lost is
+    /// sent again and skips a number: the token never goes back.
+    #[tokio::test(start_paused = true)]
+    async fn a_move_or_increment_whose_answer_was_lost_goes_on() {
+        for (op, block_blob, token) in [(Op::BlobCreate, true, 6), (Op::BlobSequenceIncrement, false, 2)] {
+            let inner = Arc::new(MemoryStore::new());
+            if block_blob {
+                inner.put_block_blob("locks/lost", scenarios::block_blob_metadata());
+            }
+            let lose = Arc::new(LoseAnswer::of(op));
+            let lock = LeaseLock::new(
+                Arc::new(FaultyStore::new(inner.clone(), lose.clone())),
+                fast_options(),
+            )
+            .unwrap();
+            let guard = lock.try_acquire(&key("lost")).await.unwrap().unwrap();
+            assert_eq!(lose.lost.load(Ordering::SeqCst), 1, "{op}: an answer was lost");
+            assert_eq!(guard.fencing_token(), Some(token), "{op}");
+            assert_eq!(
+                inner.properties("locks/lost").await.unwrap().sequence,
+                Some(token)
+            );
+            guard.release().await.unwrap();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn contention() {
         scenarios::contention(store(), 8, 20).await;
     }
@@ -710,6 +853,10 @@ mod memory {
         let guard = lock.try_acquire(&key("seen")).await.unwrap().unwrap();
         let info = lock.inspect(&key("seen")).await.unwrap();
         assert!(info.held);
+        assert_eq!(info.generation, 1);
+        assert_eq!(info.holder, None, "recorded once the lease has been renewed");
+        tokio::time::sleep(LeaseOptions::default().renew_every + Duration::from_secs(1)).await;
+        let info = lock.inspect(&key("seen")).await.unwrap();
         assert_eq!(info.generation, 1);
         let holder = info.holder.unwrap();
         assert!(holder.ends_with(&format!(":{}", std::process::id())), "{holder}");
@@ -833,8 +980,8 @@ mod memory {
         let all = lock.try_acquire_many(&keys).await.unwrap().unwrap();
         assert_eq!(
             metrics.num_alive_tasks(),
-            before + 3,
-            "two renewers and a watcher"
+            before + 5,
+            "two renewers, two holder recorders and a watcher"
         );
         let lost = all.lost();
         drop(all);
@@ -883,8 +1030,8 @@ mod memory {
     ///    metadata says group G, members `[a]`;
     /// 2. `a` dies (stops renewing, never leaves): the lease lapses, the metadata still says
     ///    group G, members `[a]`;
-    /// 3. exclusive holder E acquires: its fencing write makes token 2 — and used to copy the
-    ///    stale group and member list along;
+    /// 3. exclusive holder E acquires: its fencing increment makes token 2, and the stale
+    ///    group and member list stay;
     /// 4. joiner J of group G reads the blob while E holds it: "held, group G, members `[a]`";
     /// 5. E's lease ends (released, or lapsed after E died);
     /// 6. J acquires G (free now) and, trusting the list it read, joins "the session" instead of
@@ -930,64 +1077,65 @@ mod memory {
                 if e_ends_by_lapse { "lapse" } else { "release" },
                 j.fencing_token()
             );
-            assert_eq!(
-                lock.inspect(&k).await.unwrap().sharers.len(),
-                1,
-                "the dead member of the lapsed session is not carried into the new one"
-            );
+            // E's grant left the lapsed session's metadata behind (it writes nothing but the
+            // token), and J, having read it while E held, carries the dead member along — the
+            // cost of a member that dies without leaving, as always: the key stays held after
+            // J leaves, until the lease lapses.
+            assert_eq!(lock.inspect(&k).await.unwrap().sharers.len(), 2);
             j.release().await.unwrap();
+            let left = tokio::time::Instant::now();
+            let free = loop {
+                if let Some(g) = lock.try_acquire(&k).await.unwrap() {
+                    break g;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            };
+            assert!(left.elapsed() <= fast_options().duration.as_duration());
+            free.release().await.unwrap();
         }
     }
 
-    /// The same hazard from a writer that advances the generation but leaves the share group's
-    /// metadata in place (an older version of this library holding the key exclusively during
-    /// a rolling upgrade): a joiner inherits a session's token only when the metadata says the
-    /// session was granted that very generation; otherwise it takes a new one.
+    /// A lock blob made before fencing moved to the sequence number (a block blob whose
+    /// metadata holds the generation) with a shared session's metadata on it whose generation
+    /// moved on (an exclusive grant of that older version that left the group's metadata in
+    /// place, the worst case): a joiner of the group finds the session over, turns the blob into
+    /// a page blob at its generation under the group's lease, and founds a session with the
+    /// next token; the next member joins that session.
     #[tokio::test(start_paused = true)]
-    async fn a_joiner_takes_a_new_token_when_the_generation_moved_on_under_its_group() {
+    async fn a_joiner_on_a_block_lock_blob_moves_it_and_takes_the_next_token() {
         let inner = Arc::new(MemoryStore::new());
         let lock = LeaseLock::new(inner.clone(), fast_options()).unwrap();
-        let gate = Arc::new(ReadGate::default());
-        let joiner = LeaseLock::new(
-            Arc::new(FaultyStore::new(inner.clone(), gate.clone())),
-            fast_options(),
-        )
-        .unwrap();
-        let k = key("shared-then-old-exclusive");
+        let k = key("shared-on-a-block-blob");
         let blob = leasehold_lock::lock_blob_name(&k);
-        let a = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
-        assert_eq!(a.fencing_token(), Some(1));
-        a.abandon();
-        tokio::time::sleep(Duration::from_secs(16)).await;
-        // The old exclusive grant: acquire, read, write generation + 1 over the metadata as read.
-        let old = leasehold_lock::LeaseId::random();
-        inner
-            .acquire_lease(&blob, old, fast_options().duration)
-            .await
-            .unwrap();
-        let mut md = inner.properties(&blob).await.unwrap().metadata;
-        md.insert(leasehold_lock::META_GENERATION.into(), "2".into());
-        inner.set_metadata(&blob, Some(old), None, &md).await.unwrap();
-
-        gate.arm();
-        let j = tokio::spawn({
-            let k = k.clone();
-            async move { joiner.try_acquire_shared(&k, "batch").await }
-        });
-        gate.wait_read().await;
-        inner.release_lease(&blob, old, None).await.unwrap();
-        gate.open();
-        let j = j
-            .await
-            .unwrap()
-            .unwrap()
-            .expect("free once the old holder released");
-        assert_eq!(j.fencing_token(), Some(3), "the old exclusive grant had token 2");
-        // Members joining the new session share its token.
+        let group = leasehold_lock::LeaseId::derived(&[k.as_str(), "batch"]);
+        let md: Metadata = [
+            ("leasehold_generation", "2"),
+            ("leasehold_share_generation", "1"),
+            ("leasehold_sharers", "deadmember"),
+            ("leasehold_share_group", &group.to_string()),
+            ("leasehold_note_streak", "1:100"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        inner.put_block_blob(&blob, md);
+        assert_eq!(inner.properties(&blob).await.unwrap().sequence, None);
+        let j = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(j.fencing_token(), Some(3), "the block blob's generation was 2");
+        let props = inner.properties(&blob).await.unwrap();
+        assert_eq!(props.sequence, Some(3), "now a page blob");
+        assert_eq!(
+            props.metadata.get("leasehold_note_streak").map(String::as_str),
+            Some("1:100"),
+            "the notes came along"
+        );
         let m = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
-        assert_eq!(m.fencing_token(), Some(3));
+        assert_eq!(m.fencing_token(), Some(3), "members share the session's token");
         m.release().await.unwrap();
         j.release().await.unwrap();
+        let e = lock.try_acquire(&k).await.unwrap().expect("free once both left");
+        assert_eq!(e.fencing_token(), Some(4));
+        e.release().await.unwrap();
     }
 
     /// A join whose write took effect but whose answer was lost lists its member once: the
@@ -1271,15 +1419,67 @@ mod memory {
         };
         let lock = LeaseLock::new(Flaky::store(&flaky), options.clone()).unwrap();
         let k = key("fence");
-        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::LeaseLost);
+        flaky.inject(Op::BlobSequenceIncrement, StoreErrorKind::LeaseLost);
         let err = lock.try_acquire(&k).await.unwrap_err();
         assert!(matches!(err, leasehold_lock::Error::LeaseLost { .. }), "{err:?}");
-        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::Rejected);
+        flaky.inject(Op::BlobSequenceIncrement, StoreErrorKind::Rejected);
         let err = lock.try_acquire(&k).await.unwrap_err();
         assert_refused(&err);
         let other = LeaseLock::new(inner, options).unwrap();
         let guard = other.try_acquire(&k).await.unwrap().expect("given back");
         assert_eq!(guard.fencing_token(), Some(1), "no failed grant counted");
+    }
+
+    /// Work set with `before_each_renewal` runs just before each renewal is sent (started a
+    /// quarter of a second early, and the renewal follows as soon as it is done), and work that
+    /// hangs holds a renewal back by a fifth of the interval at most: the lease is kept.
+    #[tokio::test(start_paused = true)]
+    async fn work_before_each_renewal_runs_just_before_it_and_never_holds_it_back_long() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        let guard = lock.try_acquire(&key("before")).await.unwrap().unwrap();
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hang = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        guard.before_each_renewal(Arc::new({
+            let (calls, hang) = (calls.clone(), hang.clone());
+            move || {
+                let (calls, hang) = (calls.clone(), hang.clone());
+                Box::pin(async move {
+                    calls.lock().unwrap().push(tokio::time::Instant::now());
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if hang.load(Ordering::SeqCst) {
+                        std::future::pending::<()>().await;
+                    }
+                })
+            }
+        }));
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let paired = |from: usize| {
+            let calls = calls.lock().unwrap().clone();
+            let renewals = flaky.renewals.lock().unwrap().clone();
+            assert_eq!(calls.len(), renewals.len(), "{calls:?} {renewals:?}");
+            calls[from..]
+                .iter()
+                .zip(&renewals[from..])
+                .map(|(c, r)| *r - *c)
+                .collect::<Vec<_>>()
+        };
+        // Every 3 s: work for 100 ms, then the renewal at once.
+        let quick = paired(0);
+        assert_eq!(quick.len(), 3, "{quick:?}");
+        assert!(
+            quick.iter().all(|d| *d == Duration::from_millis(100)),
+            "{quick:?}"
+        );
+        hang.store(true, Ordering::SeqCst);
+        let before = calls.lock().unwrap().len();
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        // Hung work: the renewal goes out 0.6 s (3 s / 5) after it started, and the lease holds.
+        let hung = paired(before);
+        assert!(hung.len() >= 3, "{hung:?}");
+        assert!(hung.iter().all(|d| *d == Duration::from_millis(600)), "{hung:?}");
+        assert!(!guard.is_lost());
+        guard.release().await.unwrap();
     }
 
     /// A shared join passes storage's refusals on (a refused read is not a missing blob, a
@@ -1361,7 +1561,9 @@ mod memory {
         let next = lock.try_acquire(&k).await.unwrap().expect("left and released");
         next.release().await.unwrap();
 
-        // A member whose lease is gone (broken and taken) reads once and writes nothing.
+        // A member whose lease is gone (broken and taken) reads once, and its write of the
+        // list (the exclusive grant left the group's metadata in place) is refused: nothing
+        // changes.
         let k = key("shared-leave-gone");
         let member = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
         lock.break_lock_after(&k, "test", Duration::ZERO).await.unwrap();
@@ -1375,8 +1577,12 @@ mod memory {
                 sent.get(Op::BlobSetMetadata),
                 sent.total()
             ),
-            (1, 0, 1),
+            (1, 1, 2),
             "{sent}"
+        );
+        assert!(
+            lock.inspect(&k).await.unwrap().held,
+            "still the exclusive holder's"
         );
         other.release().await.unwrap();
     }

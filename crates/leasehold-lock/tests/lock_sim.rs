@@ -41,8 +41,9 @@ use async_trait::async_trait;
 use leasehold_lock::memory::MemoryStore;
 use leasehold_lock::testing::{Effect, FaultyStore, Interceptor};
 use leasehold_lock::{
-    BlobProperties, ETag, LeaseDuration, LeaseGuard, LeaseId, LeaseLock, LeaseOptions, LeaseStore, LockKey,
-    Metadata, MultiGuard, Op, OpCounters, RetryOptions, StoreError, StoreErrorKind, StoreResult,
+    BlobProperties, ETag, LOCK_PREFIX, LeaseDuration, LeaseGuard, LeaseId, LeaseLock, LeaseOptions,
+    LeaseStore, LockKey, META_GENERATION, Metadata, MultiGuard, Op, OpCounters, RetryOptions, StoreError,
+    StoreErrorKind, StoreResult,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -76,6 +77,9 @@ struct Plan {
     death_rate: f64,
     /// Whether storage answers slowly now and then.
     slow: bool,
+    /// The generation of lock blobs that start as block blobs (as Leasehold made them before
+    /// fencing moved to the sequence number), if they do: every token must be above it.
+    block_blobs: Option<u64>,
 }
 
 impl Plan {
@@ -93,6 +97,7 @@ impl Plan {
             },
             death_rate: rng.random_range(0.1..0.6),
             slow: rng.random_bool(0.7),
+            block_blobs: rng.random_bool(0.3).then(|| rng.random_range(0..1000)),
         }
     }
 }
@@ -495,6 +500,28 @@ impl LeaseStore for Recorder {
         self.inner.set_metadata(blob, lease, if_match, metadata).await
     }
 
+    async fn increment_sequence(
+        &self,
+        blob: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+    ) -> StoreResult<Option<(u64, ETag)>> {
+        self.inner.increment_sequence(blob, lease, if_match).await
+    }
+
+    async fn replace_with_page_blob(
+        &self,
+        blob: &str,
+        lease: LeaseId,
+        if_match: Option<&ETag>,
+        sequence: u64,
+        metadata: &Metadata,
+    ) -> StoreResult<ETag> {
+        self.inner
+            .replace_with_page_blob(blob, lease, if_match, sequence, metadata)
+            .await
+    }
+
     fn counters(&self) -> &OpCounters {
         self.inner.counters()
     }
@@ -854,11 +881,18 @@ fn run_seed(seed: u64) -> Report {
         .start_paused(true)
         .build()
         .expect("a runtime");
+    let store = MemoryStore::new().with_clock_rate(plan.clock_rate);
+    if let Some(generation) = plan.block_blobs {
+        for key in &KEYS[..plan.keys] {
+            let metadata = [(META_GENERATION.to_string(), generation.to_string())].into();
+            store.put_block_blob(&format!("{LOCK_PREFIX}{key}"), metadata);
+        }
+    }
     let world = rt.block_on(async {
         let world = Arc::new(World {
             rng: Mutex::new(SmallRng::seed_from_u64(seed)),
             epoch: Instant::now(),
-            store: Arc::new(MemoryStore::new().with_clock_rate(plan.clock_rate)),
+            store: Arc::new(store),
             journal: Mutex::default(),
             next_node: AtomicU64::new(0),
             tracing: std::env::var_os("LEASEHOLD_LOCK_SIM_TRACE").is_some(),
@@ -916,6 +950,15 @@ fn check(world: &World) -> Report {
                 }
             }
             last = Some(g);
+        }
+        // Above the generation a block blob it started as had reached.
+        if let Some(floor) = world.plan.block_blobs {
+            for g in grants.iter().filter(|g| g.token.is_some_and(|t| t <= floor)) {
+                violations.push(Violation::TokenDecreased(format!(
+                    "{key}: {} not above the block blob's generation {floor}",
+                    describe(g)
+                )));
+            }
         }
         // No exclusive token twice, and no token to two kinds, counting grants lost on arrival.
         let mut owners: HashMap<u64, &Grant> = HashMap::new();

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound;
 use std::time::SystemTime;
 
-use leasehold_lock::{LOCK_PREFIX, META_GENERATION, META_HOLDER, META_SINCE};
+use leasehold_lock::{LOCK_PREFIX, RecordedHold};
 use leasehold_runtime::{MARKER_PREFIX, RecordId, Scope, TriggerQueue, WAIT_PREFIX};
 use leasehold_storage::azure::{BlobContainer, ListedBlob};
 use serde::{Deserialize, Serialize};
@@ -245,22 +245,14 @@ impl Operator {
                 pending_shown.push(record.clone());
             }
             let Some(blob) = blob else { continue };
-            let since = blob
-                .metadata
-                .get(META_SINCE)
-                .and_then(|v| v.parse::<u64>().ok())
-                .map(|ms| SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(ms));
+            let hold = RecordedHold::of(&blob.metadata, blob.sequence);
             shown.push(HeldRecord {
                 retrigger_pending: *retrigger_pending,
                 lease_state: blob.lease.as_str().to_string(),
-                holder: blob.metadata.get(META_HOLDER).cloned(),
-                since,
-                since_age_seconds: since.map(|s| clock::age_seconds(s, now)),
-                generation: blob
-                    .metadata
-                    .get(META_GENERATION)
-                    .and_then(|g| g.parse().ok())
-                    .unwrap_or(0),
+                holder: hold.holder,
+                since: hold.since,
+                since_age_seconds: hold.since.map(|s| clock::age_seconds(s, now)),
+                generation: hold.generation,
                 scope: record.scope.clone(),
                 record_id: record.record_id.clone(),
             });

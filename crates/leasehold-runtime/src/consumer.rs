@@ -44,11 +44,13 @@ pub struct ConsumerOptions {
     pub concurrency: usize,
     /// Messages taken per request (at most 32). Default 16.
     pub batch_size: u32,
-    /// How long a taken message stays hidden; renewed while its run lasts. A dead worker's
-    /// message reappears within this. Default 40 s = the default lease duration (30 s) plus its
-    /// renewal interval (10 s): then a dead worker's message can only reappear once its lease
-    /// has expired, so it runs at once instead of waiting for a recheck, and recovery takes at
-    /// most this long. Keep it at least lease duration + renewal interval.
+    /// How long a taken message stays hidden after each push; pushed every
+    /// `visibility_renew_every`, and just before each renewal of the lease its run holds. A dead
+    /// worker's message reappears within this. Default 35 s = the default lease duration (30 s)
+    /// plus [`crate::CARRIER_MARGIN`] (5 s): then a dead worker's message reappears only once its
+    /// lease has expired, so it runs at once instead of waiting for a recheck, and recovery takes
+    /// at most this long. Keep it at least lease duration + [`crate::CARRIER_MARGIN`], and
+    /// longer than the lease's renewal interval and a half.
     pub visibility: Duration,
     /// How often visibility is renewed. Default 10 s.
     pub visibility_renew_every: Duration,
@@ -73,7 +75,7 @@ impl Default for ConsumerOptions {
         Self {
             concurrency: 8,
             batch_size: 16,
-            visibility: Duration::from_secs(40),
+            visibility: Duration::from_secs(35),
             visibility_renew_every: Duration::from_secs(10),
             max_dequeue_count: 5,
             retry_delay: Duration::from_secs(5),
@@ -297,8 +299,12 @@ impl Consumer {
         // Visibility is renewed by a task of its own, so a slow renewal never stalls the run;
         // it stops when this delivery ends, however it ends.
         let receipt = Arc::new(std::sync::Mutex::new(received.pop_receipt.clone()));
+        // While the delivery holds its record's lease, the renewer pushes just before each
+        // renewal of it, when asked through `pushes`.
+        let (push_now, pushes) = tokio::sync::mpsc::channel(1);
         // Hidden for `visibility` from when the service took it, after our get was sent.
-        let hidden = HiddenUntil::new(asked + self.options.visibility);
+        let hidden =
+            HiddenUntil::new(asked + self.options.visibility).with_push(push_before_renewal(push_now));
         let stop_renewing = CancellationToken::new();
         let mut renewer = AbortOnDrop(tokio::spawn(
             keep_hidden(
@@ -307,6 +313,7 @@ impl Consumer {
                 receipt.clone(),
                 hidden.clone(),
                 self.options.clone(),
+                pushes,
                 stop_renewing.clone(),
             )
             .instrument(tracing::Span::current()),
@@ -503,27 +510,63 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Renews a message's visibility every `visibility_renew_every` while its run lasts, until
-/// `stop` fires (checked only between updates, so the receipt always reflects the last update
-/// that landed). When the message cannot be kept hidden (its receipt went stale, say because an
-/// update's answer was lost), the run goes on: its lease keeps it exclusive, and the message's
-/// next delivery finds the lease held and looks again once it must have expired.
+/// The work a delivery's lease runs before each renewal ([`HiddenUntil::with_push`]): asks the
+/// message's renewer ([`keep_hidden`]) to push now, and waits until it has.
+fn push_before_renewal(
+    push_now: tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<()>>,
+) -> leasehold_lock::BeforeRenewal {
+    Arc::new(move || {
+        let push_now = push_now.clone();
+        Box::pin(async move {
+            let (done, pushed) = tokio::sync::oneshot::channel();
+            if push_now.send(done).await.is_ok() {
+                let _ = pushed.await;
+            }
+        })
+    })
+}
+
+/// Renews a message's visibility while its run lasts, until `stop` fires (checked only between
+/// updates, so the receipt always reflects the last update that landed): every
+/// `visibility_renew_every`, and, while the delivery holds its record's lease, just before each
+/// renewal of the lease (asked through `pushes`). Each push hides the message for `visibility`
+/// (lease duration + [`CARRIER_MARGIN`]), so a dead holder's message surfaces a margin after its
+/// lease expired, whenever it died: pushed before the renewal, the message is never behind the
+/// lease by more than that push's flight. While the lease asks for pushes, the timer only
+/// stands in for renewals that stall (half an interval late). When the message cannot be kept
+/// hidden (its receipt went stale, say because an update's answer was lost), the run goes on:
+/// its lease keeps it exclusive, and the message's next delivery finds the lease held and looks
+/// again once it must have expired.
 async fn keep_hidden(
     queue: Arc<dyn TriggerQueue>,
     received: Received,
     receipt: Arc<std::sync::Mutex<String>>,
     hidden: HiddenUntil,
     options: ConsumerOptions,
+    mut pushes: tokio::sync::mpsc::Receiver<tokio::sync::oneshot::Sender<()>>,
     stop: CancellationToken,
 ) {
     let mut hidden_until = Instant::now() + options.visibility;
     let mut next = Instant::now() + options.visibility_renew_every;
+    let mut following = false;
+    let mut asked_open = true;
     loop {
-        tokio::select! {
+        // Answered (dropped) once this push is done, however it ends.
+        let _asked = tokio::select! {
             biased;
             _ = stop.cancelled() => return,
-            _ = sleep_until(next) => {}
-        }
+            ask = pushes.recv(), if asked_open => match ask {
+                Some(done) => {
+                    following = true;
+                    Some(done)
+                }
+                None => {
+                    asked_open = false;
+                    continue;
+                }
+            },
+            _ = sleep_until(next) => None,
+        };
         let sent = Instant::now();
         let current = receipt.lock().expect("receipt mutex").clone();
         match queue
@@ -535,6 +578,9 @@ async fn keep_hidden(
                 hidden_until = sent + options.visibility;
                 hidden.set(hidden_until);
                 next = sent + options.visibility_renew_every;
+                if following {
+                    next += options.visibility_renew_every / 2;
+                }
             }
             Err(e) if e.is_transient() && Instant::now() + Duration::from_secs(2) < hidden_until => {
                 tracing::warn!(error = %e, "renewing message visibility failed; trying again");

@@ -34,6 +34,6 @@ pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId,
 #[cfg(feature = "testing")]
 pub use runner::ProtocolVariant;
 pub use runner::{
-    Debounce, Delivery, Logic, Outcome, RecordRunner, RunContext, RunPolicy, RunnerOptions, SUPERSEDED_NOTE,
-    WATCHDOG_MARGIN, superseded_streak,
+    CARRIER_MARGIN, Debounce, Delivery, Logic, Outcome, RecordRunner, RunContext, RunPolicy, RunnerOptions,
+    SUPERSEDED_NOTE, WATCHDOG_MARGIN, superseded_streak,
 };

@@ -196,9 +196,17 @@ impl Default for RunnerOptions {
     }
 }
 
-/// How much longer than lease duration + renewal interval a watchdog stays hidden after each push:
-/// it must surface only after a dead holder's lease has expired (a renewal may land after the
-/// push before it; clock rates and the push's own flight time included).
+/// How much longer than the lease duration a standalone delivery's message stays hidden after
+/// each push ([`crate::ConsumerOptions::visibility`]). It is pushed just before each renewal of
+/// the delivery's lease, so a dead holder's message must surface only after the lease renewed
+/// last has expired: later than the push by the push's answer and the renewal's flight, and by
+/// how much faster the workers' clocks run than storage's over a lease.
+pub const CARRIER_MARGIN: Duration = Duration::from_secs(5);
+
+/// How much longer than the lease duration a watchdog stays hidden after each push (just before
+/// each renewal of the delivery's lease, as [`CARRIER_MARGIN`] for a standalone message):
+/// it must surface only after a dead holder's lease has expired (the renewal lands after the push
+/// before it; clock rates and the push's own flight time included).
 pub const WATCHDOG_MARGIN: Duration = Duration::from_secs(5);
 
 /// One delivery of a trigger message.
@@ -623,7 +631,7 @@ impl RecordRunner {
             }
             Next::Carry(carried) => {
                 ended = Ended::carried(delivery, &carried);
-                self.handle_key(&carried.message.key(), &carried, cancel, None, &mut ended)
+                self.handle_key(&carried.message.key(), &carried, cancel, None, hidden, &mut ended)
                     .await
             }
         };
@@ -796,7 +804,7 @@ impl RecordRunner {
             Next::Carry(carried) => {
                 *ended = Ended::carried(delivery, &carried);
                 (
-                    self.handle_key(&key, &carried, cancel, Some(&watchdog), ended)
+                    self.handle_key(&key, &carried, cancel, Some(&watchdog), None, ended)
                         .await,
                     carried.message,
                 )
@@ -990,11 +998,12 @@ impl RecordRunner {
         self.lock.options().retry.clone()
     }
 
-    /// A watchdog pushed at one renewal must still be hidden when the lease renewed at the
-    /// next one expires: lease duration + renewal interval + margin (45 s by default).
+    /// A watchdog pushed just before a renewal must still be hidden when the lease that renewal
+    /// extended expires: lease duration + margin (35 s by default). Its first put, before the
+    /// grant, covers the grant's lease the same way.
     fn watchdog_visibility(&self) -> Duration {
         let lease = self.lock.options();
-        lease.duration.as_duration() + lease.renew_every + WATCHDOG_MARGIN
+        lease.duration.as_duration() + WATCHDOG_MARGIN
     }
 
     /// Whether this delivery may set the marker and leave when it finds the lease held.
@@ -1014,6 +1023,7 @@ impl RecordRunner {
         delivery: &Delivery,
         cancel: &CancellationToken,
         watchdog: Option<&Arc<Watchdog>>,
+        hidden: Option<&HiddenUntil>,
         ended: &mut Ended,
     ) -> Outcome {
         // One lease id for every attempt of this delivery: an acquire that took effect after we
@@ -1031,7 +1041,7 @@ impl RecordRunner {
             Ok(Some(guard)) => {
                 record_lock(LockStep::Grant, asked.elapsed());
                 return self
-                    .hold(key, delivery, guard, first, cancel, watchdog, ended)
+                    .hold(key, delivery, guard, first, cancel, watchdog, hidden, ended)
                     .await;
             }
             Ok(None) => {}
@@ -1071,6 +1081,7 @@ impl RecordRunner {
                         MarkerFirst::ClearOrStandDown,
                         cancel,
                         watchdog,
+                        hidden,
                         ended,
                     )
                     .await
@@ -1095,11 +1106,21 @@ impl RecordRunner {
         first: MarkerFirst,
         cancel: &CancellationToken,
         watchdog: Option<&Arc<Watchdog>>,
+        hidden: Option<&HiddenUntil>,
         ended: &mut Ended,
     ) -> Outcome {
+        // Standalone: the delivered message is pushed just before each renewal of the lease, so
+        // it surfaces a margin after the lease expires, whenever this process dies.
+        if let Some(push) = hidden.and_then(|h| h.push.clone()) {
+            guard.before_each_renewal(push);
+        }
         // Keep the watchdog a lease ahead of the lease while we hold it; once the hold ends,
         // let a push in flight finish so the watchdog's receipt is current for what follows.
-        let follower = watchdog.map(|w| w.follow(guard.renewals(), self.watchdog_visibility()));
+        let follower = watchdog.map(|w| {
+            let (follower, push) = w.follow(self.watchdog_visibility());
+            guard.before_each_renewal(push);
+            follower
+        });
         let watched = watchdog.is_some();
         let outcome = self
             .hold_lease(key, delivery, guard, first, cancel, watched, ended)
@@ -1161,7 +1182,15 @@ impl RecordRunner {
             attempt: delivery.attempts(),
             deferred: delivery.message.deferral.map_or(Duration::ZERO, |d| d.total()),
         };
-        let streak = self.supersede_streak(delivery, guard.get());
+        let streak = match self.supersede_streak(delivery, guard.get()).await {
+            Ok(streak) => streak,
+            Err(e) => {
+                // Nothing ran: the trigger is retried, and the marker (cleared above, set again
+                // by whoever found the lease held since) stays for its run.
+                let _ = guard.release().await;
+                return storage_failed("read the record's notes", e);
+            }
+        };
         if let (Some(streak), Some(after)) = (streak, delivery.message.after_token)
             && streak.pending != Some(after)
         {
@@ -1408,23 +1437,29 @@ impl RecordRunner {
     }
 
     /// The record's streak of superseded runs, when its scope supersedes (and fencing is on: the
-    /// streak is a note on the lease): runs in a row, and the run time they cost.
-    fn supersede_streak(&self, delivery: &Delivery, guard: &LeaseGuard) -> Option<Streak> {
-        if *self.options.run_policy.get(&delivery.message.scope) != RunPolicy::Supersede {
-            return None;
+    /// pending note names a run by its token): runs in a row, and the run time they cost. One
+    /// read of the lease's notes, only in a superseding scope.
+    async fn supersede_streak(
+        &self,
+        delivery: &Delivery,
+        guard: &LeaseGuard,
+    ) -> Result<Option<Streak>, leasehold_lock::Error> {
+        if *self.options.run_policy.get(&delivery.message.scope) != RunPolicy::Supersede
+            || guard.fencing_token().is_none()
+        {
+            return Ok(None);
         }
-        guard.fencing_token()?;
-        let note = guard.note(SUPERSEDED_NOTE);
+        let note = guard.note(SUPERSEDED_NOTE).await?;
         let (runs, lost) = note
             .as_deref()
             .and_then(superseded_streak)
             .unwrap_or((0, Duration::ZERO));
-        Some(Streak {
+        Ok(Some(Streak {
             runs,
             lost,
             noted: note.is_some(),
-            pending: guard.note(PENDING_NOTE).and_then(|p| p.parse().ok()),
-        })
+            pending: guard.note(PENDING_NOTE).await?.and_then(|p| p.parse().ok()),
+        }))
     }
 
     /// Starts watching for triggers during the run, unless the streak protects it: after each
@@ -1803,20 +1838,43 @@ struct Streak {
 /// more: one that landed after the message came back could create a marker after that
 /// redelivery consumed the record's, or delete one created since, with nobody left to run the
 /// record for the triggers that joined it (found by the simulation, seeds 10466 and 13190).
-#[derive(Debug, Clone)]
-pub(crate) struct HiddenUntil(Arc<std::sync::Mutex<Instant>>);
+#[derive(Clone)]
+pub(crate) struct HiddenUntil {
+    at: Arc<std::sync::Mutex<Instant>>,
+    /// Pushes the message's visibility now (its consumer's renewer does, and this waits for
+    /// it): run before each renewal of the delivery's lease, so the message surfaces a margin
+    /// after the lease expires, whenever the holder dies.
+    push: Option<leasehold_lock::BeforeRenewal>,
+}
+
+impl std::fmt::Debug for HiddenUntil {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HiddenUntil")
+            .field("at", &self.get())
+            .finish_non_exhaustive()
+    }
+}
 
 impl HiddenUntil {
     pub(crate) fn new(at: Instant) -> Self {
-        Self(Arc::new(std::sync::Mutex::new(at)))
+        Self {
+            at: Arc::new(std::sync::Mutex::new(at)),
+            push: None,
+        }
+    }
+
+    /// With `push` run before each renewal of the lease the delivery holds.
+    pub(crate) fn with_push(mut self, push: leasehold_lock::BeforeRenewal) -> Self {
+        self.push = Some(push);
+        self
     }
 
     pub(crate) fn set(&self, at: Instant) {
-        *self.0.lock().expect("hidden-until mutex") = at;
+        *self.at.lock().expect("hidden-until mutex") = at;
     }
 
     pub(crate) fn get(&self) -> Instant {
-        *self.0.lock().expect("hidden-until mutex")
+        *self.at.lock().expect("hidden-until mutex")
     }
 }
 

@@ -1,14 +1,12 @@
 //! The watchdog message of a delivery in Functions mode (see the runner's module docs): put
-//! hidden before the delivery touches the lease, pushed a lease ahead after each renewal, and
+//! hidden before the delivery touches the lease, pushed a lease ahead just before each renewal, and
 //! deleted when the delivery ends — or rewritten into the delivery's retry or recheck.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use leasehold_lock::{RetryOptions, StoreError, StoreErrorKind};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -96,26 +94,43 @@ impl Watchdog {
         }
     }
 
-    /// Pushes the watchdog to `visibility` from now after each lease renewal, until
-    /// [`Follower::finish`] (or drop).
+    /// Pushes the watchdog to `visibility` from now just before each lease renewal, until
+    /// [`Follower::finish`] (or drop): the work to run before each renewal
+    /// ([`leasehold_lock::LeaseGuard::before_each_renewal`]) asks the follower to push, and waits
+    /// until it has. Pushed before the renewal, the watchdog surfaces `visibility` after the
+    /// holder's last push, whenever the holder dies, and the lease renewed after that push has
+    /// expired by then if `visibility` is the lease plus a margin for the push's flight.
     pub(crate) fn follow(
         self: &Arc<Self>,
-        mut renewals: watch::Receiver<Instant>,
         visibility: Duration,
-    ) -> Follower {
+    ) -> (Follower, leasehold_lock::BeforeRenewal) {
         let this = self.clone();
         let stop = CancellationToken::new();
         let stopped = stop.clone();
-        Follower(
+        let (push_now, mut pushes) = tokio::sync::mpsc::channel::<tokio::sync::oneshot::Sender<()>>(1);
+        let before: leasehold_lock::BeforeRenewal = Arc::new(move || {
+            let push_now = push_now.clone();
+            Box::pin(async move {
+                let (done, pushed) = tokio::sync::oneshot::channel();
+                if push_now.send(done).await.is_ok() {
+                    let _ = pushed.await;
+                }
+            })
+        });
+        let follower = Follower(
             tokio::spawn(async move {
                 loop {
                     // Stop only between pushes: a push cut off in flight may land without its new
                     // receipt being recorded, and the delete at the end would then miss.
-                    tokio::select! {
+                    // Answered (dropped) once this push is done, however it ends.
+                    let _asked = tokio::select! {
                         biased;
                         _ = stopped.cancelled() => return,
-                        changed = renewals.changed() => if changed.is_err() { return },
-                    }
+                        ask = pushes.recv() => match ask {
+                            Some(done) => done,
+                            None => return,
+                        },
+                    };
                     let body = this.body.lock().expect("watchdog mutex").clone();
                     match this.update(&body, visibility).await {
                         Ok(()) => {}
@@ -134,7 +149,8 @@ impl Watchdog {
             // Its events belong to the delivery it follows.
             .instrument(tracing::Span::current())),
             stop,
-        )
+        );
+        (follower, before)
     }
 }
 

@@ -466,6 +466,11 @@ impl BlobContainer {
                         Some(AzureLeaseState::Expired) => ListedLease::Expired,
                         _ => ListedLease::Available,
                     },
+                    sequence: properties
+                        .as_ref()
+                        .filter(|p| p.blob_type == Some(azure_storage_blob::models::BlobType::PageBlob))
+                        .and_then(|p| p.blob_sequence_number)
+                        .and_then(|n| u64::try_from(n).ok()),
                     last_modified: properties
                         .and_then(|p| p.last_modified)
                         .map(std::time::SystemTime::from),
@@ -521,6 +526,8 @@ pub struct BlobPage {
 pub struct ListedBlob {
     pub name: String,
     pub lease: ListedLease,
+    /// A page blob's sequence number (`None` for other blobs).
+    pub sequence: Option<u64>,
     pub last_modified: Option<std::time::SystemTime>,
     pub metadata: std::collections::BTreeMap<String, String>,
 }

@@ -13,6 +13,9 @@ pub enum Op {
     BlobCreate,
     BlobProperties,
     BlobSetMetadata,
+    /// Set Blob Properties with `x-ms-sequence-number-action: increment` on a page blob: the
+    /// lock's fencing token in one round trip.
+    BlobSequenceIncrement,
     LeaseAcquire,
     LeaseRenew,
     LeaseRelease,
@@ -37,11 +40,12 @@ pub enum Op {
 
 impl Op {
     /// Every kind, in display order.
-    pub const ALL: [Op; 24] = [
+    pub const ALL: [Op; 25] = [
         Op::ContainerCreate,
         Op::BlobCreate,
         Op::BlobProperties,
         Op::BlobSetMetadata,
+        Op::BlobSequenceIncrement,
         Op::LeaseAcquire,
         Op::LeaseRenew,
         Op::LeaseRelease,
@@ -70,6 +74,7 @@ impl Op {
             Op::BlobCreate => "blob create",
             Op::BlobProperties => "blob properties",
             Op::BlobSetMetadata => "blob set metadata",
+            Op::BlobSequenceIncrement => "blob sequence increment",
             Op::LeaseAcquire => "lease acquire",
             Op::LeaseRenew => "lease renew",
             Op::LeaseRelease => "lease release",
@@ -100,6 +105,7 @@ impl Op {
             Op::BlobCreate => "blob_create",
             Op::BlobProperties => "blob_properties",
             Op::BlobSetMetadata => "blob_set_metadata",
+            Op::BlobSequenceIncrement => "blob_sequence_increment",
             Op::LeaseAcquire => "lease_acquire",
             Op::LeaseRenew => "lease_renew",
             Op::LeaseRelease => "lease_release",

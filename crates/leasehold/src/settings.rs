@@ -543,9 +543,10 @@ impl Settings {
         let consumer = ConsumerOptions {
             concurrency,
             batch_size: concurrency.min(32) as u32,
-            // Visibility of a taken message: lease + renewal interval, so a dead worker's
-            // message reappears only after its lease has expired.
-            visibility: lease.duration.as_duration() + lease.renew_every,
+            // Visibility of a taken message after each push (just before each lease renewal):
+            // lease + a margin, so a dead worker's message reappears only after its lease has
+            // expired.
+            visibility: lease.duration.as_duration() + leasehold_runtime::CARRIER_MARGIN,
             visibility_renew_every: lease.renew_every,
             max_dequeue_count,
             poll_max: Duration::from_secs(

@@ -580,6 +580,8 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
             &[
                 ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
                 ("LEASEHOLD_API_KEY", START_KEY),
+                // A run records its holder at its first lease renewal: every 5 s at 15 s.
+                ("LEASEHOLD_LEASE_SECONDS", "15"),
             ],
         )
         .await;
@@ -622,9 +624,10 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
         eval(&browser, "document.getElementById('injected') === null").await,
         true
     );
-    let row = eval(
+    let row = wait(
         &browser,
-        "Array.from(document.querySelectorAll('#held tbody tr[data-record=\"account/held-invoice-2291\"] td')).map(c => c.textContent)",
+        "(() => { const c = Array.from(document.querySelectorAll('#held tbody tr[data-record=\"account/held-invoice-2291\"] td')).map(c => c.textContent); return c[2] && c[2].endsWith(' ago') ? c : null; })()",
+        "the held record's holder and start, recorded at its first renewal",
     )
     .await;
     let cells: Vec<&str> = row

@@ -85,8 +85,10 @@ impl Env {
 
     fn lock(&self, holder: &str) -> LeaseLock {
         let store = AzureBlobStore::new(&self.azurite.account(), &self.container, OpCounters::new());
+        // Renewed every second: a hold records its holder at its first renewal.
         let options = LeaseOptions {
             holder: holder.into(),
+            renew_every: Duration::from_secs(1),
             ..LeaseOptions::default()
         };
         LeaseLock::new(Arc::new(store), options).unwrap()
@@ -211,7 +213,17 @@ async fn status_shows_every_held_record_from_two_listings() {
         .await
         .unwrap();
 
-    let all = operator.overview(&OverviewQuery::default()).await.unwrap();
+    // The holds record their holder once renewed.
+    guards[5].renewals().changed().await.unwrap();
+    let mut all = operator.overview(&OverviewQuery::default()).await.unwrap();
+    for _ in 0..50 {
+        let a05 = all.held.iter().find(|h| h.record_id.as_str() == "a05").unwrap();
+        if a05.holder.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        all = operator.overview(&OverviewQuery::default()).await.unwrap();
+    }
     assert_eq!((all.held_count, all.records_seen), (15, 17));
     // Three listings (one page each), a length and a peek per queue (each lane's trigger and
     // poison queue): no request per record.

@@ -301,7 +301,8 @@ async fn watched_message(runner: RecordRunner, message: TriggerMessage) -> Outco
 }
 
 /// A consumer with default options over `store`, and one trigger for `acct/r` taken from the
-/// queue as the consumer would take it (hidden 40 s), ready for `Consumer::process`.
+/// queue as the consumer would take it (hidden for the default visibility, 35 s), ready for
+/// `Consumer::process`.
 async fn consumer_with_one_trigger(store: &Arc<Scripted>, runner: RecordRunner) -> (Consumer, Vec<Received>) {
     let consumer = Consumer::new(
         runner,
@@ -316,7 +317,11 @@ async fn consumer_with_one_trigger(store: &Arc<Scripted>, runner: RecordRunner) 
         )
         .await
         .unwrap();
-    let taken = store.queue().get(1, Duration::from_secs(40)).await.unwrap();
+    let taken = store
+        .queue()
+        .get(1, ConsumerOptions::default().visibility)
+        .await
+        .unwrap();
     (consumer, taken)
 }
 
@@ -362,7 +367,7 @@ async fn dead_holder(store: &Arc<Scripted>) {
 #[tokio::test(start_paused = true)]
 async fn b1_a_fencing_write_slower_than_the_lease_keeps_the_grant_and_its_duty() {
     let store = Scripted::new();
-    store.then(Op::BlobSetMetadata, &[Act::Slow(Duration::from_secs(40))]);
+    store.then(Op::BlobSequenceIncrement, &[Act::Slow(Duration::from_secs(40))]);
     let logic = Script::new(Duration::from_secs(1), End::Succeed);
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
     let holder = {
@@ -395,7 +400,10 @@ async fn b1_a_fencing_write_slower_than_the_lease_keeps_the_grant_and_its_duty()
 #[tokio::test(start_paused = true)]
 async fn b1_a_lease_lost_during_the_grant_is_an_error() {
     let store = Scripted::new();
-    store.then(Op::BlobSetMetadata, &[Act::Refuse(StoreErrorKind::LeaseLost)]);
+    store.then(
+        Op::BlobSequenceIncrement,
+        &[Act::Refuse(StoreErrorKind::LeaseLost)],
+    );
     let result = lock_on(&store)
         .try_acquire(&TriggerMessage::parse("acct", "r").unwrap().key())
         .await;
@@ -554,8 +562,9 @@ async fn a_recheck_at_the_limit_is_not_given_up_unrun() {
 #[tokio::test(start_paused = true)]
 async fn a_guard_lost_before_the_run_never_starts_the_logic() {
     let store = Scripted::new();
-    // The fencing write takes 25 s; meanwhile renewals are refused: the guard is lost at birth.
-    store.then(Op::BlobSetMetadata, &[Act::Slow(Duration::from_secs(25))]);
+    // The fencing increment takes 25 s; meanwhile renewals are refused: the guard is lost at
+    // birth.
+    store.then(Op::BlobSequenceIncrement, &[Act::Slow(Duration::from_secs(25))]);
     store.always(Op::LeaseRenew, Act::Refuse(StoreErrorKind::LeaseLost));
     let logic = Script::new(Duration::from_secs(1), End::Succeed);
     let runner = runner_on(&store, logic.clone(), RunnerOptions::default());
@@ -720,8 +729,8 @@ async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
     );
 }
 
-/// Under Functions a delivery's watchdog is put before the lease is touched, pushed ahead after
-/// each renewal while the run lasts (so it never surfaces under a live holder), and deleted when
+/// Under Functions a delivery's watchdog is put before the lease is touched, pushed ahead just
+/// before each renewal while the run lasts (so it never surfaces under a live holder), and deleted when
 /// the delivery completes. A push that fails is tried again at the next renewal.
 #[tokio::test(start_paused = true)]
 async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
@@ -742,23 +751,58 @@ async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
         (watchdog.kind, watchdog.prior_attempts),
         (TriggerKind::Watchdog, 1)
     );
-    // Its first visibility is lease + renewal interval + 5 s (45 s); runs pass that by far.
+    // Its first visibility is lease + 5 s (35 s); runs pass that by far.
     let hidden_for = store.queue().next_visible_at().unwrap() - Instant::now();
     assert!(
-        hidden_for > Duration::from_millis(44_900) && hidden_for <= Duration::from_secs(45),
+        hidden_for > Duration::from_millis(34_900) && hidden_for <= Duration::from_secs(35),
         "{hidden_for:?}"
     );
+    // Pushed to 35 s just before each renewal (every 10 s): 10 s after the last push (or after
+    // the put, when the first push failed), 25 s are left.
     for _ in 0..9 {
         tokio::time::sleep(Duration::from_secs(10)).await;
         let hidden_for = store.queue().next_visible_at().unwrap() - Instant::now();
         assert!(
-            hidden_for > Duration::from_secs(30),
+            hidden_for > Duration::from_secs(20),
             "pushed ahead: {hidden_for:?}"
         );
     }
     let outcome = task.await.unwrap();
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     assert!(store.queue().bodies().is_empty(), "the watchdog is gone");
+}
+
+/// Under Functions the watchdog is pushed to lease + 5 s just before each renewal of the lease
+/// (each try), so it never becomes visible before the lease renewed last would expire, also when
+/// the renewals land late (five refusals first). Pushed after each renewal instead, it would
+/// need a whole renewal interval more (a death between a renewal and its push).
+#[tokio::test(start_paused = true)]
+async fn the_watchdog_stays_hidden_until_the_lease_renewed_last_expires() {
+    let (store, logic, runner) = fixture(Duration::from_secs(60), End::Succeed);
+    store.then(Op::LeaseRenew, &[Act::Refuse(StoreErrorKind::Transient); 5]);
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let task = {
+        let runner = runner.clone();
+        tokio::spawn(async move { watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await })
+    };
+    let blob = leasehold_lock::lock_blob_name(&TriggerMessage::parse("acct", "r").unwrap().key());
+    let mut checked = 0;
+    while !task.is_finished() {
+        if let (Some(expiry), Some(visible)) =
+            (store.store.lease_expiry(&blob), store.queue().next_visible_at())
+        {
+            assert!(
+                visible >= expiry + Duration::from_secs(4),
+                "visible {:?} before the lease's end",
+                expiry + Duration::from_secs(4) - visible
+            );
+            checked += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(checked > 500, "{checked}");
+    assert!(matches!(task.await.unwrap(), Outcome::Completed { .. }));
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1);
 }
 
 /// A failed run under Functions becomes its own retry: the watchdog is rewritten (attempts
@@ -954,6 +998,44 @@ async fn giving_up_a_holder_that_consumed_the_marker_still_honours_what_coalesce
     assert!(logic.starts.lock().unwrap()[0] > accepted);
 }
 
+/// Standalone, the delivered message is pushed just before each renewal of its lease, so it never
+/// becomes visible before the lease renewed last would expire: a holder that dies at any moment
+/// is recovered by its message once its lease is gone, without a recheck's wait. Here the first
+/// renewal is refused five times and lands 6.8 s late; a visibility timer of its own (as before)
+/// left the message 35 s from its push at 10 s, surfacing at 45 s under a lease renewed until
+/// 46.8 s.
+#[tokio::test(start_paused = true)]
+async fn the_message_stays_hidden_until_the_lease_renewed_last_expires() {
+    let store = Scripted::new();
+    store.then(Op::LeaseRenew, &[Act::Refuse(StoreErrorKind::Transient); 5]);
+    let logic = Script::new(Duration::from_secs(60), End::Succeed);
+    let (consumer, taken) =
+        consumer_with_one_trigger(&store, runner_on(&store, logic.clone(), RunnerOptions::default())).await;
+    let task = {
+        let consumer = consumer.clone();
+        let m = taken[0].clone();
+        tokio::spawn(async move { consumer.process(m, CancellationToken::new()).await })
+    };
+    let blob = leasehold_lock::lock_blob_name(&TriggerMessage::parse("acct", "r").unwrap().key());
+    let mut checked = 0;
+    while !task.is_finished() {
+        if let Some(expiry) = store.store.lease_expiry(&blob) {
+            let visible = store.queue().next_visible_at().unwrap();
+            assert!(
+                visible >= expiry + Duration::from_secs(4),
+                "visible {:?} before the lease's end",
+                expiry + Duration::from_secs(4) - visible
+            );
+            checked += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(checked > 500, "{checked}");
+    // Five refused, then one about every 10 s from 16.8 s to the run's end at 60 s.
+    assert_eq!(store.rules.counters.snapshot().get(Op::LeaseRenew), 5 + 5);
+    assert!(store.queue().bodies().is_empty());
+}
+
 /// Standalone, a message stays hidden while its run lasts: a transient failure to renew its
 /// visibility is retried every second while there is time, and a renewal after a success keeps
 /// the message hidden for the whole visibility from then.
@@ -982,19 +1064,22 @@ async fn visibility_renewal_rides_out_transient_failures_and_gives_up_in_time() 
     }
     task.await.unwrap();
     assert!(store.queue().bodies().is_empty());
-    // Every 10 s, and the failed one again a second later: 10, 20 (failed), 21, 31, 41, 51 s.
-    assert_eq!(store.rules.counters.snapshot().get(Op::QueueUpdate), 6);
+    // Just before each renewal of the lease (every 10 s, a quarter of a second early), and the
+    // failed one again a second later: at about 9.75, 19.5 (failed), 20.5, 29.25, 39, 48.75 and
+    // 58.5 s.
+    assert_eq!(store.rules.counters.snapshot().get(Op::QueueUpdate), 7);
 
     // Renewals that keep failing are retried every second until 2 s before the message would
-    // surface (at 40 s), then given up; the run goes on.
+    // surface (at 35 s), then given up; the run goes on.
     let store = Scripted::new();
     store.always(Op::QueueUpdate, Act::Refuse(StoreErrorKind::Transient));
     let logic = Script::new(Duration::from_secs(60), End::Succeed);
     let (consumer, taken) =
         consumer_with_one_trigger(&store, runner_on(&store, logic.clone(), RunnerOptions::default())).await;
     consumer.process(taken[0].clone(), CancellationToken::new()).await;
-    // Tries at 10 s, 11 s, ... 38 s: 29 of them.
-    assert_eq!(store.rules.counters.snapshot().get(Op::QueueUpdate), 29);
+    // Tries every second from 9.75 s (just before the first renewal) to 32.75 s, and one more
+    // asked for by the renewal at 19.5 s: 25 of them.
+    assert_eq!(store.rules.counters.snapshot().get(Op::QueueUpdate), 25);
     assert_eq!(logic.cancelled.load(Ordering::SeqCst), 0, "the run went on");
 }
 
@@ -2590,8 +2675,10 @@ async fn a_run_that_changes_no_note_writes_none() {
     let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
     assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
     let sent = store.rules.counters.snapshot().since(&before);
-    // The grant's own write of the generation is one metadata write; no note follows.
-    assert_eq!(sent.get(Op::BlobSetMetadata), 1, "{sent}");
+    // The grant writes no metadata (its token is an increment), the notes are read once, and
+    // no note follows.
+    assert_eq!(sent.get(Op::BlobSetMetadata), 0, "{sent}");
+    assert_eq!(sent.get(Op::BlobProperties), 1, "{sent}");
     assert!(notes(&store).await.is_empty());
 }
 

@@ -238,8 +238,9 @@ fn changed<T: 'static>(result: &StoreResult<T>) -> bool {
 
 /// The requests an aimed crash can follow: every step of the lock, marker, queue and watchdog
 /// protocol that changes state.
-const CRASH_POINTS: [Op; 9] = [
+const CRASH_POINTS: [Op; 10] = [
     Op::LeaseAcquire,
+    Op::BlobSequenceIncrement,
     Op::BlobSetMetadata,
     Op::LeaseRelease,
     Op::FlagPut,
@@ -801,8 +802,9 @@ const FAULT_PHASE: Duration = Duration::from_secs(130);
 const DRAIN_LIMIT: Duration = Duration::from_secs(1800);
 const LEASE: Duration = Duration::from_secs(30);
 const RENEW_EVERY: Duration = Duration::from_secs(10);
-/// Standalone visibility: lease duration + renewal interval (the consumer's default rule).
-const VISIBILITY: Duration = Duration::from_secs(40);
+/// Standalone visibility: lease duration + the carrier margin (the consumer's default rule; the
+/// message is pushed just before each lease renewal).
+const VISIBILITY: Duration = Duration::from_secs(35);
 /// The Functions host: message visibility, `visibilityTimeout` after a failed invocation,
 /// `maxDequeueCount`, polling interval.
 const HOST_VISIBILITY: Duration = Duration::from_secs(600);
@@ -3851,15 +3853,16 @@ fn check(plan: &Plan, world: &World) -> Report {
     }
 
     // (4) Bounded recovery: a record whose run died with its worker runs again within the bound.
-    // Standalone: the message reappears after its visibility (lease + renewal interval), when the
-    // lease has expired. Functions: the dead holder's watchdog surfaces lease + renewal interval
-    // + 5 s after its last push and is taken at the host's next poll; a handler that died alone also leaves its
+    // Standalone: the message reappears after its visibility (lease + 5 s from its last push, just
+    // before the last renewal), when the lease has expired. Functions: the dead holder's watchdog
+    // surfaces lease + 5 s after its last push (just before the last renewal) and is taken at the
+    // host's next poll; a handler that died alone also leaves its
     // host failing invocations until it is back (the restart pause adds).
     // Slack: storage delays on the way, and one retry's late window (5 s) after a lost answer.
     let slack = Duration::from_secs(10);
     let bound = match plan.mode {
         Mode::Standalone => VISIBILITY + slack,
-        Mode::FunctionsHost => LEASE + RENEW_EVERY + leasehold_runtime::WATCHDOG_MARGIN + HOST_POLL + slack,
+        Mode::FunctionsHost => LEASE + leasehold_runtime::WATCHDOG_MARGIN + HOST_POLL + slack,
     };
     let other_faults: Vec<(Instant, Instant)> = j
         .partitions
