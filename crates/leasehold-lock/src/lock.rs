@@ -702,9 +702,9 @@ impl LeaseGuard {
         self.renewed.clone()
     }
 
-    /// Runs `work` just before each renewal is sent (each try), started a quarter of a second
-    /// early and for at most a fifth of the renewal interval and 2 s (the renewal then goes out
-    /// anyway). For something that must
+    /// Runs `work` just before each renewal is sent (and before a retry of one, once a second has
+    /// passed since it last ran), started a quarter of a second early and for at
+    /// most a fifth of the renewal interval and 2 s (the renewal then goes out anyway). For something that must
     /// outlast the lease by a fixed margin if the holder dies, such as a carrier message's
     /// visibility: pushed just *before* each renewal, it is never behind the lease by more than
     /// the push's own flight, whenever the holder dies; pushed after each renewal (with
@@ -879,6 +879,10 @@ impl fmt::Debug for BeforeSlot {
 /// renewal interval): the renewal then goes out about when it would without it.
 const BEFORE_RENEWAL_LEAD: Duration = Duration::from_millis(250);
 
+/// How long after it last ran a holder's [`BeforeRenewal`] work runs again before a retried
+/// renewal.
+const BEFORE_RENEWAL_AGAIN: Duration = Duration::from_secs(1);
+
 /// Work a holder runs just before each renewal of its lease is sent
 /// ([`LeaseGuard::before_each_renewal`]).
 pub type BeforeRenewal =
@@ -901,30 +905,39 @@ async fn renew_loop(
     let mut deadline = granted_at + valid_for;
     let mut next = granted_at + options.renew_every;
     let mut failures = 0u32;
+    let mut last_before: Option<Instant> = None;
     loop {
-        // Work to run before the renewal starts a little early, so the renewal still goes out
-        // about on time.
-        let before = renewed.before.get();
-        let lead = if before.is_some() {
-            BEFORE_RENEWAL_LEAD.min(options.renew_every / 10)
-        } else {
-            Duration::ZERO
-        };
+        // Wake a little early: work to run before the renewal (read after the sleep, so work
+        // set after the grant runs before the first renewal too) then still lets the renewal go
+        // out about on time.
+        let lead = BEFORE_RENEWAL_LEAD.min(options.renew_every / 10);
         tokio::select! {
             biased;
             _ = stop.cancelled() => return,
             _ = sleep_until(deadline) => break,
             _ = sleep_until(next - lead) => {}
         }
-        if let Some(before) = before {
-            // Bounded: the renewal goes out whatever the work does.
-            let limit = (options.renew_every / 5).min(Duration::from_secs(2));
-            tokio::select! {
+        // Before a retry only if the work last ran a second ago or more: it keeps pace with the
+        // lease (within its margin) without a request more for each quick retry.
+        let due = last_before.is_none_or(|at: Instant| at.elapsed() >= BEFORE_RENEWAL_AGAIN);
+        match renewed.before.get().filter(|_| due) {
+            Some(before) => {
+                last_before = Some(Instant::now());
+                // Bounded: the renewal goes out whatever the work does.
+                let limit = (options.renew_every / 5).min(Duration::from_secs(2));
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => return,
+                    _ = sleep_until(deadline) => break,
+                    _ = tokio::time::timeout(limit, before()) => {}
+                }
+            }
+            None => tokio::select! {
                 biased;
                 _ = stop.cancelled() => return,
                 _ = sleep_until(deadline) => break,
-                _ = tokio::time::timeout(limit, before()) => {}
-            }
+                _ = sleep_until(next) => {}
+            },
         }
         let sent = Instant::now();
         let outcome = tokio::select! {

@@ -1482,6 +1482,46 @@ mod memory {
         guard.release().await.unwrap();
     }
 
+    /// Work set after the grant, on a store whose every request takes a while (so the renewer
+    /// has long been waiting for its first renewal), still runs before the first renewal and
+    /// every one after (found by review: the renewer read the work once, before its sleep).
+    #[tokio::test(start_paused = true)]
+    async fn work_set_after_the_grant_runs_before_the_first_renewal() {
+        #[derive(Debug, Default)]
+        struct Slow(OpCounters);
+        #[async_trait]
+        impl Interceptor for Slow {
+            async fn call<T: Send + 'static>(&self, op: Op, _: &str, effect: Effect<T>) -> StoreResult<T> {
+                self.0.record(op);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                effect.await
+            }
+            fn counters(&self) -> &OpCounters {
+                &self.0
+            }
+        }
+        let slow = Arc::new(Slow::default());
+        let lock = LeaseLock::new(
+            Arc::new(FaultyStore::new(Arc::new(MemoryStore::new()), slow.clone())),
+            fast_options(),
+        )
+        .unwrap();
+        let guard = lock.try_acquire(&key("late-work")).await.unwrap().unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        guard.before_each_renewal(Arc::new({
+            let calls = calls.clone();
+            move || {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async {})
+            }
+        }));
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let renewals = slow.0.snapshot().get(Op::LeaseRenew);
+        assert_eq!(renewals, 3);
+        assert_eq!(calls.load(Ordering::SeqCst), 3, "once before each renewal");
+        guard.release().await.unwrap();
+    }
+
     /// A shared join passes storage's refusals on (a refused read is not a missing blob, a
     /// refused write is not churn), and rides out churn (the blob changed between its read and
     /// its write) by reading again after pauses of 10 ms, 20 ms, ...

@@ -119,18 +119,24 @@ impl Watchdog {
         });
         let follower = Follower(
             tokio::spawn(async move {
+                // A failed push is tried once more a second later: the margin over the lease
+                // covers a push's flight, not a renewal interval without one.
+                let mut again: Option<tokio::time::Instant> = None;
                 loop {
                     // Stop only between pushes: a push cut off in flight may land without its new
                     // receipt being recorded, and the delete at the end would then miss.
                     // Answered (dropped) once this push is done, however it ends.
-                    let _asked = tokio::select! {
+                    let asked = tokio::select! {
                         biased;
                         _ = stopped.cancelled() => return,
                         ask = pushes.recv() => match ask {
-                            Some(done) => done,
+                            Some(done) => Some(done),
                             None => return,
                         },
+                        _ = tokio::time::sleep_until(again.unwrap_or_else(tokio::time::Instant::now)), if again.is_some() => None,
                     };
+                    let retry = asked.is_none();
+                    again = None;
                     let body = this.body.lock().expect("watchdog mutex").clone();
                     match this.update(&body, visibility).await {
                         Ok(()) => {}
@@ -140,10 +146,16 @@ impl Watchdog {
                             );
                             return;
                         }
-                        // The next renewal tries again; meanwhile the watchdog may surface early and
-                        // find the lease held, which only makes it look again later.
-                        Err(e) => tracing::warn!(error = %e, "could not push the watchdog ahead"),
+                        // Meanwhile the watchdog may surface early and find the lease held, which
+                        // only makes it look again later.
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not push the watchdog ahead");
+                            if !retry {
+                                again = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                            }
+                        }
                     }
+                    drop(asked);
                 }
             }
             // Its events belong to the delivery it follows.

@@ -3927,6 +3927,23 @@ fn check(plan: &Plan, world: &World) -> Report {
                 && runs
                     .iter()
                     .any(|r| r.start <= deadline && r.end.is_none_or(|e| e > *when));
+            // A run on the dead machine told to stop before the death (its lease lost, logic
+            // that ignores cancellation still running) while another machine's run of the
+            // record was in progress: that run's holder, alive, is the record's; the dead
+            // machine held nothing to recover (seed 16192: the live run then ended deferred by
+            // a throttle, and the record ran when its deferral said).
+            let held_elsewhere = runs
+                .iter()
+                .any(|r| r.machine == *machine && r.start < *when && r.told.is_some_and(|t| t < *when))
+                && runs.iter().any(|r| {
+                    r.machine != *machine
+                        && r.start < *when
+                        && r.end.is_none_or(|e| e > *when)
+                        && r.told.is_none_or(|t| t > *when)
+                });
+            if held_elsewhere {
+                continue;
+            }
             let recovered = taken_over || runs.iter().any(|r| r.start > *when && r.start <= deadline);
             let ran_later = runs.iter().any(|r| r.start > *when);
             let alone = deadline == *when + bound + *restart;
@@ -4327,7 +4344,12 @@ fn check(plan: &Plan, world: &World) -> Report {
                     .pauses
                     .iter()
                     .any(|(from, to)| *to + span >= first && *from <= last + span);
-                if paused || plan.budget.is_some_and(|b| b.max_concurrency < 3) {
+                // Adaptive concurrency cut by an earlier throttle may still be below 3: holders
+                // then wait for slots too (seed 18339: cut to 1 at 117 s, a holder of this
+                // burst waited 30 s for a slot at 341 s and was handed back).
+                let cut = plan.budget.is_some_and(|b| b.adaptive)
+                    && j.pauses.iter().any(|(from, _)| *from <= last + span);
+                if paused || cut || plan.budget.is_some_and(|b| b.max_concurrency < 3) {
                     continue;
                 }
                 counts.b1_checks += 1;
