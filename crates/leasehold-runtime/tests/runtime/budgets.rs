@@ -472,6 +472,111 @@ async fn a_throttled_runs_deferral_meets_its_budget_as_a_trigger_does() {
     long.abort();
 }
 
+/// A throttled run's deferral that comes back to find the lease held looks again through the
+/// runner, and that look again may stand in for the holder (`released` cleared), as any look
+/// again of a trigger: the holder may be the dead one the deferral stands in for, and a look
+/// again held by the limit like a trigger would wait behind it. (The runner's own call site:
+/// a deferral's look again that kept `released` would be held by the limit.)
+#[tokio::test(start_paused = true)]
+async fn a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
+    let f = fixture(1);
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(60)));
+    let deferral = match handle(&f.runner, trigger("a")).await {
+        Outcome::Deferred { next, .. } => *next,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(deferral.deferral.map(|d| d.released), Some(true));
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    // Someone holds the record's lease when the deferral comes back.
+    let holder = f
+        .runner
+        .lock()
+        .try_acquire(&deferral.key())
+        .await
+        .unwrap()
+        .unwrap();
+    let before = f.queue.bodies().len();
+    let outcome = handle(
+        &f.runner,
+        Delivery {
+            message: deferral.clone(),
+            dequeue_count: 1,
+        },
+    )
+    .await;
+    assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
+    let bodies = f.queue.bodies();
+    assert_eq!(bodies.len(), before + 1, "one look again");
+    let again = TriggerMessage::decode(bodies.last().unwrap()).unwrap();
+    assert_eq!(again.deferral.map(|d| d.released), Some(false));
+    assert_eq!(
+        again.deferral.map(|d| d.id),
+        deferral.deferral.map(|d| d.id),
+        "the same chain"
+    );
+    assert!(
+        Delivery {
+            message: again,
+            dequeue_count: 1
+        }
+        .may_stand_in()
+    );
+    holder.release().await.unwrap();
+}
+
+/// The same under Functions: the deferral's watchdog, left in place as its look again, is
+/// rewritten into a message that may stand in.
+#[tokio::test(start_paused = true)]
+async fn under_functions_a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
+    let f = fixture(1);
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(60)));
+    let deferral = match handle(&f.runner, trigger("a")).await {
+        Outcome::Deferred { next, .. } => *next,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    let holder = f
+        .runner
+        .lock()
+        .try_acquire(&deferral.key())
+        .await
+        .unwrap()
+        .unwrap();
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    let outcome = f
+        .runner
+        .handle_watched(
+            &Delivery {
+                message: deferral.clone(),
+                dequeue_count: 1,
+            },
+            &poison,
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
+    let bodies = f.queue.bodies();
+    assert_eq!(bodies.len(), 1, "the watchdog, as the look again: {bodies:?}");
+    let again = TriggerMessage::decode(&bodies[0]).unwrap();
+    assert_eq!(again.deferral.map(|d| d.released), Some(false));
+    assert!(
+        Delivery {
+            message: again,
+            dequeue_count: 1
+        }
+        .may_stand_in()
+    );
+    holder.release().await.unwrap();
+}
+
 /// Standalone, one consumer takes from both lanes: the high lane first, and while the low lane
 /// has messages at least one start in `low_every` comes from it, however full the high lane is
 /// (a bulk import is slowed, never starved). Without the turn, the low lane would wait for the
