@@ -1430,6 +1430,54 @@ mod memory {
         assert_eq!(guard.fencing_token(), Some(1), "no failed grant counted");
     }
 
+    /// A refused move of a block lock blob is the grant's error (the lease given back), not a
+    /// blob taken for moved; and an increment refused as if on a block blob when the blob is a
+    /// page blob already (a 400 for another reason) never moves it again, which would set its
+    /// sequence number back to the generation its metadata recorded.
+    #[tokio::test(start_paused = true)]
+    async fn a_move_is_made_only_of_a_block_blob_and_its_refusal_is_an_error() {
+        let inner = Arc::new(MemoryStore::new());
+        inner.put_block_blob("locks/refused", scenarios::block_blob_metadata());
+        let flaky = Arc::new(Flaky::over(inner.clone()));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        flaky.inject(Op::BlobCreate, StoreErrorKind::Rejected);
+        assert_refused(&lock.try_acquire(&key("refused")).await.unwrap_err());
+        assert_eq!(inner.properties("locks/refused").await.unwrap().sequence, None);
+        let guard = lock
+            .try_acquire(&key("refused"))
+            .await
+            .unwrap()
+            .expect("given back");
+        assert_eq!(guard.fencing_token(), Some(6));
+        guard.release().await.unwrap();
+
+        #[derive(Debug)]
+        struct NotAPageBlobOnce(OpCounters, AtomicUsize);
+        #[async_trait]
+        impl Interceptor for NotAPageBlobOnce {
+            async fn call<T: Send + 'static>(&self, op: Op, _: &str, effect: Effect<T>) -> StoreResult<T> {
+                if op == Op::BlobSequenceIncrement && self.1.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // What `increment_sequence` answers for a block blob; nothing happened.
+                    let none: Box<dyn std::any::Any> = Box::new(None::<(u64, leasehold_lock::ETag)>);
+                    return Ok(*none.downcast::<T>().expect("the increment's answer"));
+                }
+                effect.await
+            }
+            fn counters(&self) -> &OpCounters {
+                &self.0
+            }
+        }
+        let once = Arc::new(NotAPageBlobOnce(OpCounters::new(), AtomicUsize::new(0)));
+        let lock = LeaseLock::new(Arc::new(FaultyStore::new(inner.clone(), once)), fast_options()).unwrap();
+        let guard = lock.try_acquire(&key("refused")).await.unwrap().unwrap();
+        assert_eq!(
+            guard.fencing_token(),
+            Some(7),
+            "never back to the metadata's generation"
+        );
+        guard.release().await.unwrap();
+    }
+
     /// Work set with `before_each_renewal` runs just before each renewal is sent (started a
     /// quarter of a second early, and the renewal follows as soon as it is done), and work that
     /// hangs holds a renewal back by a fifth of the interval at most: the lease is kept.
