@@ -1430,6 +1430,29 @@ mod memory {
         assert_eq!(guard.fencing_token(), Some(1), "no failed grant counted");
     }
 
+    /// A note write that storage refuses is that refusal, not a lost lease: the holder still
+    /// holds (only a write the lease refuses says `LeaseLost`).
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_note_write_is_storage_s_refusal() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        let guard = lock.try_acquire(&key("noted-refused")).await.unwrap().unwrap();
+        flaky.inject(Op::BlobSetMetadata, StoreErrorKind::Rejected);
+        assert_refused(
+            &guard
+                .write_notes(&[("streak", Some("1:1".into()))])
+                .await
+                .unwrap_err(),
+        );
+        assert!(!guard.is_lost());
+        guard
+            .write_notes(&[("streak", Some("1:1".into()))])
+            .await
+            .unwrap();
+        assert_eq!(guard.note("streak").await.unwrap().as_deref(), Some("1:1"));
+        guard.release().await.unwrap();
+    }
+
     /// A refused move of a block lock blob is the grant's error (the lease given back), not a
     /// blob taken for moved; and an increment refused as if on a block blob when the blob is a
     /// page blob already (a 400 for another reason) never moves it again, which would set its
