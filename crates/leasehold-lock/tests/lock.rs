@@ -1550,6 +1550,30 @@ mod memory {
         assert!(hung.len() >= 3, "{hung:?}");
         assert!(hung.iter().all(|d| *d == Duration::from_millis(600)), "{hung:?}");
         assert!(!guard.is_lost());
+        assert!(format!("{guard:?}").contains("BeforeSlot(set)"), "{guard:?}");
+        guard.release().await.unwrap();
+
+        // The early start is a quarter of a second, or a tenth of a shorter renewal interval:
+        // renewed every second, the work starts 100 ms before the renewal is due.
+        let lock = LeaseLock::new(
+            Arc::new(MemoryStore::new()),
+            LeaseOptions {
+                renew_every: Duration::from_secs(1),
+                ..fast_options()
+            },
+        )
+        .unwrap();
+        let guard = lock.try_acquire(&key("before-short")).await.unwrap().unwrap();
+        let granted = tokio::time::Instant::now();
+        let (called, when) = tokio::sync::oneshot::channel();
+        let called = std::sync::Mutex::new(Some(called));
+        guard.before_each_renewal(Arc::new(move || {
+            if let Some(called) = called.lock().unwrap().take() {
+                let _ = called.send(tokio::time::Instant::now());
+            }
+            Box::pin(async {})
+        }));
+        assert_eq!(when.await.unwrap() - granted, Duration::from_millis(900));
         guard.release().await.unwrap();
     }
 
