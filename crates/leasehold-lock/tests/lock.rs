@@ -1637,6 +1637,24 @@ mod memory {
         assert_eq!(start.elapsed(), Duration::from_millis(10 + 20));
     }
 
+    /// The same for a founder's increment of the sequence number (the session's new token): a
+    /// refusal is passed on; churn (the blob changed since the read, or the lease went) makes it
+    /// read again after pauses of 10 ms, 20 ms, ...
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_founder_reports_a_refused_increment_and_rides_out_churn() {
+        let flaky = Arc::new(Flaky::over(Arc::new(MemoryStore::new())));
+        let lock = LeaseLock::new(Flaky::store(&flaky), fast_options()).unwrap();
+        let k = key("shared-founder-errors");
+        flaky.inject(Op::BlobSequenceIncrement, StoreErrorKind::Rejected);
+        assert_refused(&lock.try_acquire_shared(&k, "batch").await.unwrap_err());
+        flaky.inject(Op::BlobSequenceIncrement, StoreErrorKind::ConditionNotMet);
+        flaky.inject(Op::BlobSequenceIncrement, StoreErrorKind::LeaseLost);
+        let start = tokio::time::Instant::now();
+        let member = lock.try_acquire_shared(&k, "batch").await.unwrap();
+        assert_eq!(member.as_ref().and_then(|m| m.fencing_token()), Some(1));
+        assert_eq!(start.elapsed(), Duration::from_millis(10 + 20));
+    }
+
     /// A join that meets churn on every attempt gives up saying so (contended), not as a
     /// configuration error.
     #[tokio::test(start_paused = true)]
