@@ -12,7 +12,8 @@
 //! number, conditional on the ETag it read) and records it as the session's generation
 //! (`META_SHARE_GENERATION`); a joiner inherits that token only if the blob, as read just before
 //! its conditional write, shows its group's lease held, a non-empty member list and the session's
-//! generation still the blob's sequence number. Every other grant increments the sequence number
+//! generation still the blob's sequence number, and only by renewing the session's lease (which
+//! storage refuses once another lease came in between), never by acquiring it afresh. Every other grant increments the sequence number
 //! (which also changes the ETag), so a joiner whose write goes through read the metadata its
 //! group's session wrote last, and no grant came in between: the token it inherits was never
 //! handed to anyone outside its session. An exclusive grant leaves the session's metadata behind,
@@ -91,12 +92,8 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
             }
             Err(e) => return Err(e.into()),
         };
-        let granted_at = Instant::now();
-        if !lock.acquire_creating(&blob, group).await? {
-            return Ok(None);
-        }
-        // The list is current only if our group held the lease before we acquired; otherwise
-        // it is left over from a group whose members all died.
+        // The list is current only if our group held the lease when we read; otherwise it is
+        // left over from a group whose members all died.
         let ours = before.lease_state.is_held() && belongs_to(&before.metadata, group);
         let mut list = if ours {
             members(&before.metadata)
@@ -109,7 +106,31 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
         // Join the session (and share its token) only if its token is the last one granted: a
         // grant since (an exclusive one leaves the session's metadata behind) moved the
         // generation on.
-        let joining = ours && !list.is_empty() && session_generation(&before.metadata) == Some(current);
+        let mut joining = ours && !list.is_empty() && session_generation(&before.metadata) == Some(current);
+        let granted_at = Instant::now();
+        if joining {
+            // Only through the session's own lease: a renewal, which storage refuses once
+            // another lease came in between. An acquire would also take the key afresh after
+            // the session lapsed and another holder held and gave it back (its grant, cut short,
+            // moving no token), and hand the lapsed session's token on.
+            match lock
+                .retry("renew shared lease", || store.renew_lease(&blob, group))
+                .await
+            {
+                Ok(()) => {}
+                Err(e) if e.kind() == StoreErrorKind::LeaseLost => {
+                    // The session is over: found one, listing none of its members.
+                    joining = false;
+                    list.clear();
+                    if !lock.acquire_creating(&blob, group).await? {
+                        return Ok(None);
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        } else if !lock.acquire_creating(&blob, group).await? {
+            return Ok(None);
+        }
         let fencing = lock.options().fencing;
         let mut token = current;
         let mut etag = before.etag.clone();

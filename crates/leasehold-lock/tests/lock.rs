@@ -1095,6 +1095,65 @@ mod memory {
         }
     }
 
+    /// A joiner inherits a session's token only from the session's own lease, never from a
+    /// lease taken afresh (found by review; older than the page blob):
+    ///
+    /// 1. member `a` founds a session of group G: token 1; `a` dies and its lease lapses;
+    /// 2. exclusive holder X acquires, and its increment never lands (X has no token);
+    /// 3. joiner J reads the blob while X holds: held, group G, members `[a]`, the session's
+    ///    generation still the blob's (1), so the session looks live;
+    /// 4. X gives up its grant and releases (nothing written, the ETag unchanged);
+    /// 5. J takes G: with an acquire it would get the key afresh and join "the session" with
+    ///    token 1, the token of a lapsed session a paused member may still use.
+    ///
+    /// J renews G instead, which storage refuses once another lease came in between: J founds
+    /// a session of its own with token 2.
+    #[tokio::test(start_paused = true)]
+    async fn a_joiner_inherits_a_token_only_from_the_sessions_own_lease() {
+        let inner = Arc::new(MemoryStore::new());
+        let lock = LeaseLock::new(inner.clone(), fast_options()).unwrap();
+        let gate = Arc::new(ReadGate::default());
+        let joiner = LeaseLock::new(
+            Arc::new(FaultyStore::new(inner.clone(), gate.clone())),
+            fast_options(),
+        )
+        .unwrap();
+        let k = key("shared-lapsed-then-x");
+        let blob = leasehold_lock::lock_blob_name(&k);
+        let a = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(a.fencing_token(), Some(1));
+        a.abandon();
+        tokio::time::sleep(Duration::from_secs(16)).await;
+        let x = leasehold_lock::LeaseId::random();
+        inner
+            .acquire_lease(&blob, x, fast_options().duration)
+            .await
+            .unwrap();
+        gate.arm();
+        let j = tokio::spawn({
+            let k = k.clone();
+            async move { joiner.try_acquire_shared(&k, "batch").await }
+        });
+        gate.wait_read().await;
+        inner.release_lease(&blob, x, None).await.unwrap();
+        gate.open();
+        let j = j.await.unwrap().unwrap().expect("free once X released");
+        assert_eq!(j.fencing_token(), Some(2), "a session of its own");
+        assert_eq!(
+            lock.inspect(&k).await.unwrap().sharers.len(),
+            1,
+            "the lapsed member is not carried"
+        );
+        j.release().await.unwrap();
+        // A live session is still joined: its lease renews.
+        let first = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        let second = lock.try_acquire_shared(&k, "batch").await.unwrap().unwrap();
+        assert_eq!(first.fencing_token(), Some(3));
+        assert_eq!(second.fencing_token(), Some(3));
+        second.release().await.unwrap();
+        first.release().await.unwrap();
+    }
+
     /// A lock blob made before fencing moved to the sequence number (a block blob whose
     /// metadata holds the generation) with a shared session's metadata on it whose generation
     /// moved on (an exclusive grant of that older version that left the group's metadata in
