@@ -77,6 +77,20 @@ fn session_generation(metadata: &Metadata) -> Option<u64> {
     metadata.get(META_SHARE_GENERATION).and_then(|g| g.parse().ok())
 }
 
+/// Whether a conditional write of a join failed because another member changed the blob (or
+/// the lease went) since the read: read again.
+fn is_churn(e: &leasehold_storage::StoreError) -> bool {
+    matches!(
+        e.kind(),
+        StoreErrorKind::ConditionNotMet | StoreErrorKind::LeaseLost
+    )
+}
+
+/// The pause before a join or leave reads again after churn: 10 ms, 20 ms, ...
+async fn churn_pause(attempt: usize) {
+    tokio::time::sleep(Duration::from_millis(10 * (attempt as u64 + 1))).await;
+}
+
 pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Result<Option<LeaseGuard>> {
     let blob = lock_blob_name(key);
     let group = LeaseId::derived(&[key.as_str(), share_key]);
@@ -147,14 +161,9 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
             match lock.retry("take fencing token", increment).await {
                 Ok(Some((next, tag))) => (token, etag) = (next, tag),
                 Ok(None) => continue,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        StoreErrorKind::ConditionNotMet | StoreErrorKind::LeaseLost
-                    ) =>
-                {
-                    // Someone joined or left since our read: read again.
-                    tokio::time::sleep(Duration::from_millis(10 * (attempt as u64 + 1))).await;
+                // Someone joined or left since our read: read again.
+                Err(e) if is_churn(&e) => {
+                    churn_pause(attempt).await;
                     continue;
                 }
                 Err(e) => return Err(e.into()),
@@ -185,15 +194,8 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
                     Some(member),
                 )));
             }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    StoreErrorKind::ConditionNotMet | StoreErrorKind::LeaseLost
-                ) =>
-            {
-                // Someone joined or left between our read and write: read again.
-                tokio::time::sleep(Duration::from_millis(10 * (attempt as u64 + 1))).await;
-            }
+            // Someone joined or left between our read and write: read again.
+            Err(e) if is_churn(&e) => churn_pause(attempt).await,
             Err(e) => return Err(e.into()),
         }
     }
@@ -224,7 +226,7 @@ pub(crate) async fn leave(lock: &LeaseLock, blob: &str, group: LeaseId, member: 
         let etag = match lock.retry("leave shared lock", write).await {
             Ok(etag) => etag,
             Err(e) if e.kind() == StoreErrorKind::ConditionNotMet => {
-                tokio::time::sleep(Duration::from_millis(10 * (attempt as u64 + 1))).await;
+                churn_pause(attempt).await;
                 continue;
             }
             Err(e) if e.kind() == StoreErrorKind::LeaseLost => return Ok(()),

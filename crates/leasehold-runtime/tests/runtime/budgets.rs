@@ -472,14 +472,9 @@ async fn a_throttled_runs_deferral_meets_its_budget_as_a_trigger_does() {
     long.abort();
 }
 
-/// A throttled run's deferral that comes back to find the lease held looks again through the
-/// runner, and that look again may stand in for the holder (`released` cleared), as any look
-/// again of a trigger: the holder may be the dead one the deferral stands in for, and a look
-/// again held by the limit like a trigger would wait behind it. (The runner's own call site:
-/// a deferral's look again that kept `released` would be held by the limit.)
-#[tokio::test(start_paused = true)]
-async fn a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
-    let f = fixture(1);
+/// A throttled run's deferral of record `a` (a minute's Retry-After), come back after the pause
+/// to find `a`'s lease held by someone else: the deferral, and the holder.
+async fn deferral_meeting_a_holder(f: &Fixture) -> (TriggerMessage, leasehold_lock::LeaseGuard) {
     f.logic
         .throttle
         .lock()
@@ -491,7 +486,6 @@ async fn a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
     };
     assert_eq!(deferral.deferral.map(|d| d.released), Some(true));
     tokio::time::sleep(Duration::from_secs(61)).await;
-    // Someone holds the record's lease when the deferral comes back.
     let holder = f
         .runner
         .lock()
@@ -499,19 +493,12 @@ async fn a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
         .await
         .unwrap()
         .unwrap();
-    let before = f.queue.bodies().len();
-    let outcome = handle(
-        &f.runner,
-        Delivery {
-            message: deferral.clone(),
-            dequeue_count: 1,
-        },
-    )
-    .await;
-    assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
-    let bodies = f.queue.bodies();
-    assert_eq!(bodies.len(), before + 1, "one look again");
-    let again = TriggerMessage::decode(bodies.last().unwrap()).unwrap();
+    (deferral, holder)
+}
+
+/// The look again a deferral left: of the same chain, and able to stand in (`released` cleared).
+fn assert_stands_in(again: &str, deferral: &TriggerMessage) {
+    let again = TriggerMessage::decode(again).unwrap();
     assert_eq!(again.deferral.map(|d| d.released), Some(false));
     assert_eq!(
         again.deferral.map(|d| d.id),
@@ -525,6 +512,30 @@ async fn a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
         }
         .may_stand_in()
     );
+}
+
+/// A throttled run's deferral that comes back to find the lease held looks again through the
+/// runner, and that look again may stand in for the holder (`released` cleared), as any look
+/// again of a trigger: the holder may be the dead one the deferral stands in for, and a look
+/// again held by the limit like a trigger would wait behind it. (The runner's own call site:
+/// a deferral's look again that kept `released` would be held by the limit.)
+#[tokio::test(start_paused = true)]
+async fn a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
+    let f = fixture(1);
+    let (deferral, holder) = deferral_meeting_a_holder(&f).await;
+    let before = f.queue.bodies().len();
+    let outcome = handle(
+        &f.runner,
+        Delivery {
+            message: deferral.clone(),
+            dequeue_count: 1,
+        },
+    )
+    .await;
+    assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
+    let bodies = f.queue.bodies();
+    assert_eq!(bodies.len(), before + 1, "one look again");
+    assert_stands_in(bodies.last().unwrap(), &deferral);
     holder.release().await.unwrap();
 }
 
@@ -533,23 +544,7 @@ async fn a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
 #[tokio::test(start_paused = true)]
 async fn under_functions_a_deferral_that_finds_the_lease_held_looks_again_as_a_stand_in() {
     let f = fixture(1);
-    f.logic
-        .throttle
-        .lock()
-        .unwrap()
-        .insert("a".into(), Some(Duration::from_secs(60)));
-    let deferral = match handle(&f.runner, trigger("a")).await {
-        Outcome::Deferred { next, .. } => *next,
-        other => panic!("{other:?}"),
-    };
-    tokio::time::sleep(Duration::from_secs(61)).await;
-    let holder = f
-        .runner
-        .lock()
-        .try_acquire(&deferral.key())
-        .await
-        .unwrap()
-        .unwrap();
+    let (deferral, holder) = deferral_meeting_a_holder(&f).await;
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let outcome = f
         .runner
@@ -565,15 +560,7 @@ async fn under_functions_a_deferral_that_finds_the_lease_held_looks_again_as_a_s
     assert!(matches!(outcome, Outcome::Rechecking { .. }), "{outcome:?}");
     let bodies = f.queue.bodies();
     assert_eq!(bodies.len(), 1, "the watchdog, as the look again: {bodies:?}");
-    let again = TriggerMessage::decode(&bodies[0]).unwrap();
-    assert_eq!(again.deferral.map(|d| d.released), Some(false));
-    assert!(
-        Delivery {
-            message: again,
-            dequeue_count: 1
-        }
-        .may_stand_in()
-    );
+    assert_stands_in(&bodies[0], &deferral);
     holder.release().await.unwrap();
 }
 
