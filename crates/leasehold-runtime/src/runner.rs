@@ -1482,9 +1482,10 @@ impl RecordRunner {
             async move {
                 let until = Instant::now() + budget;
                 while renewals.changed().await.is_ok() && Instant::now() < until {
-                    // Let whoever else follows the renewals (the watchdog's push, under
-                    // Functions) go first: the channel wakes its waiters in no fixed order, and
-                    // the simulation replays a seed only if the requests keep theirs.
+                    // Let whoever else follows the renewals go first: the channel wakes its
+                    // waiters in no fixed order, and the simulation replays a seed only if the
+                    // requests keep theirs. (Carriers no longer follow the channel: they are
+                    // pushed before each renewal. The yield stays, so seeds replay as before.)
                     tokio::task::yield_now().await;
                     match markers.is_set(&key).await {
                         Ok(true) => {
