@@ -735,8 +735,9 @@ async fn a_delivery_dropped_mid_run_leaves_its_lease_to_lapse() {
 #[tokio::test(start_paused = true)]
 async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
     let (store, logic, runner) = fixture(Duration::from_secs(100), End::Succeed);
-    // The first push fails (a storage hiccup): the next renewal pushes it again.
+    // The first push fails (a storage hiccup): it is tried once more a second later.
     store.then(Op::QueueUpdate, &[Act::Refuse(StoreErrorKind::Transient)]);
+    let start = Instant::now();
     let poison = MemoryQueue::new("poison", OpCounters::new());
     let task = {
         let runner = runner.clone();
@@ -757,9 +758,17 @@ async fn the_watchdog_follows_the_lease_and_goes_when_the_delivery_ends() {
         hidden_for > Duration::from_millis(34_900) && hidden_for <= Duration::from_secs(35),
         "{hidden_for:?}"
     );
-    // Pushed to 35 s just before each renewal (every 10 s): 10 s after the last push (or after
-    // the put, when the first push failed), 25 s are left.
-    for _ in 0..9 {
+    // The first push, a quarter of a second before the renewal at 10 s, failed; its retry a
+    // second later hid the watchdog for 35 s from then.
+    tokio::time::sleep_until(start + Duration::from_secs(11)).await;
+    assert_eq!(store.rules.counters.snapshot().get(Op::QueueUpdate), 2);
+    assert_eq!(
+        store.queue().next_visible_at().unwrap() - start,
+        Duration::from_millis(9_750 + 1_000 + 35_000)
+    );
+    // Pushed to 35 s just before each renewal (every 10 s): 10 s after the last push, 25 s are
+    // left (checked until 91 s; the run lasts 100).
+    for _ in 0..8 {
         tokio::time::sleep(Duration::from_secs(10)).await;
         let hidden_for = store.queue().next_visible_at().unwrap() - Instant::now();
         assert!(
