@@ -525,6 +525,20 @@ mod azurite {
         scenarios::a_block_lock_blob_moves_to_a_page_blob_and_its_tokens_go_on(store).await;
     }
 
+    /// The account's kind is read as start-up does (Get Account Information): Azurite's holds
+    /// page blobs, the lock blobs' kind.
+    #[tokio::test]
+    async fn the_account_kind_is_read_and_azurites_holds_page_blobs() {
+        let azurite = Azurite::shared();
+        let blobs = leasehold_storage::azure::BlobContainer::new(
+            &azurite.account(),
+            &unique_name("kind"),
+            OpCounters::new(),
+        );
+        let kind = blobs.account_kind().await.unwrap().expect("a kind");
+        assert!(leasehold_storage::azure::holds_page_blobs(kind), "{kind}");
+    }
+
     /// A connection string with a SAS (no key) works as well as one with the key: every
     /// request carries the signature's parameters.
     #[tokio::test]

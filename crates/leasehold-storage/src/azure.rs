@@ -13,8 +13,8 @@ use std::time::Duration;
 use azure_core::error::ErrorKind as AzureErrorKind;
 use azure_core::http::{ClientOptions, RetryOptions as AzureRetryOptions, Transport};
 use azure_storage_blob::models::{
-    BlobClientUploadOptions, BlobContainerClientListBlobsOptions, LeaseState as AzureLeaseState,
-    ListBlobsIncludeItem,
+    AccountKind, BlobClientUploadOptions, BlobContainerClientGetAccountInfoResultHeaders,
+    BlobContainerClientListBlobsOptions, LeaseState as AzureLeaseState, ListBlobsIncludeItem,
 };
 use azure_storage_blob::{BlobClient, BlobContainerClient, BlobContainerClientOptions};
 
@@ -489,6 +489,22 @@ impl BlobContainer {
         })
     }
 
+    /// The kind of storage account the container is in, as Get Account Information answers
+    /// (`x-ms-account-kind`: `StorageV2`, `BlockBlobStorage`, ...); `None` if the answer names
+    /// none this client knows. One request (counted as a properties read).
+    pub async fn account_kind(&self) -> StoreResult<Option<&'static str>> {
+        let answer = self
+            .call(Op::BlobProperties, self.client.get_account_info(None))
+            .await?;
+        Ok(answer.account_kind().ok().flatten().map(|kind| match kind {
+            AccountKind::BlobStorage => "BlobStorage",
+            AccountKind::BlockBlobStorage => "BlockBlobStorage",
+            AccountKind::FileStorage => "FileStorage",
+            AccountKind::Storage => "Storage",
+            AccountKind::StorageV2 => "StorageV2",
+        }))
+    }
+
     /// Whether a blob exists (one properties request).
     pub async fn exists(&self, name: &str) -> StoreResult<bool> {
         match self
@@ -500,6 +516,12 @@ impl BlobContainer {
             Err(e) => Err(e),
         }
     }
+}
+
+/// Whether an account of `kind` (as [`BlobContainer::account_kind`] names it) holds page blobs:
+/// premium block-blob accounts, legacy Blob storage accounts and file accounts hold none.
+pub fn holds_page_blobs(kind: &str) -> bool {
+    !matches!(kind, "BlockBlobStorage" | "BlobStorage" | "FileStorage")
 }
 
 /// Answer of [`BlobContainer::delete_if_match`].
@@ -562,6 +584,16 @@ impl ListedLease {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_accounts_that_hold_page_blobs_pass() {
+        for kind in ["StorageV2", "Storage"] {
+            assert!(holds_page_blobs(kind), "{kind}");
+        }
+        for kind in ["BlockBlobStorage", "BlobStorage", "FileStorage"] {
+            assert!(!holds_page_blobs(kind), "{kind}");
+        }
+    }
 
     #[test]
     fn the_services_own_words_are_kept_to_their_first_line() {

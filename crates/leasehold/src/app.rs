@@ -354,7 +354,8 @@ impl Application {
 }
 
 /// Creates the trigger queue, the poison queue and the container if they are missing, so a
-/// producer that puts messages itself (the wire format is documented) finds the queue there.
+/// producer that puts messages itself (the wire format is documented) finds the queue there; and
+/// says at once, as an error, if the blob account cannot hold the lock blobs (page blobs).
 /// Credentials that may not create them (an identity with a data-only role, a SAS without
 /// container-level rights) are told apart from an outage, said so once, and start-up goes on:
 /// someone with the rights may have created them already, and each is created on first use
@@ -385,10 +386,22 @@ async fn ensure(
     container: BlobContainer,
     container_name: String,
 ) {
-    let (queue_results, c) = tokio::join!(
+    let (queue_results, c, kind) = tokio::join!(
         futures::future::join_all(queues.iter().map(|(_, _, q)| q.create())),
-        container.create()
+        container.create(),
+        container.account_kind()
     );
+    match kind {
+        Ok(Some(kind)) if !leasehold_storage::azure::holds_page_blobs(kind) => tracing::error!(
+            account_kind = kind,
+            "the blob account is a {kind} account, which holds no page blobs: Leasehold's lock blobs are \
+             page blobs, so no record can run here; use a general-purpose v2 account (StorageV2) for \
+             the blob service"
+        ),
+        Ok(_) => {}
+        // Not every credential may read the account's information: the first lock says.
+        Err(e) => tracing::debug!(error = %e, "could not read the storage account's kind"),
+    }
     let mut created = Vec::new();
     let results = queues
         .iter()
