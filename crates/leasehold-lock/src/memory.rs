@@ -98,6 +98,33 @@ impl MemoryStore {
         state.blobs.insert(name.to_string(), blob);
     }
 
+    /// One write of `op` under `lease` and `if_match` (refused as Azure refuses it): `change`
+    /// alters the blob and answers what the write answers, or `None` to leave it as it is. A
+    /// change gets a new ETag and ends the chance to renew an expired lease, as in Azure.
+    fn write<T>(
+        &self,
+        op: Op,
+        name: &str,
+        lease: Option<LeaseId>,
+        if_match: Option<&ETag>,
+        change: impl FnOnce(&mut Blob) -> Option<T>,
+    ) -> StoreResult<Option<(T, ETag)>> {
+        self.with_state(op, |s, _| {
+            let etag = s.next_etag + 1;
+            let Some(blob) = s.blobs.get_mut(name) else {
+                return Err(not_found(s, op));
+            };
+            check_write(blob, lease, if_match, op)?;
+            let Some(answer) = change(blob) else {
+                return Ok(None);
+            };
+            blob.etag = etag;
+            blob.expired = None;
+            s.next_etag = etag;
+            Ok(Some((answer, ETag(etag.to_string()))))
+        })
+    }
+
     /// When the active lease on `name` ends, by the caller's (tokio's) clock; `None` if no lease
     /// is active (for tests).
     pub fn lease_expiry(&self, name: &str) -> Option<Instant> {
@@ -393,20 +420,11 @@ impl LeaseStore for MemoryStore {
         if_match: Option<&ETag>,
         metadata: &Metadata,
     ) -> StoreResult<ETag> {
-        let op = Op::BlobSetMetadata;
-        self.with_state(op, |s, _| {
-            let etag = s.next_etag + 1;
-            let Some(blob) = s.blobs.get_mut(name) else {
-                return Err(not_found(s, op));
-            };
-            check_write(blob, lease, if_match, op)?;
+        let written = self.write(Op::BlobSetMetadata, name, lease, if_match, |blob| {
             blob.metadata = metadata.clone();
-            blob.etag = etag;
-            // A write ends the chance to renew an expired lease, as in Azure.
-            blob.expired = None;
-            s.next_etag = etag;
-            Ok(ETag(etag.to_string()))
-        })
+            Some(())
+        })?;
+        Ok(written.expect("a metadata write always changes the blob").1)
     }
 
     async fn increment_sequence(
@@ -415,24 +433,13 @@ impl LeaseStore for MemoryStore {
         lease: LeaseId,
         if_match: Option<&ETag>,
     ) -> StoreResult<Option<(u64, ETag)>> {
-        let op = Op::BlobSequenceIncrement;
-        self.with_state(op, |s, _| {
-            let etag = s.next_etag + 1;
-            let Some(blob) = s.blobs.get_mut(name) else {
-                return Err(not_found(s, op));
-            };
-            // Azure checks the conditions and the lease first, then refuses a block blob (400
-            // `InvalidOperation`).
-            check_write(blob, Some(lease), if_match, op)?;
-            let Some(sequence) = blob.sequence.as_mut() else {
-                return Ok(None);
-            };
-            *sequence += 1;
-            let sequence = *sequence;
-            blob.etag = etag;
-            blob.expired = None;
-            s.next_etag = etag;
-            Ok(Some((sequence, ETag(etag.to_string()))))
+        // Azure checks the conditions and the lease first, then refuses a block blob (400
+        // `InvalidOperation`): no change.
+        self.write(Op::BlobSequenceIncrement, name, Some(lease), if_match, |blob| {
+            blob.sequence.as_mut().map(|sequence| {
+                *sequence += 1;
+                *sequence
+            })
         })
     }
 
@@ -444,20 +451,12 @@ impl LeaseStore for MemoryStore {
         sequence: u64,
         metadata: &Metadata,
     ) -> StoreResult<ETag> {
-        let op = Op::BlobCreate;
-        self.with_state(op, |s, _| {
-            let etag = s.next_etag + 1;
-            let Some(blob) = s.blobs.get_mut(name) else {
-                return Err(not_found(s, op));
-            };
-            check_write(blob, Some(lease), if_match, op)?;
+        let written = self.write(Op::BlobCreate, name, Some(lease), if_match, |blob| {
             blob.sequence = Some(sequence);
             blob.metadata = metadata.clone();
-            blob.etag = etag;
-            blob.expired = None;
-            s.next_etag = etag;
-            Ok(ETag(etag.to_string()))
-        })
+            Some(())
+        })?;
+        Ok(written.expect("a replacement always changes the blob").1)
     }
 
     fn counters(&self) -> &OpCounters {

@@ -22,7 +22,7 @@ use crate::message::TriggerMessage;
 use crate::observe::record_outcome;
 use crate::poison::PoisonMessage;
 use crate::queue::{Received, TriggerQueue};
-use crate::runner::{Delivery, HiddenUntil, Outcome, RecordRunner};
+use crate::runner::{Delivery, HiddenUntil, Outcome, PushRequests, RecordRunner, push_before_renewal};
 
 /// The poison queue of a trigger queue, as the Functions host names it.
 pub fn poison_queue_name(queue: &str) -> String {
@@ -301,10 +301,9 @@ impl Consumer {
         let receipt = Arc::new(std::sync::Mutex::new(received.pop_receipt.clone()));
         // While the delivery holds its record's lease, the renewer pushes just before each
         // renewal of it, when asked through `pushes`.
-        let (push_now, pushes) = tokio::sync::mpsc::channel(1);
+        let (push, pushes) = push_before_renewal();
         // Hidden for `visibility` from when the service took it, after our get was sent.
-        let hidden =
-            HiddenUntil::new(asked + self.options.visibility).with_push(push_before_renewal(push_now));
+        let hidden = HiddenUntil::new(asked + self.options.visibility).with_push(push);
         let stop_renewing = CancellationToken::new();
         let mut renewer = AbortOnDrop(tokio::spawn(
             keep_hidden(
@@ -510,22 +509,6 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// The work a delivery's lease runs before each renewal ([`HiddenUntil::with_push`]): asks the
-/// message's renewer ([`keep_hidden`]) to push now, and waits until it has.
-fn push_before_renewal(
-    push_now: tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<()>>,
-) -> leasehold_lock::BeforeRenewal {
-    Arc::new(move || {
-        let push_now = push_now.clone();
-        Box::pin(async move {
-            let (done, pushed) = tokio::sync::oneshot::channel();
-            if push_now.send(done).await.is_ok() {
-                let _ = pushed.await;
-            }
-        })
-    })
-}
-
 /// Renews a message's visibility while its run lasts, until `stop` fires (checked only between
 /// updates, so the receipt always reflects the last update that landed): every
 /// `visibility_renew_every`, and, while the delivery holds its record's lease, just before each
@@ -543,28 +526,22 @@ async fn keep_hidden(
     receipt: Arc<std::sync::Mutex<String>>,
     hidden: HiddenUntil,
     options: ConsumerOptions,
-    mut pushes: tokio::sync::mpsc::Receiver<tokio::sync::oneshot::Sender<()>>,
+    mut pushes: PushRequests,
     stop: CancellationToken,
 ) {
     let mut hidden_until = Instant::now() + options.visibility;
     let mut next = Instant::now() + options.visibility_renew_every;
     let mut following = false;
-    let mut asked_open = true;
     loop {
-        // Answered (dropped) once this push is done, however it ends.
+        // Answered (dropped) once this push is done, however it ends. (`hidden` holds the
+        // requests' sender, so they never end while this runs.)
         let _asked = tokio::select! {
             biased;
             _ = stop.cancelled() => return,
-            ask = pushes.recv(), if asked_open => match ask {
-                Some(done) => {
-                    following = true;
-                    Some(done)
-                }
-                None => {
-                    asked_open = false;
-                    continue;
-                }
-            },
+            Some(done) = pushes.recv() => {
+                following = true;
+                Some(done)
+            }
             _ = sleep_until(next) => None,
         };
         let sent = Instant::now();

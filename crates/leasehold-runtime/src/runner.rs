@@ -1856,6 +1856,27 @@ impl std::fmt::Debug for HiddenUntil {
     }
 }
 
+/// Asks a carrier's pusher (the message's renewer standalone, the watchdog's follower under
+/// Functions) to push now; the pusher answers by dropping the sender once the push is done.
+pub(crate) type PushRequests = tokio::sync::mpsc::Receiver<tokio::sync::oneshot::Sender<()>>;
+
+/// The work a lease runs before each renewal to have its carrier pushed
+/// ([`leasehold_lock::LeaseGuard::before_each_renewal`]), and the requests it sends the pusher:
+/// each asks for a push and waits until the pusher has done it.
+pub(crate) fn push_before_renewal() -> (leasehold_lock::BeforeRenewal, PushRequests) {
+    let (push_now, requests) = tokio::sync::mpsc::channel(1);
+    let before: leasehold_lock::BeforeRenewal = Arc::new(move || {
+        let push_now = push_now.clone();
+        Box::pin(async move {
+            let (done, pushed) = tokio::sync::oneshot::channel();
+            if push_now.send(done).await.is_ok() {
+                let _ = pushed.await;
+            }
+        })
+    });
+    (before, requests)
+}
+
 impl HiddenUntil {
     pub(crate) fn new(at: Instant) -> Self {
         Self {

@@ -107,16 +107,7 @@ impl Watchdog {
         let this = self.clone();
         let stop = CancellationToken::new();
         let stopped = stop.clone();
-        let (push_now, mut pushes) = tokio::sync::mpsc::channel::<tokio::sync::oneshot::Sender<()>>(1);
-        let before: leasehold_lock::BeforeRenewal = Arc::new(move || {
-            let push_now = push_now.clone();
-            Box::pin(async move {
-                let (done, pushed) = tokio::sync::oneshot::channel();
-                if push_now.send(done).await.is_ok() {
-                    let _ = pushed.await;
-                }
-            })
-        });
+        let (before, mut pushes) = crate::runner::push_before_renewal();
         let follower = Follower(
             tokio::spawn(async move {
                 // A failed push is tried once more a second later: the margin over the lease

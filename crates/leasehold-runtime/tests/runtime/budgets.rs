@@ -416,15 +416,7 @@ async fn a_carrier_is_never_held_by_its_budget() {
 #[tokio::test(start_paused = true)]
 async fn a_throttled_runs_deferral_meets_its_budget_as_a_trigger_does() {
     let f = fixture(1);
-    f.logic
-        .throttle
-        .lock()
-        .unwrap()
-        .insert("a".into(), Some(Duration::from_secs(60)));
-    let deferral = match handle(&f.runner, trigger("a")).await {
-        Outcome::Deferred { next, .. } => *next,
-        other => panic!("{other:?}"),
-    };
+    let deferral = throttled_deferral(&f).await;
     assert_eq!(deferral.kind, TriggerKind::Recheck);
     let back = Delivery {
         message: deferral.clone(),
@@ -472,18 +464,23 @@ async fn a_throttled_runs_deferral_meets_its_budget_as_a_trigger_does() {
     long.abort();
 }
 
-/// A throttled run's deferral of record `a` (a minute's Retry-After), come back after the pause
-/// to find `a`'s lease held by someone else: the deferral, and the holder.
-async fn deferral_meeting_a_holder(f: &Fixture) -> (TriggerMessage, leasehold_lock::LeaseGuard) {
+/// The deferral of record `a`'s run, throttled with a minute's Retry-After.
+async fn throttled_deferral(f: &Fixture) -> TriggerMessage {
     f.logic
         .throttle
         .lock()
         .unwrap()
         .insert("a".into(), Some(Duration::from_secs(60)));
-    let deferral = match handle(&f.runner, trigger("a")).await {
+    match handle(&f.runner, trigger("a")).await {
         Outcome::Deferred { next, .. } => *next,
         other => panic!("{other:?}"),
-    };
+    }
+}
+
+/// A throttled run's deferral of record `a` ([`throttled_deferral`]), come back after the pause
+/// to find `a`'s lease held by someone else: the deferral, and the holder.
+async fn deferral_meeting_a_holder(f: &Fixture) -> (TriggerMessage, leasehold_lock::LeaseGuard) {
+    let deferral = throttled_deferral(f).await;
     assert_eq!(deferral.deferral.map(|d| d.released), Some(true));
     tokio::time::sleep(Duration::from_secs(61)).await;
     let holder = f
