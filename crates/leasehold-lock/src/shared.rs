@@ -148,15 +148,15 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
         let fencing = lock.options().fencing;
         let mut token = current;
         let mut etag = before.etag.clone();
-        if !joining && fencing && before.sequence.is_none() {
-            // Founding needs the next token: first turn the block blob into a page blob at its
-            // generation, keeping the metadata as read.
-            match lock.move_to_page_blob(&blob, group, Some(&before.etag)).await? {
-                Some(moved) => etag = moved,
-                None => continue,
-            }
-        }
         if !joining && fencing {
+            // Founding takes the next token. A block blob is first turned into a page blob at
+            // its generation, keeping the metadata as read.
+            if before.sequence.is_none() {
+                match lock.move_to_page_blob(&blob, group, Some(&before.etag)).await? {
+                    Some(moved) => etag = moved,
+                    None => continue,
+                }
+            }
             let increment = || store.increment_sequence(&blob, group, Some(&etag));
             match lock.retry("take fencing token", increment).await {
                 Ok(Some((next, tag))) => (token, etag) = (next, tag),
@@ -183,13 +183,12 @@ pub(crate) async fn join(lock: &LeaseLock, key: &LockKey, share_key: &str) -> Re
         match lock.retry("join shared lock", write).await {
             Ok(_) => {
                 tracing::debug!(%key, %member, members = list.len(), "joined shared lock");
-                let fencing = lock.options().fencing.then_some(token);
                 return Ok(Some(LeaseGuard::start(
                     lock,
                     key.clone(),
                     blob,
                     group,
-                    fencing,
+                    fencing.then_some(token),
                     granted_at,
                     Some(member),
                 )));
