@@ -367,6 +367,38 @@ impl BlobContainer {
         }
     }
 
+    /// A blob's metadata with storage's own clock (one properties request): when the blob was
+    /// last written and the time the service answered, both by the service's clock, so a time
+    /// written relative to the write can be measured without trusting this machine's clock.
+    /// `None` if it (or its container) does not exist.
+    pub async fn metadata_with_clock(&self, name: &str, op: Op) -> StoreResult<Option<TimedMetadata>> {
+        use azure_storage_blob::models::BlobClientGetPropertiesResultHeaders;
+        match self.call(op, self.blob(name).get_properties(None)).await {
+            Ok(answer) => {
+                let metadata = answer.metadata().map_err(|_| {
+                    StoreError::new(StoreErrorKind::Transient, op, "unreadable answer: metadata")
+                })?;
+                let last_modified = answer
+                    .last_modified()
+                    .ok()
+                    .flatten()
+                    .map(std::time::SystemTime::from);
+                let answered_at = answer
+                    .headers()
+                    .get_optional_str(&azure_core::http::headers::HeaderName::from_static("date"))
+                    .and_then(|d| azure_core::time::parse_rfc7231(d).ok())
+                    .map(std::time::SystemTime::from);
+                Ok(Some(TimedMetadata {
+                    metadata,
+                    last_modified,
+                    answered_at,
+                }))
+            }
+            Err(e) if e.kind() == StoreErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// A blob's ETag (one properties request), `None` if it does not exist.
     pub async fn etag(&self, name: &str, op: Op) -> StoreResult<Option<String>> {
         use azure_storage_blob::models::BlobClientGetPropertiesResultHeaders;
@@ -680,4 +712,15 @@ Time:2026-11-22T17:00:00Z</Message><AuthenticationErrorDetail>The MAC signature 
         assert_eq!(classify(409, Some("QueueBeingDeleted")), Transient);
         assert_eq!(classify(409, Some("BlobAlreadyExists")), Rejected);
     }
+}
+
+/// A blob's metadata and the service's clock readings that came with it
+/// ([`BlobContainer::metadata_with_clock`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimedMetadata {
+    pub metadata: std::collections::HashMap<String, String>,
+    /// When the blob (or its metadata) was last written, by the service's clock (to the second).
+    pub last_modified: Option<std::time::SystemTime>,
+    /// When the service answered (its `Date` header, to the second).
+    pub answered_at: Option<std::time::SystemTime>,
 }
