@@ -76,22 +76,47 @@ impl std::str::FromStr for Lane {
     }
 }
 
+/// A budget's pause as storage holds it ([`BudgetStore::read`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedPause {
+    /// How much longer it lasts, measured on storage's clock when the blob says when it was
+    /// written (zero: over, or resumed).
+    pub left: Duration,
+    /// When it was set, by storage's clock where known.
+    pub set_at: Option<SystemTime>,
+    /// The adaptive limit the worker that set it had cut to (runs at once on that worker).
+    pub limit: Option<u32>,
+    /// Whether an operator ended it (`leasehold budget resume`).
+    pub resumed: bool,
+}
+
 /// Where budgets' pauses are shared between workers. Each method is one round trip (the first
-/// write of a budget in a container: two or three).
+/// write of a budget in a container: two or three; listing: one per 5,000 budgets).
 #[async_trait]
 pub trait BudgetStore: Send + Sync + fmt::Debug + 'static {
-    /// How much longer the budget `name` is paused, as last written (`None`: not paused).
-    async fn read(&self, name: &str) -> Result<Option<Duration>, StoreError>;
+    /// The budget `name`'s pause as last written (`None`: never written).
+    async fn read(&self, name: &str) -> Result<Option<SharedPause>, StoreError>;
 
-    /// Pauses the budget `name` for `pause` from now (replacing what was written).
-    async fn write(&self, name: &str, pause: Duration) -> Result<(), StoreError>;
+    /// Pauses the budget `name` for `pause` from now (replacing what was written), noting the
+    /// limit the writer cut to.
+    async fn write(&self, name: &str, pause: Duration, limit: u32) -> Result<(), StoreError>;
+
+    /// Ends the budget `name`'s pause now (every worker stops honouring it at its next read).
+    /// Says whether it was paused.
+    async fn resume(&self, name: &str) -> Result<bool, StoreError>;
+
+    /// The names of every budget ever paused in this store.
+    async fn names(&self) -> Result<Vec<String>, StoreError>;
 
     /// The round-trip counters this store records into.
     fn counters(&self) -> &OpCounters;
 }
 
-/// Budgets as empty blobs `budgets/<name>` whose metadata holds the end of the pause as a wall
-/// clock time (workers' clocks differ by a little; a pause is advice, see the module's docs).
+/// Budgets as empty blobs `budgets/<name>` whose metadata holds the pause's length
+/// (`pausems`), measured from the blob's `Last-Modified` and read against the `Date` of the
+/// answer: both storage's clock, so no worker's clock (one running ahead, say) lengthens
+/// anyone's pause. For workers of earlier versions, the end by the writer's clock
+/// (`pauseduntilms`) too, which this version reads only from a blob without `pausems`.
 #[derive(Debug, Clone)]
 pub struct AzureBudgets {
     container: BlobContainer,
@@ -104,45 +129,129 @@ impl AzureBudgets {
             container: BlobContainer::new(account, container, counters),
         }
     }
+
+    /// Budgets in the blob container `container` (its round trips counted as it counts them).
+    pub fn in_container(container: BlobContainer) -> Self {
+        Self { container }
+    }
+
+    async fn put_metadata(&self, name: &str, metadata: &HashMap<String, String>) -> Result<bool, StoreError> {
+        let blob = format!("{BUDGET_PREFIX}{name}");
+        Ok(self
+            .container
+            .set_metadata_if_present(&blob, metadata, Op::BudgetWrite)
+            .await?
+            .is_some())
+    }
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// The metadata key of a budget blob holding the pause's length in milliseconds, from the
+/// blob's last write.
+const PAUSE_MS: &str = "pausems";
+/// The limit its writer cut to.
+const LIMIT: &str = "limit";
+/// Set (to the time, Unix ms by the operator's clock) when an operator resumed the budget.
+const RESUMED: &str = "resumedms";
+
+/// What a budget blob's metadata says, read at storage's clock where it can be.
+fn shared_pause(timed: &leasehold_storage::azure::TimedMetadata) -> SharedPause {
+    let m = &timed.metadata;
+    let number = |key: &str| m.get(key).and_then(|v| v.parse::<u64>().ok());
+    let left = match (number(PAUSE_MS), timed.last_modified, timed.answered_at) {
+        // Storage's clock both ends. `Last-Modified` is to the second, rounded down: the pause
+        // may end up to a second early (it is advice).
+        (Some(ms), Some(written), Some(now)) => (written + Duration::from_millis(ms))
+            .duration_since(now)
+            .unwrap_or(Duration::ZERO),
+        // Written by an earlier version: the writer's clock against ours.
+        _ => {
+            let until = number(PAUSED_UNTIL).unwrap_or(0);
+            let now = unix_ms(SystemTime::now());
+            Duration::from_millis(until.saturating_sub(now))
+        }
+    };
+    SharedPause {
+        left,
+        set_at: timed.last_modified,
+        limit: number(LIMIT).map(|l| l.min(u32::MAX as u64) as u32),
+        resumed: m.contains_key(RESUMED),
+    }
+}
+
 #[async_trait]
 impl BudgetStore for AzureBudgets {
-    async fn read(&self, name: &str) -> Result<Option<Duration>, StoreError> {
-        let metadata = self
+    async fn read(&self, name: &str) -> Result<Option<SharedPause>, StoreError> {
+        let timed = self
             .container
-            .metadata(&format!("{BUDGET_PREFIX}{name}"), Op::BudgetRead)
+            .metadata_with_clock(&format!("{BUDGET_PREFIX}{name}"), Op::BudgetRead)
             .await?;
-        let until = metadata
-            .and_then(|m| m.get(PAUSED_UNTIL).and_then(|v| v.parse::<u64>().ok()))
-            .unwrap_or(0);
-        let now = unix_ms(SystemTime::now());
-        Ok((until > now).then(|| Duration::from_millis(until - now)))
+        Ok(timed.as_ref().map(shared_pause))
     }
 
-    async fn write(&self, name: &str, pause: Duration) -> Result<(), StoreError> {
+    async fn write(&self, name: &str, pause: Duration, limit: u32) -> Result<(), StoreError> {
         let blob = format!("{BUDGET_PREFIX}{name}");
-        let until = unix_ms(SystemTime::now() + pause);
-        let metadata = HashMap::from([(PAUSED_UNTIL.to_string(), until.to_string())]);
-        if self
-            .container
-            .set_metadata_if_present(&blob, &metadata, Op::BudgetWrite)
-            .await?
-            .is_some()
-        {
+        let metadata = HashMap::from([
+            (PAUSE_MS.to_string(), pause.as_millis().to_string()),
+            (
+                PAUSED_UNTIL.to_string(),
+                unix_ms(SystemTime::now() + pause).to_string(),
+            ),
+            (LIMIT.to_string(), limit.to_string()),
+        ]);
+        if self.put_metadata(name, &metadata).await? {
             return Ok(());
         }
         // The budget's first pause: create its blob (and the container, the first time), then
         // write.
         self.container.put_empty_if_absent(&blob, Op::BudgetWrite).await?;
-        self.container
-            .set_metadata_if_present(&blob, &metadata, Op::BudgetWrite)
-            .await?;
+        self.put_metadata(name, &metadata).await?;
         Ok(())
+    }
+
+    async fn resume(&self, name: &str) -> Result<bool, StoreError> {
+        let was = self.read(name).await?;
+        let Some(was) = was else {
+            return Ok(false);
+        };
+        let mut metadata = HashMap::from([
+            (PAUSE_MS.to_string(), "0".to_string()),
+            (PAUSED_UNTIL.to_string(), "0".to_string()),
+            (RESUMED.to_string(), unix_ms(SystemTime::now()).to_string()),
+        ]);
+        if let Some(limit) = was.limit {
+            metadata.insert(LIMIT.to_string(), limit.to_string());
+        }
+        self.put_metadata(name, &metadata).await?;
+        Ok(!was.left.is_zero())
+    }
+
+    async fn names(&self) -> Result<Vec<String>, StoreError> {
+        let mut names = Vec::new();
+        let mut marker: Option<String> = None;
+        loop {
+            let page = match self
+                .container
+                .list_page(BUDGET_PREFIX, marker.as_deref(), 5000)
+                .await
+            {
+                Ok(page) => page,
+                Err(e) if e.kind() == leasehold_storage::StoreErrorKind::NotFound => return Ok(names),
+                Err(e) => return Err(e),
+            };
+            names.extend(
+                page.blobs
+                    .into_iter()
+                    .filter_map(|b| b.name.strip_prefix(BUDGET_PREFIX).map(str::to_string)),
+            );
+            match page.next_marker {
+                Some(next) => marker = Some(next),
+                None => return Ok(names),
+            }
+        }
     }
 
     fn counters(&self) -> &OpCounters {
@@ -154,8 +263,15 @@ impl BudgetStore for AzureBudgets {
 /// round trips as [`AzureBudgets`] would once its blobs exist.
 #[derive(Debug, Default)]
 pub struct MemoryBudgets {
-    paused: Mutex<HashMap<String, Instant>>,
+    paused: Mutex<HashMap<String, MemoryPause>>,
     counters: OpCounters,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct MemoryPause {
+    until: Instant,
+    limit: u32,
+    resumed: bool,
 }
 
 impl MemoryBudgets {
@@ -173,13 +289,30 @@ impl MemoryBudgets {
 
     /// When the budget's pause ends, as written (for tests).
     pub fn paused_until(&self, name: &str) -> Option<Instant> {
-        self.paused.lock().expect("budget mutex").get(name).copied()
+        self.paused
+            .lock()
+            .expect("budget mutex")
+            .get(name)
+            .map(|p| p.until)
+    }
+
+    /// Writes a pause ending at `until` as another worker, or a clock running ahead, would
+    /// (for tests): no cap, no limit.
+    pub fn set_paused_until(&self, name: &str, until: Instant) {
+        self.paused.lock().expect("budget mutex").insert(
+            name.to_string(),
+            MemoryPause {
+                until,
+                limit: 0,
+                resumed: false,
+            },
+        );
     }
 }
 
 #[async_trait]
 impl BudgetStore for MemoryBudgets {
-    async fn read(&self, name: &str) -> Result<Option<Duration>, StoreError> {
+    async fn read(&self, name: &str) -> Result<Option<SharedPause>, StoreError> {
         self.counters.record(Op::BudgetRead);
         let now = Instant::now();
         Ok(self
@@ -187,17 +320,51 @@ impl BudgetStore for MemoryBudgets {
             .lock()
             .expect("budget mutex")
             .get(name)
-            .filter(|until| **until > now)
-            .map(|until| *until - now))
+            .map(|p| SharedPause {
+                left: p.until.saturating_duration_since(now),
+                set_at: None,
+                limit: (p.limit > 0).then_some(p.limit),
+                resumed: p.resumed,
+            }))
     }
 
-    async fn write(&self, name: &str, pause: Duration) -> Result<(), StoreError> {
+    async fn write(&self, name: &str, pause: Duration, limit: u32) -> Result<(), StoreError> {
         self.counters.record(Op::BudgetWrite);
-        self.paused
+        self.paused.lock().expect("budget mutex").insert(
+            name.to_string(),
+            MemoryPause {
+                until: Instant::now() + pause,
+                limit,
+                resumed: false,
+            },
+        );
+        Ok(())
+    }
+
+    async fn resume(&self, name: &str) -> Result<bool, StoreError> {
+        self.counters.record(Op::BudgetRead);
+        let now = Instant::now();
+        let mut paused = self.paused.lock().expect("budget mutex");
+        let Some(p) = paused.get_mut(name) else {
+            return Ok(false);
+        };
+        self.counters.record(Op::BudgetWrite);
+        let was = p.until > now;
+        p.until = now;
+        p.resumed = true;
+        Ok(was)
+    }
+
+    async fn names(&self) -> Result<Vec<String>, StoreError> {
+        let mut names: Vec<String> = self
+            .paused
             .lock()
             .expect("budget mutex")
-            .insert(name.to_string(), Instant::now() + pause);
-        Ok(())
+            .keys()
+            .cloned()
+            .collect();
+        names.sort();
+        Ok(names)
     }
 
     fn counters(&self) -> &OpCounters {
@@ -220,9 +387,13 @@ pub struct BudgetOptions {
     pub refresh_every: Duration,
     /// The pause after a throttle that gave no usable `Retry-After`. Default 10 s.
     pub default_pause: Duration,
-    /// The longest pause one throttle sets (a longer `Retry-After` is capped, with a warning).
-    /// Default 300 s: Dataverse's service-protection window.
+    /// The longest pause one throttle sets, and the longest a pause read from storage is
+    /// honoured (a longer one is capped, with a warning). Default 300 s: Dataverse's
+    /// service-protection window.
     pub max_pause: Duration,
+    /// While deliveries of both lanes wait for a slot, at least one start in this many goes to
+    /// the low lane. Default 4 (as the consumer's takes, `ConsumerOptions::low_every`).
+    pub low_every: u32,
 }
 
 impl Default for BudgetOptions {
@@ -234,6 +405,7 @@ impl Default for BudgetOptions {
             refresh_every: Duration::from_secs(3),
             default_pause: Duration::from_secs(10),
             max_pause: Duration::from_secs(300),
+            low_every: 4,
         }
     }
 }
@@ -241,12 +413,15 @@ impl Default for BudgetOptions {
 /// The name of the budget every scope draws on unless told otherwise.
 pub const DEFAULT_BUDGET: &str = "default";
 
+/// A budget name that is not one ([`check_budget_name`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a budget name (1-63 letters, digits and '-')")]
+pub struct BadBudgetName(pub String);
+
 /// Checks a budget name: 1–63 letters, digits and `-` (it names a blob).
-pub fn check_budget_name(name: &str) -> Result<(), String> {
+pub fn check_budget_name(name: &str) -> Result<(), BadBudgetName> {
     if name.is_empty() || name.len() > 63 || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
-        return Err(format!(
-            "{name:?} is not a budget name (1-63 letters, digits and '-')"
-        ));
+        return Err(BadBudgetName(name.to_string()));
     }
     Ok(())
 }
@@ -254,21 +429,35 @@ pub fn check_budget_name(name: &str) -> Result<(), String> {
 /// One budget's state on this worker.
 #[derive(Debug)]
 struct Budget {
-    /// When the pause this worker knows of ends.
+    /// When the pause this worker honours ends.
     paused_until: Option<Instant>,
-    /// The end of the last pause written or read, so a throttle that does not lengthen it is
-    /// not written again.
+    /// The end of the pause as storage last held it (written by this worker or read), so a
+    /// throttle that does not lengthen it is not written again.
     shared_until: Option<Instant>,
+    /// A pause of this worker's own throttle that it could not write: kept whatever storage
+    /// says, as storage never heard of it.
+    unshared_until: Option<Instant>,
+    /// Writes of the pause started, and under way: a read that overlapped one may hold the
+    /// blob from before it, and only lengthens the pause.
+    writes: u64,
+    writing: usize,
     /// The adaptive limit (runs at once), in `[1, max_concurrency]`.
     limit: f64,
     in_flight: usize,
-    /// Deliveries of the high lane waiting for a slot: the low lane's wait behind them.
+    /// Deliveries of each lane waiting for a slot.
     high_waiting: usize,
+    low_waiting: usize,
+    /// High-lane starts since the last low-lane start, counted while the low lane waits.
+    high_run: u32,
     /// When the pause was last read, and whether a read is under way.
     read_at: Option<Instant>,
     reading: bool,
     notify: Arc<Notify>,
     throttles: u64,
+    /// Throttles taken as one record's refusals, not the downstream's: neither paused nor cut.
+    record_refusals: u64,
+    /// Runs of the budget that succeeded on this worker.
+    successes: u64,
     /// The concurrency the downstream last answered "too many" at: growth stops below it until
     /// [`PROBE_AFTER`] windows of successes and [`PROBE_EVERY`] have passed since.
     ceiling: Option<usize>,
@@ -276,6 +465,8 @@ struct Budget {
     since_cut: u64,
     /// When the limit was last cut.
     cut_at: Option<Instant>,
+    /// Whether a pause read beyond `max_pause` was warned of (once per such pause).
+    warned_cap: bool,
 }
 
 /// After a cut, the limit grows back to just below the concurrency that was too many, and
@@ -293,8 +484,36 @@ const PROBE_EVERY: Duration = Duration::from_secs(60);
 pub enum Admission {
     /// Run: the slot is held until the permit is dropped (tell it how the run went first).
     Go(BudgetPermit),
-    /// The budget is paused for `after` more: hand the message back, hidden that long.
+    /// The budget is paused for `after` more (or, for want of a slot, try again after `after`):
+    /// hand the message back, hidden that long.
     Paused { budget: String, after: Duration },
+}
+
+/// How long a delivery may wait at a budget's gate ([`Budgets::admit_with`]).
+pub struct Waiting<'a> {
+    /// A delivery that may stand in for a dead holder: a slot at once, beyond the limit and
+    /// through any pause (its record must run again within the recovery bound).
+    pub stand_in: bool,
+    /// The longest wait for a slot (`None`: as long as it takes); then `Paused` after 1 s.
+    pub slot: Option<Duration>,
+    /// A pause that ends later than this from now hands the delivery back at once (`None`:
+    /// every pause is waited out).
+    pub pause: Option<Duration>,
+    /// Called once, just before the delivery starts to wait: frees what the delivery holds
+    /// that others need while it waits (the consumer's slot), and says whether it could. If it
+    /// could not, a pause hands the delivery back at once (a wait for a slot goes on).
+    pub park: Option<&'a (dyn Fn() -> bool + Send + Sync)>,
+}
+
+impl fmt::Debug for Waiting<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Waiting")
+            .field("stand_in", &self.stand_in)
+            .field("slot", &self.slot)
+            .field("pause", &self.pause)
+            .field("park", &self.park.is_some())
+            .finish()
+    }
 }
 
 /// This worker's view of every downstream budget, shared by its deliveries (cheap to clone).
@@ -328,6 +547,18 @@ pub struct BudgetView {
     pub in_flight: usize,
     /// Throttles this worker has seen.
     pub throttles: u64,
+    /// Of those, the ones taken as one record's refusals (neither paused nor cut the budget).
+    pub record_refusals: u64,
+    /// Deliveries waiting for a slot, high lane and low lane.
+    pub waiting: (usize, usize),
+}
+
+/// What the gate decided, under the budget's lock.
+enum Gate {
+    Go(usize, u64),
+    HandBack(Duration),
+    /// Wait, until the pause ends (`Some`) or a slot frees (`None`).
+    Wait(Option<Instant>),
 }
 
 impl Budgets {
@@ -343,6 +574,11 @@ impl Budgets {
 
     pub fn options(&self) -> &BudgetOptions {
         &self.inner.options
+    }
+
+    /// The store the budgets' pauses are shared through.
+    pub fn store(&self) -> &Arc<dyn BudgetStore> {
+        &self.inner.store
     }
 
     /// The budget `scope`'s runs draw on.
@@ -364,6 +600,8 @@ impl Budgets {
                 limit: b.limit as usize,
                 in_flight: b.in_flight,
                 throttles: b.throttles,
+                record_refusals: b.record_refusals,
+                waiting: (b.high_waiting, b.low_waiting),
             })
             .collect();
         views.sort_by(|a, b| a.name.cmp(&b.name));
@@ -375,16 +613,24 @@ impl Budgets {
         let budget = budgets.entry(name.to_string()).or_insert_with(|| Budget {
             paused_until: None,
             shared_until: None,
+            unshared_until: None,
+            writes: 0,
+            writing: 0,
             limit: self.inner.options.max_concurrency.max(1) as f64,
             in_flight: 0,
             high_waiting: 0,
+            low_waiting: 0,
+            high_run: 0,
             read_at: None,
             reading: false,
             notify: Arc::new(Notify::new()),
             throttles: 0,
+            record_refusals: 0,
+            successes: 0,
             ceiling: None,
             since_cut: 0,
             cut_at: None,
+            warned_cap: false,
         });
         f(budget)
     }
@@ -400,6 +646,26 @@ impl Budgets {
         left.map(|after| (name.to_string(), after))
     }
 
+    /// Whether a delivery of `scope`'s budget would have to wait for a slot or a pause now
+    /// (for the consumer's first gate: one that could not wait without holding a slot is
+    /// handed back before it takes the lease).
+    pub fn would_wait(&self, scope: &Scope) -> bool {
+        let name = self.name_of(scope);
+        let now = Instant::now();
+        let limit = self.limit_now(name);
+        self.with_budget(name, |b| {
+            b.paused_until.is_some_and(|u| u > now) || b.in_flight >= limit
+        })
+    }
+
+    fn limit_now(&self, name: &str) -> usize {
+        if self.inner.options.adaptive {
+            self.with_budget(name, |b| b.limit as usize).max(1)
+        } else {
+            self.inner.options.max_concurrency.max(1)
+        }
+    }
+
     /// How long every budget the scopes draw on stays paused, if all of them are (the shortest
     /// of their pauses): a consumer then takes no message until it ends, instead of taking each
     /// only to hand it back.
@@ -411,6 +677,21 @@ impl Budgets {
             left = Some(left.map_or(this, |l| l.min(this)));
         }
         left
+    }
+
+    /// Ends the budget `name`'s pause, in storage (every worker stops honouring it at its next
+    /// read, within [`BudgetOptions::refresh_every`] of its next look) and on this worker at
+    /// once. Says whether storage held a pause.
+    pub async fn resume(&self, name: &str) -> Result<bool, StoreError> {
+        let was = self.inner.store.resume(name).await?;
+        self.with_budget(name, |b| {
+            b.paused_until = None;
+            b.shared_until = None;
+            b.unshared_until = None;
+            b.notify.notify_waiters();
+        });
+        tracing::info!(budget = %name, was_paused = was, "budget resumed: runs of it start again");
+        Ok(was)
     }
 
     /// Whether a delivery of `lane` for `scope` may run now: a slot of its budget, waiting for
@@ -428,76 +709,125 @@ impl Budgets {
         max_wait: Option<Duration>,
         honour_pause: bool,
     ) -> Admission {
+        let waiting = Waiting {
+            stand_in: !honour_pause,
+            slot: max_wait,
+            pause: max_wait,
+            park: None,
+        };
+        self.admit_with(scope, lane, waiting).await
+    }
+
+    /// [`admit`](Self::admit), with the waits bounded separately ([`Waiting`]).
+    ///
+    /// While both lanes wait for a slot, a low-lane delivery takes every
+    /// [`BudgetOptions::low_every`]-th start; otherwise the high lane goes first.
+    pub async fn admit_with(&self, scope: &Scope, lane: Lane, waiting: Waiting<'_>) -> Admission {
         let name = self.name_of(scope).to_string();
-        let deadline = max_wait.map(|w| Instant::now() + w);
+        let started = Instant::now();
+        let slot_deadline = waiting.slot.map(|w| started + w);
+        let pause_deadline = waiting.pause.map(|w| started + w);
         let notify = self.with_budget(&name, |b| b.notify.clone());
-        let mut counted = HighWaiting {
+        let limit_of = |b: &Budget| {
+            if self.inner.options.adaptive {
+                (b.limit as usize).max(1)
+            } else {
+                self.inner.options.max_concurrency.max(1)
+            }
+        };
+        let low_every = self.inner.options.low_every;
+        let mut counted = Counted {
             budgets: self,
             name: &name,
-            counted: false,
+            lane: None,
         };
+        let mut parked = false;
+        let mut waited = false;
         loop {
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let now = Instant::now();
-            // Until when the pause holds this delivery, if it does.
-            let mut held_until = None;
-            let decided = self.with_budget(&name, |b| {
-                let paused = b.paused_until.filter(|u| honour_pause && *u > now);
-                if let Some(until) = paused {
-                    // Waited out when it ends within the wait allowed; else put off.
-                    if deadline.is_some_and(|d| d < until) {
-                        return Some(Err(until - now));
+            let gate = self.with_budget(&name, |b| {
+                if let Some(until) = b.paused_until.filter(|u| !waiting.stand_in && *u > now) {
+                    // Waited out when it ends within the wait allowed; else handed back.
+                    if pause_deadline.is_some_and(|d| d < until) {
+                        return Gate::HandBack(until - now);
                     }
-                    held_until = Some(until);
-                    return None;
+                    return Gate::Wait(Some(until));
                 }
-                let limit = if self.inner.options.adaptive {
-                    b.limit as usize
-                } else {
-                    self.inner.options.max_concurrency.max(1)
-                };
-                let behind_high = lane == Lane::Low && b.high_waiting > 0;
+                // While both lanes wait, every `low_every`-th start is the low lane's.
+                let low_due = low_every > 0 && b.high_run + 1 >= low_every;
+                let behind_high = lane == Lane::Low && b.high_waiting > 0 && !low_due;
+                let yields_to_low = lane == Lane::High && b.low_waiting > 0 && low_due;
                 // A delivery that may stand in for a dead holder is not held (it still counts).
-                if !honour_pause || (b.in_flight < limit.max(1) && !behind_high) {
+                if waiting.stand_in || (b.in_flight < limit_of(b) && !behind_high && !yields_to_low) {
                     b.in_flight += 1;
-                    return Some(Ok(b.in_flight));
+                    if !waiting.stand_in {
+                        match lane {
+                            Lane::Low => {
+                                b.high_run = 0;
+                                // A high-lane delivery may have yielded to this one.
+                                b.notify.notify_waiters();
+                            }
+                            Lane::High if b.low_waiting > 0 => b.high_run = b.high_run.saturating_add(1),
+                            Lane::High => b.high_run = 0,
+                        }
+                    }
+                    return Gate::Go(b.in_flight, b.successes);
                 }
-                if lane == Lane::High && !counted.counted {
-                    b.high_waiting += 1;
-                    counted.counted = true;
+                if counted.lane.is_none() {
+                    match lane {
+                        Lane::High => b.high_waiting += 1,
+                        Lane::Low => b.low_waiting += 1,
+                    }
+                    counted.lane = Some(lane);
                 }
-                None
+                Gate::Wait(None)
             });
             self.refresh_if_stale(&name);
-            match decided {
-                Some(Err(after)) => {
+            let held_until = match gate {
+                Gate::HandBack(after) => {
                     return Admission::Paused {
                         budget: name.clone(),
                         after,
                     };
                 }
-                Some(Ok(position)) => {
+                Gate::Go(position, successes) => {
                     drop(counted);
                     return Admission::Go(BudgetPermit {
                         budgets: self.clone(),
                         name,
                         told: false,
                         position,
+                        successes_before: successes,
+                        waited,
                     });
                 }
-                None => {}
+                Gate::Wait(held_until) => held_until,
+            };
+            if !parked && let Some(park) = waiting.park {
+                parked = true;
+                if !park()
+                    && let Some(until) = held_until
+                {
+                    // Nowhere to wait without keeping others from work: back after the pause.
+                    return Admission::Paused {
+                        budget: name.clone(),
+                        after: until.saturating_duration_since(Instant::now()),
+                    };
+                }
             }
+            waited = true;
             let until = held_until
-                .or(deadline)
+                .or(slot_deadline)
                 .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             // Biased, so the same instants give the same choice (the simulation replays).
             tokio::select! {
                 biased;
                 _ = &mut notified => {}
                 _ = tokio::time::sleep_until(until) => {
-                    if held_until.is_none() && deadline.is_some() {
+                    if held_until.is_none() && slot_deadline.is_some() {
                         return Admission::Paused { budget: name.clone(), after: Duration::from_secs(1) };
                     }
                 }
@@ -506,43 +836,74 @@ impl Budgets {
     }
 
     /// Reads the budget's pause in the background if the last read is stale and none is under
-    /// way.
+    /// way. What storage holds replaces what this worker knew (so a pause shortened or resumed
+    /// there ends here too), capped at [`BudgetOptions::max_pause`], except that a read that
+    /// overlapped one of this worker's writes only lengthens it, and a pause of its own that it
+    /// could not write stays.
     fn refresh_if_stale(&self, name: &str) {
         let every = self.inner.options.refresh_every;
         let start = self.with_budget(name, |b| {
             let stale = b.read_at.is_none_or(|at| at.elapsed() >= every);
             if stale && !b.reading {
                 b.reading = true;
-                true
+                Some(b.writes)
             } else {
-                false
+                None
             }
         });
-        if !start {
+        let Some(writes_before) = start else {
             return;
-        }
+        };
         let this = self.clone();
         let name = name.to_string();
         tokio::spawn(async move {
             let read = this.inner.store.read(&name).await;
             let now = Instant::now();
+            let max = this.inner.options.max_pause;
             this.with_budget(&name, |b| {
                 b.reading = false;
                 b.read_at = Some(now);
-                match read {
-                    Ok(Some(left)) => {
-                        let until = now + left;
-                        if b.paused_until.is_none_or(|u| u < until) {
-                            tracing::info!(budget = %name, paused_for_s = left.as_secs_f64(),
-                                "another worker paused this downstream budget: no run of it starts before the pause ends");
-                            b.paused_until = Some(until);
-                            b.notify.notify_waiters();
-                        }
-                        b.shared_until = b.shared_until.max(Some(until));
+                let shared = match read {
+                    Ok(shared) => shared,
+                    Err(e) => {
+                        tracing::debug!(budget = %name, error = %e, "could not read the budget's pause; reading again later");
+                        return;
                     }
-                    Ok(None) => {}
-                    Err(e) => tracing::debug!(budget = %name, error = %e,
-                        "could not read the budget's pause; reading again later"),
+                };
+                let left = shared.as_ref().map_or(Duration::ZERO, |s| s.left);
+                if left > max {
+                    if !b.warned_cap {
+                        tracing::warn!(budget = %name, stored_s = left.as_secs_f64(), honoured_s = max.as_secs_f64(),
+                            "the budget's stored pause is longer than LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS (a writer whose clock runs ahead, or a deployment with a larger cap): capped");
+                        b.warned_cap = true;
+                    }
+                } else {
+                    b.warned_cap = false;
+                }
+                let read_until = (!left.is_zero()).then(|| now + left.min(max));
+                let mine = b.unshared_until.filter(|u| *u > now);
+                let until = read_until.max(mine);
+                let overlapped = b.writes != writes_before || b.writing > 0;
+                let before = b.paused_until.filter(|u| *u > now);
+                if overlapped {
+                    if until > before {
+                        b.paused_until = until;
+                    }
+                } else {
+                    b.paused_until = until;
+                    b.shared_until = read_until;
+                }
+                let after = b.paused_until.filter(|u| *u > now);
+                if after > before {
+                    tracing::info!(budget = %name, paused_for_s = left.min(max).as_secs_f64(),
+                        "another worker paused this downstream budget: no run of it starts before the pause ends");
+                } else if after < before {
+                    let resumed = shared.as_ref().is_some_and(|s| s.resumed);
+                    tracing::info!(budget = %name, paused_for_s = after.map_or(0.0, |u| (u - now).as_secs_f64()), resumed,
+                        "the budget's pause was shortened or ended in storage: runs of it start sooner");
+                }
+                if after != before {
+                    b.notify.notify_waiters();
                 }
             });
         });
@@ -573,19 +934,22 @@ impl Budgets {
     }
 }
 
-/// Counts a high-lane delivery among the waiting while it waits.
-struct HighWaiting<'a> {
+/// Counts a delivery among its lane's waiting while it waits.
+struct Counted<'a> {
     budgets: &'a Budgets,
     name: &'a str,
-    counted: bool,
+    lane: Option<Lane>,
 }
 
-impl Drop for HighWaiting<'_> {
+impl Drop for Counted<'_> {
     fn drop(&mut self) {
-        if self.counted {
+        if let Some(lane) = self.lane {
             self.budgets.with_budget(self.name, |b| {
-                b.high_waiting -= 1;
-                // A low-lane delivery may have waited behind this one.
+                match lane {
+                    Lane::High => b.high_waiting -= 1,
+                    Lane::Low => b.low_waiting -= 1,
+                }
+                // A delivery of the other lane may have waited behind this one.
                 b.notify.notify_waiters();
             });
         }
@@ -600,11 +964,20 @@ pub struct BudgetPermit {
     told: bool,
     /// Runs of the budget in flight on this worker when this one started, itself included.
     position: usize,
+    /// The budget's successes on this worker when this one started.
+    successes_before: u64,
+    /// Whether the delivery had to wait for it.
+    waited: bool,
 }
 
 impl BudgetPermit {
     pub fn budget(&self) -> &str {
         &self.name
+    }
+
+    /// Whether the delivery waited for this slot (for a pause, or for the limit).
+    pub fn waited(&self) -> bool {
+        self.waited
     }
 
     /// The run succeeded: the limit grows by one per `limit` successes, up to just below the
@@ -616,6 +989,7 @@ impl BudgetPermit {
         }
         let max = self.budgets.inner.options.max_concurrency.max(1) as f64;
         self.budgets.with_budget(&self.name, |b| {
+            b.successes += 1;
             b.since_cut += 1;
             let cap = match b.ceiling {
                 Some(c)
@@ -634,15 +1008,30 @@ impl BudgetPermit {
 
     /// The downstream throttled the run and asked for `pause` (already bounded,
     /// [`Budgets::pause_for`]): pauses the budget here, cuts the limit (once per pause: to the
-    /// concurrency that was refused less one, or by half), and
-    /// writes the pause for the other workers if it lengthens what they know. Never fails: a
-    /// write that fails is logged (they will meet the downstream's 429 themselves).
-    pub async fn throttled(&mut self, pause: Duration) {
+    /// concurrency that was refused less one, or by half), and writes the pause for the other
+    /// workers if it lengthens what they know. Never fails: a write that fails is logged (they
+    /// will meet the downstream's 429 themselves).
+    ///
+    /// Not every refusal is the downstream's: `again` says the run was itself put off by a
+    /// throttle before (a record's chain of deferrals, refused once more), and a run of the
+    /// budget that succeeded on this worker while this one ran says the downstream took work.
+    /// Either way it is one record's refusal (a lock on that record, a validation that answers
+    /// 429): counted, but the budget is neither paused nor cut. Nor does a refusal with no other
+    /// run of the budget in flight here cut the limit: it shows nothing of the concurrency the
+    /// downstream takes (the pause still holds).
+    pub async fn throttled(&mut self, pause: Duration, again: bool) {
         self.told = true;
         let now = Instant::now();
         let until = now + pause;
         let write = self.budgets.with_budget(&self.name, |b| {
             b.throttles += 1;
+            let others_succeeded = b.successes > self.successes_before;
+            if again || others_succeeded {
+                b.record_refusals += 1;
+                tracing::info!(budget = %self.name, again, others_succeeded,
+                    "one record's refusal, not the downstream's: the budget is neither paused nor cut (the record runs later)");
+                return None;
+            }
             let was_paused = b.paused_until.is_some_and(|u| u > now);
             // This run was refused with `position` runs in flight here: fewer than that were
             // what the downstream took. Cut to that; if it is no cut (other workers share the
@@ -650,10 +1039,14 @@ impl BudgetPermit {
             // concurrency refused before) cuts no lower than the level that has worked since:
             // a run that started after this one may have reached the downstream first, so
             // `position` can undercount. A later refusal in the same pause only lowers it to
-            // what it shows.
+            // what it shows. A refusal with nothing else in flight shows nothing.
             let shown = self.position.saturating_sub(1).max(1) as f64;
             let before = b.limit;
-            if !was_paused {
+            // Nothing else of the budget in flight here now (this run's slot is still held).
+            if b.in_flight <= 1 {
+                tracing::info!(budget = %self.name, limit = b.limit as u64, pause_s = pause.as_secs_f64(),
+                    "the downstream throttled the only run in flight here: budget paused, the limit kept");
+            } else if !was_paused {
                 let worked = match b.ceiling {
                     Some(c) if b.limit as usize >= c => c.saturating_sub(1).max(1) as f64,
                     _ => 1.0,
@@ -676,12 +1069,21 @@ impl BudgetPermit {
             let lengthens = b.shared_until.is_none_or(|s| until > s + Duration::from_secs(1));
             if lengthens {
                 b.shared_until = Some(until);
+                b.writes += 1;
+                b.writing += 1;
             }
-            lengthens
+            lengthens.then_some(b.limit as u32)
         });
-        if write {
+        if let Some(limit) = write {
             let store = &self.budgets.inner.store;
-            if let Err(e) = store.write(&self.name, pause).await {
+            let written = store.write(&self.name, pause, limit).await;
+            self.budgets.with_budget(&self.name, |b| {
+                b.writing -= 1;
+                if written.is_err() {
+                    b.unshared_until = b.unshared_until.max(Some(until));
+                }
+            });
+            if let Err(e) = written {
                 tracing::warn!(budget = %self.name, error = %e,
                     "could not share the budget's pause; other workers learn of the throttle when they meet it");
             }
@@ -731,9 +1133,9 @@ mod tests {
         }
         // The downstream takes 3 at once: the 5th and then the 4th come back refused, in one
         // pause. The first cuts to 4, the second shows 3 was the most.
-        permits[4].throttled(Duration::from_secs(2)).await;
+        permits[4].throttled(Duration::from_secs(2), false).await;
         assert_eq!(b.views()[0].limit, 4);
-        permits[3].throttled(Duration::from_secs(2)).await;
+        permits[3].throttled(Duration::from_secs(2), false).await;
         assert_eq!(b.views()[0].limit, 3);
         drop(permits);
         tokio::time::sleep(Duration::from_secs(3)).await;
@@ -758,15 +1160,25 @@ mod tests {
         for _ in 0..4 {
             held.push(go(&b, Lane::High).await);
         }
-        held[3].throttled(Duration::from_secs(1)).await;
+        held[3].throttled(Duration::from_secs(1), false).await;
         assert_eq!(b.views()[0].limit, 3);
         drop(held);
         for _ in 0..4 {
             tokio::time::sleep(Duration::from_secs(2)).await;
-            let mut p = go(&b, Lane::High).await;
-            p.throttled(Duration::from_secs(1)).await;
+            let _first = go(&b, Lane::High).await;
+            let mut p = futures_like(&b, 1).await.remove(0);
+            p.throttled(Duration::from_secs(1), false).await;
         }
         assert_eq!(b.views()[0].limit, 1);
+        // A refusal with nothing else in flight shows nothing of the downstream's concurrency:
+        // it pauses, but does not cut.
+        let (b, _) = budgets(4);
+        let mut p = go(&b, Lane::High).await;
+        p.throttled(Duration::from_secs(1), false).await;
+        assert_eq!(
+            (b.views()[0].limit, b.views()[0].paused_for),
+            (4, Duration::from_secs(1))
+        );
     }
 
     /// A probe beyond the level that worked, refused, goes back to that level even when the run
@@ -780,7 +1192,7 @@ mod tests {
         for _ in 0..4 {
             permits.push(go(&b, Lane::High).await);
         }
-        permits[3].throttled(Duration::from_secs(1)).await;
+        permits[3].throttled(Duration::from_secs(1), false).await;
         assert_eq!(b.views()[0].limit, 3);
         drop(permits);
         tokio::time::sleep(PROBE_EVERY).await;
@@ -790,15 +1202,15 @@ mod tests {
         assert_eq!(b.views()[0].limit, 4, "probing");
         let mut early = go(&b, Lane::High).await;
         let _others: Vec<_> = futures_like(&b, 3).await;
-        early.throttled(Duration::from_secs(1)).await;
+        early.throttled(Duration::from_secs(1), false).await;
         assert_eq!(b.views()[0].limit, 3);
         // Refused again at the level that worked (the downstream took less since): a cut as
         // any.
         drop((early, _others));
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let mut p = go(&b, Lane::High).await;
-        let _q = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(1)).await;
+        let _p = go(&b, Lane::High).await;
+        let mut q = go(&b, Lane::High).await;
+        q.throttled(Duration::from_secs(1), false).await;
         assert_eq!(b.views()[0].limit, 1);
     }
 
@@ -811,7 +1223,7 @@ mod tests {
         for _ in 0..4 {
             held.push(go(&b, Lane::High).await);
         }
-        held[3].throttled(Duration::from_secs(1)).await;
+        held[3].throttled(Duration::from_secs(1), false).await;
         drop(held);
         tokio::time::sleep(PROBE_EVERY).await;
         let limit = |b: &Budgets| b.with_budget(DEFAULT_BUDGET, |x| x.limit);
@@ -843,19 +1255,19 @@ mod tests {
         // 6 (carriers beyond the limit): halved.
         let mut first = go(&b, Lane::High).await;
         let mut second = go(&b, Lane::High).await;
-        second.throttled(Duration::from_millis(10)).await;
+        second.throttled(Duration::from_millis(10), false).await;
         assert_eq!(b.views()[0].limit, 1);
         first.succeeded();
         drop((first, second));
         let (b, _) = budgets(4);
         let mut held = futures_like(&b, 6).await;
-        held[5].throttled(Duration::from_millis(10)).await;
+        held[5].throttled(Duration::from_millis(10), false).await;
         assert_eq!(b.views()[0].limit, 2, "halved from 4");
         // Refused at exactly one more than the limit: it shows the limit itself, no cut, so
         // halved too.
         let (b, _) = budgets(4);
         let mut held = futures_like(&b, 5).await;
-        held[4].throttled(Duration::from_millis(10)).await;
+        held[4].throttled(Duration::from_millis(10), false).await;
         assert_eq!(b.views()[0].limit, 2, "halved from 4");
     }
 
@@ -863,7 +1275,7 @@ mod tests {
     async fn a_paused_budget_turns_deliveries_away_until_the_pause_ends_and_shares_it() {
         let (b, store) = budgets(4);
         let mut p = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(30)).await;
+        p.throttled(Duration::from_secs(30), false).await;
         drop(p);
         // Before the lock: turned away for the rest of the pause, whatever the scope.
         assert_eq!(
@@ -910,7 +1322,7 @@ mod tests {
 
         // Another worker on the same store learns of a pause at its first look's read.
         let mut p = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(30)).await;
+        p.throttled(Duration::from_secs(30), false).await;
         drop(p);
         let other = Budgets::new(store.clone(), BudgetOptions::default());
         assert_eq!(
@@ -930,8 +1342,8 @@ mod tests {
         let (b, store) = budgets(4);
         let mut p1 = go(&b, Lane::High).await;
         let mut p2 = go(&b, Lane::High).await;
-        p1.throttled(Duration::from_secs(10)).await;
-        p2.throttled(Duration::from_secs(10)).await;
+        p1.throttled(Duration::from_secs(10), false).await;
+        p2.throttled(Duration::from_secs(10), false).await;
         assert_eq!(store.counters().snapshot().get(Op::BudgetWrite), 1);
     }
 
@@ -975,6 +1387,261 @@ mod tests {
             Admission::Paused { after, .. } => assert_eq!(after, Duration::from_secs(1)),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A record put off by a throttle and refused again (its chain's next hop) is one record's
+    /// refusal: counted, but neither pause nor cut, so its chain of `Retry-After: 1` hops does
+    /// not hold the budget's limit down while it lasts (issue 35, item 2).
+    #[tokio::test(start_paused = true)]
+    async fn a_throttled_records_chain_is_one_throttle_for_its_budget() {
+        let (b, store) = budgets(4);
+        let other = go(&b, Lane::High).await;
+        let mut first = go(&b, Lane::High).await;
+        first.throttled(Duration::from_secs(1), false).await;
+        drop((first, other));
+        assert_eq!(b.views()[0].limit, 1, "the first refusal, at 2 in flight, cuts");
+        let writes = store.counters().snapshot().get(Op::BudgetWrite);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        for _ in 0..20 {
+            let mut hop = go(&b, Lane::High).await;
+            hop.throttled(Duration::from_secs(1), true).await;
+            drop(hop);
+            let view = &b.views()[0];
+            assert_eq!(view.paused_for, Duration::ZERO, "a hop does not pause the budget");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        assert_eq!(
+            store.counters().snapshot().get(Op::BudgetWrite),
+            writes,
+            "nor writes a pause"
+        );
+        assert_eq!(b.views()[0].record_refusals, 20);
+        // So the limit grows back with the budget's successes, as if the chain were not there.
+        tokio::time::sleep(PROBE_EVERY).await;
+        for _ in 0..PROBE_AFTER * 2 + 10 {
+            go(&b, Lane::High).await.succeeded();
+        }
+        assert!(b.views()[0].limit >= 2, "{:?}", b.views());
+    }
+
+    /// A refusal while another run of the budget succeeded on this worker since this run began
+    /// is the record's own: the downstream took that other run's work.
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_beside_a_success_neither_pauses_nor_cuts() {
+        let (b, store) = budgets(4);
+        let mut refused = go(&b, Lane::High).await;
+        let mut other = go(&b, Lane::High).await;
+        other.succeeded();
+        drop(other);
+        refused.throttled(Duration::from_secs(300), false).await;
+        let view = &b.views()[0];
+        assert_eq!(
+            (view.limit, view.paused_for, view.record_refusals),
+            (4, Duration::ZERO, 1)
+        );
+        assert_eq!(store.counters().snapshot().get(Op::BudgetWrite), 0);
+        // A success before this run began shows nothing of it: that refusal is the downstream's.
+        let _held = go(&b, Lane::High).await;
+        let mut refused = go(&b, Lane::High).await;
+        refused.throttled(Duration::from_secs(5), false).await;
+        assert_eq!(b.views()[0].paused_for, Duration::from_secs(5));
+    }
+
+    /// A pause read from storage is capped at the longest allowed, and what storage holds
+    /// replaces what the worker knew: a shorter pause there shortens it, none ends it (issue
+    /// 35, item 3).
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_read_is_capped_and_follows_storage_down() {
+        let store = Arc::new(MemoryBudgets::new());
+        let options = BudgetOptions {
+            refresh_every: Duration::from_secs(1),
+            ..BudgetOptions::default()
+        };
+        let b = Budgets::new(store.clone(), options);
+        let s = scope("account");
+        // Two days ahead, as a writer whose clock runs ahead would leave it.
+        store.set_paused_until(DEFAULT_BUDGET, Instant::now() + Duration::from_secs(2 * 86_400));
+        assert_eq!(b.paused(&s), None, "the first look does not wait for the read");
+        tokio::task::yield_now().await;
+        let (_, left) = b.paused(&s).expect("paused once read");
+        assert_eq!(left, Duration::from_secs(300), "capped at max_pause");
+        // Shortened in storage: shorter here at the next read.
+        store.set_paused_until(DEFAULT_BUDGET, Instant::now() + Duration::from_secs(20));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        b.paused(&s);
+        tokio::task::yield_now().await;
+        let (_, left) = b.paused(&s).expect("still paused");
+        assert!(left <= Duration::from_secs(20), "{left:?}");
+        // Resumed by an operator (another process): over here at the next read, and a waiting
+        // delivery goes at once.
+        let waiter = {
+            let b = b.clone();
+            tokio::spawn(async move { b.admit(&scope("account"), Lane::High, None, true).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(!waiter.is_finished());
+        assert!(store.resume(DEFAULT_BUDGET).await.unwrap());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        b.paused(&s);
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(waiter.is_finished(), "resumed: the waiting delivery is admitted");
+        assert_eq!(b.paused(&s), None);
+    }
+
+    /// A pause of this worker's own whose write failed is kept whatever storage says; one that
+    /// was written follows storage (a resume ends it).
+    #[tokio::test(start_paused = true)]
+    async fn an_own_pause_storage_never_heard_of_stays() {
+        #[derive(Debug, Default)]
+        struct Refusing(OpCounters);
+        #[async_trait]
+        impl BudgetStore for Refusing {
+            async fn read(&self, _: &str) -> Result<Option<SharedPause>, StoreError> {
+                Ok(None)
+            }
+            async fn write(&self, _: &str, _: Duration, _: u32) -> Result<(), StoreError> {
+                Err(StoreError::new(
+                    leasehold_storage::StoreErrorKind::Transient,
+                    Op::BudgetWrite,
+                    "refused",
+                ))
+            }
+            async fn resume(&self, _: &str) -> Result<bool, StoreError> {
+                Ok(false)
+            }
+            async fn names(&self) -> Result<Vec<String>, StoreError> {
+                Ok(Vec::new())
+            }
+            fn counters(&self) -> &OpCounters {
+                &self.0
+            }
+        }
+        let options = BudgetOptions {
+            refresh_every: Duration::from_secs(1),
+            ..BudgetOptions::default()
+        };
+        let b = Budgets::new(Arc::new(Refusing::default()), options);
+        let mut p = go(&b, Lane::High).await;
+        p.throttled(Duration::from_secs(30), false).await;
+        drop(p);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        b.paused(&scope("account"));
+        tokio::task::yield_now().await;
+        let (_, left) = b.paused(&scope("account")).expect("kept");
+        assert_eq!(left, Duration::from_secs(28));
+        // Resumed here: over, whatever it was.
+        b.resume(DEFAULT_BUDGET).await.unwrap();
+        assert_eq!(b.paused(&scope("account")), None);
+    }
+
+    /// A slot taken at once was not waited for; one taken after a wait was (the runner takes
+    /// the marker once more only then: issue 35, item 4).
+    #[tokio::test(start_paused = true)]
+    async fn a_permit_says_whether_its_delivery_waited() {
+        let (b, _) = budgets(1);
+        let first = go(&b, Lane::High).await;
+        assert!(!first.waited());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let second = {
+            let b = b.clone();
+            tokio::spawn(async move { go(&b, Lane::High).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        drop(first);
+        assert!(second.await.unwrap().waited());
+    }
+
+    /// While both lanes wait for a budget's slots, every `low_every`-th start is the low lane's
+    /// (issue 35, item 5): with the limit at 1, a long high-lane backlog cannot hold the low
+    /// lane's holders (on their records' leases) for its whole length.
+    #[tokio::test(start_paused = true)]
+    async fn while_both_lanes_wait_every_fourth_start_is_the_low_lanes() {
+        let (b, _) = budgets(1);
+        let held = go(&b, Lane::High).await;
+        let order = Arc::new(Mutex::new(String::new()));
+        let mut tasks = Vec::new();
+        for (i, lane) in std::iter::repeat_n(Lane::Low, 3)
+            .chain(std::iter::repeat_n(Lane::High, 12))
+            .enumerate()
+        {
+            let (b, order) = (b.clone(), order.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i as u64)).await;
+                let _p = go(&b, lane).await;
+                order
+                    .lock()
+                    .unwrap()
+                    .push(if lane == Lane::High { 'H' } else { 'L' });
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(held);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), "HHHLHHHLHHHLHHH");
+    }
+
+    /// A delivery about to wait at the gate is asked to park (give its consumer slot back);
+    /// when it cannot, a pause hands it back at once, while a wait for the limit goes on.
+    #[tokio::test(start_paused = true)]
+    async fn a_delivery_parks_before_it_waits_and_one_that_cannot_is_handed_back_from_a_pause() {
+        let (b, _) = budgets(1);
+        let parks = std::sync::atomic::AtomicUsize::new(0);
+        let mut p = go(&b, Lane::High).await;
+        p.throttled(Duration::from_secs(20), false).await;
+        drop(p);
+        // No seat: handed back for the rest of the pause.
+        let no_seat = || {
+            parks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            false
+        };
+        let waiting = Waiting {
+            stand_in: false,
+            slot: None,
+            pause: Some(Duration::from_secs(30)),
+            park: Some(&no_seat),
+        };
+        match b.admit_with(&scope("a"), Lane::High, waiting).await {
+            Admission::Paused { after, .. } => assert_eq!(after, Duration::from_secs(20)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(parks.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // A seat: waits the pause out, parked, and its permit says it waited.
+        let seat = || {
+            parks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            true
+        };
+        let waiting = Waiting {
+            stand_in: false,
+            slot: None,
+            pause: Some(Duration::from_secs(30)),
+            park: Some(&seat),
+        };
+        let started = Instant::now();
+        match b.admit_with(&scope("a"), Lane::High, waiting).await {
+            Admission::Go(p) => assert!(p.waited()),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(started.elapsed(), Duration::from_secs(20));
+        assert_eq!(parks.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // A pause longer than the wait allowed: handed back without parking.
+        let mut p = go(&b, Lane::High).await;
+        p.throttled(Duration::from_secs(120), false).await;
+        drop(p);
+        let waiting = Waiting {
+            stand_in: false,
+            slot: None,
+            pause: Some(Duration::from_secs(30)),
+            park: Some(&seat),
+        };
+        assert!(matches!(
+            b.admit_with(&scope("a"), Lane::High, waiting).await,
+            Admission::Paused { .. }
+        ));
+        assert_eq!(parks.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
     #[test]

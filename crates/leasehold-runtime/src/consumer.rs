@@ -142,6 +142,8 @@ impl Consumer {
         let tracker = TaskTracker::new();
         let runs_cancel = CancellationToken::new();
         let slots = Arc::new(tokio::sync::Semaphore::new(self.options.concurrency));
+        // Where deliveries wait at a budget's gate without a slot: as many as there are slots.
+        let seats = Arc::new(tokio::sync::Semaphore::new(self.options.concurrency));
         let mut idle_pause = self.options.poll_min;
         // High-lane starts since the last low-lane one.
         let mut since_low = 0u32;
@@ -157,10 +159,12 @@ impl Consumer {
                     slots.available_permits()
                 }
             };
-            // Every budget paused: take one batch per PAUSED_POLL at most until the pause ends.
-            // A message taken now would only wait, or be handed back (with a backlog, a pass
-            // over all of it); but a dead holder's message, which runs through a pause, must
-            // still be taken within the recovery bound.
+            // Every budget paused: once the queue has no full batch to give, take one batch per
+            // PAUSED_POLL at most until the pause ends. A message taken now would only wait, or
+            // be handed back; but a dead holder's message, which runs through a pause, must
+            // still be taken within the recovery bound, so a backlog in front of it is passed
+            // over at once (each of its messages handed back until the pause ends: one update
+            // per message per pause), not a batch per PAUSED_POLL.
             let paused = self.runner.budgets().and_then(|b| b.all_paused());
             let now = Instant::now();
             if let (Some(left), Some(at)) = (paused, paused_poll_at)
@@ -208,6 +212,10 @@ impl Consumer {
             } else {
                 since_low = 0;
             }
+            if taken.len() as u32 >= want {
+                // More may be visible behind it: no pace until a batch comes back short.
+                paused_poll_at = None;
+            }
             if taken.is_empty() {
                 tokio::select! {
                    biased;
@@ -224,11 +232,11 @@ impl Consumer {
                     .acquire_owned()
                     .await
                     .expect("semaphore never closed");
+                let slot = Arc::new(ConsumerSlot::new(slots.clone(), seats.clone(), permit));
                 let this = from.clone();
                 let cancel = runs_cancel.child_token();
                 tracker.spawn(async move {
-                    this.process_taken(received, asked, cancel).await;
-                    drop(permit);
+                    this.process_taken(received, asked, cancel, Some(slot)).await;
                 });
             }
         }
@@ -249,18 +257,31 @@ impl Consumer {
     /// message (its delivery's span, with the record, nests inside).
     /// Call it as soon as the message was taken, hidden for the options' `visibility`.
     pub async fn process(&self, received: Received, cancel: CancellationToken) {
-        self.process_taken(received, Instant::now(), cancel).await
+        self.process_taken(received, Instant::now(), cancel, None).await
     }
 
-    /// [`process`](Self::process) of a message taken by a request sent at `asked`.
-    async fn process_taken(&self, received: Received, asked: Instant, cancel: CancellationToken) {
+    /// [`process`](Self::process) of a message taken by a request sent at `asked`, holding
+    /// `slot` of the consumer (given back while it waits at its budget's gate).
+    async fn process_taken(
+        &self,
+        received: Received,
+        asked: Instant,
+        cancel: CancellationToken,
+        slot: Option<Arc<ConsumerSlot>>,
+    ) {
         let span = tracing::info_span!("message", id = %received.id, dequeue_count = received.dequeue_count);
-        self.process_message(received, asked, cancel)
+        self.process_message(received, asked, cancel, slot)
             .instrument(span)
             .await
     }
 
-    async fn process_message(&self, received: Received, asked: Instant, cancel: CancellationToken) {
+    async fn process_message(
+        &self,
+        received: Received,
+        asked: Instant,
+        cancel: CancellationToken,
+        slot: Option<Arc<ConsumerSlot>>,
+    ) {
         let message = match TriggerMessage::decode(&received.body) {
             Ok(m) => m,
             Err(e) => {
@@ -303,7 +324,10 @@ impl Consumer {
         // renewal of it, when asked through `pushes`.
         let (push, pushes) = push_before_renewal();
         // Hidden for `visibility` from when the service took it, after our get was sent.
-        let hidden = HiddenUntil::new(asked + self.options.visibility).with_push(push);
+        let mut hidden = HiddenUntil::new(asked + self.options.visibility).with_push(push);
+        if let Some(slot) = slot {
+            hidden = hidden.with_slot(slot);
+        }
         let stop_renewing = CancellationToken::new();
         let mut renewer = AbortOnDrop(tokio::spawn(
             keep_hidden(
@@ -496,6 +520,71 @@ impl Consumer {
                     retriggered: false,
                 }
             }
+        }
+    }
+}
+
+/// A delivery's slot of its consumer. While the delivery waits at its budget's gate (for a
+/// pause to end, or for a slot of the budget) it gives the slot back and waits in a seat of
+/// the consumer's waiting room, so waiting holders never keep the consumer from taking other
+/// work: a dead holder's message, a trigger of another budget, the other lane. The room has
+/// as many seats as the consumer has slots; when it is full, a pause hands a delivery back
+/// instead (a wait for the limit goes on in its slot: runs of the budget are under way).
+/// Once admitted, the delivery takes a free slot back, or runs in its seat when none is free
+/// (it never waits for a slot while holding a slot of its budget: that could wait forever).
+#[derive(Debug)]
+pub(crate) struct ConsumerSlot {
+    slots: Arc<tokio::sync::Semaphore>,
+    seats: Arc<tokio::sync::Semaphore>,
+    held: std::sync::Mutex<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl ConsumerSlot {
+    fn new(
+        slots: Arc<tokio::sync::Semaphore>,
+        seats: Arc<tokio::sync::Semaphore>,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> Self {
+        Self {
+            slots,
+            seats,
+            held: std::sync::Mutex::new(permit),
+        }
+    }
+
+    /// Whether the waiting room is full (a delivery that must wait would keep its slot).
+    pub(crate) fn room_full(&self) -> bool {
+        self.seats.available_permits() == 0
+    }
+
+    fn holds_slot(held: &tokio::sync::OwnedSemaphorePermit, slots: &Arc<tokio::sync::Semaphore>) -> bool {
+        Arc::ptr_eq(held.semaphore(), slots)
+    }
+
+    /// Gives the slot back for a seat, if one is free. Says whether it did (or already had).
+    pub(crate) fn park(&self) -> bool {
+        let mut held = self.held.lock().expect("consumer slot mutex");
+        if !Self::holds_slot(&held, &self.slots) {
+            return true;
+        }
+        match self.seats.clone().try_acquire_owned() {
+            Ok(seat) => {
+                // The slot is freed as the seat replaces it.
+                *held = seat;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Takes a slot back for the seat, if one is free; else keeps the seat.
+    pub(crate) fn unpark(&self) {
+        let mut held = self.held.lock().expect("consumer slot mutex");
+        if Self::holds_slot(&held, &self.slots) {
+            return;
+        }
+        if let Ok(slot) = self.slots.clone().try_acquire_owned() {
+            *held = slot;
         }
     }
 }

@@ -16,8 +16,8 @@ pub mod testing;
 mod watchdog;
 
 pub use budget::{
-    Admission, AzureBudgets, BUDGET_PREFIX, BudgetOptions, BudgetPermit, BudgetStore, BudgetView, Budgets,
-    DEFAULT_BUDGET, Lane, MemoryBudgets, check_budget_name,
+    Admission, AzureBudgets, BUDGET_PREFIX, BadBudgetName, BudgetOptions, BudgetPermit, BudgetStore,
+    BudgetView, Budgets, DEFAULT_BUDGET, Lane, MemoryBudgets, SharedPause, Waiting, check_budget_name,
 };
 pub use consumer::{Consumer, ConsumerOptions, low_queue_name, poison_queue_name};
 pub use error::{Error, LogicError};

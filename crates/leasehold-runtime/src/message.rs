@@ -142,6 +142,11 @@ pub struct Deferral {
     /// (it found the lease held) is not; nor is a message written before this field existed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub released: bool,
+    /// Whether this hop was asked for by a throttle (the downstream's "too many"): the record's
+    /// next refusal is then its own, not a new throttle of its budget
+    /// ([`BudgetPermit::throttled`](crate::BudgetPermit::throttled)).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub throttled: bool,
 }
 
 impl Deferral {
@@ -236,6 +241,7 @@ impl TriggerMessage {
             hops: 0,
             id,
             released: false,
+            throttled: false,
         });
         Self {
             deferral: Some(Deferral {
@@ -243,6 +249,7 @@ impl TriggerMessage {
                 hops: before.hops.saturating_add(1),
                 id: before.id,
                 released: true,
+                throttled: false,
             }),
             wait: None,
             ..self.follow_up(TriggerKind::Recheck, prior_attempts)
@@ -348,6 +355,7 @@ mod tests {
                 hops: 2,
                 id: 7,
                 released: true,
+                throttled: false,
             })
         );
         d2.rehides = 3;

@@ -10,7 +10,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::budget::{Admission, BudgetPermit, Budgets, Lane};
+use crate::budget::{Admission, BudgetPermit, Budgets, Lane, Waiting};
+use crate::consumer::ConsumerSlot;
 use crate::error::{Error, LogicError};
 use crate::flow::PerScope;
 use crate::markers::{MarkerSet, MarkerStore, RecordStatus, record_status};
@@ -526,6 +527,23 @@ impl RecordRunner {
         self
     }
 
+    /// A runner of `lane` wired exactly as `leasehold serve` and `leasehold handler` wire each
+    /// lane's: its runs drawing on the process's downstream `budgets`. What a trigger costs is
+    /// counted (tests, the benchmark) on a runner built so, never on a reduced one.
+    pub fn shipped(
+        lock: LeaseLock,
+        markers: Arc<dyn MarkerStore>,
+        queue: Arc<dyn TriggerQueue>,
+        logic: Arc<dyn Logic>,
+        options: RunnerOptions,
+        budgets: &Budgets,
+        lane: Lane,
+    ) -> Self {
+        Self::new(lock, markers, queue, logic, options)
+            .with_budgets(budgets.clone())
+            .with_lane(lane)
+    }
+
     /// This runner, its runs drawing on `budgets` (shared by every runner of the process).
     pub fn with_budgets(mut self, budgets: Budgets) -> Self {
         self.budgets = Some(budgets);
@@ -614,7 +632,11 @@ impl RecordRunner {
         cancel: &CancellationToken,
         hidden: Option<&HiddenUntil>,
     ) -> (Outcome, Ended) {
-        if let Some(paused) = self.paused(delivery) {
+        if let Some(paused) = self.paused(
+            delivery,
+            hidden.and_then(|h| h.slot.as_deref()),
+            MAX_SLOT_WAIT_WATCHED,
+        ) {
             return (paused, Ended::of(delivery));
         }
         let mut ended = Ended::of(delivery);
@@ -650,9 +672,16 @@ impl RecordRunner {
     /// than a deferral as its holder wrote it, or a redelivery, which hidden again in place
     /// would no longer look like one), a debounce waiter or stand-in (its wait has its own
     /// clock, and the lease is where it meets the pause), nor a trigger that is about to wait
-    /// for its burst to end (it will not run now anyway). The holder of the lease meets the pause again before its run
-    /// ([`slot`](Self::slot)).
-    fn paused(&self, delivery: &Delivery) -> Option<Outcome> {
+    /// for its burst to end (it will not run now anyway). The holder of the lease meets the
+    /// pause again before its run ([`slot`](Self::slot)). A shorter pause turns a delivery away
+    /// too when the consumer has no room left for deliveries that wait at a gate (`slot`): it
+    /// would wait holding a slot of the consumer, which a dead holder's message may need.
+    fn paused(
+        &self,
+        delivery: &Delivery,
+        slot: Option<&ConsumerSlot>,
+        longest_wait: Duration,
+    ) -> Option<Outcome> {
         let budgets = self.budgets.as_ref()?;
         let message = &delivery.message;
         if delivery.may_stand_in() || message.wait.is_some() {
@@ -665,7 +694,7 @@ impl RecordRunner {
         // A pause that ends within what a holder may wait is waited out under the lease (where
         // triggers for the record coalesce onto it), not handed back: handing back costs the
         // message a round trip and, with a backlog, a pass over all of it per pause.
-        if after <= MAX_SLOT_WAIT_WATCHED {
+        if after <= longest_wait && !slot.is_some_and(ConsumerSlot::room_full) {
             return None;
         }
         Some(Outcome::Paused {
@@ -688,25 +717,45 @@ impl RecordRunner {
         delivery: &Delivery,
         cancel: &CancellationToken,
         watched: bool,
+        consumer_slot: Option<&ConsumerSlot>,
     ) -> Result<Option<Slot>, (String, Duration)> {
         let Some(budgets) = &self.budgets else {
             return Ok(None);
         };
         let message = &delivery.message;
-        let honour_pause = !delivery.may_stand_in();
-        let max_wait = watched.then_some(MAX_SLOT_WAIT_WATCHED);
-        let asked = Instant::now();
+        let park = consumer_slot.map(|s| move || s.park());
+        let waiting = Waiting {
+            stand_in: delivery.may_stand_in(),
+            // Under Functions the host's invocation must not be held for minutes.
+            slot: watched.then_some(MAX_SLOT_WAIT_WATCHED),
+            // In both modes a pause is waited out under the lease only if it ends soon: a
+            // holder's wait holds its lease and its message, and standalone, while it waits,
+            // its slot of the consumer goes to other work if the consumer has room. Under
+            // Functions it holds one of the host's invocations, which a dead holder's watchdog
+            // may need: only a pause of a few seconds is waited out there.
+            pause: Some(if watched {
+                MAX_PAUSE_WAIT_WATCHED
+            } else {
+                MAX_SLOT_WAIT_WATCHED
+            }),
+            park: park.as_ref().map(|p| p as &(dyn Fn() -> bool + Send + Sync)),
+        };
         let admitted = tokio::select! {
             // Biased, so the same instants give the same choice (the simulation replays).
             biased;
-            admitted = budgets.admit(&message.scope, self.lane, max_wait, honour_pause) => admitted,
+            admitted = budgets.admit_with(&message.scope, self.lane, waiting) => admitted,
             // Stopped while waiting: the caller's cancellation ends the run (`Cancelled`).
             _ = cancel.cancelled() => return Ok(None),
         };
+        // Back to a slot of the consumer for the run, if one is free (else the seat it waited
+        // in stands for one: never waiting for a slot while holding the budget's).
+        if let Some(s) = consumer_slot {
+            s.unpark();
+        }
         match admitted {
             Admission::Go(permit) => Ok(Some(Slot {
+                waited: permit.waited(),
                 permit,
-                waited: asked.elapsed() > Duration::ZERO,
             })),
             Admission::Paused { budget, after } => Err((budget, after)),
         }
@@ -755,7 +804,9 @@ impl RecordRunner {
             };
             return self.poison_delivery(poison, delivery, error).await;
         }
-        if let Some(Outcome::Paused { budget, after, .. }) = self.paused(delivery) {
+        if let Some(Outcome::Paused { budget, after, .. }) =
+            self.paused(delivery, None, MAX_PAUSE_WAIT_WATCHED)
+        {
             // Nothing was done: a copy comes back after the pause, carrying the attempts so far
             // (this delivery does not count), and the host's message is acknowledged.
             let next = msg.follow_up(msg.kind, attempts - 1);
@@ -1123,7 +1174,16 @@ impl RecordRunner {
         });
         let watched = watchdog.is_some();
         let outcome = self
-            .hold_lease(key, delivery, guard, first, cancel, watched, ended)
+            .hold_lease(
+                key,
+                delivery,
+                guard,
+                first,
+                cancel,
+                watched,
+                hidden.and_then(|h| h.slot.as_deref()),
+                ended,
+            )
             .await;
         if let Some(follower) = follower {
             follower.finish().await;
@@ -1140,6 +1200,7 @@ impl RecordRunner {
         first: MarkerFirst,
         cancel: &CancellationToken,
         watched: bool,
+        consumer_slot: Option<&ConsumerSlot>,
         ended: &mut Ended,
     ) -> Outcome {
         let guard = Held(Some(guard));
@@ -1217,7 +1278,8 @@ impl RecordRunner {
         // The downstream budget's slot, waited for under the lease: triggers that come
         // meanwhile find the lease held and coalesce onto this run, as during the run itself.
         // With it, the pause a throttle of the run set, if one did.
-        let (end, run_time, throttle_pause) = match self.slot(delivery, cancel, watched).await {
+        let (end, run_time, throttle_pause) = match self.slot(delivery, cancel, watched, consumer_slot).await
+        {
             Err((budget, after)) => {
                 // Put off before the run: the trigger is handed back as it is, hidden until the
                 // pause ends — as a holder: release, then take the marker, which the trigger
@@ -1279,7 +1341,10 @@ impl RecordRunner {
                 // The slot is free once the logic has ended (or been abandoned); a throttle
                 // pauses the budget before this holder's follow-ups are written.
                 if let Some(permit) = &mut permit {
-                    tell_budget(permit, logic_end).await;
+                    // A record put off by a throttle and refused again is one record's refusal
+                    // (its chain counts once for its budget).
+                    let again = delivery.message.deferral.is_some_and(|d| d.throttled);
+                    tell_budget(permit, logic_end, again).await;
                 }
                 drop(permit);
                 let pause = match logic_end {
@@ -1324,7 +1389,14 @@ impl RecordRunner {
         let deferral = asks_to_run_later(&result).map(|(asked, why)| {
             // A throttle's run comes back once its budget's pause is over (the pause is bounded).
             let asked = throttle_pause.or(asked);
-            self.defer(delivery, asked, why)
+            let mut deferred = self.defer(delivery, asked, why);
+            if let Outcome::Deferred { next, .. } = &mut deferred
+                && let Some(d) = &mut next.deferral
+            {
+                // So its next refusal is known as the same record's, not a new throttle.
+                d.throttled = throttle_pause.is_some();
+            }
+            deferred
         });
         // Whether this delivery's trigger will be tried again later by a message of its own (a
         // retry, or the deferral): then, in a superseding scope, it pends.
@@ -1558,6 +1630,7 @@ impl RecordRunner {
             hops: 0,
             id: 0,
             released: false,
+            throttled: false,
         });
         let floor = self.options.min_deferral;
         let remaining = max.saturating_sub(so_far.total());
@@ -1846,6 +1919,8 @@ pub(crate) struct HiddenUntil {
     /// it): run before each renewal of the delivery's lease, so the message surfaces a margin
     /// after the lease expires, whenever the holder dies.
     push: Option<leasehold_lock::BeforeRenewal>,
+    /// The delivery's slot of its consumer, given back while it waits at its budget's gate.
+    pub(crate) slot: Option<Arc<ConsumerSlot>>,
 }
 
 impl std::fmt::Debug for HiddenUntil {
@@ -1882,7 +1957,15 @@ impl HiddenUntil {
         Self {
             at: Arc::new(std::sync::Mutex::new(at)),
             push: None,
+            slot: None,
         }
+    }
+
+    /// With the delivery's slot of its consumer, which it gives back while it waits at its
+    /// budget's gate.
+    pub(crate) fn with_slot(mut self, slot: Arc<ConsumerSlot>) -> Self {
+        self.slot = Some(slot);
+        self
     }
 
     /// With `push` run before each renewal of the lease the delivery holds.
@@ -1930,10 +2013,10 @@ struct Slot {
 }
 
 /// Tells a run's budget slot how its run went (a throttle pauses the budget).
-async fn tell_budget(permit: &mut BudgetPermit, end: LogicEnd) {
+async fn tell_budget(permit: &mut BudgetPermit, end: LogicEnd, again: bool) {
     match end {
         LogicEnd::Succeeded => permit.succeeded(),
-        LogicEnd::Throttled(Some(pause)) => permit.throttled(pause).await,
+        LogicEnd::Throttled(Some(pause)) => permit.throttled(pause, again).await,
         _ => {}
     }
 }
@@ -1942,6 +2025,12 @@ async fn tell_budget(permit: &mut BudgetPermit, end: LogicEnd) {
 /// to come again a second later: the host's invocation must not be held for minutes. A pause
 /// longer than this hands a trigger back before the lock, in both modes.
 const MAX_SLOT_WAIT_WATCHED: Duration = Duration::from_secs(30);
+
+/// The longest pause a delivery under Functions waits out under its lease (a longer one hands
+/// it back): the wait holds one of the host's invocations, and while the host's invocations are
+/// all held it takes no message, a dead holder's watchdog included. At most this is added to
+/// the recovery bound during a pause.
+const MAX_PAUSE_WAIT_WATCHED: Duration = Duration::from_secs(5);
 
 impl Ended {
     pub(crate) fn of(delivery: &Delivery) -> Self {
