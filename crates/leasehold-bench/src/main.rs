@@ -175,6 +175,8 @@ struct Env {
     markers: Arc<AzureMarkers>,
     queue: Arc<dyn TriggerQueue>,
     poison: Arc<dyn TriggerQueue>,
+    /// The process's downstream budgets, in the same container, as `serve` wires them.
+    budgets: leasehold_runtime::Budgets,
 }
 
 fn env(azurite: &Azurite) -> Env {
@@ -186,6 +188,14 @@ fn env(azurite: &Azurite) -> Env {
         store: Arc::new(AzureBlobStore::new(&account, &container, counters.clone())),
         container: BlobContainer::new(&account, &container, counters.clone()),
         markers: Arc::new(AzureMarkers::new(&account, &container, counters.clone())),
+        budgets: leasehold_runtime::Budgets::new(
+            Arc::new(leasehold_runtime::AzureBudgets::new(
+                &account,
+                &container,
+                counters.clone(),
+            )),
+            leasehold_runtime::BudgetOptions::default(),
+        ),
         queue: Arc::new(AzureQueue::new(&account, &queue, counters.clone())),
         poison: Arc::new(AzureQueue::new(
             &account,
@@ -215,12 +225,15 @@ fn runner_with(
         )
     };
     let lock = LeaseLock::new(env.store.clone(), options).unwrap();
-    RecordRunner::new(
+    // As `serve` and `handler` ship it: drawing on the process's budgets.
+    RecordRunner::shipped(
         lock,
         env.markers.clone(),
         env.queue.clone(),
         logic,
         runner_options,
+        &env.budgets,
+        leasehold_runtime::Lane::High,
     )
 }
 

@@ -81,6 +81,35 @@ pub enum Command {
         #[arg(long)]
         now: bool,
     },
+    /// Downstream budgets: see a budget's pause (set when the downstream answered "too many")
+    /// and end it.
+    Budget {
+        #[command(subcommand)]
+        command: BudgetCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BudgetCommand {
+    /// Each budget's pause as storage holds it: paused or not, until when, when it was last
+    /// written, and the limit (runs at once) its writer had cut to. Without a name, every
+    /// budget ever paused in this deployment. The live limits of a running process are on its
+    /// dashboard.
+    #[command(after_help = "Examples:\n  leasehold budget status\n  leasehold budget status default --json")]
+    Status {
+        /// A budget's name (`LEASEHOLD_BUDGET`; `default` unless set).
+        name: Option<String>,
+        /// Print JSON (RFC 3339 times) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// End a budget's pause now: every worker starts runs of it again within 3 s of its next
+    /// look. The downstream may still refuse; a run it refuses pauses the budget again.
+    #[command(after_help = "Example:\n  leasehold budget resume default")]
+    Resume {
+        /// The budget's name.
+        name: String,
+    },
 }
 
 /// Runs `command` on the storage `settings` name: prints what it found or did, and answers
@@ -129,6 +158,34 @@ pub async fn run(command: Command, settings: &StorageSettings) -> Result<i32> {
                 "{}",
                 operator.break_lease(&scope, &record_id, &reason, now).await?
             );
+            Ok(0)
+        }
+        Command::Budget { command } => {
+            let operator = Operator::new(settings)?;
+            match command {
+                BudgetCommand::Status { name, json } => {
+                    let budgets = operator.budget_status(name.as_deref()).await?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&budgets)?);
+                    } else if budgets.is_empty() {
+                        println!("no budget was ever paused in this deployment");
+                    } else {
+                        for b in &budgets {
+                            println!("{}", b.line());
+                        }
+                    }
+                }
+                BudgetCommand::Resume { name } => {
+                    let was = operator.budget_resume(&name).await?;
+                    if was {
+                        println!(
+                            "resumed budget {name}: workers start its runs again within 3 s of their next look"
+                        );
+                    } else {
+                        println!("budget {name} was not paused; nothing to end");
+                    }
+                }
+            }
             Ok(0)
         }
     }

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod budgets;
 pub mod cli;
 pub mod clock;
 mod overview;
@@ -19,6 +20,7 @@ use leasehold_storage::OpCounters;
 use leasehold_storage::azure::BlobContainer;
 use serde::Serialize;
 
+pub use budgets::BudgetStatus;
 pub use overview::{HeldRecord, Overview, OverviewQuery, QueueView, RecordRef};
 pub use poison::{
     PoisonEntry, PoisonList, PoisonQuery, PoisonRecord, PoisonSelection, Progress, PurgeReport,

@@ -69,16 +69,16 @@ fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> (LanePa
     let lane = |queue: &Arc<dyn TriggerQueue>, poison: &Arc<dyn TriggerQueue>, lane: Lane| LaneParts {
         queue: queue.clone(),
         poison: poison.clone(),
-        runner: RecordRunner::new(
+        runner: RecordRunner::shipped(
             wiring.lock.clone(),
             wiring.markers.clone(),
             queue.clone(),
             logic.clone(),
             settings.runner.clone(),
+            &budgets,
+            lane,
         )
-        .with_outcome_sink(crate::recent::sink())
-        .with_budgets(budgets.clone())
-        .with_lane(lane),
+        .with_outcome_sink(crate::recent::sink()),
     };
     (
         lane(&wiring.queue, &wiring.poison, Lane::High),
