@@ -251,10 +251,14 @@ impl Supervisor {
 ///
 /// The command runs in a process group of its own under a supervising process (see
 /// [`Supervisor`] and [`supervise`]), so every process it starts is stopped with it:
-/// - on cancellation the whole group gets SIGTERM, then SIGKILL after the grace (5 s by default);
-/// - when the command exits, processes it left running (`sleep 600 &`) are killed at once;
+/// - on cancellation the whole group gets SIGTERM, then SIGKILL after the grace (5 s by default)
+///   if any process of it is left; the run ends as soon as none is. The grace is every
+///   process's: a program `sh -c` did not `exec` (dash does not always) has it too, although
+///   the shell, the group's leader, dies of the SIGTERM at once;
+/// - when the command exits on its own, processes it left running (`sleep 600 &`) are killed at
+///   once;
 /// - when the run future is dropped or the worker process dies (SIGKILL included), the group
-///   gets SIGTERM, then SIGKILL after [`ORPHAN_GRACE`].
+///   gets SIGTERM, then SIGKILL after [`ORPHAN_GRACE`], in the same way.
 ///
 /// A process that moves itself to another process group or session (`setsid`) escapes this.
 ///
@@ -470,11 +474,16 @@ pub struct SuperviseArgs {
 ///
 /// It starts `program args…` in a new process group (stdin null, stdout and stderr inherited)
 /// and stops the whole group:
-/// - on SIGTERM, SIGINT, SIGHUP or a line `stop` on stdin: SIGTERM to the group, SIGKILL after
-///   `grace`;
+/// - on SIGTERM, SIGINT, SIGHUP or a line `stop` on stdin: SIGTERM to the group, then it waits
+///   until no process of the group is left (the program and all it started, whether or not the
+///   program is still there), and SIGKILLs the group if any is still there after `grace`;
 /// - at end of stdin (the worker closed its end or died): the same with a grace of at most
 ///   [`ORPHAN_GRACE`];
-/// - when the program exits: SIGKILL to whatever is left in the group.
+/// - when the program exits on its own (no stop asked for): SIGKILL to whatever is left in the
+///   group.
+///
+/// On Linux it is a child subreaper (`PR_SET_CHILD_SUBREAPER`): processes of the group orphaned
+/// by their parent's exit become its children, and it reaps them.
 ///
 /// It then exits with the program's exit code (128 + the signal number if a signal ended it).
 /// It writes nothing on stdout, and on stderr only when something goes wrong: 127 or 126 if the
@@ -501,15 +510,27 @@ mod supervisor {
 
     use nix::errno::Errno;
     use nix::sys::signal::{Signal, killpg};
-    use nix::sys::wait::{Id, WaitPidFlag, waitid};
+    use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
     use nix::unistd::Pid;
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     use signal_hook::iterator::Signals;
 
     use super::{ORPHAN_GRACE, SuperviseArgs};
 
-    /// The supervised process group. No signal is sent to it once its leader has been reaped:
-    /// its id could then belong to another process group.
+    /// While a stopped group's leader is gone and the rest of the group has its grace, how often
+    /// the supervisor looks whether the group is empty yet.
+    const LOOK_EVERY: Duration = Duration::from_millis(20);
+
+    /// The supervised process group.
+    ///
+    /// Its id is its leader's pid, so it must never be signalled once it could be another
+    /// group's. While the leader lives, or is an unreaped zombie, its pid holds the id. Once the
+    /// leader has exited only the main thread signals the group: at once, before it reaps the
+    /// leader, if the command ended on its own; during a stop, after reaping the leader, only
+    /// right after finding the group not empty (its members hold the id then; an empty group is
+    /// never signalled again). Were its last member to exit between the look and the SIGKILL,
+    /// another group could take the id in that moment only once the pid counter had come round
+    /// all of `pid_max`.
     struct Group {
         pgid: Pid,
         state: Mutex<State>,
@@ -518,7 +539,9 @@ mod supervisor {
 
     #[derive(Default)]
     struct State {
-        reaped: bool,
+        /// The leader has exited: the main thread alone deals with the group from then on.
+        leader_exited: bool,
+        /// When the stopped group gets SIGKILL (`None`: not stopped).
         kill_at: Option<Instant>,
     }
 
@@ -528,19 +551,19 @@ mod supervisor {
         }
 
         fn signal(&self, state: &State, signal: Signal) {
-            if !state.reaped {
+            if !state.leader_exited {
                 let _ = killpg(self.pgid, signal);
             }
         }
 
         /// SIGTERM now (on the first request), SIGKILL after `grace` (the earliest deadline
-        /// asked for wins).
+        /// asked for wins). A command that ended on its own has been dealt with already.
         fn stop(&self, grace: Duration) {
             let mut state = self.lock();
-            if state.reaped {
-                return;
-            }
             if state.kill_at.is_none() {
+                if state.leader_exited {
+                    return;
+                }
                 self.signal(&state, Signal::SIGTERM);
             }
             let at = Instant::now() + grace;
@@ -548,11 +571,12 @@ mod supervisor {
             self.changed.notify_all();
         }
 
-        /// Sends SIGKILL when the stop deadline passes (a thread of its own).
+        /// Sends SIGKILL when the stop deadline passes while the leader runs (a thread of its
+        /// own; once the leader has exited, [`Group::wait_until_empty`] does).
         fn kill_when_due(&self) {
             let mut state = self.lock();
             loop {
-                if state.reaped {
+                if state.leader_exited {
                     return;
                 }
                 state = match state.kill_at {
@@ -572,13 +596,92 @@ mod supervisor {
             }
         }
 
-        /// The leader has exited (and is not reaped yet): kills what is left of the group, and
-        /// from then on sends nothing.
-        fn leader_exited(&self) {
+        /// The leader has exited (and is not reaped yet). Whether the group is being stopped;
+        /// if not, the command ended on its own and what it left running is killed now.
+        fn leader_exited(&self) -> bool {
+            let mut state = self.lock();
+            if state.kill_at.is_none() {
+                self.signal(&state, Signal::SIGKILL);
+            }
+            state.leader_exited = true;
+            self.changed.notify_all();
+            state.kill_at.is_some()
+        }
+
+        /// SIGKILL to the group now (its leader not reaped yet), and nothing from then on.
+        fn kill_now(&self) {
             let mut state = self.lock();
             self.signal(&state, Signal::SIGKILL);
-            state.reaped = true;
+            state.leader_exited = true;
             self.changed.notify_all();
+        }
+
+        /// A stopped group whose leader has been reaped: the rest of the group keeps its grace.
+        /// Returns when no process of the group is left (reaping those handed to this process),
+        /// or, at the deadline, after SIGKILL to what is.
+        fn wait_until_empty(&self) {
+            let mut state = self.lock();
+            loop {
+                reap_orphans();
+                // Signal 0: ESRCH once no process has the group id (EPERM: one we may not
+                // signal still does).
+                if killpg(self.pgid, None) == Err(Errno::ESRCH) {
+                    return;
+                }
+                let Some(at) = state.kill_at else { return };
+                let now = Instant::now();
+                if now >= at {
+                    let _ = killpg(self.pgid, Signal::SIGKILL);
+                    return;
+                }
+                // Woken early by a closer deadline (the worker gone during the stop).
+                state = self
+                    .changed
+                    .wait_timeout(state, (at - now).min(LOOK_EVERY))
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+        }
+    }
+
+    /// Waits until `leader` has exited, leaving it unreaped, and reaps any other child that exits
+    /// meanwhile: processes of the command orphaned by their parent's exit are handed to this
+    /// process (a child subreaper), and a zombie left in the group would make it look alive.
+    fn wait_for_the_leader(leader: Pid) {
+        let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT;
+        let mut only_the_leader = false;
+        loop {
+            let id = if only_the_leader { Id::Pid(leader) } else { Id::All };
+            match waitid(id, flags) {
+                Ok(status) if status.pid() == Some(leader) => return,
+                Ok(status) => {
+                    if let Some(orphan) = status.pid() {
+                        let _ = waitpid(orphan, Some(WaitPidFlag::WNOHANG));
+                    }
+                }
+                Err(Errno::EINTR) => {}
+                // A status nix cannot read (a real-time signal ended the process): no pid to
+                // reap by. Orphans wait for the leader's exit from then on.
+                Err(_) if !only_the_leader => only_the_leader = true,
+                Err(e) => {
+                    use std::io::Write;
+                    let _ = writeln!(std::io::stderr(), "leasehold supervise: waitid: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reaps every child that has exited (only once the leader is reaped: any child then is an
+    /// orphan of the command).
+    fn reap_orphans() {
+        loop {
+            match waitid(Id::All, WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG) {
+                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
+                // EINVAL: reaped, with a status nix cannot read.
+                Ok(_) | Err(Errno::EINTR | Errno::EINVAL) => {}
+                Err(_) => return,
+            }
         }
     }
 
@@ -586,6 +689,11 @@ mod supervisor {
         // Before the program starts, so no stop request is lost.
         let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])
             .map_err(|e| (125, format!("installing signal handlers: {e}")))?;
+        // Processes of the command whose parent exits become this process's children, not
+        // init's: they are reaped here, so the group is seen empty as soon as they have exited.
+        // Without it (not Linux, or refused) init reaps them, a little later.
+        #[cfg(target_os = "linux")]
+        let _ = nix::sys::prctl::set_child_subreaper(true);
         let mut child = std::process::Command::new(&args.program)
             .args(&args.args)
             .stdin(Stdio::null())
@@ -652,31 +760,25 @@ mod supervisor {
         if let Some(e) = failures.first() {
             // Without its threads it could not be stopped: kill the program's group now (its
             // leader is not reaped yet).
-            group.leader_exited();
+            group.kill_now();
             let _ = child.wait();
             return Err((125, e.clone()));
         }
 
-        // Wait for the leader to exit but leave it a zombie: its pid, and so the group id, stay
-        // taken until the stragglers are killed.
-        loop {
-            match waitid(Id::Pid(group.pgid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT) {
-                Err(Errno::EINTR) => continue,
-                Ok(_) => break,
-                Err(e) => {
-                    use std::io::Write;
-                    let _ = writeln!(std::io::stderr(), "leasehold supervise: waitid: {e}");
-                    break;
-                }
-            }
-        }
-        group.leader_exited();
+        // The leader's pid, and so the group id, stay taken until it is reaped.
+        wait_for_the_leader(group.pgid);
+        let stopping = group.leader_exited();
         let status = child.wait().map_err(|e| {
             (
                 125,
                 format!("waiting for {}: {e}", args.program.to_string_lossy()),
             )
         })?;
+        if stopping {
+            // The grace is the whole group's: the leader may be a shell that ran the command as
+            // its child (`sh -c` does not always `exec`) and died of the SIGTERM at once.
+            group.wait_until_empty();
+        }
         Ok(match (status.code(), status.signal()) {
             (Some(code), _) => (code & 0xff) as u8,
             (None, Some(signal)) => 128u8.saturating_add(u8::try_from(signal).unwrap_or(127)),

@@ -79,6 +79,30 @@ impl Tree {
         )
     }
 
+    /// Shell that records its pid in `sh` and then starts (to be followed by more shell: not
+    /// `exec`ed) a child shell that records its pid in `child` and on SIGTERM cleans up for
+    /// `cleanup` seconds (a `sleep` started after the signal) before it writes `cleaned` and
+    /// exits 0. The outer shell, the process group's leader, has no trap of its own here.
+    ///
+    /// The child's stderr goes to a file: its `sleep` killed by the SIGTERM makes it write
+    /// "Terminated" there, and the stderr of an abandoned run is a pipe nobody reads any more
+    /// (SIGPIPE would end the clean-up).
+    fn slow_to_clean_up(&self, cleanup: &str) -> String {
+        format!(
+            "echo $$ > {sh}; sh -c 'trap \"sleep {cleanup}; echo cleaned > {cleaned}; exit 0\" TERM; \
+             echo $$ > {child}; while :; do sleep 0.1; done' 2> {err}",
+            sh = self.file("sh").display(),
+            child = self.file("child").display(),
+            cleaned = self.file("cleaned").display(),
+            err = self.file("child.err").display(),
+        )
+    }
+
+    /// Whether the child of [`Tree::slow_to_clean_up`] finished its clean-up.
+    fn cleaned(&self) -> bool {
+        std::fs::read_to_string(self.file("cleaned")).is_ok_and(|s| s.trim() == "cleaned")
+    }
+
     /// Live processes carrying this test's record id.
     fn live(&self) -> Vec<u32> {
         std::fs::read_dir("/proc")
@@ -321,6 +345,117 @@ async fn a_command_ignoring_sigterm_is_killed_after_the_grace() {
         "SIGKILL followed the grace, not the worker's fallback: {took:?}"
     );
     tree.gone(&[sh, child], GONE_WITHIN, "the tree to be gone").await;
+}
+
+/// The grace is the whole group's, not its leader's: `sh -c` (dash) does not `exec` a command
+/// followed by more shell, so the shell leads the group and dies of the SIGTERM at once, while
+/// the process doing the work is its child. That child still gets to clean up (1 s here), and
+/// the run ends when it has, not at the end of the grace.
+#[tokio::test]
+async fn a_cancelled_command_that_is_not_the_group_leader_gets_its_grace() {
+    let tree = Tree::new();
+    let grace = Duration::from_secs(10);
+    let logic = CommandLogic::new(
+        format!("{}; echo the command goes on", tree.slow_to_clean_up("1")),
+        supervisor(),
+    )
+    .with_grace(grace);
+    let run = tree.ctx();
+    let cancel = run.cancel.clone();
+    let task = tokio::spawn(async move { logic.run(run).await });
+    let (sh, child) = tree.running().await;
+    let cancelled = Instant::now();
+    cancel.cancel();
+    let err = tokio::time::timeout(grace + Duration::from_secs(5), task)
+        .await
+        .expect("the run ends after cancellation")
+        .unwrap()
+        .unwrap_err();
+    let took = cancelled.elapsed();
+    assert!(err.to_string().contains("terminated"), "{err}");
+    assert!(
+        tree.cleaned(),
+        "the leader's child finished its clean-up before the run ended ({took:?})"
+    );
+    assert!(
+        took < grace,
+        "the run ended when the group had, not after the whole grace: {took:?}"
+    );
+    assert!(
+        !tree.alive(sh) && !tree.alive(child) && tree.live().is_empty(),
+        "nothing of the group outlives the run: {:?}",
+        tree.live()
+    );
+}
+
+/// A run dropped (or a worker that died) gives the whole group the orphan grace, too.
+#[tokio::test]
+async fn an_abandoned_command_that_is_not_the_group_leader_gets_the_orphan_grace() {
+    let tree = Tree::new();
+    let logic = CommandLogic::new(
+        format!("{}; echo the command goes on", tree.slow_to_clean_up("0.3")),
+        supervisor(),
+    );
+    let run = tree.ctx();
+    let task = tokio::spawn(async move { logic.run(run).await });
+    let (sh, child) = tree.running().await;
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    // 1 s grace (ORPHAN_GRACE) + slack.
+    tree.gone(
+        &[sh, child],
+        Duration::from_secs(3),
+        "the abandoned tree to be gone",
+    )
+    .await;
+    assert!(
+        tree.cleaned(),
+        "the leader's child finished its clean-up within the orphan grace"
+    );
+}
+
+/// Told to stop, the supervisor waits for the whole group and then exits with its leader's
+/// status (here the leader's own `exit 7` on SIGTERM), not with that of a straggler it reaped
+/// (the child, which exits 0 after cleaning up).
+#[tokio::test]
+async fn a_stopped_supervisor_waits_for_the_group_and_exits_as_its_leader() {
+    use tokio::io::AsyncWriteExt;
+    let tree = Tree::new();
+    let command = format!("trap 'exit 7' TERM; {} & wait", tree.slow_to_clean_up("0.5"));
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["supervise", "--grace-ms", "60000", "--", "sh", "-c", &command])
+        .env("LEASEHOLD_RECORD_ID", &tree.record)
+        .stdin(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut control = child.stdin.take().unwrap();
+    let (sh, kid) = tree.running().await;
+    control.write_all(b"stop\n").await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("the supervisor exits once the group has, well before the 60 s grace")
+        .unwrap();
+    assert_eq!(status.code(), Some(7));
+    assert!(tree.cleaned(), "the leader's child cleaned up");
+    assert!(
+        !tree.alive(sh) && !tree.alive(kid) && tree.live().is_empty(),
+        "nothing of the group outlives the supervisor: {:?}",
+        tree.live()
+    );
+}
+
+/// Orphans of the command (a process whose parent exited) are the supervisor's to reap: their
+/// exit is not taken for the command's.
+#[tokio::test]
+async fn an_orphans_exit_is_not_taken_for_the_commands() {
+    let tree = Tree::new();
+    let logic = CommandLogic::new(
+        "(sh -c 'exit 9' &); sleep 0.5; echo 'the command failed' >&2; exit 4",
+        supervisor(),
+    );
+    let err = logic.run(tree.ctx()).await.unwrap_err().to_string();
+    assert_eq!(err, "the logic command exited with code 4: the command failed");
 }
 
 #[tokio::test]
