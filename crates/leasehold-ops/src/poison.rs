@@ -2162,13 +2162,18 @@ mod tests {
         assert!(report.purged.is_empty() && report.record_not_found, "{report:?}");
         assert_eq!(report.other_scopes, account);
         assert!(
-            report.message.starts_with("purged 0 entries; no entry of the record r1 in the scope default"),
+            report
+                .message
+                .starts_with("purged 0 entries; no entry of the record r1 in the scope default"),
             "{}",
             report.message
         );
         // A scope named: said without "no scope was named".
         let report = op
-            .poison_purge(&PoisonSelection::matching(Some(Scope::parse("lead").unwrap()), r1()))
+            .poison_purge(&PoisonSelection::matching(
+                Some(Scope::parse("lead").unwrap()),
+                r1(),
+            ))
             .await
             .unwrap();
         assert_eq!(
@@ -2185,11 +2190,19 @@ mod tests {
             .unwrap();
         assert!(report.record_not_found && report.other_scopes.is_empty());
         assert!(
-            report.message.ends_with("no entry of the record r9 in the scope default (no scope was named), nor in any other scope"),
+            report.message.ends_with(
+                "no entry of the record r9 in the scope default (no scope was named), nor in any other scope"
+            ),
             "{}",
             report.message
         );
-        assert_eq!((queue.inner.approximate_len().await.unwrap(), poison.inner.approximate_len().await.unwrap()), (0, 4));
+        assert_eq!(
+            (
+                queue.inner.approximate_len().await.unwrap(),
+                poison.inner.approximate_len().await.unwrap()
+            ),
+            (0, 4)
+        );
         // Found in its scope, with more elsewhere: requeued, and the rest said.
         let report = op
             .poison_requeue(
@@ -2203,7 +2216,10 @@ mod tests {
             .unwrap();
         assert_eq!(report.requeued.len(), 1);
         assert!(!report.record_not_found);
-        assert_eq!(report.other_scopes, BTreeMap::from([(Scope::parse("contact").unwrap(), 1)]));
+        assert_eq!(
+            report.other_scopes,
+            BTreeMap::from([(Scope::parse("contact").unwrap(), 1)])
+        );
         assert_eq!(
             report.message,
             "requeued 1 entry as fresh triggers; the record r2 also has 1 in the scope contact (not selected: name \

@@ -168,8 +168,7 @@ mod tests {
         assert_eq!(*p.get(&scope("contact")), 600);
         assert_eq!(*p.get(&scope("lead")), 86400);
         assert_eq!(p.to_string(), "86400,account=3600,contact=600");
-        let only: PerScope<u32> =
-            PerScope::parse("account=5", 7, |v| v.parse().map_err(|_| "nan")).unwrap();
+        let only: PerScope<u32> = PerScope::parse("account=5", 7, |v| v.parse().map_err(|_| "nan")).unwrap();
         assert_eq!((*only.get(&scope("account")), *only.get(&scope("x"))), (5, 7));
     }
 

@@ -924,7 +924,10 @@ async fn a_record_with_no_entry_in_its_scope_says_where_its_entries_are_and_exit
     assert_eq!(code, Some(4), "{out}");
     let json: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(json["recordNotFound"], Value::Bool(true), "{json}");
-    assert_eq!(json["otherScopes"], serde_json::json!({"account": 2, "contact": 1}));
+    assert_eq!(
+        json["otherScopes"],
+        serde_json::json!({"account": 2, "contact": 1})
+    );
     // No entry anywhere: said, and 4 too.
     let (code, out) = env
         .run_status(&["poison", "requeue", "--scope", "lead", "--record", "r9"])
