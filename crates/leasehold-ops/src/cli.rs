@@ -113,8 +113,9 @@ pub enum BudgetCommand {
 }
 
 /// Runs `command` on the storage `settings` name: prints what it found or did, and answers
-/// the status the process should exit with (0 done; 3 incomplete and 130 interrupted for a
-/// poison requeue or purge; see [`EXIT_INCOMPLETE`], [`EXIT_INTERRUPTED`]).
+/// the status the process should exit with (0 done; 3 incomplete, 4 a record named with no
+/// entry in its scope and 130 interrupted for a poison requeue or purge; see
+/// [`EXIT_INCOMPLETE`], [`EXIT_RECORD_NOT_FOUND`], [`EXIT_INTERRUPTED`]).
 pub async fn run(command: Command, settings: &StorageSettings) -> Result<i32> {
     match command {
         Command::Enqueue {
@@ -230,12 +231,16 @@ pub enum PoisonCommand {
     /// what it left there: if entries remain that it could not see (another scan holds them), it
     /// says "incomplete: N hidden, run again after T" and exits with status 3. Ctrl-C stops it
     /// between entries and puts back what it holds (exit status 130).
+    ///
+    /// A record (--record) with no entry in its scope (--scope, else "default") is said, with
+    /// the scopes its entries are in and the command for them, and exits with status 4.
     #[command(
         after_help = "Examples:\n  leasehold poison requeue 7c0e9a4e-1f52-4c2b-9d43-3f0d6f0e2a11\n  \
         leasehold poison requeue --scope account\n  leasehold poison requeue --scope account --record 42\n  \
         leasehold poison requeue --record 42          # the record 42 of the scope \"default\"\n  \
         leasehold poison requeue --all\n\n\
-        Exit status: 0 done, 1 error, 3 incomplete (run it again when it says), 130 interrupted."
+        Exit status: 0 done, 1 error, 3 incomplete (run it again when it says), 4 the record named has no entry \
+        in its scope (it says which scopes have), 130 interrupted."
     )]
     Requeue {
         #[command(flatten)]
@@ -247,11 +252,13 @@ pub enum PoisonCommand {
     /// Remove entries for good (needs --yes).
     ///
     /// Like requeue, it says "incomplete: N hidden, run again after T" (exit status 3) when the
-    /// queue holds entries it could not see, and Ctrl-C puts back what it holds (130).
+    /// queue holds entries it could not see, a record with no entry in its scope (4, with the
+    /// scopes its entries are in), and Ctrl-C puts back what it holds (130).
     #[command(
         after_help = "Examples:\n  leasehold poison purge 7c0e9a4e-1f52-4c2b-9d43-3f0d6f0e2a11 --yes\n  \
         leasehold poison purge --all --yes\n\n\
-        Exit status: 0 done, 1 error, 3 incomplete (run it again when it says), 130 interrupted."
+        Exit status: 0 done, 1 error, 3 incomplete (run it again when it says), 4 the record named has no entry \
+        in its scope (it says which scopes have), 130 interrupted."
     )]
     Purge {
         #[command(flatten)]
@@ -338,18 +345,52 @@ async fn status(
 
 /// Exit status of a requeue or purge that could not reach every entry (run it again).
 pub const EXIT_INCOMPLETE: i32 = 3;
+/// Exit status of a requeue or purge of a record (`--record`) that has no entry in the scope
+/// selected (`--scope`, else `default`): nothing was done; it says which scopes have its entries.
+pub const EXIT_RECORD_NOT_FOUND: i32 = 4;
 /// Exit status after Ctrl-C (128 + SIGINT).
 pub const EXIT_INTERRUPTED: i32 = 130;
 
-/// The status a requeue or purge exits with.
-fn report_status(complete: bool, interrupted: bool) -> i32 {
+/// The status a requeue or purge exits with. An incomplete one whose record was not found may
+/// find it when run again: it says so (3), not that the record has no entry.
+fn report_status(complete: bool, interrupted: bool, record_not_found: bool) -> i32 {
     if interrupted {
         EXIT_INTERRUPTED
-    } else if complete {
-        0
-    } else {
+    } else if !complete {
         EXIT_INCOMPLETE
+    } else if record_not_found {
+        EXIT_RECORD_NOT_FOUND
+    } else {
+        0
     }
+}
+
+/// For a record named (`record`) with entries in other scopes: the command for each of them
+/// (`command` is `requeue` or `purge`), one a line.
+fn other_scopes_hint(
+    command: &str,
+    lane: Lane,
+    record: Option<&RecordId>,
+    other_scopes: &std::collections::BTreeMap<Scope, usize>,
+) -> String {
+    let Some(record) = record else {
+        return String::new();
+    };
+    let lane = match lane {
+        Lane::High => "",
+        Lane::Low => " --lane low",
+    };
+    let yes = if command == "purge" { " --yes" } else { "" };
+    other_scopes
+        .iter()
+        .map(|(scope, n)| {
+            let entries = if *n == 1 { "entry" } else { "entries" };
+            format!(
+                "\n{n} {entries} of the record {record} in the scope {scope}: \
+                 leasehold poison {command}{lane} --scope {scope} --record {record}{yes}"
+            )
+        })
+        .collect()
 }
 
 /// What a poison command prints, and the status it exits with.
@@ -406,12 +447,14 @@ async fn poison(settings: &StorageSettings, lane: Lane, command: PoisonCommand) 
                     );
                 }
             };
+            let record = select.record.clone();
             let report = operator.poison_requeue(&select.selection(), &progress).await?;
-            let status = report_status(report.complete, report.interrupted);
+            let status = report_status(report.complete, report.interrupted, report.record_not_found);
             let out = if json {
                 to_json(&report)?
             } else {
                 crate::text::requeue(&report)
+                    + &other_scopes_hint("requeue", lane, record.as_ref(), &report.other_scopes)
             };
             Ok((out, status))
         }
@@ -421,12 +464,14 @@ async fn poison(settings: &StorageSettings, lane: Lane, command: PoisonCommand) 
                     "purge removes poison entries for good: add --yes to confirm (or look first: leasehold poison list)"
                 );
             }
+            let record = select.record.clone();
             let report = operator.poison_purge(&select.selection()).await?;
-            let status = report_status(report.complete, report.interrupted);
+            let status = report_status(report.complete, report.interrupted, report.record_not_found);
             let out = if json {
                 to_json(&report)?
             } else {
                 crate::text::purge(&report)
+                    + &other_scopes_hint("purge", lane, record.as_ref(), &report.other_scopes)
             };
             Ok((out, status))
         }

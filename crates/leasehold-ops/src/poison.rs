@@ -211,6 +211,15 @@ impl PoisonSelection {
                 .is_none_or(|r| entry.record_id.as_ref() == Some(r))
     }
 
+    /// For an entry not selected: its scope, when it is of the record selected but of another
+    /// scope (where that record's entries are, if not in the scope selected).
+    fn elsewhere<'e>(&self, entry: &'e PoisonEntry) -> Option<&'e Scope> {
+        let record = self.record_id.as_ref()?;
+        (entry.record_id.as_ref() == Some(record))
+            .then_some(entry.scope.as_ref())
+            .flatten()
+    }
+
     /// Whether every selected entry has been seen (only ids can be all found before the end).
     fn satisfied(&self, found: &BTreeSet<String>) -> bool {
         !self.ids.is_empty() && self.ids.iter().all(|id| found.contains(id))
@@ -259,6 +268,12 @@ pub struct RequeueReport {
     pub failed: Vec<Skipped>,
     /// Ids asked for that are not in the poison queue (or are hidden by another scan).
     pub not_found: Vec<String>,
+    /// A record was named and the scan found no entry of it in the scope selected (the scope
+    /// `default` when none was named): `otherScopes` says where its entries are, if anywhere.
+    pub record_not_found: bool,
+    /// Entries of the record named in other scopes than the one selected, by scope (not acted
+    /// on): select one with its scope.
+    pub other_scopes: BTreeMap<Scope, usize>,
     pub scanned: usize,
     /// Whether every selected entry was reached: the scan reached the end of the queue, and
     /// the queue holds no entry it did not see (else run it again, after `retryAfter`).
@@ -286,6 +301,10 @@ pub struct PurgeReport {
     pub purged: Vec<String>,
     pub failed: Vec<Skipped>,
     pub not_found: Vec<String>,
+    /// As in [`RequeueReport::record_not_found`].
+    pub record_not_found: bool,
+    /// As in [`RequeueReport::other_scopes`].
+    pub other_scopes: BTreeMap<Scope, usize>,
     pub scanned: usize,
     /// As in [`RequeueReport::complete`].
     pub complete: bool,
@@ -516,6 +535,10 @@ struct Scan {
     failed: Vec<Skipped>,
     purged: Vec<String>,
     found: BTreeSet<String>,
+    /// Entries the selection selected.
+    selected: usize,
+    /// Entries of the record selected in other scopes than the one selected, by scope.
+    elsewhere: BTreeMap<Scope, usize>,
     /// The scan stopped before the end of the queue (see [`Operator::scan`]).
     stopped_short: bool,
     /// It stopped because it held [`SCAN_HOLD_MAX`] entries.
@@ -528,6 +551,44 @@ struct Scan {
 }
 
 impl Scan {
+    /// Whether a record was named and no entry of it was found in the scope selected.
+    fn record_not_found(&self, selection: &PoisonSelection) -> bool {
+        selection.record_id.is_some() && self.selected == 0
+    }
+
+    /// The clause a report's message says about the record named, if one was: that it has no
+    /// entry in the scope selected, and where its entries are (a record named without a scope
+    /// is one of the scope `default`, and its entries may be in another).
+    fn record_clause(&self, selection: &PoisonSelection) -> String {
+        let (Some(record), Some(scope)) = (&selection.record_id, selection.scope()) else {
+            return String::new();
+        };
+        let unnamed = if selection.scope.is_none() {
+            " (no scope was named)"
+        } else {
+            ""
+        };
+        let elsewhere = self
+            .elsewhere
+            .iter()
+            .map(|(s, n)| format!("{n} in the scope {s}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if self.selected > 0 {
+            if elsewhere.is_empty() {
+                return String::new();
+            }
+            return format!("; the record {record} also has {elsewhere} (not selected: name that scope)");
+        }
+        if elsewhere.is_empty() {
+            format!("; no entry of the record {record} in the scope {scope}{unnamed}, nor in any other scope")
+        } else {
+            format!(
+                "; no entry of the record {record} in the scope {scope}{unnamed}, but {elsewhere}: name that scope"
+            )
+        }
+    }
+
     /// The clauses a report's message ends with for how the scan ended.
     fn ending(&self, hold_max: usize, hide: Duration, hidden: Option<u64>) -> String {
         let mut out = String::new();
@@ -693,8 +754,11 @@ impl Operator {
             count_clause(scan.skipped.len(), "skipped (no trigger in them)"),
             count_clause(scan.failed.len(), "failed (still in the poison queue)"),
             count_clause(not_found.len(), "not found"),
-        ) + &scan.ending(self.inner.scan_hold_max, self.inner.scan_hide, hidden);
+        ) + &scan.record_clause(selection)
+            + &scan.ending(self.inner.scan_hold_max, self.inner.scan_hide, hidden);
         Ok(RequeueReport {
+            record_not_found: scan.record_not_found(selection),
+            other_scopes: scan.elsewhere,
             complete,
             hidden: hidden.unwrap_or(0),
             retry_after: self.retry_after(hidden),
@@ -723,8 +787,11 @@ impl Operator {
             if scan.purged.len() == 1 { "y" } else { "ies" },
             count_clause(scan.failed.len(), "failed (still in the poison queue)"),
             count_clause(not_found.len(), "not found"),
-        ) + &scan.ending(self.inner.scan_hold_max, self.inner.scan_hide, hidden);
+        ) + &scan.record_clause(selection)
+            + &scan.ending(self.inner.scan_hold_max, self.inner.scan_hide, hidden);
         Ok(PurgeReport {
+            record_not_found: scan.record_not_found(selection),
+            other_scopes: scan.elsewhere,
             complete,
             hidden: hidden.unwrap_or(0),
             retry_after: self.retry_after(hidden),
@@ -849,6 +916,11 @@ impl Operator {
                     scan.scanned += 1;
                     let mut entry = entry_of(id, inserted_at, &body, Detail::Preview);
                     let selected = everything || selection.selects(&entry);
+                    if selected {
+                        scan.selected += 1;
+                    } else if let Some(scope) = selection.elsewhere(&entry) {
+                        *scan.elsewhere.entry(scope.clone()).or_default() += 1;
+                    }
                     if selected && by_id {
                         scan.found.insert(entry.id.clone());
                     }
@@ -2051,5 +2123,111 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(report.message, "purged 0 entries; 1 not found");
+    }
+
+    /// Issue 35: `--record r1` without a scope is r1 of the scope `default`; with r1's entries
+    /// in `account` it said "requeued 0 entries" and nothing else. Now the report says the
+    /// record has no entry there and where its entries are, for a requeue and a purge; and a
+    /// record found in its scope with more entries elsewhere says those too.
+    #[tokio::test(start_paused = true)]
+    async fn a_record_with_no_entry_in_its_scope_says_where_its_entries_are() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        // r1 twice and r2 of the scope account; r2 of the scope contact.
+        fill(&poison, ["r1", "r1", "r2"].into_iter().map(String::from)).await;
+        let mut contact = trigger("r2");
+        contact.scope = Scope::parse("contact").unwrap();
+        let error = Error::Logic(leasehold_runtime::LogicError::new("boom"));
+        let entry = PoisonMessage::new(contact.encode(), Some(contact), &error, 5).encode();
+        poison.inner.put(&entry, Duration::ZERO).await.unwrap();
+        let op = operator(queue.clone(), poison.clone());
+        let r1 = || Some(RecordId::parse("r1").unwrap());
+        let account = BTreeMap::from([(Scope::parse("account").unwrap(), 2)]);
+
+        let report = op
+            .poison_requeue(&PoisonSelection::matching(None, r1()), &|_| {})
+            .await
+            .unwrap();
+        assert!(report.requeued.is_empty() && report.complete, "{report:?}");
+        assert!(report.record_not_found);
+        assert_eq!(report.other_scopes, account);
+        assert_eq!(
+            report.message,
+            "requeued 0 entries as fresh triggers; no entry of the record r1 in the scope default (no scope was \
+             named), but 2 in the scope account: name that scope"
+        );
+        let report = op
+            .poison_purge(&PoisonSelection::matching(None, r1()))
+            .await
+            .unwrap();
+        assert!(report.purged.is_empty() && report.record_not_found, "{report:?}");
+        assert_eq!(report.other_scopes, account);
+        assert!(
+            report
+                .message
+                .starts_with("purged 0 entries; no entry of the record r1 in the scope default"),
+            "{}",
+            report.message
+        );
+        // A scope named: said without "no scope was named".
+        let report = op
+            .poison_purge(&PoisonSelection::matching(
+                Some(Scope::parse("lead").unwrap()),
+                r1(),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(
+            report.message,
+            "purged 0 entries; no entry of the record r1 in the scope lead, but 2 in the scope account: name that scope"
+        );
+        // A record with no entry anywhere.
+        let report = op
+            .poison_requeue(
+                &PoisonSelection::matching(None, Some(RecordId::parse("r9").unwrap())),
+                &|_| {},
+            )
+            .await
+            .unwrap();
+        assert!(report.record_not_found && report.other_scopes.is_empty());
+        assert!(
+            report.message.ends_with(
+                "no entry of the record r9 in the scope default (no scope was named), nor in any other scope"
+            ),
+            "{}",
+            report.message
+        );
+        assert_eq!(
+            (
+                queue.inner.approximate_len().await.unwrap(),
+                poison.inner.approximate_len().await.unwrap()
+            ),
+            (0, 4)
+        );
+        // Found in its scope, with more elsewhere: requeued, and the rest said.
+        let report = op
+            .poison_requeue(
+                &PoisonSelection::matching(
+                    Some(Scope::parse("account").unwrap()),
+                    Some(RecordId::parse("r2").unwrap()),
+                ),
+                &|_| {},
+            )
+            .await
+            .unwrap();
+        assert_eq!(report.requeued.len(), 1);
+        assert!(!report.record_not_found);
+        assert_eq!(
+            report.other_scopes,
+            BTreeMap::from([(Scope::parse("contact").unwrap(), 1)])
+        );
+        assert_eq!(
+            report.message,
+            "requeued 1 entry as fresh triggers; the record r2 also has 1 in the scope contact (not selected: name \
+             that scope)"
+        );
+        // A scope alone, or everything: nothing about a record.
+        let report = op.poison_requeue(&PoisonSelection::all(), &|_| {}).await.unwrap();
+        assert!(!report.record_not_found && report.other_scopes.is_empty());
+        assert_eq!(report.message, "requeued 3 entries as fresh triggers");
     }
 }

@@ -21,7 +21,7 @@ pub use budget::{
 };
 pub use consumer::{Consumer, ConsumerOptions, low_queue_name, poison_queue_name};
 pub use error::{Error, LogicError};
-pub use flow::PerScope;
+pub use flow::{PerScope, PerScopeError};
 pub use markers::{
     AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, WAIT_PREFIX,
     WaitConsumed, record_status,

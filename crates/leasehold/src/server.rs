@@ -21,13 +21,18 @@
 //!   answer says `Connection: close`. With hyper's bounded read buffer (pipelined requests not
 //!   yet answered wait there, at most [`READ_BUFFER_BYTES`]), a pipelining client costs a bounded
 //!   amount of memory and time.
-//! - **Connections**: at most `max_connections` open; the accept loop takes no more until one
-//!   closes, so further clients wait in the kernel's listen backlog, costing this process no
-//!   descriptor. The bound is kept below the descriptor limit with room left for storage and the
-//!   logic ([`connection_bound`]). The trade-off: while a flood holds every slot, an honest
-//!   request waits for a slot (at most the header-read deadline, which frees the slot of any
-//!   client that sends nothing useful) instead of the process running out of descriptors, and
-//!   runs in progress keep their storage connections.
+//! - **Connections**: at most `max_connections` open. At the bound a new client closes the
+//!   connection that has waited longest for a request head (idle, kept alive between requests,
+//!   or sending its head slowly), as the health listener does: a flood of idle connections no
+//!   longer keeps an honest request waiting until the header deadline sheds it (issue 35: 4.1 s
+//!   behind 1,500 idle connections). A connection whose request is being read or answered is
+//!   never closed to make room: with every connection busy so, the accept loop takes no more until
+//!   one ends or waits for a head again, and further clients wait in the kernel's listen
+//!   backlog, costing this process no descriptor. The bound is kept below the descriptor limit
+//!   with room left for storage and the logic ([`connection_bound`]). The trade-off: a flood that
+//!   opens connections faster than honest clients use theirs closes their kept-alive idle
+//!   connections too (they reconnect), instead of the process running out of descriptors; runs
+//!   in progress keep their storage connections.
 //! - **Health**: with a health port set ([`serve_health`]), the liveness probe has a listener
 //!   of its own that a flood of the main port cannot starve, and whose slots go to the newest
 //!   connections (a flood of the health port itself has to open 64 connections within the
@@ -35,11 +40,12 @@
 //! - **Shutdown**: connections are told to finish; any still open after `shutdown_timeout` are
 //!   closed.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -51,8 +57,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use tokio::sync::Notify;
+use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
@@ -180,7 +186,7 @@ pub async fn serve(
     options: &HttpOptions,
     stop: CancellationToken,
 ) {
-    let slots = Arc::new(Semaphore::new(options.max_connections));
+    let open = Arc::new(Open::default());
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(options.header_timeout)
@@ -189,20 +195,28 @@ pub async fn serve(
         .max_buf_size(READ_BUFFER_BYTES);
     let mut connections = JoinSet::new();
     loop {
-        // A slot first: with every slot taken, further clients wait in the listen backlog.
-        let slot = tokio::select! {
-            () = stop.cancelled() => break,
-            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
-        };
+        // Room first: a free slot, or a connection waiting for a head to close for one. With
+        // every connection answering a request, further clients wait in the listen backlog.
+        if !open.room(options.max_connections, &stop, false).await {
+            break;
+        }
         let Some(stream) = accept(&listener, &stop).await else {
             break;
         };
         while connections.try_join_next().is_some() {}
-        let io = TokioIo::new(Deadlined::new(stream, options.write_timeout));
-        let connection = http.serve_connection(io, counted(router.clone()));
+        // At the bound: close the connection that has waited longest for a head (or, if every
+        // one got a request meanwhile, wait for one to end, this client's descriptor in hand).
+        if !open.room(options.max_connections, &stop, true).await {
+            break;
+        }
+        let id = open.admit();
+        let conn = ConnRef::new(&open, id);
+        let io = TokioIo::new(Deadlined::new(stream, options.write_timeout).telling(conn.clone()));
+        let connection = http.serve_connection(io, counted(router.clone(), conn));
         let stop = stop.clone();
         let max_age = options.max_age;
-        connections.spawn(async move {
+        let slot = Tracked::new(&open, id);
+        let task = connections.spawn(async move {
             let mut connection = std::pin::pin!(connection);
             // At shutdown or at its age limit, the connection finishes the request it is
             // answering (a Worker invocation's run included) and closes.
@@ -223,6 +237,7 @@ pub async fn serve(
             }
             drop(slot);
         });
+        open.started(id, task);
     }
     // Stop accepting: from here new connections are refused.
     drop(listener);
@@ -267,9 +282,12 @@ async fn accept(listener: &TcpListener, stop: &CancellationToken) -> Option<toki
 
 /// `router` as one connection's service: the answer to its
 /// [`MAX_REQUESTS_PER_CONNECTION`]th request says `Connection: close`, and hyper closes the
-/// connection once it is written.
+/// connection once it is written. It tells `conn` when a request arrives (its head has been
+/// read) and when its answer has been sent (hyper drops the answer's body then): from then on
+/// the connection waits for a head again, and may be closed to make room.
 fn counted(
     router: axum::Router,
+    conn: ConnRef,
 ) -> impl hyper::service::Service<
     Request<hyper::body::Incoming>,
     Response = axum::response::Response,
@@ -280,16 +298,263 @@ fn counted(
     hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
         let last = served.fetch_add(1, Ordering::Relaxed) + 1 >= MAX_REQUESTS_PER_CONNECTION;
         let router = router.clone();
+        // Busy until the answer is sent (or this request is dropped); `None`: the connection was
+        // just closed to make room (its task is being aborted), so nothing is started for it.
+        let busy = conn.busy();
         async move {
+            let Some(busy) = busy else {
+                let mut response = axum::response::Response::new(axum::body::Body::empty());
+                *response.status_mut() = axum::http::StatusCode::SERVICE_UNAVAILABLE;
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return Ok(response);
+            };
             let mut response = router.oneshot(request).await?;
             if last {
                 response
                     .headers_mut()
                     .insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
-            Ok(response)
+            // The answer's body holds `busy`: hyper drops it once it is written.
+            Ok(response.map(|inner| axum::body::Body::new(Answer { inner, _busy: busy })))
         }
     })
+}
+
+/// The connections [`serve`] has open, and which of them wait for a request head (since when),
+/// to make room at the bound by closing the one that has waited longest.
+#[derive(Debug, Default)]
+struct Open {
+    state: Mutex<OpenState>,
+    /// Told when a connection ends or starts waiting for a head again.
+    changed: Notify,
+}
+
+#[derive(Debug, Default)]
+struct OpenState {
+    connections: HashMap<u64, Connection>,
+    /// Ids of connections, and the order in which they started waiting for a head.
+    seq: u64,
+}
+
+#[derive(Debug)]
+struct Connection {
+    /// A request is being read or answered: its head arrived, and its answer's body has not
+    /// been dropped by hyper yet.
+    busy: bool,
+    /// Output the client has not taken yet: a write could not complete at once, and no flush
+    /// has completed since ([`Deadlined`]). An answer still going out is not closed for room.
+    unsent: bool,
+    /// When it last became free of a request (or was opened): the `n`th event of
+    /// [`OpenState::seq`]; a smaller `n` has waited longer.
+    since: u64,
+    /// Its task, once spawned.
+    task: Option<AbortHandle>,
+}
+
+impl Connection {
+    /// Waiting for a request head: idle, kept alive, or sending a head.
+    fn waiting(&self) -> bool {
+        !self.busy && !self.unsent
+    }
+}
+
+impl OpenState {
+    fn next(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+}
+
+impl Open {
+    fn lock(&self) -> std::sync::MutexGuard<'_, OpenState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until there is room for one more connection under `max`: a free slot, or (then
+    /// closing it with `evict`) a connection waiting for a head. `false` once `stop` fires.
+    async fn room(&self, max: usize, stop: &CancellationToken, evict: bool) -> bool {
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut state = self.lock();
+                if state.connections.len() < max {
+                    return true;
+                }
+                let longest = state
+                    .connections
+                    .iter()
+                    .filter(|(_, c)| c.waiting())
+                    .map(|(id, c)| (c.since, *id))
+                    .min();
+                if let Some((_, id)) = longest {
+                    if !evict {
+                        return true;
+                    }
+                    if let Some(task) = state.connections.remove(&id).and_then(|c| c.task) {
+                        task.abort();
+                    }
+                    tracing::debug!(
+                        open = state.connections.len() + 1,
+                        max,
+                        "http: at the connection bound, closed the connection waiting longest for a request head"
+                    );
+                    return true;
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return false,
+                () = changed => {}
+            }
+        }
+    }
+
+    /// A new connection, waiting for its first head: its id.
+    fn admit(&self) -> u64 {
+        let mut state = self.lock();
+        let id = state.next();
+        state.connections.insert(
+            id,
+            Connection {
+                busy: false,
+                unsent: false,
+                since: id,
+                task: None,
+            },
+        );
+        id
+    }
+
+    /// Connection `id`'s task (to abort it to make room), unless it has ended already.
+    fn started(&self, id: u64, task: AbortHandle) {
+        if let Some(c) = self.lock().connections.get_mut(&id) {
+            c.task = Some(task);
+        }
+    }
+
+    /// Connection `id` ended (or was closed to make room).
+    fn closed(&self, id: u64) {
+        self.lock().connections.remove(&id);
+        self.changed.notify_waiters();
+    }
+
+    /// A request arrived on connection `id`: `false` if it was closed to make room.
+    fn request(&self, id: u64) -> bool {
+        match self.lock().connections.get_mut(&id) {
+            Some(c) => {
+                c.busy = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Connection `id`'s answer was sent (its body taken by hyper): it waits for a head again,
+    /// once the client has taken what there is to send.
+    fn answered(&self, id: u64) {
+        {
+            let mut state = self.lock();
+            let since = state.next();
+            if let Some(c) = state.connections.get_mut(&id) {
+                c.busy = false;
+                c.since = since;
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// Connection `id` has output the client has not taken (`true`), or it took it all.
+    fn unsent(&self, id: u64, unsent: bool) {
+        if let Some(c) = self.lock().connections.get_mut(&id) {
+            c.unsent = unsent;
+        }
+        if !unsent {
+            self.changed.notify_waiters();
+        }
+    }
+}
+
+/// One connection of [`Open`], held by its task: dropped (the task ended or was aborted), the
+/// connection is closed there.
+struct Tracked(ConnRef);
+
+impl Tracked {
+    fn new(open: &Arc<Open>, id: u64) -> Self {
+        Self(ConnRef::new(open, id))
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.0.open.closed(self.0.id);
+    }
+}
+
+/// One connection of [`Open`], as its service and its stream see it.
+#[derive(Debug, Clone)]
+struct ConnRef {
+    open: Arc<Open>,
+    id: u64,
+}
+
+impl ConnRef {
+    fn new(open: &Arc<Open>, id: u64) -> Self {
+        Self {
+            open: open.clone(),
+            id,
+        }
+    }
+
+    /// A request arrived: busy until the returned guard is dropped; `None` if the connection was
+    /// closed to make room.
+    fn busy(&self) -> Option<Busy> {
+        self.open.request(self.id).then(|| Busy {
+            open: self.open.clone(),
+            id: self.id,
+        })
+    }
+}
+
+/// An answer's body holding its connection [`Busy`] until hyper drops it, once it is written
+/// (or the connection ends); its size and end are the body's own.
+struct Answer {
+    inner: axum::body::Body,
+    _busy: Busy,
+}
+
+impl hyper::body::Body for Answer {
+    type Data = <axum::body::Body as hyper::body::Body>::Data;
+    type Error = <axum::body::Body as hyper::body::Body>::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A request being read or answered on a connection of [`Open`].
+struct Busy {
+    open: Arc<Open>,
+    id: u64,
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.open.answered(self.id);
+    }
 }
 
 /// Serves `GET /healthz` (`{"status":"ok"}`) on a listener of its own until `stop` fires: the
@@ -342,6 +607,9 @@ pub struct Deadlined<S> {
     deadline: Duration,
     /// Armed while output waits for the client.
     stalled: Option<Pin<Box<Sleep>>>,
+    /// Told when output starts and stops waiting for the client ([`serve`]'s connections: one
+    /// whose answer is still going out is not closed to make room).
+    tell: Option<ConnRef>,
 }
 
 impl<S> Deadlined<S> {
@@ -350,13 +618,32 @@ impl<S> Deadlined<S> {
             inner,
             deadline,
             stalled: None,
+            tell: None,
         }
+    }
+
+    /// This, telling `conn` when output starts and stops waiting for the client.
+    fn telling(mut self, conn: ConnRef) -> Self {
+        self.tell = Some(conn);
+        self
     }
 
     /// Arms the deadline if it is not armed yet.
     fn waiting(&mut self) {
         if self.stalled.is_none() {
             self.stalled = Some(Box::pin(tokio::time::sleep(self.deadline)));
+            if let Some(conn) = &self.tell {
+                conn.open.unsent(conn.id, true);
+            }
+        }
+    }
+
+    /// Disarms the deadline: every byte so far was taken.
+    fn taken(&mut self) {
+        if self.stalled.take().is_some()
+            && let Some(conn) = &self.tell
+        {
+            conn.open.unsent(conn.id, false);
         }
     }
 
@@ -442,7 +729,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Deadlined<S> {
         }
         match Pin::new(&mut this.inner).poll_flush(cx) {
             Poll::Ready(Ok(())) => {
-                this.stalled = None;
+                this.taken();
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => {
@@ -568,6 +855,69 @@ mod tests {
             opened.elapsed()
         );
         sender.abort();
+        stop.cancel();
+        server.await.unwrap();
+    }
+
+    /// At the bound, a connection whose answer is still going out (its client has not taken it
+    /// yet) is not closed to make room, though hyper already waits for its next head: a new
+    /// client waits until the write deadline closes it.
+    #[tokio::test]
+    async fn at_the_bound_an_answer_still_going_out_is_not_closed_for_a_new_client() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let big = axum::body::Bytes::from(vec![b'x'; 16 << 20]);
+        let router = axum::Router::new()
+            .route(
+                "/big",
+                axum::routing::get(move || std::future::ready(big.clone())),
+            )
+            .route("/healthz", axum::routing::get(|| async { "ok" }));
+        let options = HttpOptions {
+            max_connections: 1,
+            header_timeout: Duration::from_secs(60),
+            write_timeout: Duration::from_secs(3),
+            ..HttpOptions::default()
+        };
+        let stop = CancellationToken::new();
+        let server = tokio::spawn({
+            let stop = stop.clone();
+            async move { serve(listener, router, &options, stop).await }
+        });
+        // A client that asks for 16 MiB and takes only the first bytes: once it has them, the
+        // server's write of the rest has blocked.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut slow = socket.connect(([127, 0, 0, 1], port).into()).await.unwrap();
+        slow.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut first = [0u8; 12];
+        slow.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200");
+        let opened = std::time::Instant::now();
+        let mut next = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        next.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        let early = tokio::time::timeout(Duration::from_secs(1), next.read_to_end(&mut answer)).await;
+        assert!(
+            early.is_err(),
+            "answered while the other's answer was going out: {:?}",
+            String::from_utf8_lossy(&answer)
+        );
+        tokio::time::timeout(Duration::from_secs(10), next.read_to_end(&mut answer))
+            .await
+            .expect("answered once the write deadline closed the other")
+            .unwrap();
+        assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
+        assert!(
+            opened.elapsed() >= Duration::from_secs(2),
+            "{:?}",
+            opened.elapsed()
+        );
+        drop(slow);
         stop.cancel();
         server.await.unwrap();
     }

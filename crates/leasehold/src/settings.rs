@@ -103,8 +103,7 @@ fn budget_options(raw: BudgetRaw<'_>, concurrency: usize) -> anyhow::Result<Budg
     let names = match raw.leasehold_budget {
         None => defaults.names.clone(),
         Some(text) => PerScope::parse(text, defaults.names.default_value().clone(), |v| {
-            check_budget_name(v).map_err(|e| e.to_string())?;
-            Ok(v.to_ascii_lowercase())
+            check_budget_name(v).map(|()| v.to_ascii_lowercase())
         })
         .map_err(|e| anyhow::anyhow!("LEASEHOLD_BUDGET: {e}"))?,
     };

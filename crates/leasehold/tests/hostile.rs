@@ -1,5 +1,6 @@
 //! Hostile clients against `serve`'s HTTP side: half-sent heads, slow bodies, idle connections,
-//! oversized heads, bodies sent without the key, more connections than the bound, slow clients
+//! oversized heads, bodies sent without the key, more connections than the bound (idle ones
+//! make room for a new client; busy ones do not), slow clients
 //! at shutdown, and a flood under a 1,024-descriptor limit. Each test runs the real application
 //! (in-process on port 0, or the binary where the descriptor limit is the point) against a real
 //! Azurite, with short deadlines so it is quick; raw TCP streams play the hostile clients.
@@ -207,19 +208,85 @@ async fn an_oversized_head_is_answered_431_and_a_wrong_key_401_without_the_body_
     app.stop().await;
 }
 
+/// Issue 35: with the bound full of idle connections, an honest POST waited for the header
+/// deadline to shed them (4.1 s behind 1,500). Now a new client closes the connection that has
+/// waited longest for a request head, as the health port does: with a header deadline of a
+/// minute, the POST is answered at once, the oldest idle connection is closed and the other 19
+/// are still open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn over_the_connection_bound_clients_wait_until_the_header_deadline_frees_a_slot() {
+async fn at_the_connection_bound_a_new_client_closes_the_connection_waiting_longest_for_a_head() {
     let app = start(&[
         ("LEASEHOLD_HTTP_MAX_CONNECTIONS", "20"),
-        ("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", "2"),
+        ("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", "60"),
+    ])
+    .await;
+    let mut idle = Vec::new();
+    for i in 0..20 {
+        let mut stream = connect(app.port).await;
+        if i % 2 == 1 {
+            // Half of them sending a head slowly: waiting for a head too.
+            stream
+                .write_all(b"POST /api/start HTTP/1.1\r\nHost: 127.0.0.1\r\nx-functi")
+                .await
+                .unwrap();
+        }
+        idle.push(stream);
+    }
+    let (status, took) = tokio::time::timeout(Duration::from_secs(10), honest_post(app.port))
+        .await
+        .expect("an honest POST answered while 20 idle connections filled the bound of 20");
+    println!("[hostile] honest POST with 20 idle connections at a bound of 20: {status} in {took:?}");
+    assert_eq!(status, 202);
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // The oldest was closed for it, without an answer; the others are open still (the header
+    // deadline is a minute away).
+    let mut idle = idle.into_iter();
+    let oldest = idle.next().unwrap();
+    assert_eq!(
+        closed_within(oldest, Duration::from_secs(5)).await.as_deref(),
+        Some(""),
+        "the oldest idle connection is closed"
+    );
+    let mut checks = JoinSet::new();
+    for (i, stream) in idle.enumerate() {
+        checks.spawn(async move { (i + 1, closed_within(stream, Duration::from_millis(500)).await) });
+    }
+    while let Some(done) = checks.join_next().await {
+        let (i, closed) = done.unwrap();
+        assert_eq!(closed, None, "idle connection {i} was closed too");
+    }
+    app.stop().await;
+}
+
+/// A connection whose request is being read (a body sent slowly) is never closed to make room:
+/// with the bound full of them, the 21st client waits in the listen backlog until the body
+/// deadline ends one (answered 408), then is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_connection_bound_of_busy_connections_clients_wait_until_one_ends() {
+    let app = start(&[
+        ("LEASEHOLD_HTTP_MAX_CONNECTIONS", "20"),
+        ("LEASEHOLD_HTTP_HEADER_TIMEOUT_SECONDS", "60"),
+        ("LEASEHOLD_HTTP_BODY_TIMEOUT_SECONDS", "2"),
     ])
     .await;
     let opened = Instant::now();
-    let mut idle = Vec::new();
+    let mut slow = Vec::new();
     for _ in 0..20 {
-        idle.push(connect(app.port).await);
+        let mut stream = connect(app.port).await;
+        // With `Expect: 100-continue`, the server says "100 Continue" once Start reads the body:
+        // then the request is being read, for sure.
+        let head = head(KEY, 400_000).replace("\r\n\r\n", "\r\nExpect: 100-continue\r\n\r\n");
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut continued = [0u8; 25];
+        tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut continued))
+            .await
+            .expect("100 Continue")
+            .unwrap();
+        assert!(continued.starts_with(b"HTTP/1.1 100 Continue"), "{continued:?}");
+        stream.write_all(b"{\"recordId\": \"").await.unwrap();
+        slow.push(stream);
     }
-    // The 21st connection: its request is not read while the 20 hold every slot...
+    // The 21st connection: its request is not read while the 20 are reading theirs...
     let mut next = connect(app.port).await;
     next.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         .await
@@ -228,21 +295,19 @@ async fn over_the_connection_bound_clients_wait_until_the_header_deadline_frees_
     let early = tokio::time::timeout(Duration::from_millis(800), next.peek(&mut first)).await;
     assert!(
         early.is_err(),
-        "connection 21 was answered while 20 connections held every slot"
+        "connection 21 was answered while 20 requests being read held every slot"
     );
-    // ...and is answered once the header deadline closed them (2 s after they were opened).
-    let answer = closed_within(next, Duration::from_secs(5))
+    // ...and is answered once the body deadline ended them (2 s after they were opened).
+    let answer = closed_within(next, Duration::from_secs(8))
         .await
         .expect("answered once a slot was free");
     let waited = opened.elapsed();
     assert_eq!(status_of(&answer), Some(200), "{answer}");
-    println!("[hostile] connection 21 of a bound of 20 answered after {waited:?}");
+    println!("[hostile] connection 21 of a bound of 20 busy ones answered after {waited:?}");
     assert!(waited >= Duration::from_millis(1500), "{waited:?}");
-    for stream in idle {
-        assert_eq!(
-            closed_within(stream, Duration::from_secs(2)).await.as_deref(),
-            Some("")
-        );
+    for stream in slow {
+        let answer = closed_within(stream, Duration::from_secs(5)).await;
+        assert_eq!(answer.as_deref().and_then(status_of), Some(408), "{answer:?}");
     }
     // With the slots free again, an honest POST goes straight through.
     let (status, took) = honest_post(app.port).await;

@@ -885,6 +885,73 @@ async fn a_record_without_a_scope_is_one_of_the_default_scope() {
     assert!(help.contains("scope \"default\" without one"), "{help}");
 }
 
+/// Issue 35: `requeue --record r1` (of the scope "default") with r1's entries in another scope
+/// said "requeued 0 entries" and exited 0. Now it says which scopes hold the record's entries
+/// and the command for them, and exits 4; `purge --record` too; and a record with no entry
+/// anywhere says that. Nothing is requeued or purged meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_with_no_entry_in_its_scope_says_where_its_entries_are_and_exits_4() {
+    let env = Env::new();
+    let poison = env.poison();
+    for s in ["account", "account", "contact"] {
+        poison.put(&entry(s, "r1", "boom"), Duration::ZERO).await.unwrap();
+    }
+    let (code, out) = env.run_status(&["poison", "requeue", "--record", "r1"]).await;
+    assert_eq!(code, Some(4), "{out}");
+    assert!(
+        out.contains("requeued 0 entries")
+            && out.contains("no entry of the record r1 in the scope default")
+            && out.contains("2 in the scope account, 1 in the scope contact"),
+        "{out}"
+    );
+    assert!(
+        out.contains("leasehold poison requeue --scope account --record r1")
+            && out.contains("leasehold poison requeue --scope contact --record r1"),
+        "{out}"
+    );
+    let (code, out) = env
+        .run_status(&["poison", "purge", "--record", "r1", "--yes"])
+        .await;
+    assert_eq!(code, Some(4), "{out}");
+    assert!(
+        out.contains("purged 0 entries")
+            && out.contains("leasehold poison purge --scope account --record r1 --yes"),
+        "{out}"
+    );
+    let (code, out) = env
+        .run_status(&["poison", "requeue", "--record", "r1", "--json"])
+        .await;
+    assert_eq!(code, Some(4), "{out}");
+    let json: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(json["recordNotFound"], Value::Bool(true), "{json}");
+    assert_eq!(
+        json["otherScopes"],
+        serde_json::json!({"account": 2, "contact": 1})
+    );
+    // No entry anywhere: said, and 4 too.
+    let (code, out) = env
+        .run_status(&["poison", "requeue", "--scope", "lead", "--record", "r9"])
+        .await;
+    assert_eq!(code, Some(4), "{out}");
+    assert!(
+        out.contains("no entry of the record r9 in the scope lead, nor in any other scope"),
+        "{out}"
+    );
+    assert_eq!(poison.approximate_len().await.unwrap(), 3, "nothing purged");
+    // With the scope it names: requeued, exit 0, and the rest said.
+    let (code, out) = env
+        .run_status(&["poison", "requeue", "--scope", "account", "--record", "r1"])
+        .await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("requeued 2 entries") && out.contains("the record r1 also has 1 in the scope contact"),
+        "{out}"
+    );
+    // Only those two went on the trigger queue: the requeues above put nothing there.
+    assert_eq!(common::queue(&env.queue).approximate_len().await.unwrap(), 2);
+    assert_eq!(poison.approximate_len().await.unwrap(), 1);
+}
+
 /// Measurement, not a check (run it by name): the memory of `leasehold poison list` scanning N
 /// entries (default 3,000) whose reasons are 8 KiB, the most a worker writes: the peak resident
 /// set of the process, less that of a listing of 40, per entry. `LEASEHOLD_OPERATE_BIN` measures
