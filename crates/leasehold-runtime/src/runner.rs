@@ -665,8 +665,9 @@ impl RecordRunner {
     /// standalone caller to hide again in place (see [`handle_watched`](Self::handle_watched)
     /// for Functions). `None`: go on.
     ///
-    /// Only a pause that outlasts what a holder may wait for its slot ([`MAX_SLOT_WAIT_WATCHED`])
-    /// turns a delivery away; a shorter one is waited out under the lease. And only a trigger
+    /// Only a pause that outlasts what a holder may wait under its lease (`longest_wait`: 30 s
+    /// standalone, [`MAX_PAUSE_WAIT_WATCHED`] under Functions) turns a delivery away; a shorter
+    /// one is waited out under the lease. And only a trigger
     /// that would run is turned away: not one that may stand in for a dead holder, whose record
     /// must run again within the recovery bound ([`Delivery::may_stand_in`]: a carrier other
     /// than a deferral as its holder wrote it, or a redelivery, which hidden again in place
@@ -706,10 +707,14 @@ impl RecordRunner {
 
     /// A holder's slot of its downstream budget, taken just before its run ([`Budgets::admit`]):
     /// it waits for one while its lease is renewed, a delivery of the high lane before any of the
-    /// low lane (under Functions at most [`MAX_SLOT_WAIT_WATCHED`]: the host's invocation must
-    /// not be held for minutes). `Err((budget, after))`: the budget is paused past that wait (or,
-    /// under Functions, no slot came in time): the trigger is handed back, hidden for `after`,
-    /// without running. A delivery that may stand in for a dead holder
+    /// low lane but for the low lane's share (under Functions at most [`MAX_SLOT_WAIT_WATCHED`]:
+    /// the host's invocation must not be held for minutes). A pause is waited out only if it
+    /// ends within 30 s ([`MAX_PAUSE_WAIT_WATCHED`] under Functions), whether or not the
+    /// delivery saw it at the first gate. Standalone, a holder about to wait gives its slot of
+    /// the consumer back for a seat of the consumer's waiting room (`consumer_slot`,
+    /// [`ConsumerSlot`]); with no seat free, a pause hands it back. `Err((budget, after))`: the
+    /// budget is paused past that wait (or, under Functions, no slot came in time): the trigger
+    /// is handed back, hidden for `after`, without running. A delivery that may stand in for a dead holder
     /// ([`Delivery::may_stand_in`]) is neither put off by a pause nor held by the limit; its run
     /// counts all the same. `Ok(None)`: no budgets.
     async fn slot(

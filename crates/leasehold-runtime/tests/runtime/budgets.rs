@@ -893,3 +893,42 @@ async fn another_budgets_trigger_is_taken_while_holders_wait_for_a_short_pause()
     assert_eq!([w.f.logic.runs_of("w1"), w.f.logic.runs_of("w2")], [1, 1]);
     w.stop().await;
 }
+
+/// Under Functions a delivery waits out only a pause of 5 s or less: the wait holds one of the
+/// host's invocations, and while all of them are held the host takes no message, a dead
+/// holder's watchdog included. A 20 s pause hands the trigger back at once (it was waited out,
+/// as standalone, where the wait gives the consumer's slot back).
+#[tokio::test(start_paused = true)]
+async fn under_functions_a_pause_over_5_s_hands_the_trigger_back_at_once() {
+    let f = fixture(4);
+    f.logic
+        .length
+        .lock()
+        .unwrap()
+        .insert("b".into(), Duration::from_millis(10));
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    // Written by another worker; this one has read it.
+    f.budget_store
+        .set_paused_until("default", tokio::time::Instant::now() + Duration::from_secs(20));
+    let budgets = f.runner.budgets().unwrap();
+    budgets.paused(&"account".parse().unwrap());
+    tokio::task::yield_now().await;
+    assert!(budgets.paused(&"account".parse().unwrap()).is_some());
+    let started = tokio::time::Instant::now();
+    let outcome = f
+        .runner
+        .handle_watched(&trigger("b"), &poison, &CancellationToken::new())
+        .await;
+    match outcome {
+        Outcome::Paused { after, .. } => {
+            assert!(after > Duration::from_secs(15), "{after:?}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(f.logic.runs_of("b"), 0);
+}
