@@ -646,26 +646,6 @@ impl Budgets {
         left.map(|after| (name.to_string(), after))
     }
 
-    /// Whether a delivery of `scope`'s budget would have to wait for a slot or a pause now
-    /// (for the consumer's first gate: one that could not wait without holding a slot is
-    /// handed back before it takes the lease).
-    pub fn would_wait(&self, scope: &Scope) -> bool {
-        let name = self.name_of(scope);
-        let now = Instant::now();
-        let limit = self.limit_now(name);
-        self.with_budget(name, |b| {
-            b.paused_until.is_some_and(|u| u > now) || b.in_flight >= limit
-        })
-    }
-
-    fn limit_now(&self, name: &str) -> usize {
-        if self.inner.options.adaptive {
-            self.with_budget(name, |b| b.limit as usize).max(1)
-        } else {
-            self.inner.options.max_concurrency.max(1)
-        }
-    }
-
     /// How long every budget the scopes draw on stays paused, if all of them are (the shortest
     /// of their pauses): a consumer then takes no message until it ends, instead of taking each
     /// only to hand it back.
