@@ -9,6 +9,8 @@
 //! | `GET /api/admin/poison/{id}` | `GET /api/ops/poison/{id}` | one entry |
 //! | `POST /api/admin/poison/requeue` | `POST /api/ops/poison/requeue` | requeue a selection |
 //! | `POST /api/admin/poison/purge` | `POST /api/ops/poison/purge` | delete a selection (`"confirm": true`) |
+//! | `GET /api/admin/budgets` | `GET /api/ops/budgets` | every downstream budget's pause from storage, with this process's live view of it (`here`) |
+//! | `POST /api/admin/budgets/{name}/resume` | `POST /api/ops/budgets/{name}/resume` | end a budget's pause (here at once, every other worker within 3 s of its next look) |
 //!
 //! The Functions host reserves routes that start with `admin` for its own API (it refuses to
 //! load such a function), hence `ops/` there. The page is told its API base and key header by
@@ -22,8 +24,9 @@
 //! them. Without the setting the API does not exist (`serve`: 404; Functions: `Ops` answers 404
 //! saying so). Refused keys are logged at most once a minute, with their count ([`Refusals`]).
 //!
-//! This layer has no logic of its own: it reads the request, calls the [`Operator`] and writes
-//! what it answered (its errors with their status).
+//! This layer has no logic of its own: it reads the request, calls the [`Operator`] (and, for
+//! budgets, this process's [`Budgets`], which the mode's router builder is given) and writes what
+//! it answered (its errors with their status).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,12 +40,12 @@ use axum::routing::{any, get, post};
 use base64::Engine;
 use leasehold_functions::handler::{self, HostHttpRequest};
 use leasehold_functions::start::Secret;
-use leasehold_runtime::{Lane, RecordId, Scope};
+use leasehold_runtime::{BudgetView, Budgets, Lane, RecordId, Scope, check_budget_name};
 use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use leasehold_ops::{Operator, OpsError, OverviewQuery, PoisonQuery, PoisonSelection};
+use leasehold_ops::{BudgetStatus, Operator, OpsError, OverviewQuery, PoisonQuery, PoisonSelection};
 
 /// The header `serve`'s dashboard key travels in.
 pub const KEY_HEADER: &str = "x-leasehold-admin-key";
@@ -165,8 +168,24 @@ fn selection(body: &Value) -> Result<PoisonSelection, ApiAnswer> {
     })
 }
 
+/// What the API acts through: the [`Operator`] over storage, and this process's downstream
+/// [`Budgets`] (its live view of each, and a resume that ends a pause here at once), when it
+/// runs deliveries.
+#[derive(Debug, Clone)]
+pub struct Backend {
+    pub operator: Operator,
+    pub budgets: Option<Budgets>,
+}
+
+impl Backend {
+    pub fn new(operator: Operator, budgets: Option<Budgets>) -> Self {
+        Self { operator, budgets }
+    }
+}
+
 /// Carries out one API request.
-pub async fn answer(operator: &Operator, request: &ApiRequest<'_>) -> ApiAnswer {
+pub async fn answer(backend: &Backend, request: &ApiRequest<'_>) -> ApiAnswer {
+    let operator = &backend.operator;
     let segments: Vec<&str> = request.path.trim_matches('/').split('/').collect();
     let mut decoded = Vec::with_capacity(segments.len());
     for segment in &segments {
@@ -267,16 +286,154 @@ pub async fn answer(operator: &Operator, request: &ApiRequest<'_>) -> ApiAnswer 
         }
         ["poison", "requeue" | "purge"] => wrong_method("POST"),
         ["poison", id] if get => done(operator.poison_show(id).await),
-        ["overview"] | ["records", _, _] | ["poison"] => wrong_method("GET"),
+        ["budgets"] if get => budgets(backend).await,
+        ["budgets", name, "resume"] if post => resume(backend, name).await,
+        ["budgets", _, "resume"] => wrong_method("POST"),
+        ["overview"] | ["records", _, _] | ["poison"] | ["budgets"] => wrong_method("GET"),
         ["poison", _] => wrong_method("GET"),
         _ => error(
             404,
             format!(
-                "no such operation: {} (overview, records/{{scope}}/{{recordId}}, poison, poison/{{id}}, poison/requeue, poison/purge)",
+                "no such operation: {} (overview, records/{{scope}}/{{recordId}}, poison, poison/{{id}}, poison/requeue, poison/purge, budgets, budgets/{{name}}/resume)",
                 request.path
             ),
         ),
     }
+}
+
+/// This process's live view of one budget, as the API writes it (`here`).
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Here {
+    /// The adaptive limit: runs of the budget this process starts at once.
+    limit: usize,
+    in_flight: usize,
+    /// Deliveries waiting for a slot or the pause, per lane.
+    waiting_high: usize,
+    waiting_low: usize,
+    /// Throttles this process has seen, and of those the ones taken as one record's refusals.
+    throttles: u64,
+    record_refusals: u64,
+    /// How much longer this process honours the pause (it learns of a pause or resume written
+    /// elsewhere within 3 s of its next look).
+    paused_here_for_seconds: u64,
+}
+
+impl From<&BudgetView> for Here {
+    fn from(v: &BudgetView) -> Self {
+        Self {
+            limit: v.limit,
+            in_flight: v.in_flight,
+            waiting_high: v.waiting.0,
+            waiting_low: v.waiting.1,
+            throttles: v.throttles,
+            record_refusals: v.record_refusals,
+            paused_here_for_seconds: v.paused_for.as_secs_f64().ceil() as u64,
+        }
+    }
+}
+
+/// `GET budgets`: every budget storage holds ([`Operator::budget_status`]), and every budget this
+/// process has met that storage does not (never paused), each with this process's live view
+/// (`here`; `null` when this process runs no deliveries of it). `written` says whether storage
+/// holds it (only a written budget can be resumed).
+async fn budgets(backend: &Backend) -> ApiAnswer {
+    let stored = match backend.operator.budget_status(None).await {
+        Ok(s) => s,
+        Err(e) => return error(e.status(), e),
+    };
+    let views = backend.budgets.as_ref().map(Budgets::views).unwrap_or_default();
+    let mut rows: Vec<(BudgetStatus, bool)> = stored.into_iter().map(|s| (s, true)).collect();
+    for view in &views {
+        if !rows.iter().any(|(s, _)| s.name == view.name) {
+            rows.push((
+                BudgetStatus {
+                    name: view.name.clone(),
+                    paused: false,
+                    until: None,
+                    paused_for_seconds: 0,
+                    set_at: None,
+                    limit: None,
+                    resumed: false,
+                },
+                false,
+            ));
+        }
+    }
+    rows.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+    let mut out = Vec::with_capacity(rows.len());
+    for (status, written) in rows {
+        let here = views.iter().find(|v| v.name == status.name).map(Here::from);
+        let mut row = match serde_json::to_value(&status) {
+            Ok(v) => v,
+            Err(e) => return error(500, format!("the answer could not be written: {e}")),
+        };
+        if let Some(map) = row.as_object_mut() {
+            map.insert("written".into(), Value::Bool(written));
+            map.insert(
+                "here".into(),
+                here.and_then(|h| serde_json::to_value(h).ok())
+                    .unwrap_or(Value::Null),
+            );
+        }
+        out.push(row);
+    }
+    (
+        200,
+        json!({
+            "budgets": out,
+            // Whether this process runs deliveries (and so has a live view of its budgets).
+            "live": backend.budgets.is_some(),
+            "at": leasehold_ops::clock::rfc3339(std::time::SystemTime::now()),
+        }),
+    )
+}
+
+/// `POST budgets/{name}/resume`: ends the budget's pause. Through this process's [`Budgets`]
+/// when it has them (storage, and here at once: its waiting deliveries start now), else through
+/// storage alone ([`Operator::budget_resume`]); every other worker follows within 3 s of its next
+/// look. 400 for a bad name, 404 for a budget never paused (storage does not hold it, nor is it
+/// paused here).
+async fn resume(backend: &Backend, name: &str) -> ApiAnswer {
+    if let Err(e) = check_budget_name(name) {
+        return error(400, e);
+    }
+    let name = name.to_ascii_lowercase();
+    let was = match &backend.budgets {
+        None => match backend.operator.budget_resume(&name).await {
+            Ok(was) => was,
+            Err(e) => return error(e.status(), e),
+        },
+        Some(budgets) => {
+            let paused_here = budgets
+                .views()
+                .iter()
+                .any(|v| v.name == name && !v.paused_for.is_zero());
+            let written = match budgets.store().read(&name).await {
+                Ok(read) => read.is_some(),
+                Err(e) => return error(503, format!("storage: read the budget: {e}")),
+            };
+            if !written && !paused_here {
+                return error(
+                    404,
+                    format!(
+                        "no budget {name:?} was ever paused in this deployment (see `leasehold budget status`)"
+                    ),
+                );
+            }
+            match budgets.resume(&name).await {
+                Ok(was) => was || paused_here,
+                Err(e) => return error(503, format!("storage: resume the budget: {e}")),
+            }
+        }
+    };
+    tracing::info!(budget = %name, was_paused = was, "dashboard: budget resumed");
+    let message = if was {
+        format!("resumed budget {name}: its runs start again (other workers within 3 s of their next look)")
+    } else {
+        format!("budget {name} was not paused; nothing to end")
+    };
+    (200, json!({ "name": name, "wasPaused": was, "message": message }))
 }
 
 /// The last outcome of the record if this process handled it recently
@@ -401,7 +558,7 @@ async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes
 /// What `serve`'s dashboard routes share.
 #[derive(Debug)]
 struct Served {
-    operator: Operator,
+    backend: Backend,
     key: Secret,
     page: Page,
     body_timeout: Duration,
@@ -460,9 +617,9 @@ fn refused_answer() -> ApiAnswer {
 }
 
 /// `GET /admin` and `/api/admin/*` for `serve`, guarded by `key` (`LEASEHOLD_ADMIN_KEY`).
-pub fn serve_router(operator: Operator, key: Secret, body_timeout: Duration) -> Router {
+pub fn serve_router(backend: Backend, key: Secret, body_timeout: Duration) -> Router {
     let served = Arc::new(Served {
-        operator,
+        backend,
         key,
         page: Page::serve(),
         body_timeout,
@@ -537,7 +694,7 @@ async fn serve_api(State(served): State<Arc<Served>>, request: Request) -> Respo
         query,
         body: &bytes,
     };
-    api_response(answer(&served.operator, &request).await)
+    api_response(answer(&served.backend, &request).await)
 }
 
 /// The query's name/value pairs, `%XX` and `+` decoded; a bad escape is an error, not an
@@ -557,7 +714,7 @@ fn url_pairs(query: &str) -> Result<Vec<(String, String)>, String> {
 /// What the custom handler's dashboard functions share.
 #[derive(Debug)]
 struct Hosted {
-    operator: Operator,
+    backend: Backend,
     /// `LEASEHOLD_ADMIN_KEY`; `None`: the API is off.
     key: Option<Secret>,
     page: Page,
@@ -569,9 +726,9 @@ struct Hosted {
 /// of the dashboard's functions. `Ops` checks `key` (`LEASEHOLD_ADMIN_KEY`) in the forwarded
 /// `x-leasehold-admin-key` header itself: whoever reaches the handler's port, the host or any
 /// local process, needs it.
-pub fn handler_router(operator: Operator, key: Option<Secret>, body_timeout: Duration) -> Router {
+pub fn handler_router(backend: Backend, key: Option<Secret>, body_timeout: Duration) -> Router {
     let hosted = Arc::new(Hosted {
-        operator,
+        backend,
         key,
         page: Page::functions(),
         body_timeout,
@@ -640,7 +797,7 @@ async fn invoke_ops(State(hosted): State<Arc<Hosted>>, request: Request) -> Resp
             query: req.query.clone(),
             body: &req.body,
         };
-        answer(&hosted.operator, &api).await
+        answer(&hosted.backend, &api).await
     };
     // A refused request writes no log line of the host's (anyone can make one: the handler's
     // own line is throttled, see `Refusals`).

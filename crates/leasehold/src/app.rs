@@ -63,8 +63,9 @@ impl std::fmt::Debug for Application {
 }
 
 /// Each lane's queues and record runner over the wiring's lock and markers, both runners
-/// drawing on one set of downstream budgets and telling [`crate::recent`] of every outcome.
-fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> (LaneParts, LaneParts) {
+/// drawing on one set of downstream budgets (returned too: the dashboard shows them and resumes
+/// through them) and telling [`crate::recent`] of every outcome.
+fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> (LaneParts, LaneParts, Budgets) {
     let budgets = Budgets::new(wiring.budgets.clone(), settings.budget.clone());
     let lane = |queue: &Arc<dyn TriggerQueue>, poison: &Arc<dyn TriggerQueue>, lane: Lane| LaneParts {
         queue: queue.clone(),
@@ -83,6 +84,7 @@ fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> (LanePa
     (
         lane(&wiring.queue, &wiring.poison, Lane::High),
         lane(&wiring.low_queue, &wiring.low_poison, Lane::Low),
+        budgets,
     )
 }
 
@@ -196,7 +198,7 @@ impl Application {
         // In the background: the host gives GET / 30 s at most, and storage may be slow.
         tokio::spawn(ensure_resources(&settings));
         let shutdown = CancellationToken::new();
-        let (high, low) = lanes(&wiring, logic, &settings);
+        let (high, low, budgets) = lanes(&wiring, logic, &settings);
         let sampler = sampler(&wiring, &settings, true);
         let app = App {
             policy: settings.policy.clone(),
@@ -213,7 +215,7 @@ impl Application {
         // The dashboard's functions (Dashboard, Ops): the handler checks LEASEHOLD_ADMIN_KEY for
         // Ops itself (every local process can reach its port, not only the host).
         let dashboard = admin::handler_router(
-            Operator::new(&settings.storage())?,
+            admin::Backend::new(Operator::new(&settings.storage())?, Some(budgets)),
             settings.admin_key.clone(),
             settings.http.body_timeout,
         );
@@ -298,7 +300,7 @@ impl Application {
         let mut policy = settings.policy.clone();
         policy.refuse_web_pages = addr.ip().is_loopback();
         let shutdown = CancellationToken::new();
-        let (high, low) = lanes(&wiring, logic, &settings);
+        let (high, low, budgets) = lanes(&wiring, logic, &settings);
         let consumer = Consumer::new(
             high.runner.clone(),
             high.poison.clone(),
@@ -326,7 +328,7 @@ impl Application {
                 tracing::info!(url = %format!("http://{addr}{}", admin::PAGE_PATH),
                     "dashboard on (its key: LEASEHOLD_ADMIN_KEY, sent as the {} header)", admin::KEY_HEADER);
                 router.merge(admin::serve_router(
-                    operator,
+                    admin::Backend::new(operator, Some(budgets)),
                     key.clone(),
                     settings.http.body_timeout,
                 ))

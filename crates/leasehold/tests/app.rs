@@ -1770,3 +1770,150 @@ fn downstream_ok(worker: &str, body: &Value) {
         std::time::Instant::now(),
     ));
 }
+
+/// What [`Downstream`] answers a call: `Ok(work)` is a 200 after `work`, `Err(seconds)` a 429
+/// with that `Retry-After` at once.
+type Answer = Result<Duration, u64>;
+
+/// A downstream for the budget reproductions: `answer(scope, record)` says what each call gets.
+/// It notes every call (scope, record, when it came, status) and, per scope, the most calls in
+/// flight at once.
+#[derive(Clone, Default)]
+struct Downstream {
+    calls: std::sync::Arc<std::sync::Mutex<Vec<(String, String, std::time::Instant, u16)>>>,
+    in_flight: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (usize, usize)>>>,
+}
+
+impl Downstream {
+    /// Serves `POST /run` on any free port; returns it and the logic URL.
+    async fn serve(answer: impl Fn(&str, &str) -> Answer + Send + Sync + 'static) -> (Self, String) {
+        let this = Self::default();
+        let state = this.clone();
+        let answer = std::sync::Arc::new(answer);
+        let app = axum::Router::new().route(
+            "/run",
+            axum::routing::post(move |body: axum::Json<Value>| {
+                let (state, answer) = (state.clone(), answer.clone());
+                async move {
+                    let scope = body["scope"].as_str().unwrap_or("").to_string();
+                    let record = body["recordId"].as_str().unwrap_or("").to_string();
+                    let at = std::time::Instant::now();
+                    let (status, retry_after) = match answer(&scope, &record) {
+                        Err(seconds) => (429, seconds),
+                        Ok(work) => {
+                            {
+                                let mut flight = state.in_flight.lock().unwrap();
+                                let entry = flight.entry(scope.clone()).or_default();
+                                entry.0 += 1;
+                                entry.1 = entry.1.max(entry.0);
+                            }
+                            tokio::time::sleep(work).await;
+                            state.in_flight.lock().unwrap().get_mut(&scope).unwrap().0 -= 1;
+                            (200, 0)
+                        }
+                    };
+                    state.calls.lock().unwrap().push((scope, record, at, status));
+                    (
+                        axum::http::StatusCode::from_u16(status).unwrap(),
+                        [(axum::http::header::RETRY_AFTER, retry_after.to_string())],
+                        "",
+                    )
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/run", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (this, url)
+    }
+
+    /// When `record`'s first call answered `status` ended (a 429 ends as it comes).
+    fn first(&self, record: &str, status: u16) -> Option<std::time::Instant> {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(_, r, _, s)| r == record && *s == status)
+            .map(|c| c.2)
+    }
+
+    fn count(&self, scope: &str, status: u16) -> usize {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(s, _, _, st)| s == scope && *st == status)
+            .count()
+    }
+
+    /// The most calls of `scope` that ran at once.
+    fn most_at_once(&self, scope: &str) -> usize {
+        self.in_flight.lock().unwrap().get(scope).map_or(0, |e| e.1)
+    }
+}
+
+/// Start's answer to a save of `scope`/`record`.
+async fn save(app: &Running, scope: &str, record: &str) {
+    let (status, answer) = post(
+        &app.url("/api/start"),
+        &json!({"scope": scope, "recordId": record}).to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 202, "{answer}");
+}
+
+/// Issue 35's reproduction (b): an unrelated scope keeps its concurrency beside a record that
+/// always answers 429. `LEASEHOLD_CONCURRENCY=4`, one budget for every scope; a contact whose
+/// downstream call answers `429 Retry-After: 1` every time (a lock on that record, say), and 8
+/// saves of accounts whose runs take a second each: they run 4 at a time, not 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unrelated_scope_keeps_its_concurrency_beside_a_record_that_always_answers_429() {
+    let started = std::time::Instant::now();
+    let env = Env::new();
+    let (downstream, url) = Downstream::serve(|scope, _| {
+        if scope == "contact" {
+            Err(1)
+        } else {
+            Ok(Duration::from_secs(1))
+        }
+    })
+    .await;
+    let app = env
+        .start(
+            common::standalone(),
+            &[
+                ("LEASEHOLD_LOGIC_URL", url),
+                ("LEASEHOLD_CONCURRENCY", "4".to_string()),
+            ],
+        )
+        .await;
+    save(&app, "contact", "always-refused").await;
+    // Past its first refusal (which pauses the budget for a second) and into its chain.
+    eventually(
+        Duration::from_secs(30),
+        "the contact to be refused twice",
+        || async { (downstream.count("contact", 429) >= 2).then_some(()) },
+    )
+    .await;
+    let refused_before = downstream.count("contact", 429);
+    let sent = std::time::Instant::now();
+    for i in 0..8 {
+        save(&app, "account", &format!("acc-{i}")).await;
+    }
+    eventually(Duration::from_secs(60), "the 8 account saves to run", || async {
+        (downstream.count("account", 200) >= 8).then_some(())
+    })
+    .await;
+    let took = sent.elapsed();
+    let refused_during = downstream.count("contact", 429) - refused_before;
+    println!(
+        "[budgets] 8 one-second runs beside a record refused for ever: {} at once at most, all done {:.2} s after they were sent; the contact was refused {refused_during} more times meanwhile (test {:.1} s)",
+        downstream.most_at_once("account"),
+        took.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(refused_during >= 1, "the contact kept being refused beside them");
+    assert_eq!(downstream.most_at_once("account"), 4, "ran {took:?}");
+    app.stop().await;
+}

@@ -1,8 +1,8 @@
 //! The operator dashboard against a real Azurite: its JSON API and auth over HTTP, the custom
 //! handler's dashboard functions spoken to as the Functions host speaks, and the page itself in
 //! a real (headless) Chromium: the key form, held records, a poison entry's reason, the record
-//! detail, a requeue that makes the record run, and a poison queue deeper than a peek shown
-//! whole and requeued all at once.
+//! detail, a requeue that makes the record run, a paused downstream budget resumed, and a poison
+//! queue deeper than a peek shown whole and requeued all at once.
 //!
 //! The browser test needs Chromium (`scripts/install-chromium.sh`, run by `scripts/test.sh`);
 //! without it the test fails with that command, it does not skip.
@@ -34,11 +34,14 @@ impl Env {
         self.dir.join("release")
     }
 
-    /// Logs each run's record id; records named `held-*` then run until the release file exists.
+    /// Logs each run's record id; records named `held-*` then run until the release file exists,
+    /// and records named `throttle-*` say their downstream is busy for 5 minutes (exit 75 with
+    /// `Retry-After: 300`: their budget pauses).
     fn logic(&self) -> String {
         format!(
             "echo \"$LEASEHOLD_RECORD_ID\" >> {runs}; case \"$LEASEHOLD_RECORD_ID\" in held-*) \
-             while [ ! -f {release} ]; do sleep 0.1; done;; esac",
+             while [ ! -f {release} ]; do sleep 0.1; done;; \
+             throttle-*) echo 'Retry-After: 300' >&2; exit 75;; esac",
             runs = self.runs_file().display(),
             release = self.release_file().display()
         )
@@ -322,6 +325,148 @@ async fn the_admin_api_needs_its_key_in_its_header_and_says_what_it_did() {
     app.stop().await;
 }
 
+/// The budgets of [`GET /api/admin/budgets`](leasehold::admin), by name.
+async fn budgets(app: &Running) -> Vec<Value> {
+    let response = get(&app.url("/api/admin/budgets"), &[KEY]).await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    body["budgets"].as_array().unwrap().clone()
+}
+
+fn budget<'a>(budgets: &'a [Value], name: &str) -> Option<&'a Value> {
+    budgets.iter().find(|b| b["name"] == name)
+}
+
+/// The budgets API over a real throttle: a run whose downstream says "busy for 5 minutes"
+/// pauses the budget `default`, which `GET budgets` lists with its pause as storage holds it and
+/// this process's live view; `POST budgets/default/resume` ends it (in storage and here at once:
+/// a trigger sent next runs), a second resume says it was not paused, a bad name is 400 and a
+/// budget never paused 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_lists_budgets_with_their_pause_and_resumes_them() {
+    let started = Instant::now();
+    let env = Env::new();
+    let app = env
+        .start(common::standalone(), &[("LEASEHOLD_ADMIN_KEY", ADMIN_KEY)])
+        .await;
+    // Before any throttle: the process's budget, never written, with its live view.
+    let all = budgets(&app).await;
+    let fresh = budget(&all, "default").unwrap();
+    assert_eq!(
+        (&fresh["paused"], &fresh["written"], &fresh["here"]["throttles"]),
+        (&json!(false), &json!(false), &json!(0)),
+        "{fresh}"
+    );
+    let (status, answer) = post(&app.url("/api/admin/budgets/default/resume"), "{}", &[KEY]).await;
+    assert_eq!(status, 404, "never paused: {answer}");
+
+    env.trigger("throttle-0001").await;
+    let paused = eventually(Duration::from_secs(30), "the budget to be paused", || async {
+        let all = budgets(&app).await;
+        budget(&all, "default")
+            .filter(|b| b["paused"] == true && b["here"]["throttles"] == 1)
+            .cloned()
+    })
+    .await;
+    println!("[budgets] paused: {paused}");
+    let left = paused["pausedForSeconds"].as_u64().unwrap();
+    assert!((250..=300).contains(&left), "{paused}");
+    assert!(
+        paused["until"].is_string() && paused["setAt"].is_string(),
+        "{paused}"
+    );
+    assert_eq!(paused["written"], true, "{paused}");
+    assert_eq!(paused["resumed"], false, "{paused}");
+    let here = &paused["here"];
+    let here_left = here["pausedHereForSeconds"].as_u64().unwrap();
+    assert!((250..=300).contains(&here_left), "{paused}");
+    for field in ["limit", "inFlight", "waitingHigh", "waitingLow", "recordRefusals"] {
+        assert!(here[field].is_u64(), "{field}: {paused}");
+    }
+    // Alone in flight, the refusal paused the budget but did not cut it.
+    assert_eq!(here["limit"], 8, "{paused}");
+
+    // Refusals that say what is wrong.
+    for (method, path, status, names) in [
+        ("POST", "budgets/Not%20A%20Name!/resume", 400, "budget"),
+        (
+            "POST",
+            &*format!("budgets/{}/resume", "x".repeat(64)),
+            400,
+            "budget",
+        ),
+        ("POST", "budgets/never-paused/resume", 404, "never-paused"),
+        ("GET", "budgets/default/resume", 405, "POST"),
+        ("POST", "budgets", 405, "GET"),
+    ] {
+        let url = app.url(&format!("/api/admin/{path}"));
+        let (got, answer) = if method == "POST" {
+            post(&url, "{}", &[KEY]).await
+        } else {
+            let response = get(&url, &[KEY]).await;
+            (response.status().as_u16(), response.json().await.unwrap())
+        };
+        assert_eq!(got, status, "{method} {path}: {answer}");
+        let error = answer["error"].as_str().unwrap_or_default();
+        assert!(error.contains(names), "{method} {path}: {error}");
+    }
+    let (status, _) = post(&app.url("/api/admin/budgets/default/resume"), "{}", &[]).await;
+    assert_eq!(status, 401, "a resume without the key");
+    assert_eq!(
+        budget(&budgets(&app).await, "default").unwrap()["paused"],
+        true,
+        "no refused request ended the pause"
+    );
+
+    // Resume: ended in storage and here at once.
+    let (status, answer) = post(&app.url("/api/admin/budgets/default/resume"), "{}", &[KEY]).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        (&answer["name"], &answer["wasPaused"]),
+        (&json!("default"), &json!(true)),
+        "{answer}"
+    );
+    assert!(
+        answer["message"].as_str().unwrap().contains("resumed"),
+        "{answer}"
+    );
+    let all = budgets(&app).await;
+    let resumed = budget(&all, "default").unwrap();
+    assert_eq!(
+        (
+            &resumed["paused"],
+            &resumed["resumed"],
+            &resumed["here"]["pausedHereForSeconds"]
+        ),
+        (&json!(false), &json!(true), &json!(0)),
+        "{resumed}"
+    );
+    // A trigger sent now runs (not handed back for the rest of the pause).
+    let sent = Instant::now();
+    env.trigger("after-resume-0001").await;
+    eventually(
+        Duration::from_secs(15),
+        "a trigger after the resume to run",
+        || async { env.runs().iter().any(|r| r == "after-resume-0001").then_some(()) },
+    )
+    .await;
+    println!(
+        "[budgets] a trigger after the resume ran {:?} after it was sent",
+        sent.elapsed()
+    );
+
+    // Again: nothing to end.
+    let (status, answer) = post(&app.url("/api/admin/budgets/DEFAULT/resume"), "{}", &[KEY]).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["wasPaused"], false, "{answer}");
+    assert!(
+        answer["message"].as_str().unwrap().contains("not paused"),
+        "{answer}"
+    );
+    app.stop().await;
+    println!("[budgets] api test took {:?}", started.elapsed());
+}
+
 /// An HTTP-trigger invocation as the Functions host sends it, the caller's admin key forwarded.
 fn invocation(method: &str, url: &str, path: Option<&str>, body: Option<&str>) -> String {
     invocation_with_key(method, url, path, body, ADMIN_KEY)
@@ -441,6 +586,61 @@ async fn the_custom_handler_serves_the_dashboard_functions() {
     .await;
     let list: Value = serde_json::from_str(answer["Outputs"]["res"]["body"].as_str().unwrap()).unwrap();
     assert_eq!(list["entries"][0]["recordId"], "hosted-poisoned", "{list}");
+
+    // Budgets: a pause another instance wrote is listed (this handler has no live view of the
+    // budget yet), and a resume through the handler ends it.
+    let store = leasehold_runtime::AzureBudgets::new(
+        &leasehold_test_support::Azurite::shared().account(),
+        &env.container,
+        leasehold_storage::OpCounters::new(),
+    );
+    leasehold_runtime::BudgetStore::write(&store, "default", Duration::from_secs(120), 2)
+        .await
+        .unwrap();
+    let ops = |method: &'static str, path: &'static str| {
+        let url = format!("{base}/ops/{path}");
+        let app = &app;
+        async move {
+            let (status, answer) = post(
+                &app.url("/Ops"),
+                &invocation(method, &url, Some(path), Some("{}")),
+                &[],
+            )
+            .await;
+            assert_eq!(status, 200, "{answer}");
+            let res = &answer["Outputs"]["res"];
+            let body: Value = serde_json::from_str(res["body"].as_str().unwrap()).unwrap();
+            (res["statusCode"].as_u64().unwrap(), body)
+        }
+    };
+    let (status, listed) = ops("GET", "budgets").await;
+    assert_eq!(status, 200, "{listed}");
+    let default = &listed["budgets"][0];
+    assert_eq!(
+        (
+            &default["name"],
+            &default["paused"],
+            &default["limit"],
+            &default["here"]
+        ),
+        (&json!("default"), &json!(true), &json!(2), &Value::Null),
+        "{listed}"
+    );
+    let (status, resumed) = ops("POST", "budgets/default/resume").await;
+    assert_eq!((status, &resumed["wasPaused"]), (200, &json!(true)), "{resumed}");
+    let (_, listed) = ops("GET", "budgets").await;
+    let default = &listed["budgets"][0];
+    assert_eq!(
+        (
+            &default["paused"],
+            &default["resumed"],
+            &default["here"]["pausedHereForSeconds"]
+        ),
+        (&json!(false), &json!(true), &json!(0)),
+        "{listed}"
+    );
+    let (status, _) = ops("POST", "budgets/nothing-here/resume").await;
+    assert_eq!(status, 404);
 
     let (status, answer) = post(
         &app.url("/Dashboard"),
@@ -776,6 +976,88 @@ async fn the_dashboard_page_shows_held_records_and_poison_and_requeues_from_the_
         "document.querySelectorAll('#poison tbody tr').length === 0 && \
          document.getElementById('poison-empty').textContent.includes('low lane')",
         "the low lane's poison table to empty",
+    )
+    .await;
+
+    // Downstream budgets. The held runs end; then a run whose downstream is busy for 5 minutes
+    // pauses the budget `default`: the page shows the pause and a resume button. A cancelled
+    // confirmation sends nothing; a confirmed one ends the pause, and a trigger sent then runs.
+    std::fs::write(env.release_file(), "").unwrap();
+    wait(
+        &browser,
+        "document.querySelectorAll('#held tbody tr').length === 0",
+        "the held runs to end",
+    )
+    .await;
+    env.trigger("throttle-0042").await;
+    let row = wait(
+        &browser,
+        "(() => { const r = document.querySelector('#budgets tbody tr[data-budget=\"default\"][data-paused=\"true\"]'); \
+          return r && r.querySelector('button.resume-budget') ? Array.from(r.querySelectorAll('td')).map(c => c.textContent) : null; })()",
+        "the paused budget with its resume button",
+    )
+    .await;
+    let cells: Vec<&str> = row
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    println!("[dashboard] the paused budget's row: {cells:?}");
+    assert_eq!(cells[0], "default", "{cells:?}");
+    assert!(
+        cells[1].starts_with("paused")
+            && cells[1].contains(" more (until ")
+            && cells[1].contains("last written"),
+        "{cells:?}"
+    );
+    assert!(
+        cells[4].contains("high 0") && cells[4].contains("low 0"),
+        "{cells:?}"
+    );
+    assert!(cells[5].starts_with('1'), "one throttle: {cells:?}");
+    eval(
+        &browser,
+        "window.resumes = 0; const fetched = window.fetch; \
+         window.fetch = (url, init) => { if (String(url).includes('/resume')) window.resumes++; return fetched(url, init); }; \
+         window.confirm = () => false; document.querySelector('#budgets button.resume-budget').click(); true",
+    )
+    .await;
+    assert_eq!(
+        eval(&browser, "window.resumes").await,
+        0,
+        "a cancelled resume sent a request"
+    );
+    eval(
+        &browser,
+        "window.confirm = (text) => { window.confirmed = text; return true; }; \
+         document.querySelector('#budgets button.resume-budget').click(); true",
+    )
+    .await;
+    wait(
+        &browser,
+        "Array.from(document.querySelectorAll('#toasts .toast')).some(t => t.textContent.includes('resumed budget default'))",
+        "the resume's answer",
+    )
+    .await;
+    let asked = eval(&browser, "window.confirmed").await;
+    assert!(
+        asked.as_str().unwrap().contains("Resume the budget default"),
+        "{asked}"
+    );
+    wait(
+        &browser,
+        "(() => { const r = document.querySelector('#budgets tbody tr[data-budget=\"default\"]'); \
+          return !!r && r.dataset.paused === 'false' && r.textContent.includes('resumed by an operator') && !r.querySelector('button'); })()",
+        "the budget running again, resumed",
+    )
+    .await;
+    assert_eq!(eval(&browser, "window.resumes").await, 1);
+    env.trigger("after-resume-0042").await;
+    eventually(
+        Duration::from_secs(15),
+        "a trigger after the resume to run",
+        || async { env.runs().iter().any(|r| r == "after-resume-0042").then_some(()) },
     )
     .await;
 
