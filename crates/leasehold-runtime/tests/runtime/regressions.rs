@@ -3061,6 +3061,188 @@ async fn the_pending_chain_carries_its_token_on_and_only_fresh_chains_take_a_dut
     assert_eq!(messages(&store)[0].after_token, None);
 }
 
+/// Issue 35, gap 1: in a superseding scope a failed run hands its token to its retry only if its
+/// pending note was written. Here the note's write is refused (every retry of it): the note does
+/// not name the run, so a retry carrying its token would find "a later run took this retry's
+/// duty over", stand down, and its trigger would be lost (the simulation caught that fault in one
+/// seed of 40,000). The retry carries no token and runs — in both modes, and for a deferral too.
+#[tokio::test(start_paused = true)]
+async fn a_run_whose_pending_note_was_refused_hands_its_retry_no_token() {
+    let refused = [Act::Refuse(StoreErrorKind::Transient); 5];
+    // Functions: the watchdog becomes the retry.
+    let store = Scripted::new();
+    let logic = Arc::new(FailsFirst {
+        fail: 1,
+        runs: 0.into(),
+    });
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    let poison = MemoryQueue::new("poison", OpCounters::new());
+    store.then(Op::BlobSetMetadata, &refused);
+    let before = store.rules.counters.snapshot();
+    let outcome = watched(&runner, &poison, TriggerKind::Trigger, 1, 0).await;
+    assert!(matches!(outcome, Outcome::Retrying { .. }), "{outcome:?}");
+    let sent = store.rules.counters.snapshot().since(&before);
+    assert_eq!(
+        sent.get(Op::BlobSetMetadata),
+        5,
+        "the note's write and its retries: {sent}"
+    );
+    assert!(notes(&store).await.is_empty(), "the note could not be written");
+    let retry = messages(&store).remove(0);
+    assert_eq!(retry.kind, TriggerKind::Watchdog);
+    let outcome = watched_message(runner.clone(), retry.clone()).await;
+    assert!(
+        matches!(outcome, Outcome::Completed { .. }),
+        "the retry runs, nothing having covered its trigger: {outcome:?}"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
+    assert_eq!(retry.after_token, None);
+
+    // Standalone: the consumer writes the retry on the same message, without the token.
+    let store = Scripted::new();
+    let logic = Arc::new(FailsFirst {
+        fail: 1,
+        runs: 0.into(),
+    });
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    store.then(Op::BlobSetMetadata, &refused);
+    let (consumer, mut taken) = consumer_with_one_trigger(&store, runner.clone()).await;
+    consumer.process(taken.remove(0), CancellationToken::new()).await;
+    assert!(notes(&store).await.is_empty());
+    let token = messages(&store)[0].after_token;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    consumer
+        .process(take_one(&store).await, CancellationToken::new())
+        .await;
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2, "the retry ran");
+    assert!(store.queue().bodies().is_empty());
+    assert_eq!(token, None);
+
+    // A run put off whose note was refused: its deferral carries no token either, and runs.
+    let store = Scripted::new();
+    let logic = Script::new(
+        Duration::from_secs(1),
+        End::RunLater(Some(Duration::from_secs(5))),
+    );
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    store.then(Op::BlobSetMetadata, &refused);
+    let outcome = standalone(&runner, TriggerKind::Trigger, 1, 0).await;
+    let Outcome::Deferred { next, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(notes(&store).await.is_empty());
+    let token = next.after_token;
+    let outcome = runner
+        .handle(
+            &Delivery {
+                message: *next,
+                dequeue_count: 1,
+            },
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(
+        matches!(outcome, Outcome::Deferred { .. }),
+        "it ran again: {outcome:?}"
+    );
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 2);
+    assert_eq!(token, None);
+}
+
+/// Issue 35, gap 2: a deferral whose take of the marker was retried may have taken it, whatever
+/// the retry answered. A run asks to be run later and notes itself pending; its take of the
+/// marker, after its release, lands late — after a later run started and a trigger during that
+/// run set the marker — and its answer is lost; the retry answers "not there". The take did
+/// consume that trigger's marker, so the deferral now stands for the trigger and must carry no
+/// `afterToken`: with it, the deferral would stand down once the later run completed and removed
+/// the note, and nothing would run after the trigger (no seed of 40,000 reached this).
+#[tokio::test(start_paused = true)]
+async fn a_deferrals_retried_take_that_found_no_marker_does_not_stand_down_for_a_later_run() {
+    struct LaterThenLong(AtomicUsize, Mutex<Vec<Instant>>);
+    #[async_trait]
+    impl Logic for LaterThenLong {
+        async fn run(&self, _ctx: RunContext) -> Result<(), LogicError> {
+            self.1.lock().unwrap().push(Instant::now());
+            if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                return Err(LogicError::run_later(Some(Duration::from_secs(5)), "429"));
+            }
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok(())
+        }
+    }
+    let store = Scripted::new();
+    let logic = Arc::new(LaterThenLong(0.into(), Mutex::default()));
+    let options = RunnerOptions {
+        // The later run is let finish (its streak protects it): it completes, removing the note.
+        supersede_streak: 0,
+        ..supersede_options()
+    };
+    let runner = runner_on(&store, logic.clone(), options);
+    // The first run's take of the marker lands 11 s after it is sent (at 21 s) and its answer is
+    // lost; the retry, a late window later, finds no marker.
+    store.then(Op::FlagDelete, &[Act::SlowLoseAnswer(Duration::from_secs(11))]);
+    let first = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    // A trigger at 12 s finds the lease free and runs the later run, which reads pending = 1.
+    let later = tokio::spawn({
+        let runner = runner.clone();
+        async move { standalone(&runner, TriggerKind::Trigger, 1, 0).await }
+    });
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    // A trigger at 20 s, during the later run: the marker, which the first run's take consumes.
+    let t2 = Instant::now();
+    assert_eq!(
+        standalone(&runner, TriggerKind::Trigger, 1, 0).await,
+        Outcome::Coalesced
+    );
+    let deferred = first.await.unwrap();
+    let Outcome::Deferred { next, .. } = deferred else {
+        panic!("{deferred:?}")
+    };
+    assert!(
+        !marker_set(&store).await,
+        "the first run's take consumed the marker"
+    );
+    let token = next.after_token;
+    let outcome = later.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Completed {
+                retriggered: false,
+                ..
+            }
+        ),
+        "the marker was taken by the first run: {outcome:?}"
+    );
+    assert!(
+        !notes(&store).await.contains_key("pending"),
+        "the later run removed the note"
+    );
+    let outcome = runner
+        .handle(
+            &Delivery {
+                message: *next,
+                dequeue_count: 1,
+            },
+            &CancellationToken::new(),
+        )
+        .await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    assert!(
+        logic.1.lock().unwrap().iter().any(|s| *s > t2),
+        "a run started after the trigger of 20 s"
+    );
+    assert_eq!(
+        token, None,
+        "its take was retried: it may carry the trigger of 20 s, and must run"
+    );
+}
+
 /// A sweep stands for other triggers than the one given up: it starts a deferral budget of its
 /// own and waits for no pending run (a sweep carrying the given-up retry's `afterToken` could
 /// stand down for a later run that does not cover what it sweeps).
