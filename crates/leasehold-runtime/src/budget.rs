@@ -456,8 +456,6 @@ struct Budget {
     throttles: u64,
     /// Throttles taken as one record's refusals, not the downstream's: neither paused nor cut.
     record_refusals: u64,
-    /// Runs of the budget that succeeded on this worker.
-    successes: u64,
     /// The concurrency the downstream last answered "too many" at: growth stops below it until
     /// [`PROBE_AFTER`] windows of successes and [`PROBE_EVERY`] have passed since.
     ceiling: Option<usize>,
@@ -555,7 +553,7 @@ pub struct BudgetView {
 
 /// What the gate decided, under the budget's lock.
 enum Gate {
-    Go(usize, u64),
+    Go(usize),
     HandBack(Duration),
     /// Wait, until the pause ends (`Some`) or a slot frees (`None`).
     Wait(Option<Instant>),
@@ -626,7 +624,6 @@ impl Budgets {
             notify: Arc::new(Notify::new()),
             throttles: 0,
             record_refusals: 0,
-            successes: 0,
             ceiling: None,
             since_cut: 0,
             cut_at: None,
@@ -754,7 +751,7 @@ impl Budgets {
                             Lane::High => b.high_run = 0,
                         }
                     }
-                    return Gate::Go(b.in_flight, b.successes);
+                    return Gate::Go(b.in_flight);
                 }
                 if counted.lane.is_none() {
                     match lane {
@@ -773,14 +770,13 @@ impl Budgets {
                         after,
                     };
                 }
-                Gate::Go(position, successes) => {
+                Gate::Go(position) => {
                     drop(counted);
                     return Admission::Go(BudgetPermit {
                         budgets: self.clone(),
                         name,
                         told: false,
                         position,
-                        successes_before: successes,
                         waited,
                     });
                 }
@@ -944,8 +940,6 @@ pub struct BudgetPermit {
     told: bool,
     /// Runs of the budget in flight on this worker when this one started, itself included.
     position: usize,
-    /// The budget's successes on this worker when this one started.
-    successes_before: u64,
     /// Whether the delivery had to wait for it.
     waited: bool,
 }
@@ -969,7 +963,6 @@ impl BudgetPermit {
         }
         let max = self.budgets.inner.options.max_concurrency.max(1) as f64;
         self.budgets.with_budget(&self.name, |b| {
-            b.successes += 1;
             b.since_cut += 1;
             let cap = match b.ceiling {
                 Some(c)
@@ -993,23 +986,23 @@ impl BudgetPermit {
     /// will meet the downstream's 429 themselves).
     ///
     /// Not every refusal is the downstream's: `again` says the run was itself put off by a
-    /// throttle before (a record's chain of deferrals, refused once more), and a run of the
-    /// budget that succeeded on this worker while this one ran says the downstream took work.
-    /// Either way it is one record's refusal (a lock on that record, a validation that answers
-    /// 429): counted, but the budget is neither paused nor cut. Nor does a refusal with no other
-    /// run of the budget in flight here cut the limit: it shows nothing of the concurrency the
-    /// downstream takes (the pause still holds).
+    /// throttle before (a record's chain of deferrals, refused once more): its chain counted
+    /// once, at its first refusal, so this is one record's refusal (a lock on that record, a
+    /// validation that answers 429): counted, but the budget is neither paused nor cut. Nor does
+    /// a refusal with no other run of the budget in flight here cut the limit: it shows nothing
+    /// of the concurrency the downstream takes (the pause still holds). (A refusal beside runs
+    /// that succeed is not taken for one record's: a downstream that takes 3 calls at once
+    /// refuses the 4th while the 3 succeed, and that is what the limit must learn.)
     pub async fn throttled(&mut self, pause: Duration, again: bool) {
         self.told = true;
         let now = Instant::now();
         let until = now + pause;
         let write = self.budgets.with_budget(&self.name, |b| {
             b.throttles += 1;
-            let others_succeeded = b.successes > self.successes_before;
-            if again || others_succeeded {
+            if again {
                 b.record_refusals += 1;
-                tracing::info!(budget = %self.name, again, others_succeeded,
-                    "one record's refusal, not the downstream's: the budget is neither paused nor cut (the record runs later)");
+                tracing::info!(budget = %self.name,
+                    "a record put off by a throttle was refused again: one record's refusal, the budget is neither paused nor cut (the record runs later)");
                 return None;
             }
             let was_paused = b.paused_until.is_some_and(|u| u > now);
@@ -1402,29 +1395,6 @@ mod tests {
             go(&b, Lane::High).await.succeeded();
         }
         assert!(b.views()[0].limit >= 2, "{:?}", b.views());
-    }
-
-    /// A refusal while another run of the budget succeeded on this worker since this run began
-    /// is the record's own: the downstream took that other run's work.
-    #[tokio::test(start_paused = true)]
-    async fn a_refusal_beside_a_success_neither_pauses_nor_cuts() {
-        let (b, store) = budgets(4);
-        let mut refused = go(&b, Lane::High).await;
-        let mut other = go(&b, Lane::High).await;
-        other.succeeded();
-        drop(other);
-        refused.throttled(Duration::from_secs(300), false).await;
-        let view = &b.views()[0];
-        assert_eq!(
-            (view.limit, view.paused_for, view.record_refusals),
-            (4, Duration::ZERO, 1)
-        );
-        assert_eq!(store.counters().snapshot().get(Op::BudgetWrite), 0);
-        // A success before this run began shows nothing of it: that refusal is the downstream's.
-        let _held = go(&b, Lane::High).await;
-        let mut refused = go(&b, Lane::High).await;
-        refused.throttled(Duration::from_secs(5), false).await;
-        assert_eq!(b.views()[0].paused_for, Duration::from_secs(5));
     }
 
     /// A pause read from storage is capped at the longest allowed, and what storage holds

@@ -1827,16 +1827,6 @@ impl Downstream {
         (this, url)
     }
 
-    /// When `record`'s first call answered `status` ended (a 429 ends as it comes).
-    fn first(&self, record: &str, status: u16) -> Option<std::time::Instant> {
-        self.calls
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(_, r, _, s)| r == record && *s == status)
-            .map(|c| c.2)
-    }
-
     fn count(&self, scope: &str, status: u16) -> usize {
         self.calls
             .lock()
@@ -1914,6 +1904,8 @@ async fn an_unrelated_scope_keeps_its_concurrency_beside_a_record_that_always_an
         started.elapsed().as_secs_f64()
     );
     assert!(refused_during >= 1, "the contact kept being refused beside them");
-    assert_eq!(downstream.most_at_once("account"), 4, "ran {took:?}");
+    // 4 slots, one of which the contact's own hops take now and then: 3 or 4 at once (it was 1:
+    // every hop cut the limit and restarted its probe clock).
+    assert!(downstream.most_at_once("account") >= 3, "ran {took:?}");
     app.stop().await;
 }
