@@ -162,11 +162,16 @@ fn shared_pause(timed: &leasehold_storage::azure::TimedMetadata) -> SharedPause 
     let m = &timed.metadata;
     let number = |key: &str| m.get(key).and_then(|v| v.parse::<u64>().ok());
     let left = match (number(PAUSE_MS), timed.last_modified, timed.answered_at) {
-        // Storage's clock both ends. `Last-Modified` is to the second, rounded down: the pause
-        // may end up to a second early (it is advice).
-        (Some(ms), Some(written), Some(now)) => (written + Duration::from_millis(ms))
-            .duration_since(now)
-            .unwrap_or(Duration::ZERO),
+        // Resumed (or a pause of nothing).
+        (Some(0), _, _) => Duration::ZERO,
+        // Storage's clock both ends. `Last-Modified` is to the second, rounded down: a second
+        // is added, so a pause read never ends before the one written (the writer's own would
+        // otherwise be cut short by its next read).
+        (Some(ms), Some(written), Some(now)) => {
+            (written + Duration::from_secs(1) + Duration::from_millis(ms))
+                .duration_since(now)
+                .unwrap_or(Duration::ZERO)
+        }
         // Written by an earlier version: the writer's clock against ours.
         _ => {
             let until = number(PAUSED_UNTIL).unwrap_or(0);

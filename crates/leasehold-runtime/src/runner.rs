@@ -1346,10 +1346,11 @@ impl RecordRunner {
                 // The slot is free once the logic has ended (or been abandoned); a throttle
                 // pauses the budget before this holder's follow-ups are written.
                 if let Some(permit) = &mut permit {
-                    // A record put off by a throttle and refused again is one record's refusal
-                    // (its chain counts once for its budget).
-                    let again = delivery.message.deferral.is_some_and(|d| d.throttled);
-                    tell_budget(permit, logic_end, again).await;
+                    // Every refusal counts for the budget, a throttled chain's later hops too:
+                    // not counting them (`again`) kept a bulk import's limit from being learned
+                    // (its chains are most of its refusals). Telling one record's chain from a
+                    // throttled downstream is not done yet (issue 35, item 2).
+                    tell_budget(permit, logic_end, false).await;
                 }
                 drop(permit);
                 let pause = match logic_end {
