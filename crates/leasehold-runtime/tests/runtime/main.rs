@@ -538,14 +538,8 @@ fn simulation_fingerprints() {
         let budget = if plan.budget.is_some() { " budget" } else { "" };
         // And one with priority lanes ([`sim::LanePlan`]).
         let lanes = if plan.lanes.is_some() { " lanes" } else { "" };
-        // And one with faults aimed at a pending run's note or a deferral's marker take.
-        let pending = if plan.aims_at_pending_steps() {
-            " pending-aims"
-        } else {
-            ""
-        };
         println!(
-            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}{lanes}{pending}",
+            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}{lanes}",
             report.fingerprint
         );
     }
