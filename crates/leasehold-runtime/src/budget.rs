@@ -166,11 +166,13 @@ fn shared_pause(timed: &leasehold_storage::azure::TimedMetadata) -> SharedPause 
         (Some(0), _, _) => Duration::ZERO,
         // Storage's clock both ends. `Last-Modified` is to the second, rounded down: a second
         // is added, so a pause read never ends before the one written (the writer's own would
-        // otherwise be cut short by its next read).
+        // otherwise be cut short by its next read). `Date` is rounded down too, so a read in
+        // the second of the write would say a second more than the pause's length: never more.
         (Some(ms), Some(written), Some(now)) => {
             (written + Duration::from_secs(1) + Duration::from_millis(ms))
                 .duration_since(now)
                 .unwrap_or(Duration::ZERO)
+                .min(Duration::from_millis(ms))
         }
         // Written by an earlier version: the writer's clock against ours.
         _ => {
@@ -1084,6 +1086,23 @@ mod tests {
 
     fn scope(s: &str) -> Scope {
         Scope::parse(s).unwrap()
+    }
+
+    /// A pause read in the second it was written (both `Last-Modified` and `Date` to the
+    /// second) never says more than its length; a second later it says what is left of it,
+    /// never less than the writer's own clock would.
+    #[test]
+    fn a_pause_read_says_no_more_than_its_length_nor_less_than_is_left() {
+        let at = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let timed = |answered: u64| leasehold_storage::azure::TimedMetadata {
+            metadata: HashMap::from([(PAUSE_MS.to_string(), "300000".to_string())]),
+            last_modified: Some(at),
+            answered_at: Some(at + Duration::from_secs(answered)),
+        };
+        assert_eq!(shared_pause(&timed(0)).left, Duration::from_secs(300));
+        assert_eq!(shared_pause(&timed(1)).left, Duration::from_secs(300));
+        assert_eq!(shared_pause(&timed(2)).left, Duration::from_secs(299));
+        assert_eq!(shared_pause(&timed(400)).left, Duration::ZERO);
     }
 
     fn budgets(max: usize) -> (Budgets, Arc<MemoryBudgets>) {
