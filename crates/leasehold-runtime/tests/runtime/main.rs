@@ -538,9 +538,46 @@ fn simulation_fingerprints() {
         let budget = if plan.budget.is_some() { " budget" } else { "" };
         // And one with priority lanes ([`sim::LanePlan`]).
         let lanes = if plan.lanes.is_some() { " lanes" } else { "" };
+        // And one with a long pause and a dead holder ([`sim::LongPausePlan`]).
+        let long_pause = if plan.long_pause.is_some() {
+            " long-pause"
+        } else {
+            ""
+        };
         println!(
-            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}{lanes}",
+            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}{lanes}{long_pause}",
             report.fingerprint
         );
     }
+}
+
+/// A known gap, left to a fix of its own (so not in CI): long-pause seeds ([`sim::LongPausePlan`])
+/// with the priority lanes they draw kept ([`sim::Plan::from_seed_keeping_lanes`]). While every
+/// budget is paused, the standalone consumer sets its 5 s pace after a short batch of the high
+/// lane, or after the low lane's one due take, though the low lane still holds a backlog; a
+/// dead holder's message in the low lane then waits behind it, past the recovery bound.
+/// Prints the seeds that break safety or the bound, and fails if any does.
+#[test]
+#[ignore = "a known gap: run it by name"]
+fn simulation_long_pause_with_lanes() {
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for seed in seeds() {
+        let plan = sim::Plan::from_seed_keeping_lanes(seed);
+        if plan.long_pause.is_none() || plan.lanes.is_none() || plan.mode != sim::Mode::Standalone {
+            continue;
+        }
+        ran += 1;
+        let report = sim::run_plan_bounded(plan, ProtocolVariant::Correct, sim::SEED_REAL_TIME_LIMIT);
+        let broken: Vec<&Violation> = report.violations.iter().filter(|v| v.is_safety()).collect();
+        if !broken.is_empty() {
+            println!("seed {seed}: {broken:?}");
+            failed.push(seed);
+        }
+    }
+    println!(
+        "{} of {ran} standalone long-pause seeds with lanes broke safety or the recovery bound: {failed:?}",
+        failed.len()
+    );
+    assert!(failed.is_empty(), "{} seeds broke the bound", failed.len());
 }

@@ -45,6 +45,11 @@
 //! In half the supersede seeds (fault-free too) the record's runs in its window fail 30-50 % of
 //! the time, and in half of those it is the throttled record as well: retries and deferrals that
 //! carry `afterToken` meet supersedes, stand-downs and chains given up (then sweeps).
+//!
+//! Long pauses ([`LongPausePlan`], 40 % of the budget seeds): the real consumer with 1-3 slots
+//! and its waiting room, a budget paused for 60-300 s, debounce waiters or a backlog meeting the
+//! pause, and a holder that dies while it holds, whose record must run again within the
+//! recovery bound (4) through the pause.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,8 +64,8 @@ use leasehold_lock::{
 };
 use leasehold_runtime::testing::{Effect, FaultyMarkers, FaultyQueue, FaultyStore, Interceptor};
 use leasehold_runtime::{
-    BudgetOptions, Budgets, Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError, MarkerSet,
-    MarkerStore, MemoryBudgets, MemoryMarkers, MemoryQueue, Outcome, PerScope, PoisonMessage,
+    BudgetOptions, BudgetStore, Budgets, Consumer, ConsumerOptions, Delivery, Enqueued, Logic, LogicError,
+    MarkerSet, MarkerStore, MemoryBudgets, MemoryMarkers, MemoryQueue, Outcome, PerScope, PoisonMessage,
     ProtocolVariant, Received, RecordRunner, RunContext, RunPolicy, RunnerOptions, Scope, TriggerKind,
     TriggerMessage, TriggerQueue, WaitConsumed,
 };
@@ -134,6 +139,17 @@ pub enum Fault {
         aim: Aim,
         to_land: Duration,
         to_answer: Duration,
+    },
+    /// `after_pause` after the first pause of the budget began (nothing if none began within
+    /// [`LONG_PAUSE_WAIT`] of this fault's instant), the worker holding a run of `record` dies
+    /// (under Functions: with `host_death`, its whole host), or, when none does, the first that
+    /// holds a run of any record but [`LONG_PAUSE_THROTTLED`]; nobody if no run is in progress
+    /// ([`LongPausePlan`]).
+    CrashHolder {
+        record: usize,
+        after_pause: Duration,
+        host_death: bool,
+        restart_after: Duration,
     },
 }
 
@@ -310,7 +326,67 @@ pub struct Plan {
     pub budget: Option<BudgetPlan>,
     /// Priority lanes ([`LanePlan`], drawn from a generator of its own).
     pub lanes: Option<LanePlan>,
+    /// A long pause and a dead holder ([`LongPausePlan`], drawn from a generator of its own, in
+    /// some budget seeds).
+    pub long_pause: Option<LongPausePlan>,
 }
+
+/// A long pause and a dead holder (issue 35, item 1), in 40 % of the budget seeds: the consumer
+/// has few slots (1-3 on each machine), a record of its own ([`LONG_PAUSE_THROTTLED`]) is
+/// throttled once, alone, with a `Retry-After` of 60-300 s (the cap on a pause raised to
+/// 300 s), and while that pause holds a holder of another record dies ([`Fault::CrashHolder`]:
+/// the victim [`LONG_PAUSE_VICTIM`], whose run started just before the throttle and is long),
+/// so its carrier surfaces during the pause, in half the seeds in its last 30 s. Meanwhile
+/// debounce waiters conclude and meet the pause under their leases (way one: they skip the
+/// first gate), or a backlog of triggers comes faster than one batch per 5 s takes it, spread
+/// over more records than there are slots, so that in the pause's last 30 s, when triggers pass
+/// the first gate, their holders could fill every slot (way two), or both. The seed's own
+/// faults give way to that one death (random faults are off), so the recovery bound (4) is
+/// checked on it: the dead holder's record runs again within it, through the pause. Every
+/// other run is short ([`LONG_PAUSE_OTHER_RUNS`]), and the seed has no low lane (see
+/// [`Plan::from_seed_keeping_lanes`]). Standalone, without the consumer's waiting room and the
+/// hand-back of a long pause at the second gate, or without its pace passing a backlog at once,
+/// the waiting holders (or the backlog) kept the carrier from a slot.
+#[derive(Debug, Clone)]
+pub struct LongPausePlan {
+    /// The consumer's concurrency on every machine (standalone).
+    pub concurrency: usize,
+    /// The throttled record's `Retry-After`: the budget's pause.
+    pub retry_after: Duration,
+    /// When the throttled record's trigger comes (its run is short, and throttles).
+    pub at: Duration,
+    /// The death was aimed so that the carrier surfaces in the pause's last 30 s.
+    pub last_30: bool,
+    /// Debounce records whose waits conclude during the pause (way one), if any.
+    pub debounce_records: usize,
+    /// Triggers of the backlog (way two), over `backlog_records` records from
+    /// [`LONG_PAUSE_BACKLOG_FIRST`].
+    pub backlog: usize,
+    pub backlog_records: usize,
+}
+
+impl LongPausePlan {
+    /// Records the seed's debounce waiters and its backlog spread over, both (way one, way two).
+    pub fn ways(&self) -> (usize, usize) {
+        (self.debounce_records, self.backlog_records)
+    }
+}
+
+/// [`LongPausePlan`]'s throttled record, its victim (whose holder dies), and its backlog's first
+/// record (each a record of its own, in the coalescing scope).
+pub const LONG_PAUSE_THROTTLED: usize = 19;
+pub const LONG_PAUSE_VICTIM: usize = 20;
+pub const LONG_PAUSE_BACKLOG_FIRST: usize = 21;
+/// How long the victim's run lasts (under the run time limit).
+const LONG_PAUSE_VICTIM_RUN: Duration = Duration::from_secs(110);
+/// Every other run of a long-pause seed lasts at most this: a slot of the consumer is then held
+/// for long only by a holder that waits (the recovery bound cannot hold for a consumer whose
+/// few slots run long work: a dead holder's message waits for one like any message).
+const LONG_PAUSE_OTHER_RUNS: Duration = Duration::from_secs(5);
+/// How long after its instant a [`Fault::CrashHolder`] waits for the pause to begin.
+const LONG_PAUSE_WAIT: Duration = Duration::from_secs(60);
+/// The cap on a pause in a long-pause seed ([`BudgetOptions::max_pause`]).
+const LONG_PAUSE_MAX: Duration = Duration::from_secs(300);
 
 /// Priority lanes (issue 25), in a fifth of the seeds: a low lane of its own queue, served by a
 /// second runner on every machine (standalone: the same consumer, its low lane; under Functions
@@ -330,6 +406,8 @@ pub struct LanePlan {
 pub struct BudgetPlan {
     pub max_concurrency: usize,
     pub adaptive: bool,
+    /// The longest pause ([`BudgetOptions::max_pause`]).
+    pub max_pause: Duration,
 }
 
 /// Debounce (issue 24): one or two records of their own ([`DEBOUNCE_FIRST_RECORD`] on) in a
@@ -399,6 +477,17 @@ pub struct Throttle {
 
 impl Plan {
     pub fn from_seed(seed: u64) -> Self {
+        Self::draw(seed, false)
+    }
+
+    /// [`from_seed`](Self::from_seed), keeping the priority lanes a long-pause seed draws
+    /// ([`LongPausePlan`]): reaches a known gap (a dead holder's message in the low lane behind
+    /// a backlog during a pause waits for the consumer's pace).
+    pub fn from_seed_keeping_lanes(seed: u64) -> Self {
+        Self::draw(seed, true)
+    }
+
+    fn draw(seed: u64, keep_lanes: bool) -> Self {
         let mut rng = SmallRng::seed_from_u64(seed ^ 0x5eed);
         let mode = if seed.is_multiple_of(2) {
             Mode::Standalone
@@ -748,13 +837,135 @@ impl Plan {
         let budget = (throttled.is_some() && budget_rng.random_bool(0.5)).then(|| BudgetPlan {
             max_concurrency: budget_rng.random_range(1..=4),
             adaptive: budget_rng.random_bool(0.7),
+            max_pause: SIM_MAX_PAUSE,
+        });
+        // From a generator of its own too, in some budget seeds only, so every other seed keeps
+        // its plan: a long pause and a dead holder ([`LongPausePlan`]).
+        let mut pause_rng = SmallRng::seed_from_u64(seed ^ 0x10e6_9a05);
+        let (mut faulty, mut debounce, mut budget) = (faulty, debounce, budget);
+        let long_pause = budget.is_some_and(|_| pause_rng.random_bool(0.4)).then(|| {
+            let rng = &mut pause_rng;
+            let concurrency = rng.random_range(1..=3usize);
+            let slots = machines * concurrency;
+            let last_30 = rng.random_bool(0.5);
+            let retry_after = Duration::from_secs(if last_30 {
+                rng.random_range(60..=130)
+            } else {
+                rng.random_range(60..=300)
+            });
+            let at = Duration::from_millis(rng.random_range(20_000..70_000));
+            // The death comes `x` after the pause began (a second or two after `at`: the
+            // throttled run is short), so the victim's carrier surfaces 25-35 s later (lease +
+            // 5 s from its last push, just before a renewal): with `last_30`, 5-30 s before
+            // the pause ends. The victim's run lasts until about `at` + 105 s.
+            let p = retry_after.as_millis() as u64;
+            let x = if last_30 {
+                (p.saturating_sub(60_000) + rng.random_range(0..25_000)).clamp(10_000, 90_000)
+            } else {
+                rng.random_range(10_000..=p.saturating_sub(50_000).clamp(10_001, 90_000))
+            };
+            let (with_debounce, with_backlog) = match rng.random_range(0..5) {
+                0 | 1 => (true, false),
+                2 | 3 => (false, true),
+                _ => (true, true),
+            };
+            // The victim's trigger, before the pause; the throttled record's, which starts it,
+            // alone: a refusal while another run of the budget succeeds on its worker is one
+            // record's, and pauses nothing.
+            triggers.retain(|(t, _)| *t + Duration::from_secs(10) < at || *t > at + Duration::from_secs(5));
+            triggers.push((at.saturating_sub(Duration::from_secs(5)), LONG_PAUSE_VICTIM));
+            triggers.push((at, LONG_PAUSE_THROTTLED));
+            // (Its deferral comes back after the pause, past the window, and completes.)
+            throttled = Some(Throttle {
+                record: LONG_PAUSE_THROTTLED,
+                from: at.saturating_sub(Duration::from_secs(1)),
+                to: at + Duration::from_secs(20),
+                max_deferral: LONG_PAUSE_MAX * 2,
+            });
+            // Way one: more debounce records than the consumers have slots (and the
+            // restarted worker's), each with a burst that concludes around the death.
+            let mut debounce_records = 0;
+            if with_debounce {
+                debounce_records = slots + concurrency + 2;
+                let quiet = Duration::from_secs([3, 6][rng.random_range(0..2)]);
+                let d = debounce.get_or_insert_with(|| DebouncePlan {
+                    quiet,
+                    longest: quiet * 3,
+                    records: 0,
+                    bursts: Vec::new(),
+                    supersede: false,
+                });
+                d.records = d.records.max(debounce_records);
+                let gap_max = d.quiet.as_millis() as u64 - 1_000;
+                let from = x.saturating_sub(15_000).max(3_000);
+                for k in 0..debounce_records {
+                    let record = DEBOUNCE_FIRST_RECORD + k;
+                    let first = at + Duration::from_millis(rng.random_range(from..x + 20_000));
+                    let mut t = first;
+                    for _ in 0..rng.random_range(2..=4) {
+                        triggers.push((t, record));
+                        t += Duration::from_millis(rng.random_range(300..gap_max));
+                    }
+                    d.bursts.push((record, first, t));
+                }
+            }
+            // Way two: a backlog that a batch per 5 s falls behind (k = 1.5-3 times what
+            // the consumers take at that pace), from before the death until past the
+            // carrier's surfacing, over more records than there are slots.
+            let (mut backlog, mut backlog_records) = (0, 0);
+            if with_backlog {
+                backlog_records = slots + concurrency + 2;
+                let k = rng.random_range(1.5..3.0);
+                let gap = Duration::from_secs_f64(5.0 / (slots as f64 * k)).max(Duration::from_millis(100));
+                let end = at + Duration::from_millis((x + 50_000).min(p + 1_000));
+                let start = at + Duration::from_millis(x.saturating_sub(25_000).max(3_000));
+                let start = start.max(end.saturating_sub(gap * 200));
+                let mut t = start;
+                while t < end {
+                    let record = LONG_PAUSE_BACKLOG_FIRST + rng.random_range(0..backlog_records);
+                    triggers.push((t, record));
+                    backlog += 1;
+                    t += gap;
+                }
+            }
+            triggers.sort();
+            // The seed's own faults give way to the death (random faults are off too).
+            faulty = true;
+            faults = vec![(
+                at,
+                Fault::CrashHolder {
+                    record: LONG_PAUSE_VICTIM,
+                    after_pause: Duration::from_millis(x),
+                    host_death: mode == Mode::FunctionsHost && rng.random_bool(0.5),
+                    restart_after: Duration::from_millis(rng.random_range(1_000..5_000)),
+                },
+            )];
+            if let Some(b) = &mut budget {
+                b.max_pause = LONG_PAUSE_MAX;
+            }
+            LongPausePlan {
+                concurrency,
+                retry_after,
+                at,
+                last_30,
+                debounce_records,
+                backlog,
+                backlog_records,
+            }
         });
         let mut lane_rng = SmallRng::seed_from_u64(seed ^ 0x1a4e_5eed);
-        let lanes = lane_rng.random_bool(0.2).then(|| LanePlan {
+        let mut lanes = lane_rng.random_bool(0.2).then(|| LanePlan {
             low: (0..triggers.len())
                 .filter(|_| lane_rng.random_bool(0.5))
                 .collect(),
         });
+        // Not in a long-pause seed (drawn all the same, so the draws stay the same): while every
+        // budget is paused, a short batch of the high lane sets the consumer's pace though the
+        // low lane holds a backlog, and a dead holder's message behind it waits for the pace (a
+        // known gap, left to a fix of its own: [`Plan::from_seed_keeping_lanes`] reaches it).
+        if long_pause.is_some() && !keep_lanes {
+            lanes = None;
+        }
         Self {
             seed,
             mode,
@@ -780,6 +991,7 @@ impl Plan {
             debounce,
             budget,
             lanes,
+            long_pause,
         }
     }
 }
@@ -968,6 +1180,24 @@ pub struct FaultCounts {
     /// Seeds with priority lanes ([`LanePlan`]), and triggers put in the low lane.
     pub lane_seeds: u64,
     pub low_triggers: u64,
+    /// Seeds with a long pause and a dead holder ([`LongPausePlan`]), and their backlogs'
+    /// triggers.
+    pub long_pause_seeds: u64,
+    pub long_pause_backlog: u64,
+    /// Of those seeds: with debounce waiters (way one), with a backlog (way two), and with the
+    /// death aimed so that its carrier surfaces in the pause's last 30 s.
+    pub long_pause_debounce_seeds: u64,
+    pub long_pause_backlog_seeds: u64,
+    pub long_pause_last_30_seeds: u64,
+    /// Holders that died while the pause held; of those, ones whose carrier surfaced (30 s
+    /// after, about) in the pause's last 30 s, and ones the recovery bound (4) checked.
+    pub long_pause_deaths: u64,
+    pub long_pause_late_carriers: u64,
+    pub long_pause_checked: u64,
+    /// Deaths aimed at a holder that found no run in progress (no death), or no pause within
+    /// [`LONG_PAUSE_WAIT`] (the throttle a record's refusal, or late).
+    pub long_pause_no_holder: u64,
+    pub long_pause_no_pause: u64,
     /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
     pub landed_late: [u64; 7],
     /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
@@ -1204,6 +1434,43 @@ impl FaultCounts {
             ),
             ("seeds with priority lanes (a low lane's queue)", self.lane_seeds),
             ("triggers put in the low lane", self.low_triggers),
+            (
+                "seeds with a long pause (60-300 s), few slots and a dead holder",
+                self.long_pause_seeds,
+            ),
+            (
+                "... with debounce waiters meeting it (way one)",
+                self.long_pause_debounce_seeds,
+            ),
+            (
+                "... with a backlog of triggers (way two)",
+                self.long_pause_backlog_seeds,
+            ),
+            (
+                "... with the death aimed at the pause's last 30 s",
+                self.long_pause_last_30_seeds,
+            ),
+            (
+                "triggers of a backlog during a long pause",
+                self.long_pause_backlog,
+            ),
+            ("holders that died during a long pause", self.long_pause_deaths),
+            (
+                "... whose carrier surfaced in the pause's last 30 s",
+                self.long_pause_late_carriers,
+            ),
+            (
+                "... whose record the recovery bound checked",
+                self.long_pause_checked,
+            ),
+            (
+                "deaths aimed at a holder during a long pause that found none",
+                self.long_pause_no_holder,
+            ),
+            (
+                "... that found no pause (one record's refusal, or a throttle too late)",
+                self.long_pause_no_pause,
+            ),
         ];
         const LOST: [&str; 6] = [
             "lost answers aimed at a lease acquire (retried)",
@@ -1325,6 +1592,16 @@ impl FaultCounts {
             budget_paused: v[63],
             lane_seeds: v[64],
             low_triggers: v[65],
+            long_pause_seeds: v[66],
+            long_pause_debounce_seeds: v[67],
+            long_pause_backlog_seeds: v[68],
+            long_pause_last_30_seeds: v[69],
+            long_pause_backlog: v[70],
+            long_pause_deaths: v[71],
+            long_pause_late_carriers: v[72],
+            long_pause_checked: v[73],
+            long_pause_no_holder: v[74],
+            long_pause_no_pause: v[75],
             lost_answers: std::array::from_fn(|i| self.lost_answers[i] + other.lost_answers[i]),
             failed_steps: std::array::from_fn(|i| self.failed_steps[i] + other.failed_steps[i]),
             landed_late: std::array::from_fn(|i| self.landed_late[i] + other.landed_late[i]),
@@ -1364,8 +1641,12 @@ struct Journal {
     runs: Vec<RunRecord>,
     /// Accepted triggers: correlation id, record, time.
     accepted: Vec<(String, String, Instant)>,
-    /// Budget pauses: when a throttle asked, and until when it paused the budget.
+    /// Budget pauses: when a throttle asked, and until when it paused the budget (or would
+    /// have: one record's refusal pauses nothing).
     pauses: Vec<(Instant, Instant)>,
+    /// A long-pause seed's pause ([`LongPausePlan`]) as its budget store held it when first
+    /// seen: from, until.
+    long_pause: Option<(Instant, Instant)>,
     /// When each external trigger was first received by a worker (for the coalescing check).
     arrivals: Vec<(String, Instant)>,
     /// Worker deaths: when, machine, the records it was running, restart pause, whole host.
@@ -1466,11 +1747,22 @@ pub struct World {
     supersede_failing_until: Option<Instant>,
     /// Debounce's quiet period Q ([`DebouncePlan`]).
     debounce_quiet: Option<Duration>,
+    /// The longest pause of the budget ([`BudgetPlan::max_pause`]).
+    max_pause: Duration,
+    /// [`LongPausePlan`]: the throttled record's `Retry-After`, and until when a run of the
+    /// victim that starts is long.
+    long_pause: Option<(Duration, Instant)>,
     /// Per machine: the records (keys) whose waiter's wake is in progress there, from its look
     /// at the wait marker until the worker's next lock or marker request on the record, a queue
     /// write of the record's message, or a look or consume that found no marker (see
     /// [`Node::step`]): a death meanwhile counts like a holder's for the recovery bound.
     wakes: Mutex<HashMap<usize, HashSet<String>>>,
+    /// Each message's body as a worker last received it, by id; and per machine and message
+    /// id, the record (key) of a waiter rewritten in place, its update in flight: the wake ends
+    /// when the update lands (the message is then the next waiter, not a dead wake's
+    /// redelivery), not when its answer comes back.
+    received: Mutex<HashMap<String, String>>,
+    wake_writes: Mutex<HashMap<(usize, String), String>>,
 }
 
 impl World {
@@ -1553,6 +1845,7 @@ impl Node {
         let (record, prev) = self.step(op, target);
         let sent = Instant::now();
         let effect = self.landing(op, record, prev, sent, effect);
+        let effect = self.wake_write_landing(op, target, effect);
         if world.partitioned(self.machine) || world.chance(0.002) {
             // No answer within the client's time-out; the request may still land afterwards.
             {
@@ -1821,6 +2114,30 @@ impl Node {
             {
                 drop(looked);
                 world.count(|c| c.puts_after_a_look += 1);
+            }
+            result
+        })
+    }
+
+    /// A waiter rewritten in place ([`World::wake_writes`]): its wake ends when the update lands.
+    fn wake_write_landing<T: Send + 'static>(&self, op: Op, target: &str, effect: Effect<T>) -> Effect<T> {
+        if op != Op::QueueUpdate {
+            return effect;
+        }
+        let Some(key) = self
+            .world
+            .wake_writes
+            .lock()
+            .unwrap()
+            .remove(&(self.machine, target.to_string()))
+        else {
+            return effect;
+        };
+        let (world, machine) = (self.world.clone(), self.machine);
+        Box::pin(async move {
+            let result = effect.await;
+            if result.is_ok() {
+                world.wake(machine, &key, false);
             }
             result
         })
@@ -2185,12 +2502,45 @@ impl TriggerQueue for NotingQueue {
         put
     }
     async fn get(&self, max: u32, visibility: Duration) -> StoreResult<Vec<Received>> {
-        self.inner.get(max, visibility).await
+        let got = self.inner.get(max, visibility).await;
+        if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
+            println!(
+                "t={:.3}s machine {} got {} of {max} from {}",
+                self.world.at(Instant::now()),
+                self.machine,
+                got.as_ref().map_or(0, Vec::len),
+                self.inner.name()
+            );
+        }
+        if let Ok(messages) = &got {
+            let mut received = self.world.received.lock().unwrap();
+            for m in messages {
+                received.insert(m.id.clone(), m.body.clone());
+            }
+        }
+        got
     }
     async fn delete(&self, id: &str, receipt: &str) -> StoreResult<()> {
         self.inner.delete(id, receipt).await
     }
     async fn set_visibility(&self, id: &str, receipt: &str, body: &str, v: Duration) -> StoreResult<String> {
+        // A waiter written back in place (not a renewal, which keeps the body as received).
+        if let Ok(t) = TriggerMessage::decode(body)
+            && t.wait.is_some()
+            && self
+                .world
+                .received
+                .lock()
+                .unwrap()
+                .get(id)
+                .is_some_and(|b| b != body)
+        {
+            self.world
+                .wake_writes
+                .lock()
+                .unwrap()
+                .insert((self.machine, id.to_string()), t.key().as_str().to_string());
+        }
         let updated = self.inner.set_visibility(id, receipt, body, v).await;
         // A deferral persisted in place (standalone) or into the watchdog (Functions); a retry
         // (standalone: the message itself, made visible after the retry delay).
@@ -2334,7 +2684,7 @@ impl SimLogic {
         if self.world.budgets.is_some() {
             j.counts.budget_throttles += 1;
             let now = Instant::now();
-            let pause = asked.map_or(SIM_DEFAULT_DEFERRAL, |a| a.min(SIM_MAX_PAUSE));
+            let pause = asked.map_or(SIM_DEFAULT_DEFERRAL, |a| a.min(self.world.max_pause));
             j.pauses.push((now, now + pause));
             return LogicError::throttled(asked, "sim: throttled (too many)");
         }
@@ -2370,6 +2720,18 @@ impl Logic for SimLogic {
             (Duration::from_millis(d), fails, panics, slow_stop, detached)
         };
         let now = Instant::now();
+        // A long-pause seed ([`LongPausePlan`]): the victim's run that starts before the
+        // throttle is long (its holder dies during the pause); the throttled record's are short,
+        // so its throttle starts the pause at once. No draw is added.
+        let duration = match &world.long_pause {
+            Some((_, until)) if ctx.record_id.as_str() == format!("r{LONG_PAUSE_VICTIM}") && now < *until => {
+                LONG_PAUSE_VICTIM_RUN
+            }
+            Some(_) if ctx.record_id.as_str() == format!("r{LONG_PAUSE_THROTTLED}") => {
+                Duration::from_millis(300)
+            }
+            _ => duration,
+        };
         // Supersede: a run of the supersede record that starts in its stream's window is long,
         // and half of them take up to 4 s to stop (inside the stop grace: not a fault, not
         // counted as a slow stop); a slow stop drawn above stays. Work that ignores cancellation
@@ -2413,6 +2775,11 @@ impl Logic for SimLogic {
             }
             _ => (duration, slow_stop, true, false),
         };
+        // A long-pause seed's other runs are short ([`LONG_PAUSE_OTHER_RUNS`]).
+        let duration = match &world.long_pause {
+            Some(_) if duration != LONG_PAUSE_VICTIM_RUN => duration.min(LONG_PAUSE_OTHER_RUNS),
+            _ => duration,
+        };
         let bad = world
             .bad_record
             .as_ref()
@@ -2430,6 +2797,10 @@ impl Logic for SimLogic {
             .as_ref()
             .is_some_and(|(r, from, to)| *r == ctx.record_id.as_str() && now >= *from && now < *to)
             .then(|| {
+                // A long-pause seed's throttle asks its Retry-After, undrawn.
+                if let Some((retry_after, _)) = &world.long_pause {
+                    return Some(*retry_after);
+                }
                 let mut rng = world.logic_rng.lock().unwrap();
                 match rng.random_range(0..100) {
                     0..70 => Some(Duration::from_millis(rng.random_range(5_000..60_000))),
@@ -2605,7 +2976,7 @@ fn granted(plan: &Plan, so_far: Duration, asked: Option<Duration>) -> Option<Dur
     }
     // A throttle's delay is its budget's pause: the asked time, capped (the default when none).
     let asked = match plan.budget {
-        Some(_) => Some(asked.map_or(SIM_DEFAULT_DEFERRAL, |a| a.min(SIM_MAX_PAUSE))),
+        Some(b) => Some(asked.map_or(SIM_DEFAULT_DEFERRAL, |a| a.min(b.max_pause))),
         None => asked,
     };
     Some(asked.unwrap_or(SIM_DEFAULT_DEFERRAL).max(floor).min(remaining))
@@ -2967,7 +3338,7 @@ impl Sim {
                     // The default pause is the default deferral (as the checks of run later
                     // expect, [`granted`]).
                     default_pause: SIM_DEFAULT_DEFERRAL,
-                    max_pause: SIM_MAX_PAUSE,
+                    max_pause: plan.max_pause,
                     ..BudgetOptions::default()
                 },
             );
@@ -2995,6 +3366,15 @@ impl Sim {
                     poll_max: Duration::from_secs(2),
                     shutdown_grace: Duration::from_secs(10),
                     ..ConsumerOptions::default()
+                };
+                // A long-pause seed's consumers have few slots.
+                let options = ConsumerOptions {
+                    concurrency: self
+                        .plan
+                        .long_pause
+                        .as_ref()
+                        .map_or(options.concurrency, |l| l.concurrency),
+                    ..options
                 };
                 let mut consumer = Consumer::new(runner, poison.clone(), options);
                 if let Some(low) = low_runner {
@@ -3090,7 +3470,8 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     EPOCH.with(|e| e.set(Some(epoch)));
     let world = Arc::new(World {
         rng: Mutex::new(SmallRng::seed_from_u64(plan.seed)),
-        faults: AtomicBool::new(plan.faulty),
+        // A long-pause seed's one fault is its death: no random ones.
+        faults: AtomicBool::new(plan.faulty && plan.long_pause.is_none()),
         // Storage's clock runs fast: its leases end early by the workers' clocks.
         blob: Arc::new(MemoryStore::new().with_clock_rate(1.0 + plan.skew)),
         markers: Arc::new(MemoryMarkers::new()),
@@ -3139,7 +3520,14 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         supersede_failures: plan.supersede_failures,
         supersede_failing_until: plan.supersede.map(|s| epoch + s.to + plan.supersede_failing_tail),
         debounce_quiet: plan.debounce.as_ref().map(|d| d.quiet),
+        max_pause: plan.budget.map_or(SIM_MAX_PAUSE, |b| b.max_pause),
+        long_pause: plan
+            .long_pause
+            .as_ref()
+            .map(|l| (l.retry_after, epoch + l.at + Duration::from_secs(2))),
         wakes: Mutex::default(),
+        received: Mutex::default(),
+        wake_writes: Mutex::default(),
     });
     if let Some(d) = &plan.debounce {
         world.count(|c| {
@@ -3165,6 +3553,16 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
     }
     if plan.budget.is_some() {
         world.count(|c| c.budget_seeds += 1);
+    }
+    if let Some(l) = &plan.long_pause {
+        world.count(|c| {
+            c.long_pause_seeds += 1;
+            c.long_pause_backlog += l.backlog as u64;
+            let (debounce, backlog) = l.ways();
+            c.long_pause_debounce_seeds += u64::from(debounce > 0);
+            c.long_pause_backlog_seeds += u64::from(backlog > 0);
+            c.long_pause_last_30_seeds += u64::from(l.last_30);
+        });
     }
     if let Some(lanes) = &plan.lanes {
         world.count(|c| {
@@ -3230,6 +3628,8 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
         .map(|(at, f)| (epoch + *at, Step::Fault(*f)))
         .collect();
     let mut generation = 1u64;
+    // A long-pause seed: when its budget's pause was first seen ([`Fault::CrashHolder`]).
+    let mut long_paused: Option<Instant> = None;
     // An aimed crash that fired is carried out at once, like a planned one.
     let aimed = |fault: Fault| {
         let Fault::CrashAfter {
@@ -3272,6 +3672,81 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
             },
         };
         let now = Instant::now();
+        // A death aimed at a holder: the worker that runs the record now, else one that runs
+        // any record but the throttled one; nobody when no run is in progress.
+        let step = match step {
+            Step::Fault(
+                fault @ Fault::CrashHolder {
+                    record,
+                    after_pause,
+                    host_death,
+                    restart_after,
+                },
+            ) => {
+                // When the budget's first pause began (seen in its store), if it did.
+                if long_paused.is_none()
+                    && let Some((store, _)) = &world.budgets
+                {
+                    for name in store.names().await.unwrap_or_default() {
+                        if let Ok(Some(p)) = store.read(&name).await
+                            && !p.left.is_zero()
+                        {
+                            long_paused = Some(now);
+                            world.journal.lock().unwrap().long_pause = Some((now, now + p.left));
+                        }
+                    }
+                }
+                match long_paused {
+                    None if plan
+                        .long_pause
+                        .as_ref()
+                        .is_some_and(|l| now < epoch + l.at + LONG_PAUSE_WAIT) =>
+                    {
+                        timeline.push((now + Duration::from_secs(1), Step::Fault(fault)));
+                        continue;
+                    }
+                    None => {
+                        world.count(|c| c.long_pause_no_pause += 1);
+                        continue;
+                    }
+                    Some(from) if now < from + after_pause => {
+                        timeline.push((from + after_pause, Step::Fault(fault)));
+                        continue;
+                    }
+                    Some(_) => {}
+                }
+                let running: Vec<Vec<String>> = (0..plan.machines)
+                    .map(|m| {
+                        if workers[m].alive.load(Ordering::SeqCst) {
+                            sim.running_on(m)
+                        } else {
+                            Vec::new()
+                        }
+                    })
+                    .collect();
+                let victim = format!("r{record}");
+                let throttled = format!("r{LONG_PAUSE_THROTTLED}");
+                let holder = (0..plan.machines)
+                    .find(|m| running[*m].contains(&victim))
+                    .or_else(|| (0..plan.machines).find(|m| running[*m].iter().any(|r| *r != throttled)));
+                let Some(machine) = holder else {
+                    world.count(|c| c.long_pause_no_holder += 1);
+                    continue;
+                };
+                Step::Fault(if host_death {
+                    Fault::HostDeath {
+                        machine,
+                        restart_after,
+                    }
+                } else {
+                    Fault::Crash {
+                        machine,
+                        restart_after,
+                    }
+                })
+            }
+            step => step,
+        };
         match step {
             Step::Restart { machine, host_too } => {
                 generation += 1;
@@ -3897,6 +4372,19 @@ fn check(plan: &Plan, world: &World) -> Report {
     let mut double_faults = 0;
     let mut recoveries = Vec::new();
     for (when, machine, records, restart, host_death) in &j.deaths {
+        // A long-pause seed's death while the pause held ([`LongPausePlan`]): its carrier
+        // surfaces about 30 s later, perhaps in the pause's last 30 s. Nothing about the pause
+        // excuses the bound: a carrier is never held by one.
+        if let Some((from, until)) = j.long_pause
+            && from <= *when
+            && *when < until
+        {
+            counts.long_pause_deaths += 1;
+            let surfaces = *when + VISIBILITY - Duration::from_secs(5);
+            if surfaces <= until && surfaces + Duration::from_secs(30) >= until {
+                counts.long_pause_late_carriers += 1;
+            }
+        }
         let mut deadline = *when + bound + *restart;
         for (later, _, _, later_restart, _) in &j.deaths {
             if *later > *when && *later <= deadline {
@@ -3945,6 +4433,9 @@ fn check(plan: &Plan, world: &World) -> Report {
                 continue;
             }
             let recovered = taken_over || runs.iter().any(|r| r.start > *when && r.start <= deadline);
+            if plan.long_pause.is_some() {
+                counts.long_pause_checked += 1;
+            }
             let ran_later = runs.iter().any(|r| r.start > *when);
             let alone = deadline == *when + bound + *restart;
             if let Some(next) = runs.iter().find(|r| r.start > *when).filter(|_| alone) {
