@@ -1775,12 +1775,14 @@ fn downstream_ok(worker: &str, body: &Value) {
 /// with that `Retry-After` at once.
 type Answer = Result<Duration, u64>;
 
+/// A call to [`Downstream`]: scope, record, when it came, and the status answered.
+type ScopedCall = (String, String, std::time::Instant, u16);
+
 /// A downstream for the budget reproductions: `answer(scope, record)` says what each call gets.
-/// It notes every call (scope, record, when it came, status) and, per scope, the most calls in
-/// flight at once.
+/// It notes every call and, per scope, the calls in flight now and the most at once.
 #[derive(Clone, Default)]
 struct Downstream {
-    calls: std::sync::Arc<std::sync::Mutex<Vec<(String, String, std::time::Instant, u16)>>>,
+    calls: std::sync::Arc<std::sync::Mutex<Vec<ScopedCall>>>,
     in_flight: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (usize, usize)>>>,
 }
 
@@ -1861,6 +1863,113 @@ async fn save(app: &Running, scope: &str, record: &str) {
     )
     .await;
     assert_eq!(status, 202, "{answer}");
+}
+
+const ADMIN_KEY: &str = "app-test-admin-key-6d1e-90b3c2f4a8e7";
+
+/// Issue 35's reproduction (a): a resumed budget runs at once. The downstream answers a record's
+/// call 429 with `Retry-After: 300`: the budget pauses for 5 minutes, and a person's save sent
+/// during the pause meets it and is handed back (a pause that long is not waited out).
+/// `leasehold budget resume default` — the command line, another process: `serve` learns of it
+/// from storage — ends the pause, and the person's save runs within a few seconds, not at the
+/// pause's original end; so does a save sent after the resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resumed_budget_runs_at_once() {
+    let started = std::time::Instant::now();
+    let env = Env::new();
+    let (downstream, url) = Downstream::serve(|_, record| {
+        if record.starts_with("busy") {
+            Err(300)
+        } else {
+            Ok(Duration::from_millis(100))
+        }
+    })
+    .await;
+    let app = env
+        .start(
+            common::standalone(),
+            &[
+                ("LEASEHOLD_LOGIC_URL", url),
+                ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY.to_string()),
+            ],
+        )
+        .await;
+    let store = leasehold_runtime::AzureBudgets::new(
+        &leasehold_test_support::Azurite::shared().account(),
+        &env.container,
+        leasehold_lock::OpCounters::new(),
+    );
+    use leasehold_runtime::BudgetStore;
+    save(&app, "account", "busy-1").await;
+    eventually(
+        Duration::from_secs(30),
+        "the 5-minute pause to be written",
+        || async {
+            let read = unless_transient(store.read("default").await, "read the budget")?;
+            read.filter(|p| p.left > Duration::from_secs(250)).map(|_| ())
+        },
+    )
+    .await;
+
+    // A person's save meets the pause and is handed back.
+    let person = unique_name("person");
+    save(&app, "account", &person).await;
+    let record = app.url(&format!("/api/admin/records/account/{person}"));
+    eventually(
+        Duration::from_secs(30),
+        "the person's save to be handed back",
+        || async {
+            let view: Value = common::get(&record, &[("x-leasehold-admin-key", ADMIN_KEY)])
+                .await
+                .json()
+                .await
+                .ok()?;
+            (view["recentOutcome"]["outcome"] == "paused").then_some(())
+        },
+    )
+    .await;
+    assert!(downstream.first(&person, 200).is_none());
+
+    // The operator resumes it from the command line.
+    let resumed_at = std::time::Instant::now();
+    let (ok, out) = env.output(&["budget", "resume", "default"]).await;
+    assert!(
+        ok && out.contains("resumed budget default"),
+        "{out}\n{}",
+        env.log("budget")
+    );
+    let command_took = resumed_at.elapsed();
+    let ran = eventually(
+        Duration::from_secs(30),
+        "the person's save to run after the resume (not at the pause's original end, 5 minutes on)",
+        || async { downstream.first(&person, 200) },
+    )
+    .await;
+    let after = ran - resumed_at;
+    // And a save sent now runs at once too.
+    let later = unique_name("later");
+    let sent = std::time::Instant::now();
+    save(&app, "account", &later).await;
+    let later_ran = eventually(
+        Duration::from_secs(30),
+        "a save after the resume to run",
+        || async { downstream.first(&later, 200) },
+    )
+    .await;
+    println!(
+        "[budgets] resumed from the command line (which took {:.2} s): the handed-back save ran {:.2} s after the command was started, a save sent then {:.2} s after it was sent (test {:.1} s)",
+        command_took.as_secs_f64(),
+        after.as_secs_f64(),
+        (later_ran - sent).as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    // `serve` reads the pause within its refresh interval (3 s) while it holds a trigger handed
+    // back for it, makes the trigger visible and polls.
+    assert!(
+        after < command_took + Duration::from_secs(5),
+        "{after:?} after the command was started, which took {command_took:?}"
+    );
+    app.stop().await;
 }
 
 /// Issue 35's reproduction (b): an unrelated scope keeps its concurrency beside a record that
