@@ -801,7 +801,8 @@ impl Budgets {
     fn watch(&self, name: &str) {
         let this = self.clone();
         let name = name.to_string();
-        let every = self.inner.options.refresh_every;
+        // Never a busy loop, whatever the options say.
+        let every = self.inner.options.refresh_every.max(Duration::from_millis(100));
         tokio::spawn(async move {
             let mut next = Instant::now();
             loop {
