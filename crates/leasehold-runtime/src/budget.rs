@@ -9,7 +9,9 @@
 //!   [`BudgetOptions::refresh_every`] and only while it starts runs of the budget, in the
 //!   background: a run start costs no storage request. A delivery that meets a paused budget
 //!   hands its message back, hidden until the pause ends, without counting as an attempt
-//!   ([`Outcome::Paused`](crate::Outcome::Paused)).
+//!   ([`Outcome::Paused`](crate::Outcome::Paused)); standalone, a worker that learns the pause
+//!   ended early (a resume) makes the messages it handed back visible again at once
+//!   ([`Budgets::handed_back`]).
 //! * **Concurrency that finds the downstream's limit.** Each worker starts at most `limit` runs
 //!   of a budget at once: additive increase (one more after `limit` successes in a row),
 //!   multiplicative decrease (halved by the first throttle of a pause), between 1 and
@@ -33,6 +35,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::flow::PerScope;
+use crate::queue::TriggerQueue;
 use crate::record::Scope;
 
 /// Prefix of budget blobs in the container.
@@ -472,6 +475,32 @@ struct Budget {
     cut_at: Option<Instant>,
     /// Whether a pause read beyond `max_pause` was warned of (once per such pause).
     warned_cap: bool,
+    /// Triggers this worker handed back for the pause, hidden until its end: made visible again
+    /// when the pause ends early here ([`Budgets::handed_back`]).
+    handed_back: Vec<HandedBack>,
+    /// Whether a task reads the pause while triggers are handed back (no run may start to).
+    watching: bool,
+}
+
+/// The most triggers a worker remembers handing back for one budget's pause; one handed back
+/// beyond them comes back at the pause's end, resumed or not.
+pub const MAX_HANDED_BACK: usize = 10_000;
+
+/// How much later than a pause's end a handed-back trigger may be hidden and still count as
+/// hidden for that pause (the time between the decision and the update that hid it).
+const RELEASE_SLACK: Duration = Duration::from_secs(1);
+
+/// Updates that make handed-back triggers visible again, at once.
+const RELEASES_AT_ONCE: usize = 16;
+
+/// A trigger this worker handed back for a budget's pause: its message on `queue`, hidden until
+/// `until` by the update that returned `receipt`.
+#[derive(Debug)]
+struct HandedBack {
+    queue: Arc<dyn TriggerQueue>,
+    id: String,
+    receipt: String,
+    until: Instant,
 }
 
 /// After a cut, the limit grows back to just below the concurrency that was too many, and
@@ -531,6 +560,9 @@ struct Inner {
     store: Arc<dyn BudgetStore>,
     options: BudgetOptions,
     budgets: Mutex<HashMap<String, Budget>>,
+    /// Told when a pause ended early here (and the triggers handed back for it are visible
+    /// again): a consumer pacing its polls through the pause polls now.
+    ended_early: Notify,
 }
 
 impl fmt::Debug for Budgets {
@@ -573,6 +605,7 @@ impl Budgets {
                 store,
                 options,
                 budgets: Mutex::new(HashMap::new()),
+                ended_early: Notify::new(),
             }),
         }
     }
@@ -635,6 +668,8 @@ impl Budgets {
             since_cut: 0,
             cut_at: None,
             warned_cap: false,
+            handed_back: Vec::new(),
+            watching: false,
         });
         f(budget)
     }
@@ -665,17 +700,158 @@ impl Budgets {
 
     /// Ends the budget `name`'s pause, in storage (every worker stops honouring it at its next
     /// read, within [`BudgetOptions::refresh_every`] of its next look) and on this worker at
-    /// once. Says whether storage held a pause.
+    /// once: the triggers it handed back for the pause are made visible again. Says whether
+    /// storage held a pause.
     pub async fn resume(&self, name: &str) -> Result<bool, StoreError> {
         let was = self.inner.store.resume(name).await?;
-        self.with_budget(name, |b| {
+        let handed_back = self.with_budget(name, |b| {
             b.paused_until = None;
             b.shared_until = None;
             b.unshared_until = None;
             b.notify.notify_waiters();
+            std::mem::take(&mut b.handed_back)
         });
         tracing::info!(budget = %name, was_paused = was, "budget resumed: runs of it start again");
+        self.release(name, handed_back);
         Ok(was)
+    }
+
+    /// Completes when a pause ends early on this worker (a resume, or a shorter pause read from
+    /// storage), once the triggers handed back for it are visible again. A consumer that paces
+    /// its polls while every budget is paused waits on it too.
+    pub async fn pause_ended_early(&self) {
+        self.inner.ended_early.notified().await
+    }
+
+    /// Notes a trigger handed back for the budget `name`'s pause: its message `id` on `queue`,
+    /// hidden for `hidden` by the update that returned `receipt`. When this worker learns that
+    /// the pause ended early (a resume here, or a resumed or shorter pause read from storage),
+    /// the message is made visible again at once (one request) instead of at the pause's
+    /// original end; if the message was taken since, the stale receipt changes nothing. While
+    /// it holds such triggers the worker reads the pause every
+    /// [`BudgetOptions::refresh_every`], whether or not it starts runs of the budget. A trigger
+    /// hidden for no longer than that is not noted (it is back by the next read anyway), nor
+    /// one beyond [`MAX_HANDED_BACK`].
+    pub fn handed_back(
+        &self,
+        name: &str,
+        queue: Arc<dyn TriggerQueue>,
+        id: &str,
+        receipt: String,
+        hidden: Duration,
+    ) {
+        if hidden <= self.inner.options.refresh_every {
+            return;
+        }
+        enum Then {
+            Noted,
+            Watch,
+            Release(HandedBack),
+        }
+        let now = Instant::now();
+        let entry = HandedBack {
+            queue,
+            id: id.to_string(),
+            receipt,
+            until: now + hidden,
+        };
+        let then = self.with_budget(name, move |b| {
+            // The pause ended, or was shortened, while the trigger was being handed back: no
+            // later release would see it.
+            if b.paused_until.is_none_or(|u| entry.until > u + RELEASE_SLACK) {
+                return Then::Release(entry);
+            }
+            if b.handed_back.len() >= MAX_HANDED_BACK {
+                return Then::Noted;
+            }
+            b.handed_back.push(entry);
+            if b.watching {
+                Then::Noted
+            } else {
+                b.watching = true;
+                Then::Watch
+            }
+        });
+        match then {
+            Then::Noted => {}
+            Then::Watch => self.watch(name),
+            Then::Release(entry) => self.release(name, vec![entry]),
+        }
+    }
+
+    /// While this worker holds triggers handed back for `name`'s pause, reads the pause every
+    /// refresh interval (a read it would make anyway when it starts runs is not repeated): the
+    /// read that finds the pause ended early releases them.
+    fn watch(&self, name: &str) {
+        let this = self.clone();
+        let name = name.to_string();
+        // Never a busy loop, whatever the options say.
+        let every = self.inner.options.refresh_every.max(Duration::from_millis(100));
+        tokio::spawn(async move {
+            let mut next = Instant::now();
+            loop {
+                // When the last read goes stale (a run start may have read since).
+                tokio::time::sleep_until(next).await;
+                let now = Instant::now();
+                let holding = this.with_budget(&name, |b| {
+                    // Those whose hiding lapsed are back on the queue by themselves.
+                    b.handed_back.retain(|e| e.until > now);
+                    b.watching = !b.handed_back.is_empty();
+                    b.watching.then_some(b.read_at)
+                });
+                let Some(read_at) = holding else {
+                    return;
+                };
+                this.refresh_if_stale(&name);
+                next = match read_at {
+                    Some(at) if at + every > now => at + every,
+                    // Read now (or a read is under way): look again an interval on.
+                    _ => now + every,
+                };
+            }
+        });
+    }
+
+    /// Makes `entries`, handed back for `name`'s pause, visible again now (a few updates at
+    /// once), then tells [`pause_ended_early`](Self::pause_ended_early).
+    fn release(&self, name: &str, entries: Vec<HandedBack>) {
+        if entries.is_empty() {
+            self.inner.ended_early.notify_one();
+            return;
+        }
+        let name = name.to_string();
+        let this = self.clone();
+        tokio::spawn(async move {
+            let count = entries.len();
+            let per_task = count.div_ceil(RELEASES_AT_ONCE);
+            let mut tasks = tokio::task::JoinSet::new();
+            let mut entries = entries.into_iter();
+            loop {
+                let chunk: Vec<HandedBack> = entries.by_ref().take(per_task).collect();
+                if chunk.is_empty() {
+                    break;
+                }
+                tasks.spawn(async move {
+                    let mut visible = 0usize;
+                    for e in chunk {
+                        match e.queue.update_visibility(&e.id, &e.receipt, Duration::ZERO).await {
+                            Ok(_) => visible += 1,
+                            // Taken since (its hiding lapsed), or gone: it is not hidden by us.
+                            Err(err) => tracing::debug!(id = %e.id, error = %err,
+                                "a trigger handed back for the pause could not be made visible again; it comes back when its hiding lapses"),
+                        }
+                    }
+                    visible
+                });
+            }
+            let mut visible = 0;
+            while let Some(done) = tasks.join_next().await {
+                visible += done.unwrap_or(0);
+            }
+            tracing::info!(budget = %name, handed_back = count, visible,
+                "the budget's pause ended early: the triggers handed back for it are visible again");
+            this.inner.ended_early.notify_one();
+        });
     }
 
     /// Whether a delivery of `lane` for `scope` may run now: a slot of its budget, waiting for
@@ -843,14 +1019,14 @@ impl Budgets {
             let read = this.inner.store.read(&name).await;
             let now = Instant::now();
             let max = this.inner.options.max_pause;
-            this.with_budget(&name, |b| {
+            let released = this.with_budget(&name, |b| {
                 b.reading = false;
                 b.read_at = Some(now);
                 let shared = match read {
                     Ok(shared) => shared,
                     Err(e) => {
                         tracing::debug!(budget = %name, error = %e, "could not read the budget's pause; reading again later");
-                        return;
+                        return None;
                     }
                 };
                 let left = shared.as_ref().map_or(Duration::ZERO, |s| s.left);
@@ -877,6 +1053,7 @@ impl Budgets {
                     b.shared_until = read_until;
                 }
                 let after = b.paused_until.filter(|u| *u > now);
+                let mut released = None;
                 if after > before {
                     tracing::info!(budget = %name, paused_for_s = left.min(max).as_secs_f64(),
                         "another worker paused this downstream budget: no run of it starts before the pause ends");
@@ -884,11 +1061,23 @@ impl Budgets {
                     let resumed = shared.as_ref().is_some_and(|s| s.resumed);
                     tracing::info!(budget = %name, paused_for_s = after.map_or(0.0, |u| (u - now).as_secs_f64()), resumed,
                         "the budget's pause was shortened or ended in storage: runs of it start sooner");
+                    // Triggers hidden past the pause's new end come back now (those still
+                    // within a pause meet it and are handed back for its rest).
+                    let end = after.unwrap_or(now) + RELEASE_SLACK;
+                    let (late, kept) = std::mem::take(&mut b.handed_back)
+                        .into_iter()
+                        .partition(|e| e.until > end);
+                    b.handed_back = kept;
+                    released = Some(late);
                 }
                 if after != before {
                     b.notify.notify_waiters();
                 }
+                released
             });
+            if let Some(released) = released {
+                this.release(&name, released);
+            }
         });
     }
 

@@ -126,6 +126,14 @@ impl Consumer {
         self
     }
 
+    /// Completes when a budget's pause ended early (never without budgets).
+    async fn pause_ended_early(&self) {
+        match self.runner.budgets() {
+            Some(budgets) => budgets.pause_ended_early().await,
+            None => std::future::pending().await,
+        }
+    }
+
     /// A handle that makes the consumer poll at once (Start in the same process calls it after
     /// enqueueing).
     pub fn waker(&self) -> Arc<Notify> {
@@ -174,6 +182,8 @@ impl Consumer {
                    biased;
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep_until(at.min(now + left)) => {}
+                    // Resumed: the triggers handed back for the pause are visible again.
+                    _ = self.pause_ended_early() => paused_poll_at = None,
                 }
                 continue;
             }
@@ -222,6 +232,7 @@ impl Consumer {
                     _ = shutdown.cancelled() => break,
                     _ = self.wake.notified() => idle_pause = self.options.poll_min,
                     _ = tokio::time::sleep(idle_pause) => idle_pause = (idle_pause * 2).min(self.options.poll_max),
+                    _ = self.pause_ended_early() => idle_pause = self.options.poll_min,
                 }
                 continue;
             }
@@ -355,7 +366,9 @@ impl Consumer {
 
         let outcome = match outcome {
             Outcome::Deferred { after, ref next, .. } => {
-                self.persist_in_place(&received, &receipt, next, after, "persist the deferral")
+                // A failed update was logged; the message comes back when its visibility lapses.
+                let _ = self
+                    .persist_in_place(&received, &receipt, next, after, "persist the deferral")
                     .instrument(span.clone())
                     .await;
                 outcome
@@ -363,10 +376,20 @@ impl Consumer {
             // Turned away by a paused budget before anything was done: the message itself,
             // hidden until the pause ends, not counted as an attempt. If the update fails, it
             // comes back when its visibility lapses (and meets the pause again).
-            Outcome::Paused { after, ref next, .. } => {
-                self.persist_in_place(&received, &receipt, next, after, "hand the paused trigger back")
+            Outcome::Paused {
+                after,
+                ref next,
+                ref budget,
+            } => {
+                let hidden = self
+                    .persist_in_place(&received, &receipt, next, after, "hand the paused trigger back")
                     .instrument(span.clone())
                     .await;
+                // A resume (or a shorter pause) this worker learns of makes it visible again at
+                // once, not at the pause's original end.
+                if let (Ok(Some(receipt)), Some(budgets)) = (hidden, self.runner.budgets()) {
+                    budgets.handed_back(budget, self.queue().clone(), &received.id, receipt, after);
+                }
                 outcome
             }
             // The waiter is the delivered message, hidden for another period: one request,
@@ -381,6 +404,7 @@ impl Consumer {
                     .persist_in_place(&received, &receipt, next, after, "persist the waiter")
                     .instrument(span.clone())
                     .await
+                    .err()
                     == Some(leasehold_lock::StoreErrorKind::NotFound);
                 if gone {
                     let put = self.runner.enqueue(next, after).await;
@@ -449,8 +473,8 @@ impl Consumer {
     /// If the update fails, the message reappears when its visibility lapses and runs early
     /// (its logic may ask again); nothing is lost. A retried update answered "not found" may
     /// mean an earlier attempt landed (its answer lost): the receipt it made is the one we lack;
-    /// or that another delivery took the message. Says how the update failed (`None`: it
-    /// landed).
+    /// or that another delivery took the message. Says how the update failed, or the receipt
+    /// it landed with (`None` only under a test variant that does not update).
     async fn persist_in_place(
         &self,
         received: &Received,
@@ -458,19 +482,19 @@ impl Consumer {
         next: &TriggerMessage,
         after: Duration,
         what: &'static str,
-    ) -> Option<leasehold_lock::StoreErrorKind> {
+    ) -> Result<Option<String>, leasehold_lock::StoreErrorKind> {
         let mut next = next.clone();
         #[cfg(feature = "testing")]
         if self.runner.options().variant == crate::ProtocolVariant::DeferralDeletesThenPuts {
             // WRONG on purpose: between the delete and the put neither message exists.
             if let Err(e) = self.queue().delete(&received.id, receipt).await {
                 tracing::warn!(error = %e, "could not delete the deferred message");
-                return None;
+                return Ok(None);
             }
             if let Err(e) = self.queue().put(&next.encode(), after).await {
                 tracing::warn!(error = %e, "could not put the deferral");
             }
-            return None;
+            return Ok(None);
         }
         next.rehides = received.dequeue_count;
         let body = next.encode();
@@ -484,13 +508,14 @@ impl Consumer {
             })
             .await;
         match result {
-            Ok(_) => None,
+            // The receipt of the update: the message's, until it is taken again.
+            Ok(receipt) => Ok(Some(receipt)),
             Err(e) => {
                 // "Not found" after a retry may mean our first attempt landed (its answer lost)
                 // as well as that another delivery took the message.
                 tracing::warn!(step = what, error = %e,
                     "could not update the message; if it is still there, it reappears when its visibility lapses");
-                Some(e.kind())
+                Err(e.kind())
             }
         }
     }

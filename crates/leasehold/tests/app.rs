@@ -1770,3 +1770,260 @@ fn downstream_ok(worker: &str, body: &Value) {
         std::time::Instant::now(),
     ));
 }
+
+/// What [`Downstream`] answers a call: `Ok(work)` is a 200 after `work`, `Err(seconds)` a 429
+/// with that `Retry-After` at once.
+type Answer = Result<Duration, u64>;
+
+/// A call to [`Downstream`]: scope, record, when it came, and the status answered.
+type ScopedCall = (String, String, std::time::Instant, u16);
+
+/// A downstream for the budget reproductions: `answer(scope, record)` says what each call gets.
+/// It notes every call and, per scope, the calls in flight now and the most at once.
+#[derive(Clone, Default)]
+struct Downstream {
+    calls: std::sync::Arc<std::sync::Mutex<Vec<ScopedCall>>>,
+    in_flight: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (usize, usize)>>>,
+}
+
+impl Downstream {
+    /// Serves `POST /run` on any free port; returns it and the logic URL.
+    async fn serve(answer: impl Fn(&str, &str) -> Answer + Send + Sync + 'static) -> (Self, String) {
+        let this = Self::default();
+        let state = this.clone();
+        let answer = std::sync::Arc::new(answer);
+        let app = axum::Router::new().route(
+            "/run",
+            axum::routing::post(move |body: axum::Json<Value>| {
+                let (state, answer) = (state.clone(), answer.clone());
+                async move {
+                    let scope = body["scope"].as_str().unwrap_or("").to_string();
+                    let record = body["recordId"].as_str().unwrap_or("").to_string();
+                    let at = std::time::Instant::now();
+                    let (status, retry_after) = match answer(&scope, &record) {
+                        Err(seconds) => (429, seconds),
+                        Ok(work) => {
+                            {
+                                let mut flight = state.in_flight.lock().unwrap();
+                                let entry = flight.entry(scope.clone()).or_default();
+                                entry.0 += 1;
+                                entry.1 = entry.1.max(entry.0);
+                            }
+                            tokio::time::sleep(work).await;
+                            state.in_flight.lock().unwrap().get_mut(&scope).unwrap().0 -= 1;
+                            (200, 0)
+                        }
+                    };
+                    state.calls.lock().unwrap().push((scope, record, at, status));
+                    (
+                        axum::http::StatusCode::from_u16(status).unwrap(),
+                        [(axum::http::header::RETRY_AFTER, retry_after.to_string())],
+                        "",
+                    )
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/run", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (this, url)
+    }
+
+    /// When `record`'s first call answered `status` ended (a 429 ends as it comes).
+    fn first(&self, record: &str, status: u16) -> Option<std::time::Instant> {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(_, r, _, s)| r == record && *s == status)
+            .map(|c| c.2)
+    }
+
+    fn count(&self, scope: &str, status: u16) -> usize {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(s, _, _, st)| s == scope && *st == status)
+            .count()
+    }
+
+    /// The most calls of `scope` that ran at once.
+    fn most_at_once(&self, scope: &str) -> usize {
+        self.in_flight.lock().unwrap().get(scope).map_or(0, |e| e.1)
+    }
+}
+
+/// Start's answer to a save of `scope`/`record`.
+async fn save(app: &Running, scope: &str, record: &str) {
+    let (status, answer) = post(
+        &app.url("/api/start"),
+        &json!({"scope": scope, "recordId": record}).to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 202, "{answer}");
+}
+
+const ADMIN_KEY: &str = "app-test-admin-key-6d1e-90b3c2f4a8e7";
+
+/// Issue 35's reproduction (a): a resumed budget runs at once. The downstream answers a record's
+/// call 429 with `Retry-After: 300`: the budget pauses for 5 minutes, and a person's save sent
+/// during the pause meets it and is handed back (a pause that long is not waited out).
+/// `leasehold budget resume default` — the command line, another process: `serve` learns of it
+/// from storage — ends the pause, and the person's save runs within a few seconds, not at the
+/// pause's original end; so does a save sent after the resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resumed_budget_runs_at_once() {
+    let started = std::time::Instant::now();
+    let env = Env::new();
+    let (downstream, url) = Downstream::serve(|_, record| {
+        if record.starts_with("busy") {
+            Err(300)
+        } else {
+            Ok(Duration::from_millis(100))
+        }
+    })
+    .await;
+    let app = env
+        .start(
+            common::standalone(),
+            &[
+                ("LEASEHOLD_LOGIC_URL", url),
+                ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY.to_string()),
+            ],
+        )
+        .await;
+    let store = leasehold_runtime::AzureBudgets::new(
+        &leasehold_test_support::Azurite::shared().account(),
+        &env.container,
+        leasehold_lock::OpCounters::new(),
+    );
+    use leasehold_runtime::BudgetStore;
+    save(&app, "account", "busy-1").await;
+    eventually(
+        Duration::from_secs(30),
+        "the 5-minute pause to be written",
+        || async {
+            let read = unless_transient(store.read("default").await, "read the budget")?;
+            read.filter(|p| p.left > Duration::from_secs(250)).map(|_| ())
+        },
+    )
+    .await;
+
+    // A person's save meets the pause and is handed back.
+    let person = unique_name("person");
+    save(&app, "account", &person).await;
+    let record = app.url(&format!("/api/admin/records/account/{person}"));
+    eventually(
+        Duration::from_secs(30),
+        "the person's save to be handed back",
+        || async {
+            let view: Value = common::get(&record, &[("x-leasehold-admin-key", ADMIN_KEY)])
+                .await
+                .json()
+                .await
+                .ok()?;
+            (view["recentOutcome"]["outcome"] == "paused").then_some(())
+        },
+    )
+    .await;
+    assert!(downstream.first(&person, 200).is_none());
+
+    // The operator resumes it from the command line.
+    let resumed_at = std::time::Instant::now();
+    let (ok, out) = env.output(&["budget", "resume", "default"]).await;
+    assert!(
+        ok && out.contains("resumed budget default"),
+        "{out}\n{}",
+        env.log("budget")
+    );
+    let command_took = resumed_at.elapsed();
+    let ran = eventually(
+        Duration::from_secs(30),
+        "the person's save to run after the resume (not at the pause's original end, 5 minutes on)",
+        || async { downstream.first(&person, 200) },
+    )
+    .await;
+    let after = ran - resumed_at;
+    // And a save sent now runs at once too.
+    let later = unique_name("later");
+    let sent = std::time::Instant::now();
+    save(&app, "account", &later).await;
+    let later_ran = eventually(
+        Duration::from_secs(30),
+        "a save after the resume to run",
+        || async { downstream.first(&later, 200) },
+    )
+    .await;
+    println!(
+        "[budgets] resumed from the command line (which took {:.2} s): the handed-back save ran {:.2} s after the command was started, a save sent then {:.2} s after it was sent (test {:.1} s)",
+        command_took.as_secs_f64(),
+        after.as_secs_f64(),
+        (later_ran - sent).as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    // `serve` reads the pause within its refresh interval (3 s) while it holds a trigger handed
+    // back for it, makes the trigger visible and polls.
+    assert!(
+        after < command_took + Duration::from_secs(5),
+        "{after:?} after the command was started, which took {command_took:?}"
+    );
+    app.stop().await;
+}
+
+/// Issue 35's reproduction (b): an unrelated scope keeps its concurrency beside a record that
+/// always answers 429. `LEASEHOLD_CONCURRENCY=4`, one budget for every scope; a contact whose
+/// downstream call answers `429 Retry-After: 1` every time (a lock on that record, say), and 8
+/// saves of accounts whose runs take a second each: they run 4 at a time, not 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "issue 35 item 2 is not done: one record's 429s still count as the downstream's"]
+async fn an_unrelated_scope_keeps_its_concurrency_beside_a_record_that_always_answers_429() {
+    let started = std::time::Instant::now();
+    let env = Env::new();
+    let (downstream, url) = Downstream::serve(|scope, _| {
+        if scope == "contact" {
+            Err(1)
+        } else {
+            Ok(Duration::from_secs(1))
+        }
+    })
+    .await;
+    let app = env
+        .start(
+            common::standalone(),
+            &[
+                ("LEASEHOLD_LOGIC_URL", url),
+                ("LEASEHOLD_CONCURRENCY", "4".to_string()),
+            ],
+        )
+        .await;
+    save(&app, "contact", "always-refused").await;
+    // Past its first refusal (which pauses the budget for a second) and into its chain.
+    eventually(
+        Duration::from_secs(30),
+        "the contact to be refused twice",
+        || async { (downstream.count("contact", 429) >= 2).then_some(()) },
+    )
+    .await;
+    let refused_before = downstream.count("contact", 429);
+    let sent = std::time::Instant::now();
+    for i in 0..8 {
+        save(&app, "account", &format!("acc-{i}")).await;
+    }
+    eventually(Duration::from_secs(60), "the 8 account saves to run", || async {
+        (downstream.count("account", 200) >= 8).then_some(())
+    })
+    .await;
+    let took = sent.elapsed();
+    let refused_during = downstream.count("contact", 429) - refused_before;
+    println!(
+        "[budgets] 8 one-second runs beside a record refused for ever: {} at once at most, all done {:.2} s after they were sent; the contact was refused {refused_during} more times meanwhile (test {:.1} s)",
+        downstream.most_at_once("account"),
+        took.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(refused_during >= 1, "the contact kept being refused beside them");
+    assert_eq!(downstream.most_at_once("account"), 4, "ran {took:?}");
+    app.stop().await;
+}

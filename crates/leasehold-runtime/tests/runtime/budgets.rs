@@ -968,3 +968,74 @@ async fn a_dead_holders_record_runs_within_the_bound_while_holders_wait_for_the_
     );
     w.stop().await;
 }
+
+/// Standalone, a trigger handed back for a 5-minute pause, and then the pause resumed: `here`
+/// through this worker's own [`Budgets::resume`] (the dashboard), else in storage by another
+/// process (`leasehold budget resume`), which this worker reads while it holds the trigger
+/// though it starts no run. Returns how long after the resume the trigger ran. Without the
+/// release of handed-back triggers it ran at the pause's original end, 5 minutes on.
+async fn handed_back_then_resumed(here: bool) -> Duration {
+    use leasehold_runtime::{BudgetStore, Consumer, ConsumerOptions};
+
+    let f = fixture(4);
+    f.logic
+        .throttle
+        .lock()
+        .unwrap()
+        .insert("a".into(), Some(Duration::from_secs(300)));
+    assert!(matches!(
+        handle(&f.runner, trigger("a")).await,
+        Outcome::Deferred { .. }
+    ));
+    f.queue
+        .put(&trigger("b").message.encode(), Duration::ZERO)
+        .await
+        .unwrap();
+    let poison: Arc<dyn TriggerQueue> = Arc::new(MemoryQueue::new("poison", OpCounters::new()));
+    let consumer = Consumer::new(f.runner.clone(), poison, ConsumerOptions::default());
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { consumer.run(shutdown).await }
+    });
+    // Taken, and handed back: hidden for the rest of the pause.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(f.logic.runs_of("b"), 0);
+    assert_eq!(f.queue.peek(1).await.unwrap().len(), 0, "hidden");
+    let resumed = tokio::time::Instant::now();
+    if here {
+        assert!(f.runner.budgets().unwrap().resume("default").await.unwrap());
+    } else {
+        assert!(f.budget_store.resume("default").await.unwrap());
+    }
+    let deadline = resumed + Duration::from_secs(300);
+    while f.logic.runs_of("b") == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never ran");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = resumed.elapsed();
+    shutdown.cancel();
+    running.await.unwrap();
+    after
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resume_here_makes_the_triggers_handed_back_for_the_pause_visible_at_once() {
+    let after = handed_back_then_resumed(true).await;
+    // Visible at once, and the consumer, which took one batch per 5 s while every budget was
+    // paused, polls at once.
+    assert!(
+        after <= Duration::from_millis(500),
+        "ran {after:?} after the resume"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resume_in_storage_makes_the_triggers_handed_back_for_the_pause_visible_within_a_read() {
+    let after = handed_back_then_resumed(false).await;
+    // Read within the refresh interval (3 s), visible, polled.
+    assert!(
+        after <= Duration::from_millis(3500),
+        "ran {after:?} after the resume"
+    );
+}
