@@ -466,6 +466,9 @@ struct Budget {
     throttles: u64,
     /// Throttles taken as one record's refusals, not the downstream's: neither paused nor cut.
     record_refusals: u64,
+    /// The latest refusals here (the record, when), the last [`REFUSALS_KEPT`] of them: a
+    /// throttled chain's next refusal counts for the budget only beside another record's.
+    refused: std::collections::VecDeque<(String, Instant)>,
     /// The concurrency the downstream last answered "too many" at: growth stops below it until
     /// [`PROBE_AFTER`] windows of successes and [`PROBE_EVERY`] have passed since.
     ceiling: Option<usize>,
@@ -481,6 +484,13 @@ struct Budget {
     /// Whether a task reads the pause while triggers are handed back (no run may start to).
     watching: bool,
 }
+
+/// How many of a budget's latest refusals a worker keeps (their records and times).
+const REFUSALS_KEPT: usize = 32;
+
+/// How long before a throttled chain's refusal (beyond the pause it asks for) another record's
+/// refusal must have come for the chain's to count as the downstream's.
+const OTHERS_REFUSED_WITHIN: Duration = Duration::from_secs(30);
 
 /// The most triggers a worker remembers handing back for one budget's pause; one handed back
 /// beyond them comes back at the pause's end, resumed or not.
@@ -664,6 +674,7 @@ impl Budgets {
             notify: Arc::new(Notify::new()),
             throttles: 0,
             record_refusals: 0,
+            refused: Default::default(),
             ceiling: None,
             since_cut: 0,
             cut_at: None,
@@ -1175,30 +1186,41 @@ impl BudgetPermit {
         });
     }
 
-    /// The downstream throttled the run and asked for `pause` (already bounded,
+    /// The downstream throttled the run of `record` and asked for `pause` (already bounded,
     /// [`Budgets::pause_for`]): pauses the budget here, cuts the limit (once per pause: to the
     /// concurrency that was refused less one, or by half), and writes the pause for the other
     /// workers if it lengthens what they know. Never fails: a write that fails is logged (they
     /// will meet the downstream's 429 themselves).
     ///
-    /// Not every refusal is the downstream's: `again` says the run was itself put off by a
-    /// throttle before (a record's chain of deferrals, refused once more): its chain counted
-    /// once, at its first refusal, so this is one record's refusal (a lock on that record, a
-    /// validation that answers 429): counted, but the budget is neither paused nor cut. Nor does
-    /// a refusal with no other run of the budget in flight here cut the limit: it shows nothing
-    /// of the concurrency the downstream takes (the pause still holds). (A refusal beside runs
-    /// that succeed is not taken for one record's: a downstream that takes 3 calls at once
-    /// refuses the 4th while the 3 succeed, and that is what the limit must learn.)
-    pub async fn throttled(&mut self, pause: Duration, again: bool) {
+    /// Not every refusal is the downstream's. `again` says the run was itself put off by a
+    /// throttle before (a record's chain of deferrals, refused once more). Such a refusal counts
+    /// for the budget only when another record was refused too within the pause asked for and
+    /// the [`OTHERS_REFUSED_WITHIN`] before it (a throttled downstream refuses many records: a
+    /// bulk import's chains are most of its refusals, and what its limit must learn from);
+    /// alone, it is one record's refusal (a lock on that record, a validation that answers
+    /// 429): counted, but the budget is neither paused nor cut, and the record comes back when
+    /// it was asked to. Nor does a refusal with no other run of the budget in flight here cut
+    /// the limit: it shows nothing of the concurrency the downstream takes (the pause still
+    /// holds).
+    pub async fn throttled(&mut self, record: &str, pause: Duration, again: bool) {
         self.told = true;
         let now = Instant::now();
         let until = now + pause;
         let write = self.budgets.with_budget(&self.name, |b| {
             b.throttles += 1;
-            if again {
+            let within = pause + OTHERS_REFUSED_WITHIN;
+            let others = b
+                .refused
+                .iter()
+                .any(|(r, at)| r != record && now.saturating_duration_since(*at) <= within);
+            if b.refused.len() == REFUSALS_KEPT {
+                b.refused.pop_front();
+            }
+            b.refused.push_back((record.to_string(), now));
+            if again && !others {
                 b.record_refusals += 1;
-                tracing::info!(budget = %self.name,
-                    "a record put off by a throttle was refused again: one record's refusal, the budget is neither paused nor cut (the record runs later)");
+                tracing::info!(budget = %self.name, record,
+                    "a record put off by a throttle was refused again, and no other record was: one record's refusal, the budget is neither paused nor cut (the record runs later)");
                 return None;
             }
             let was_paused = b.paused_until.is_some_and(|u| u > now);
@@ -1319,9 +1341,9 @@ mod tests {
         }
         // The downstream takes 3 at once: the 5th and then the 4th come back refused, in one
         // pause. The first cuts to 4, the second shows 3 was the most.
-        permits[4].throttled(Duration::from_secs(2), false).await;
+        permits[4].throttled("r", Duration::from_secs(2), false).await;
         assert_eq!(b.views()[0].limit, 4);
-        permits[3].throttled(Duration::from_secs(2), false).await;
+        permits[3].throttled("r", Duration::from_secs(2), false).await;
         assert_eq!(b.views()[0].limit, 3);
         drop(permits);
         tokio::time::sleep(Duration::from_secs(3)).await;
@@ -1346,21 +1368,21 @@ mod tests {
         for _ in 0..4 {
             held.push(go(&b, Lane::High).await);
         }
-        held[3].throttled(Duration::from_secs(1), false).await;
+        held[3].throttled("r", Duration::from_secs(1), false).await;
         assert_eq!(b.views()[0].limit, 3);
         drop(held);
         for _ in 0..4 {
             tokio::time::sleep(Duration::from_secs(2)).await;
             let _first = go(&b, Lane::High).await;
             let mut p = futures_like(&b, 1).await.remove(0);
-            p.throttled(Duration::from_secs(1), false).await;
+            p.throttled("r", Duration::from_secs(1), false).await;
         }
         assert_eq!(b.views()[0].limit, 1);
         // A refusal with nothing else in flight shows nothing of the downstream's concurrency:
         // it pauses, but does not cut.
         let (b, _) = budgets(4);
         let mut p = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(1), false).await;
+        p.throttled("r", Duration::from_secs(1), false).await;
         assert_eq!(
             (b.views()[0].limit, b.views()[0].paused_for),
             (4, Duration::from_secs(1))
@@ -1378,7 +1400,7 @@ mod tests {
         for _ in 0..4 {
             permits.push(go(&b, Lane::High).await);
         }
-        permits[3].throttled(Duration::from_secs(1), false).await;
+        permits[3].throttled("r", Duration::from_secs(1), false).await;
         assert_eq!(b.views()[0].limit, 3);
         drop(permits);
         tokio::time::sleep(PROBE_EVERY).await;
@@ -1388,7 +1410,7 @@ mod tests {
         assert_eq!(b.views()[0].limit, 4, "probing");
         let mut early = go(&b, Lane::High).await;
         let _others: Vec<_> = futures_like(&b, 3).await;
-        early.throttled(Duration::from_secs(1), false).await;
+        early.throttled("r", Duration::from_secs(1), false).await;
         assert_eq!(b.views()[0].limit, 3);
         // Refused again at the level that worked (the downstream took less since): a cut as
         // any.
@@ -1396,7 +1418,7 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let _p = go(&b, Lane::High).await;
         let mut q = go(&b, Lane::High).await;
-        q.throttled(Duration::from_secs(1), false).await;
+        q.throttled("r", Duration::from_secs(1), false).await;
         assert_eq!(b.views()[0].limit, 1);
     }
 
@@ -1409,7 +1431,7 @@ mod tests {
         for _ in 0..4 {
             held.push(go(&b, Lane::High).await);
         }
-        held[3].throttled(Duration::from_secs(1), false).await;
+        held[3].throttled("r", Duration::from_secs(1), false).await;
         drop(held);
         tokio::time::sleep(PROBE_EVERY).await;
         let limit = |b: &Budgets| b.with_budget(DEFAULT_BUDGET, |x| x.limit);
@@ -1441,19 +1463,19 @@ mod tests {
         // 6 (carriers beyond the limit): halved.
         let mut first = go(&b, Lane::High).await;
         let mut second = go(&b, Lane::High).await;
-        second.throttled(Duration::from_millis(10), false).await;
+        second.throttled("r", Duration::from_millis(10), false).await;
         assert_eq!(b.views()[0].limit, 1);
         first.succeeded();
         drop((first, second));
         let (b, _) = budgets(4);
         let mut held = futures_like(&b, 6).await;
-        held[5].throttled(Duration::from_millis(10), false).await;
+        held[5].throttled("r", Duration::from_millis(10), false).await;
         assert_eq!(b.views()[0].limit, 2, "halved from 4");
         // Refused at exactly one more than the limit: it shows the limit itself, no cut, so
         // halved too.
         let (b, _) = budgets(4);
         let mut held = futures_like(&b, 5).await;
-        held[4].throttled(Duration::from_millis(10), false).await;
+        held[4].throttled("r", Duration::from_millis(10), false).await;
         assert_eq!(b.views()[0].limit, 2, "halved from 4");
     }
 
@@ -1461,7 +1483,7 @@ mod tests {
     async fn a_paused_budget_turns_deliveries_away_until_the_pause_ends_and_shares_it() {
         let (b, store) = budgets(4);
         let mut p = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(30), false).await;
+        p.throttled("r", Duration::from_secs(30), false).await;
         drop(p);
         // Before the lock: turned away for the rest of the pause, whatever the scope.
         assert_eq!(
@@ -1508,7 +1530,7 @@ mod tests {
 
         // Another worker on the same store learns of a pause at its first look's read.
         let mut p = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(30), false).await;
+        p.throttled("r", Duration::from_secs(30), false).await;
         drop(p);
         let other = Budgets::new(store.clone(), BudgetOptions::default());
         assert_eq!(
@@ -1528,8 +1550,8 @@ mod tests {
         let (b, store) = budgets(4);
         let mut p1 = go(&b, Lane::High).await;
         let mut p2 = go(&b, Lane::High).await;
-        p1.throttled(Duration::from_secs(10), false).await;
-        p2.throttled(Duration::from_secs(10), false).await;
+        p1.throttled("r", Duration::from_secs(10), false).await;
+        p2.throttled("r", Duration::from_secs(10), false).await;
         assert_eq!(store.counters().snapshot().get(Op::BudgetWrite), 1);
     }
 
@@ -1583,14 +1605,14 @@ mod tests {
         let (b, store) = budgets(4);
         let other = go(&b, Lane::High).await;
         let mut first = go(&b, Lane::High).await;
-        first.throttled(Duration::from_secs(1), false).await;
+        first.throttled("chain", Duration::from_secs(1), false).await;
         drop((first, other));
         assert_eq!(b.views()[0].limit, 1, "the first refusal, at 2 in flight, cuts");
         let writes = store.counters().snapshot().get(Op::BudgetWrite);
         tokio::time::sleep(Duration::from_secs(2)).await;
         for _ in 0..20 {
             let mut hop = go(&b, Lane::High).await;
-            hop.throttled(Duration::from_secs(1), true).await;
+            hop.throttled("chain", Duration::from_secs(1), true).await;
             drop(hop);
             let view = &b.views()[0];
             assert_eq!(view.paused_for, Duration::ZERO, "a hop does not pause the budget");
@@ -1608,6 +1630,35 @@ mod tests {
             go(&b, Lane::High).await.succeeded();
         }
         assert!(b.views()[0].limit >= 2, "{:?}", b.views());
+    }
+
+    /// A throttled chain's refusal beside another record's (a throttled downstream refuses
+    /// many: a bulk import's chains) counts for the budget: it pauses it and, with others in
+    /// flight, cuts. Another record's refusal counts while within the pause asked and 30 s.
+    #[tokio::test(start_paused = true)]
+    async fn a_chains_refusal_beside_another_records_is_the_downstreams() {
+        let (b, _) = budgets(8);
+        let mut a = go(&b, Lane::High).await;
+        a.throttled("a", Duration::from_secs(2), true).await;
+        drop(a);
+        assert_eq!(b.views()[0].record_refusals, 1, "alone: a record's refusal");
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let held = futures_like(&b, 3).await;
+        let mut c = go(&b, Lane::High).await;
+        c.throttled("c", Duration::from_secs(2), true).await;
+        let view = b.views()[0].clone();
+        assert_eq!(
+            view.record_refusals, 1,
+            "beside a's refusal 10 s before: {view:?}"
+        );
+        assert!(view.paused_for > Duration::ZERO, "{view:?}");
+        assert_eq!(view.limit, 3, "cut to what was in flight before it: {view:?}");
+        drop((c, held));
+        // The same record again, 40 s on: others' refusals are too old to count beside it.
+        tokio::time::sleep(Duration::from_secs(40)).await;
+        let mut c = go(&b, Lane::High).await;
+        c.throttled("c", Duration::from_secs(2), true).await;
+        assert_eq!(b.views()[0].record_refusals, 2, "{:?}", b.views());
     }
 
     /// A pause read from storage is capped at the longest allowed, and what storage holds
@@ -1686,7 +1737,7 @@ mod tests {
         };
         let b = Budgets::new(Arc::new(Refusing::default()), options);
         let mut p = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(30), false).await;
+        p.throttled("r", Duration::from_secs(30), false).await;
         drop(p);
         tokio::time::sleep(Duration::from_secs(2)).await;
         b.paused(&scope("account"));
@@ -1754,7 +1805,7 @@ mod tests {
         let (b, _) = budgets(1);
         let parks = std::sync::atomic::AtomicUsize::new(0);
         let mut p = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(20), false).await;
+        p.throttled("r", Duration::from_secs(20), false).await;
         drop(p);
         // No seat: handed back for the rest of the pause.
         let no_seat = || {
@@ -1792,7 +1843,7 @@ mod tests {
         assert_eq!(parks.load(std::sync::atomic::Ordering::SeqCst), 2);
         // A pause longer than the wait allowed: handed back without parking.
         let mut p = go(&b, Lane::High).await;
-        p.throttled(Duration::from_secs(120), false).await;
+        p.throttled("r", Duration::from_secs(120), false).await;
         drop(p);
         let waiting = Waiting {
             stand_in: false,

@@ -1346,11 +1346,10 @@ impl RecordRunner {
                 // The slot is free once the logic has ended (or been abandoned); a throttle
                 // pauses the budget before this holder's follow-ups are written.
                 if let Some(permit) = &mut permit {
-                    // Every refusal counts for the budget, a throttled chain's later hops too:
-                    // not counting them (`again`) kept a bulk import's limit from being learned
-                    // (its chains are most of its refusals). Telling one record's chain from a
-                    // throttled downstream is not done yet (issue 35, item 2).
-                    tell_budget(permit, logic_end, false).await;
+                    // A record put off by a throttle and refused again, when no other record
+                    // was, is one record's refusal: it neither pauses nor cuts its budget.
+                    let again = delivery.message.deferral.as_ref().is_some_and(|d| d.throttled);
+                    tell_budget(permit, key.as_str(), logic_end, again).await;
                 }
                 drop(permit);
                 let pause = match logic_end {
@@ -2019,10 +2018,10 @@ struct Slot {
 }
 
 /// Tells a run's budget slot how its run went (a throttle pauses the budget).
-async fn tell_budget(permit: &mut BudgetPermit, end: LogicEnd, again: bool) {
+async fn tell_budget(permit: &mut BudgetPermit, record: &str, end: LogicEnd, again: bool) {
     match end {
         LogicEnd::Succeeded => permit.succeeded(),
-        LogicEnd::Throttled(Some(pause)) => permit.throttled(pause, again).await,
+        LogicEnd::Throttled(Some(pause)) => permit.throttled(record, pause, again).await,
         _ => {}
     }
 }

@@ -1784,6 +1784,9 @@ type ScopedCall = (String, String, std::time::Instant, u16);
 struct Downstream {
     calls: std::sync::Arc<std::sync::Mutex<Vec<ScopedCall>>>,
     in_flight: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (usize, usize)>>>,
+    /// Each call answered 200: its scope, when it came, and how many of its scope were then in
+    /// flight, itself included.
+    starts: std::sync::Arc<std::sync::Mutex<Vec<(String, std::time::Instant, usize)>>>,
 }
 
 impl Downstream {
@@ -1808,6 +1811,7 @@ impl Downstream {
                                 let entry = flight.entry(scope.clone()).or_default();
                                 entry.0 += 1;
                                 entry.1 = entry.1.max(entry.0);
+                                state.starts.lock().unwrap().push((scope.clone(), at, entry.0));
                             }
                             tokio::time::sleep(work).await;
                             state.in_flight.lock().unwrap().get_mut(&scope).unwrap().0 -= 1;
@@ -1851,6 +1855,29 @@ impl Downstream {
     /// The most calls of `scope` that ran at once.
     fn most_at_once(&self, scope: &str) -> usize {
         self.in_flight.lock().unwrap().get(scope).map_or(0, |e| e.1)
+    }
+
+    /// The most calls of `scope` that ran at once, counted at calls that came after `after`.
+    fn most_at_once_after(&self, scope: &str, after: std::time::Instant) -> usize {
+        self.starts
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(s, at, _)| s == scope && *at > after)
+            .map(|c| c.2)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// When the calls of `scope` answered `status` came, in order.
+    fn times(&self, scope: &str, status: u16) -> Vec<std::time::Instant> {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(s, _, _, st)| s == scope && *st == status)
+            .map(|c| c.2)
+            .collect()
     }
 }
 
@@ -1974,10 +2001,11 @@ async fn a_resumed_budget_runs_at_once() {
 
 /// Issue 35's reproduction (b): an unrelated scope keeps its concurrency beside a record that
 /// always answers 429. `LEASEHOLD_CONCURRENCY=4`, one budget for every scope; a contact whose
-/// downstream call answers `429 Retry-After: 1` every time (a lock on that record, say), and 8
-/// saves of accounts whose runs take a second each: they run 4 at a time, not 1.
+/// downstream call answers `429 Retry-After: 1` every time (a lock on that record, say), and
+/// saves of accounts, 4 a second, whose runs take a second each, so the contact's chain is
+/// refused beside them again and again. Those refusals are one record's: the budget's limit
+/// stays 4 (each hop cut it, down to 1) and the accounts run 4 at once after them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "issue 35 item 2 is not done: one record's 429s still count as the downstream's"]
 async fn an_unrelated_scope_keeps_its_concurrency_beside_a_record_that_always_answers_429() {
     let started = std::time::Instant::now();
     let env = Env::new();
@@ -1995,6 +2023,7 @@ async fn an_unrelated_scope_keeps_its_concurrency_beside_a_record_that_always_an
             &[
                 ("LEASEHOLD_LOGIC_URL", url),
                 ("LEASEHOLD_CONCURRENCY", "4".to_string()),
+                ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY.to_string()),
             ],
         )
         .await;
@@ -2006,24 +2035,51 @@ async fn an_unrelated_scope_keeps_its_concurrency_beside_a_record_that_always_an
         || async { (downstream.count("contact", 429) >= 2).then_some(()) },
     )
     .await;
-    let refused_before = downstream.count("contact", 429);
     let sent = std::time::Instant::now();
-    for i in 0..8 {
+    for i in 0..32 {
         save(&app, "account", &format!("acc-{i}")).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    eventually(Duration::from_secs(60), "the 8 account saves to run", || async {
-        (downstream.count("account", 200) >= 8).then_some(())
+    eventually(Duration::from_secs(90), "the 32 account saves to run", || async {
+        (downstream.count("account", 200) >= 32).then_some(())
     })
     .await;
     let took = sent.elapsed();
-    let refused_during = downstream.count("contact", 429) - refused_before;
+    let beside: Vec<_> = downstream
+        .times("contact", 429)
+        .into_iter()
+        .filter(|t| *t > sent)
+        .collect();
+    let all: Value = common::get(
+        &app.url("/api/admin/budgets"),
+        &[("x-leasehold-admin-key", ADMIN_KEY)],
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let view = all["budgets"]
+        .as_array()
+        .and_then(|b| b.iter().find(|b| b["name"] == "default"))
+        .map(|b| b["here"].clone())
+        .unwrap_or_else(|| panic!("no budget `default`: {all}"));
     println!(
-        "[budgets] 8 one-second runs beside a record refused for ever: {} at once at most, all done {:.2} s after they were sent; the contact was refused {refused_during} more times meanwhile (test {:.1} s)",
+        "[budgets] 32 one-second runs, 4 saves a second, beside a record refused for ever: {} at once at most, all done {:.2} s after the first was sent; the contact was refused {} times meanwhile; the budget here: {view} (test {:.1} s)",
         downstream.most_at_once("account"),
         took.as_secs_f64(),
+        beside.len(),
         started.elapsed().as_secs_f64()
     );
-    assert!(refused_during >= 1, "the contact kept being refused beside them");
-    assert_eq!(downstream.most_at_once("account"), 4, "ran {took:?}");
+    assert!(
+        beside.len() >= 2,
+        "the contact kept being refused beside them: {beside:?}"
+    );
+    assert_eq!(view["limit"], 4, "{view}");
+    assert!(view["recordRefusals"].as_u64().unwrap() >= 2, "{view}");
+    assert_eq!(
+        downstream.most_at_once_after("account", beside[1]),
+        4,
+        "after the contact's second refusal beside them, the accounts ran fewer at once (all done in {took:?})"
+    );
     app.stop().await;
 }

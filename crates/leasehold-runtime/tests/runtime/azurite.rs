@@ -864,7 +864,7 @@ async fn a_budget_pause_written_by_one_worker_stops_run_starts_on_another() {
     let Admission::Go(mut permit) = one.admit(&scope, Lane::High, None, true).await else {
         panic!("a free budget gives a slot")
     };
-    permit.throttled(Duration::from_secs(30), false).await;
+    permit.throttled("r", Duration::from_secs(30), false).await;
     drop(permit);
     let shared = store_two.read("default").await.unwrap().expect("written");
     let left = shared.left;

@@ -754,7 +754,7 @@ impl PausedWorker {
         else {
             panic!("a stand-in's slot")
         };
-        permit.throttled(pause, false).await;
+        permit.throttled("r", pause, false).await;
     }
 
     /// A holder of `record` dies now: its lease granted and never renewed nor released, and
