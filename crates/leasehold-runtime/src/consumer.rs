@@ -202,14 +202,33 @@ impl Consumer {
                     lanes.push((low, want));
                 }
             }
-            let mut taken = Vec::new();
-            let mut from = self;
+            // Each lane is asked for what is still wanted, in turn. Normally the first that gives
+            // anything is the round's. While every budget is paused, the next lane is asked too
+            // and the pace is set only once every lane was asked and came back short: a backlog
+            // in either lane is passed over at once.
+            let mut taken: Vec<(&Consumer, Received)> = Vec::new();
+            let mut more_behind = false;
+            let mut left = want;
             for (lane, n) in lanes {
+                let n = n.min(left);
+                if n == 0 {
+                    // Not asked: it may hold a backlog.
+                    more_behind = true;
+                    break;
+                }
                 match lane.queue().get(n, self.options.visibility).await {
                     Ok(messages) if !messages.is_empty() => {
-                        taken = messages;
-                        from = lane;
-                        break;
+                        more_behind |= messages.len() as u32 >= n;
+                        left = left.saturating_sub(messages.len() as u32);
+                        if std::ptr::eq(lane, self) {
+                            since_low = since_low.saturating_add(messages.len() as u32);
+                        } else {
+                            since_low = 0;
+                        }
+                        taken.extend(messages.into_iter().map(|m| (lane, m)));
+                        if paused.is_none() {
+                            break;
+                        }
                     }
                     Ok(_) => {}
                     Err(e) => {
@@ -217,13 +236,8 @@ impl Consumer {
                     }
                 }
             }
-            if std::ptr::eq(from, self) {
-                since_low = since_low.saturating_add(taken.len() as u32);
-            } else {
-                since_low = 0;
-            }
-            if taken.len() as u32 >= want {
-                // More may be visible behind it: no pace until a batch comes back short.
+            if more_behind {
+                // More may be visible behind it: no pace until the lanes come back short.
                 paused_poll_at = None;
             }
             if taken.is_empty() {
@@ -237,7 +251,7 @@ impl Consumer {
                 continue;
             }
             idle_pause = self.options.poll_min;
-            for received in taken {
+            for (from, received) in taken {
                 let permit = slots
                     .clone()
                     .acquire_owned()

@@ -481,8 +481,8 @@ impl Plan {
     }
 
     /// [`from_seed`](Self::from_seed), keeping the priority lanes a long-pause seed draws
-    /// ([`LongPausePlan`]): reaches a known gap (a dead holder's message in the low lane behind
-    /// a backlog during a pause waits for the consumer's pace).
+    /// ([`LongPausePlan`]): a dead holder's message in the low lane behind a backlog during a
+    /// pause (the consumer's pace once passed it by).
     pub fn from_seed_keeping_lanes(seed: u64) -> Self {
         Self::draw(seed, true)
     }
@@ -959,10 +959,10 @@ impl Plan {
                 .filter(|_| lane_rng.random_bool(0.5))
                 .collect(),
         });
-        // Not in a long-pause seed (drawn all the same, so the draws stay the same): while every
-        // budget is paused, a short batch of the high lane sets the consumer's pace though the
-        // low lane holds a backlog, and a dead holder's message behind it waits for the pace (a
-        // known gap, left to a fix of its own: [`Plan::from_seed_keeping_lanes`] reaches it).
+        // Not in a long-pause seed (drawn all the same, so the draws stay the same and the
+        // seeds' fingerprints with them): [`Plan::from_seed_keeping_lanes`] keeps them, for
+        // `simulation_long_pause_with_lanes` (a dead holder's message in the low lane behind a
+        // backlog during a pause).
         if long_pause.is_some() && !keep_lanes {
             lanes = None;
         }
