@@ -338,7 +338,7 @@ impl Consumer {
                 .await;
             delivery
                 .span()
-                .in_scope(|| self.runner.finished(&delivery, &outcome, None));
+                .in_scope(|| self.runner.finished(&delivery, &outcome, &Default::default()));
             return;
         }
 
@@ -475,7 +475,7 @@ impl Consumer {
             }
             _ => unreachable!("acknowledge() covers the remaining outcomes"),
         };
-        span.in_scope(|| self.runner.finished(&delivery, &outcome, ended.ran));
+        span.in_scope(|| self.runner.finished(&delivery, &outcome, &ended));
     }
 
     /// Turns the delivered message into `next` (its deferral, or its next wait), hidden for

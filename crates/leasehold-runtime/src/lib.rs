@@ -4,6 +4,7 @@ mod budget;
 mod consumer;
 mod error;
 mod flow;
+mod history;
 mod markers;
 mod message;
 pub mod observe;
@@ -22,6 +23,10 @@ pub use budget::{
 pub use consumer::{Consumer, ConsumerOptions, low_queue_name, poison_queue_name};
 pub use error::{Error, LogicError};
 pub use flow::{PerScope, PerScopeError};
+pub use history::{
+    HISTORY_DROPPED_TOTAL, HISTORY_FAILURES_TOTAL, HISTORY_WRITTEN_TOTAL, History, HistoryEntry,
+    HistoryEvent, HistoryOptions, HistoryStore, MAX_REASON_CHARS, MemoryHistory, bounded_reason,
+};
 pub use markers::{
     AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, WAIT_PREFIX,
     WaitConsumed, record_status,

@@ -14,6 +14,7 @@ use crate::budget::{Admission, BudgetPermit, Budgets, Lane, Waiting};
 use crate::consumer::ConsumerSlot;
 use crate::error::{Error, LogicError};
 use crate::flow::PerScope;
+use crate::history::{History, HistoryEntry, HistoryEvent};
 use crate::markers::{MarkerSet, MarkerStore, RecordStatus, record_status};
 use crate::message::{TriggerKind, TriggerMessage, truncate_to};
 use crate::observe::{LockStep, OutcomeSink, record_lock, record_outcome, record_run};
@@ -468,6 +469,8 @@ pub struct RecordRunner {
     options: RunnerOptions,
     recheck_delay: Duration,
     sink: Option<OutcomeSink>,
+    /// Where what happens to each record is written for every instance to read, if anywhere.
+    history: Option<History>,
     /// The downstream budgets its runs draw on, if any.
     budgets: Option<Budgets>,
     /// The lane its queue is: its deliveries' priority for a budget's slots.
@@ -512,6 +515,7 @@ impl RecordRunner {
             options,
             recheck_delay,
             sink: None,
+            history: None,
             budgets: None,
             lane: Lane::High,
             wake: None,
@@ -570,9 +574,20 @@ impl RecordRunner {
         self
     }
 
+    /// This runner, writing what happens to each record to `history` (off the run's path: a
+    /// history write never delays nor fails a run).
+    pub fn with_history(mut self, history: History) -> Self {
+        self.history = Some(history);
+        self
+    }
+
+    pub fn history(&self) -> Option<&History> {
+        self.history.as_ref()
+    }
+
     /// Where a delivery's outcome goes once it is decided, in both modes: its log event, the
-    /// [`crate::observe::DELIVERIES_TOTAL`] metric and the outcome sink.
-    pub(crate) fn finished(&self, delivery: &Delivery, outcome: &Outcome, run_time: Option<Duration>) {
+    /// [`crate::observe::DELIVERIES_TOTAL`] metric, the outcome sink and the history.
+    pub(crate) fn finished(&self, delivery: &Delivery, outcome: &Outcome, ended: &Ended) {
         log(outcome);
         record_outcome(outcome);
         if let Some(sink) = &self.sink {
@@ -580,9 +595,47 @@ impl RecordRunner {
                 &delivery.message.scope,
                 &delivery.message.record_id,
                 outcome,
-                run_time,
+                ended.ran,
             );
         }
+        if let Some(history) = &self.history {
+            history.record(self.outcome_entry(delivery, outcome, ended));
+        }
+    }
+
+    /// A history entry of `delivery` for `event`, with what the delivery knows.
+    fn entry(&self, delivery: &Delivery, event: HistoryEvent) -> HistoryEntry {
+        let message = &delivery.message;
+        let mut entry = HistoryEntry::new(message.scope.clone(), message.record_id.clone(), event);
+        entry.attempt = delivery.attempts();
+        entry.instance = self.lock.options().holder.clone();
+        entry.lane = Some(self.lane.as_str().to_string());
+        entry.correlation_id = message.correlation_id.clone();
+        entry
+    }
+
+    /// The history entry of a delivery's outcome.
+    fn outcome_entry(&self, delivery: &Delivery, outcome: &Outcome, ended: &Ended) -> HistoryEntry {
+        let mut entry = self.entry(delivery, HistoryEvent::Outcome(outcome.label()));
+        entry.fencing_token = ended.token;
+        entry.run_ms = ended.ran.map(|d| d.as_millis() as u64);
+        entry.budget = ended.budget.clone();
+        match outcome {
+            Outcome::Completed { fencing_token, .. } | Outcome::Superseded { fencing_token, .. } => {
+                entry.fencing_token = fencing_token.or(entry.fencing_token);
+            }
+            Outcome::Rechecking { after } => entry = entry.until_after(*after),
+            Outcome::Retrying { error, after } => entry = entry.until_after(*after).with_reason(error),
+            Outcome::Poisoned { error } | Outcome::Failed { error, .. } => entry = entry.with_reason(error),
+            Outcome::Deferred { after, why, .. } => entry = entry.until_after(*after).with_reason(why),
+            Outcome::Waiting { after, .. } => entry = entry.until_after(*after),
+            Outcome::Paused { budget, after, .. } => {
+                entry.budget = Some(budget.clone());
+                entry = entry.until_after(*after);
+            }
+            Outcome::Coalesced | Outcome::Debounced { .. } => {}
+        }
+        entry
     }
 
     pub fn lock(&self) -> &LeaseLock {
@@ -616,7 +669,7 @@ impl RecordRunner {
             .handle_untold(delivery, cancel, None)
             .instrument(span.clone())
             .await;
-        span.in_scope(|| self.finished(delivery, &outcome, ended.ran));
+        span.in_scope(|| self.finished(delivery, &outcome, &ended));
         outcome
     }
 
@@ -784,7 +837,7 @@ impl RecordRunner {
             let outcome = self
                 .handle_watched_inner(delivery, poison, cancel, &mut ended)
                 .await;
-            self.finished(delivery, &outcome, ended.ran);
+            self.finished(delivery, &outcome, &ended);
             outcome
         }
         .instrument(delivery.span())
@@ -1236,6 +1289,7 @@ impl RecordRunner {
             }
         }
         let token = guard.get().fencing_token();
+        ended.token = token;
         if let Some(token) = token {
             tracing::Span::current().record("fencing_token", token);
         }
@@ -1320,6 +1374,13 @@ impl RecordRunner {
                     }
                 }
                 let superseded = streak.and_then(|s| self.watch_for_triggers(key, guard.get(), s));
+                ended.budget = permit.as_ref().map(|p| p.budget().to_string());
+                if let Some(history) = &self.history {
+                    let mut entry = self.entry(delivery, HistoryEvent::Started);
+                    entry.fencing_token = token;
+                    entry.budget = ended.budget.clone();
+                    history.record(entry);
+                }
                 let started = Instant::now();
                 let end = self
                     .run_logic(
@@ -1999,6 +2060,10 @@ pub(crate) struct Ended {
     /// What the delivery's retry is made of, when it is not the delivered message: the message
     /// it carried on as after a debounce step that owes a run ([`debounce`]).
     pub(crate) carried: Option<TriggerMessage>,
+    /// The fencing token of the lease the delivery held, if it held one with fencing on.
+    pub(crate) token: Option<u64>,
+    /// The downstream budget its run drew on, if it ran with one.
+    pub(crate) budget: Option<String>,
 }
 
 /// How a run's logic ended, for its downstream budget.
@@ -2040,9 +2105,8 @@ const MAX_PAUSE_WAIT_WATCHED: Duration = Duration::from_secs(5);
 impl Ended {
     pub(crate) fn of(delivery: &Delivery) -> Self {
         Self {
-            ran: None,
             after_token: delivery.message.after_token,
-            carried: None,
+            ..Self::default()
         }
     }
 

@@ -21,11 +21,11 @@ use tokio_util::sync::CancellationToken;
 
 /// Logic whose runs of a record last as long as the test says, and may answer "too many".
 #[derive(Default)]
-struct Downstream {
+pub(crate) struct Downstream {
     /// Per record: how long its runs take (default 1 s).
-    length: Mutex<HashMap<String, Duration>>,
+    pub(crate) length: Mutex<HashMap<String, Duration>>,
     /// Records whose next run is throttled, with the Retry-After it gives.
-    throttle: Mutex<HashMap<String, Option<Duration>>>,
+    pub(crate) throttle: Mutex<HashMap<String, Option<Duration>>>,
     /// Runs so far, in start order.
     runs: Mutex<Vec<String>>,
     started: Notify,
@@ -53,21 +53,21 @@ impl Logic for Downstream {
 }
 
 impl Downstream {
-    fn runs_of(&self, record: &str) -> usize {
+    pub(crate) fn runs_of(&self, record: &str) -> usize {
         self.runs.lock().unwrap().iter().filter(|r| *r == record).count()
     }
 }
 
-struct Fixture {
-    counters: OpCounters,
-    markers: Arc<MemoryMarkers>,
-    queue: Arc<MemoryQueue>,
-    budget_store: Arc<MemoryBudgets>,
-    logic: Arc<Downstream>,
-    runner: RecordRunner,
+pub(crate) struct Fixture {
+    pub(crate) counters: OpCounters,
+    pub(crate) markers: Arc<MemoryMarkers>,
+    pub(crate) queue: Arc<MemoryQueue>,
+    pub(crate) budget_store: Arc<MemoryBudgets>,
+    pub(crate) logic: Arc<Downstream>,
+    pub(crate) runner: RecordRunner,
 }
 
-fn fixture(max_concurrency: usize) -> Fixture {
+pub(crate) fn fixture(max_concurrency: usize) -> Fixture {
     let counters = OpCounters::new();
     let store = Arc::new(MemoryStore::with_counters(counters.clone()));
     let markers = Arc::new(MemoryMarkers::with_counters(counters.clone()));
@@ -109,7 +109,7 @@ fn fixture(max_concurrency: usize) -> Fixture {
     }
 }
 
-fn delivery(record: &str, kind: TriggerKind, dequeue_count: u32) -> Delivery {
+pub(crate) fn delivery(record: &str, kind: TriggerKind, dequeue_count: u32) -> Delivery {
     let mut message = TriggerMessage::parse("account", record).unwrap();
     message.kind = kind;
     Delivery {
@@ -118,11 +118,11 @@ fn delivery(record: &str, kind: TriggerKind, dequeue_count: u32) -> Delivery {
     }
 }
 
-fn trigger(record: &str) -> Delivery {
+pub(crate) fn trigger(record: &str) -> Delivery {
     delivery(record, TriggerKind::Trigger, 1)
 }
 
-async fn handle(runner: &RecordRunner, d: Delivery) -> Outcome {
+pub(crate) async fn handle(runner: &RecordRunner, d: Delivery) -> Outcome {
     runner.handle(&d, &CancellationToken::new()).await
 }
 

@@ -3,6 +3,7 @@
 mod azurite;
 mod behaviour;
 mod budgets;
+mod history;
 mod regressions;
 mod sim;
 
