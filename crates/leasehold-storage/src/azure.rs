@@ -673,7 +673,7 @@ Time:2026-11-22T17:00:00Z</Message><AuthenticationErrorDetail>The MAC signature 
                 });
             }
         });
-        let account = StorageAccount::emulator("127.0.0.1", port, port);
+        let account = StorageAccount::emulator("127.0.0.1", port, port, port);
         let container = BlobContainer::new(&account, "c", OpCounters::new());
         let e = container.exists("x").await.unwrap_err();
         assert_eq!(e.status(), Some(307), "{e}");
