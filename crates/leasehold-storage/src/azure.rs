@@ -92,10 +92,16 @@ impl azure_core::http::HttpClient for RuntimePools {
 /// retry transient errors with [`crate::RetryOptions`], so each call is one counted round trip),
 /// and the account's authorisation.
 pub fn client_options(account: &StorageAccount) -> ClientOptions {
+    client_options_for(account, Service::Blob)
+}
+
+/// [`client_options`] for requests to `service`: blobs and queues are signed alike, the Table
+/// service otherwise (a Shared Key string of its own).
+pub fn client_options_for(account: &StorageAccount, service: Service) -> ClientOptions {
     ClientOptions {
         retry: AzureRetryOptions::none(),
         transport: Some(Transport::new(RuntimePools::global().clone())),
-        per_try_policies: crate::auth::policy(account.account(), account.credential())
+        per_try_policies: crate::auth::policy(account.account(), account.credential(), service)
             .into_iter()
             .collect(),
         ..Default::default()
