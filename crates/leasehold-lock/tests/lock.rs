@@ -585,7 +585,12 @@ mod azurite {
     fn lock_behind_a_counting_proxy() -> (LeaseLock, CountingProxy, OpCounters) {
         let azurite = Azurite::shared();
         let proxy = CountingProxy::start(azurite.blob_port);
-        let account = leasehold_lock::StorageAccount::emulator(&azurite.host, proxy.port, azurite.queue_port);
+        let account = leasehold_lock::StorageAccount::emulator(
+            &azurite.host,
+            proxy.port,
+            azurite.queue_port,
+            azurite.table_port,
+        );
         let counters = OpCounters::new();
         let store = Arc::new(AzureBlobStore::new(
             &account,

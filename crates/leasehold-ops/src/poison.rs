@@ -1352,7 +1352,7 @@ mod tests {
     /// An operator over memory queues (the container is never contacted by poison operations).
     fn operator(queue: Arc<Slow>, poison: Arc<Slow>) -> Operator {
         let lock = LeaseLock::new(Arc::new(MemoryStore::new()), LeaseOptions::default()).unwrap();
-        let account = StorageAccount::emulator("127.0.0.1", 1, 2);
+        let account = StorageAccount::emulator("127.0.0.1", 1, 2, 3);
         Operator::from_parts(
             queue,
             poison,

@@ -1,6 +1,7 @@
 //! Storage account settings from a connection string, as users already write them in
 //! `AzureWebJobsStorage`: `UseDevelopmentStorage=true` (Azurite), `AccountName`/`AccountKey` with
-//! an `EndpointSuffix` or explicit `BlobEndpoint`/`QueueEndpoint`, and `SharedAccessSignature`.
+//! an `EndpointSuffix` or explicit `BlobEndpoint`/`QueueEndpoint`/`TableEndpoint`, and
+//! `SharedAccessSignature`.
 //! Error messages name what is wrong, never a value (values may be secrets).
 
 use std::collections::HashMap;
@@ -49,6 +50,9 @@ pub struct StorageAccount {
     credential: Credential,
     blob: Url,
     queue: Url,
+    /// The Table service (run history). Always known: derived like the others when no
+    /// `TableEndpoint` is given, so connection strings written before it was used still work.
+    table: Url,
     emulator: bool,
 }
 
@@ -58,13 +62,15 @@ impl fmt::Debug for StorageAccount {
             .field("account", &self.account)
             .field("blob_endpoint", &self.blob_endpoint())
             .field("queue_endpoint", &self.queue_endpoint())
+            .field("table_endpoint", &self.table_endpoint())
             .field("credentials", &"<redacted>")
             .finish()
     }
 }
 
 impl StorageAccount {
-    /// Parses a connection string. `UseDevelopmentStorage=true` means Azurite on its default ports.
+    /// Parses a connection string. `UseDevelopmentStorage=true` means Azurite on its default ports
+    /// (10000 blob, 10001 queue, 10002 table).
     /// Setting names are matched without regard to case, as the Azure SDKs do.
     pub fn from_connection_string(text: &str) -> Result<Self> {
         let text = text.trim();
@@ -93,7 +99,7 @@ impl StorageAccount {
                 Some(uri) => url_host(uri)?,
                 None => "127.0.0.1".to_string(),
             };
-            return Ok(Self::emulator(&host, 10000, 10001));
+            return Ok(Self::emulator(&host, 10000, 10001, 10002));
         }
 
         let credential = if let Some(sas) = get("SharedAccessSignature") {
@@ -130,7 +136,10 @@ impl StorageAccount {
             Some(p) if p.eq_ignore_ascii_case("http") => "http",
             _ => "https",
         };
-        let account = match (get("AccountName"), get("BlobEndpoint").or(get("QueueEndpoint"))) {
+        let explicit = get("BlobEndpoint")
+            .or(get("QueueEndpoint"))
+            .or(get("TableEndpoint"));
+        let account = match (get("AccountName"), explicit) {
             (Some(name), _) => name.to_string(),
             (None, Some(endpoint)) => account_from_endpoint(endpoint)?,
             (None, None) => return Err(invalid("set AccountName, or BlobEndpoint and QueueEndpoint")),
@@ -145,17 +154,19 @@ impl StorageAccount {
         };
         let blob = location(get("BlobEndpoint"), "Blob")?;
         let queue = location(get("QueueEndpoint"), "Queue")?;
+        let table = location(get("TableEndpoint"), "Table")?;
         Ok(Self {
             account,
             credential,
             blob,
             queue,
+            table,
             emulator: false,
         })
     }
 
     /// Azurite (or the legacy emulator) at `host` on the given ports, with the well-known account.
-    pub fn emulator(host: &str, blob_port: u16, queue_port: u16) -> Self {
+    pub fn emulator(host: &str, blob_port: u16, queue_port: u16, table_port: u16) -> Self {
         let account = EMULATOR_ACCOUNT.to_string();
         let url =
             |port: u16| Url::parse(&format!("http://{host}:{port}/{account}")).expect("an emulator URL");
@@ -163,6 +174,7 @@ impl StorageAccount {
             credential: Credential::Key(EMULATOR_KEY.to_string()),
             blob: url(blob_port),
             queue: url(queue_port),
+            table: url(table_port),
             account,
             emulator: true,
         }
@@ -170,11 +182,17 @@ impl StorageAccount {
 
     /// A connection string for Azurite at `host` with explicit endpoints (what tests hand to the
     /// binary).
-    pub fn emulator_connection_string(host: &str, blob_port: u16, queue_port: u16) -> String {
+    pub fn emulator_connection_string(
+        host: &str,
+        blob_port: u16,
+        queue_port: u16,
+        table_port: u16,
+    ) -> String {
         format!(
             "DefaultEndpointsProtocol=http;AccountName={EMULATOR_ACCOUNT};AccountKey={EMULATOR_KEY};\
              BlobEndpoint=http://{host}:{blob_port}/{EMULATOR_ACCOUNT};\
-             QueueEndpoint=http://{host}:{queue_port}/{EMULATOR_ACCOUNT};"
+             QueueEndpoint=http://{host}:{queue_port}/{EMULATOR_ACCOUNT};\
+             TableEndpoint=http://{host}:{table_port}/{EMULATOR_ACCOUNT};"
         )
     }
 
@@ -198,7 +216,9 @@ impl StorageAccount {
     /// under `prefix` (`AzureWebJobsStorage`):
     ///
     /// - `<prefix>__accountName`, or `<prefix>__blobServiceUri` and `<prefix>__queueServiceUri`
-    ///   (https; default `https://<account>.<service>.core.windows.net`);
+    ///   (https; default `https://<account>.<service>.core.windows.net`); `<prefix>__tableServiceUri`
+    ///   likewise (its default is derived from the account, so it is needed only for a custom
+    ///   endpoint; on its own it does not make the settings identity-based);
     /// - `<prefix>__credential`: `managedidentity` for the app's managed identity; unset, the
     ///   identity is found where the process runs: workload identity on Kubernetes
     ///   (`AZURE_FEDERATED_TOKEN_FILE`), a managed identity in Azure (`IDENTITY_ENDPOINT`,
@@ -228,6 +248,7 @@ impl StorageAccount {
             name,
             blob,
             queue,
+            setting("tableServiceUri"),
             setting("credential"),
             setting("clientId"),
         ))
@@ -248,11 +269,17 @@ impl StorageAccount {
         self.queue.as_str().trim_end_matches('/').to_string()
     }
 
-    /// The URL of `path` (a container, a queue) under the blob or queue endpoint.
+    /// The table endpoint URL (no secrets in it).
+    pub fn table_endpoint(&self) -> String {
+        self.table.as_str().trim_end_matches('/').to_string()
+    }
+
+    /// The URL of `path` (a container, a queue, a table resource) under the service's endpoint.
     pub fn url(&self, service: Service, path: &str) -> Url {
         let base = match service {
             Service::Blob => &self.blob,
             Service::Queue => &self.queue,
+            Service::Table => &self.table,
         };
         let mut url = base.clone();
         url.path_segments_mut()
@@ -273,6 +300,7 @@ fn identity_account(
     name: Option<String>,
     blob: Option<String>,
     queue: Option<String>,
+    table: Option<String>,
     credential: Option<String>,
     client_id: Option<String>,
 ) -> std::result::Result<StorageAccount, InvalidIdentitySettings> {
@@ -303,12 +331,14 @@ fn identity_account(
     };
     let blob = uri(blob, "blobServiceUri", "blob")?;
     let queue = uri(queue, "queueServiceUri", "queue")?;
+    let table = uri(table, "tableServiceUri", "table")?;
     let credential = identity_credential(prefix, credential.as_deref(), client_id)?;
     Ok(StorageAccount {
         account,
         credential: Credential::Token(credential),
         blob,
         queue,
+        table,
         emulator: false,
     })
 }
@@ -366,6 +396,8 @@ fn identity_credential(
 pub enum Service {
     Blob,
     Queue,
+    /// The Table service (run history), signed differently from the other two (`auth.rs`).
+    Table,
 }
 
 fn url_host(uri: &str) -> Result<String> {
@@ -402,6 +434,12 @@ mod tests {
         assert!(a.is_emulator());
         assert_eq!(a.blob_endpoint(), "http://127.0.0.1:10000/devstoreaccount1");
         assert_eq!(a.queue_endpoint(), "http://127.0.0.1:10001/devstoreaccount1");
+        assert_eq!(a.table_endpoint(), "http://127.0.0.1:10002/devstoreaccount1");
+        let proxied = StorageAccount::from_connection_string(
+            "UseDevelopmentStorage=true;DevelopmentStorageProxyUri=http://azurite",
+        )
+        .unwrap();
+        assert_eq!(proxied.table_endpoint(), "http://azurite:10002/devstoreaccount1");
     }
 
     #[test]
@@ -413,20 +451,60 @@ mod tests {
         assert_eq!(a.account(), "prodacct");
         assert_eq!(a.blob_endpoint(), "https://prodacct.blob.core.windows.net");
         assert_eq!(a.queue_endpoint(), "https://prodacct.queue.core.windows.net");
+        assert_eq!(a.table_endpoint(), "https://prodacct.table.core.windows.net");
+        assert_eq!(
+            a.url(Service::Table, "Tables").as_str(),
+            "https://prodacct.table.core.windows.net/Tables"
+        );
         let sovereign = StorageAccount::from_connection_string(
             "DefaultEndpointsProtocol=https;AccountName=g;AccountKey=c2VjcmV0;EndpointSuffix=core.usgovcloudapi.net",
         )
         .unwrap();
         assert_eq!(sovereign.blob_endpoint(), "https://g.blob.core.usgovcloudapi.net");
+        assert_eq!(
+            sovereign.table_endpoint(),
+            "https://g.table.core.usgovcloudapi.net"
+        );
+        let plain = StorageAccount::from_connection_string(
+            "DefaultEndpointsProtocol=http;AccountName=p;AccountKey=c2VjcmV0",
+        )
+        .unwrap();
+        assert_eq!(plain.table_endpoint(), "http://p.table.core.windows.net");
+    }
+
+    #[test]
+    fn an_explicit_table_endpoint_is_used_as_written() {
+        let a = StorageAccount::from_connection_string(
+            "AccountName=acct;AccountKey=c2VjcmV0;TableEndpoint=https://tables.example.net/acct/",
+        )
+        .unwrap();
+        assert_eq!(a.table_endpoint(), "https://tables.example.net/acct");
+        assert_eq!(a.blob_endpoint(), "https://acct.blob.core.windows.net");
+        // The account named by the table endpoint alone (SAS, no AccountName).
+        let sas = StorageAccount::from_connection_string(
+            "TableEndpoint=https://only.table.core.windows.net;SharedAccessSignature=sv=2019-02-02&ss=t&sig=S",
+        )
+        .unwrap();
+        assert_eq!(sas.account(), "only");
+        assert_eq!(sas.table_endpoint(), "https://only.table.core.windows.net");
+        let e = StorageAccount::from_connection_string("AccountName=a;AccountKey=c2VjcmV0;TableEndpoint=::")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TableEndpoint is not a URL"), "{e}");
     }
 
     #[test]
     fn explicit_endpoints_as_azurite_on_other_ports() {
-        let cs = StorageAccount::emulator_connection_string("127.0.0.1", 41000, 41001);
+        let cs = StorageAccount::emulator_connection_string("127.0.0.1", 41000, 41001, 41002);
         let a = StorageAccount::from_connection_string(&cs).unwrap();
         assert_eq!(a.account(), "devstoreaccount1");
         assert_eq!(a.blob_endpoint(), "http://127.0.0.1:41000/devstoreaccount1");
         assert_eq!(a.queue_endpoint(), "http://127.0.0.1:41001/devstoreaccount1");
+        assert_eq!(a.table_endpoint(), "http://127.0.0.1:41002/devstoreaccount1");
+        assert_eq!(
+            StorageAccount::emulator("127.0.0.1", 41000, 41001, 41002).table_endpoint(),
+            a.table_endpoint()
+        );
         assert_eq!(
             a.url(Service::Blob, "locks").as_str(),
             "http://127.0.0.1:41000/devstoreaccount1/locks"
@@ -464,7 +542,9 @@ mod tests {
             assert!(!e.contains("TOPSECRET"), "{e}");
         }
         let a = StorageAccount::from_connection_string("AccountName=a;AccountKey=TOPSECRETKEY").unwrap();
-        assert!(!format!("{a:?}").contains("TOPSECRET"));
+        let debug = format!("{a:?}");
+        assert!(!debug.contains("TOPSECRET"), "{debug}");
+        assert!(debug.contains("table_endpoint"), "{debug}");
     }
 
     fn identity(
@@ -496,6 +576,7 @@ mod tests {
         assert_eq!(a.account(), "prodacct");
         assert_eq!(a.blob_endpoint(), "https://prodacct.blob.core.windows.net");
         assert_eq!(a.queue_endpoint(), "https://prodacct.queue.core.windows.net");
+        assert_eq!(a.table_endpoint(), "https://prodacct.table.core.windows.net");
         assert!(a.token_credential().is_some());
         let custom = identity(&[
             (
@@ -506,11 +587,27 @@ mod tests {
                 "AzureWebJobsStorage__queueServiceUri",
                 "https://127.0.0.1:41001/devstoreaccount1",
             ),
+            (
+                "AzureWebJobsStorage__tableServiceUri",
+                "https://127.0.0.1:41002/devstoreaccount1",
+            ),
             ("AzureWebJobsStorage__credential", "ManagedIdentity"),
         ])
         .unwrap()
         .unwrap();
         assert_eq!(custom.account(), "devstoreaccount1");
+        assert_eq!(
+            custom.table_endpoint(),
+            "https://127.0.0.1:41002/devstoreaccount1"
+        );
+        assert!(
+            identity(&[(
+                "AzureWebJobsStorage__tableServiceUri",
+                "https://a.table.core.windows.net"
+            )])
+            .is_none(),
+            "a table endpoint alone does not make the settings identity-based"
+        );
         assert_eq!(
             custom.queue_endpoint(),
             "https://127.0.0.1:41001/devstoreaccount1"
@@ -540,6 +637,16 @@ mod tests {
                     "https://a.queue.core.windows.net",
                 )],
                 "set AzureWebJobsStorage__accountName",
+            ),
+            (
+                vec![
+                    ("AzureWebJobsStorage__accountName", "a"),
+                    (
+                        "AzureWebJobsStorage__tableServiceUri",
+                        "http://a.table.core.windows.net",
+                    ),
+                ],
+                "AzureWebJobsStorage__tableServiceUri must be https",
             ),
         ] {
             let e = identity(&pairs).unwrap().map(drop).unwrap_err().to_string();

@@ -92,10 +92,16 @@ impl azure_core::http::HttpClient for RuntimePools {
 /// retry transient errors with [`crate::RetryOptions`], so each call is one counted round trip),
 /// and the account's authorisation.
 pub fn client_options(account: &StorageAccount) -> ClientOptions {
+    client_options_for(account, Service::Blob)
+}
+
+/// [`client_options`] for requests to `service`: blobs and queues are signed alike, the Table
+/// service otherwise (a Shared Key string of its own).
+pub fn client_options_for(account: &StorageAccount, service: Service) -> ClientOptions {
     ClientOptions {
         retry: AzureRetryOptions::none(),
         transport: Some(Transport::new(RuntimePools::global().clone())),
-        per_try_policies: crate::auth::policy(account.account(), account.credential())
+        per_try_policies: crate::auth::policy(account.account(), account.credential(), service)
             .into_iter()
             .collect(),
         ..Default::default()
@@ -160,12 +166,19 @@ fn map_error(op: Op, e: &azure_core::Error) -> StoreError {
 
 /// The first line of the service's `<Message>` (what went wrong, in its words: "The API version
 /// … is not supported by Azurite", "Server failed to authenticate the request"); later lines hold
-/// request ids and, for authentication failures, details that are kept out of logs.
+/// request ids and, for authentication failures, details that are kept out of logs. The Table
+/// service answers in JSON instead: its `odata.error.message.value`, likewise.
 fn service_message(body: &[u8]) -> Option<String> {
     let text = std::str::from_utf8(body).ok()?;
-    let start = text.find("<Message>")? + "<Message>".len();
-    let end = start + text[start..].find("</Message>")?;
-    let first = text[start..end].lines().next()?.trim();
+    let message = match text.find("<Message>") {
+        Some(at) => {
+            let start = at + "<Message>".len();
+            let end = start + text[start..].find("</Message>")?;
+            text[start..end].to_string()
+        }
+        None => crate::table::odata_error(body)?.1,
+    };
+    let first = message.lines().next()?.trim();
     (!first.is_empty()).then(|| first.chars().take(300).collect())
 }
 
@@ -174,9 +187,10 @@ fn classify(status: u16, code: Option<&str>) -> StoreErrorKind {
         (409, "LeaseAlreadyPresent") => StoreErrorKind::LeaseAlreadyPresent,
         (409, "LeaseIsBreakingAndCannotBeAcquired") => StoreErrorKind::LeaseBreaking,
         (409 | 412, c) if c.starts_with("Lease") => StoreErrorKind::LeaseLost,
-        (409, "ContainerBeingDeleted" | "BlobBeingRehydrated" | "QueueBeingDeleted") => {
-            StoreErrorKind::Transient
-        }
+        (
+            409,
+            "ContainerBeingDeleted" | "BlobBeingRehydrated" | "QueueBeingDeleted" | "TableBeingDeleted",
+        ) => StoreErrorKind::Transient,
         // Queue: a stale pop receipt means someone else took the message since.
         (400, "PopReceiptMismatch") => StoreErrorKind::NotFound,
         (404, _) => StoreErrorKind::NotFound,
@@ -638,6 +652,11 @@ Time:2026-11-22T17:00:00Z</Message><AuthenticationErrorDetail>The MAC signature 
         );
         assert_eq!(service_message(b"not xml"), None);
         assert_eq!(service_message(b"<Message></Message>"), None);
+        let table = br#"{"odata.error":{"code":"TableNotFound","message":{"lang":"en-US","value":"The table specified does not exist.\nRequestId:8c1b\nTime:2026-11-22T17:00:00Z"}}}"#;
+        assert_eq!(
+            service_message(table).as_deref(),
+            Some("The table specified does not exist.")
+        );
     }
 
     /// Storage never redirects: a 3xx answer is surfaced as an error with its status, and the
@@ -673,7 +692,7 @@ Time:2026-11-22T17:00:00Z</Message><AuthenticationErrorDetail>The MAC signature 
                 });
             }
         });
-        let account = StorageAccount::emulator("127.0.0.1", port, port);
+        let account = StorageAccount::emulator("127.0.0.1", port, port, port);
         let container = BlobContainer::new(&account, "c", OpCounters::new());
         let e = container.exists("x").await.unwrap_err();
         assert_eq!(e.status(), Some(307), "{e}");
@@ -711,6 +730,10 @@ Time:2026-11-22T17:00:00Z</Message><AuthenticationErrorDetail>The MAC signature 
         assert_eq!(classify(400, Some("PopReceiptMismatch")), NotFound);
         assert_eq!(classify(409, Some("QueueBeingDeleted")), Transient);
         assert_eq!(classify(409, Some("BlobAlreadyExists")), Rejected);
+        assert_eq!(classify(409, Some("TableBeingDeleted")), Transient);
+        assert_eq!(classify(409, Some("TableAlreadyExists")), Rejected);
+        assert_eq!(classify(409, Some("EntityAlreadyExists")), Rejected);
+        assert_eq!(classify(404, Some("TableNotFound")), NotFound);
     }
 }
 

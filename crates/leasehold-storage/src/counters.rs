@@ -36,11 +36,17 @@ pub enum Op {
     QueuePeek,
     QueueProperties,
     BlobList,
+    /// An entity written to a run-history table (Insert Entity).
+    HistoryWrite,
+    /// A page of run-history entities read (Query Entities).
+    HistoryRead,
+    /// A run-history table created, deleted or listed (the Table service's table operations).
+    HistoryTable,
 }
 
 impl Op {
     /// Every kind, in display order.
-    pub const ALL: [Op; 25] = [
+    pub const ALL: [Op; 28] = [
         Op::ContainerCreate,
         Op::BlobCreate,
         Op::BlobProperties,
@@ -66,6 +72,9 @@ impl Op {
         Op::QueuePeek,
         Op::QueueProperties,
         Op::BlobList,
+        Op::HistoryWrite,
+        Op::HistoryRead,
+        Op::HistoryTable,
     ];
 
     pub fn name(self) -> &'static str {
@@ -95,6 +104,9 @@ impl Op {
             Op::QueuePeek => "queue peek",
             Op::QueueProperties => "queue properties",
             Op::BlobList => "blob list",
+            Op::HistoryWrite => "history write",
+            Op::HistoryRead => "history read",
+            Op::HistoryTable => "history table",
         }
     }
 
@@ -126,10 +138,18 @@ impl Op {
             Op::QueuePeek => "queue_peek",
             Op::QueueProperties => "queue_properties",
             Op::BlobList => "blob_list",
+            Op::HistoryWrite => "history_write",
+            Op::HistoryRead => "history_read",
+            Op::HistoryTable => "history_table",
         }
     }
 
-    /// Whether this is a queue operation (the rest are blob operations).
+    /// Whether this is a Table service operation (run history).
+    pub fn is_table(self) -> bool {
+        matches!(self, Op::HistoryWrite | Op::HistoryRead | Op::HistoryTable)
+    }
+
+    /// Whether this is a queue operation (the rest are blob or table operations).
     pub fn is_queue(self) -> bool {
         matches!(
             self,
@@ -196,7 +216,15 @@ impl OpCounts {
     pub fn blob_total(&self) -> u64 {
         Op::ALL
             .iter()
-            .filter(|o| !o.is_queue())
+            .filter(|o| !o.is_queue() && !o.is_table())
+            .map(|o| self.get(*o))
+            .sum()
+    }
+
+    pub fn table_total(&self) -> u64 {
+        Op::ALL
+            .iter()
+            .filter(|o| o.is_table())
             .map(|o| self.get(*o))
             .sum()
     }
@@ -240,5 +268,29 @@ mod tests {
         for op in Op::ALL {
             assert_eq!(op.label(), op.name().replace(' ', "_"), "{op:?}");
         }
+    }
+
+    #[test]
+    fn every_op_is_listed_once_and_counted_under_one_service() {
+        for (i, op) in Op::ALL.iter().enumerate() {
+            assert_eq!(op.index(), i, "{op:?} is listed twice");
+            assert!(!(op.is_queue() && op.is_table()), "{op:?}");
+        }
+        let counters = OpCounters::new();
+        for op in [
+            Op::BlobList,
+            Op::QueuePut,
+            Op::HistoryWrite,
+            Op::HistoryRead,
+            Op::HistoryTable,
+        ] {
+            counters.record(op);
+        }
+        let counts = counters.snapshot();
+        assert_eq!(
+            (counts.blob_total(), counts.queue_total(), counts.table_total()),
+            (1, 1, 3)
+        );
+        assert_eq!(counts.total(), 5);
     }
 }

@@ -6,6 +6,7 @@ pub mod azure;
 mod counters;
 mod error;
 mod retry;
+pub mod table;
 
 pub use account::{
     EMULATOR_ACCOUNT, EMULATOR_KEY, InvalidConnectionString, InvalidIdentitySettings, Service, StorageAccount,

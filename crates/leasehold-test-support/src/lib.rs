@@ -18,12 +18,13 @@ pub mod browser;
 /// The install command named in failure messages.
 pub const INSTALL_HINT: &str = "scripts/install-azurite.sh (or: npm ci --prefix tools/azurite)";
 
-/// A running Azurite (blob and queue services).
+/// A running Azurite (blob, queue and table services).
 #[derive(Debug)]
 pub struct Azurite {
     pub host: String,
     pub blob_port: u16,
     pub queue_port: u16,
+    pub table_port: u16,
     /// With [`Azurite::start_oauth`]: the certificate authority its HTTPS certificate is signed
     /// by (PEM), for clients to trust (`SSL_CERT_FILE`).
     pub ca_file: Option<PathBuf>,
@@ -140,6 +141,11 @@ impl Azurite {
         self.uri(self.queue_port)
     }
 
+    /// The table service URL of this Azurite.
+    pub fn table_uri(&self) -> String {
+        self.uri(self.table_port)
+    }
+
     fn uri(&self, port: u16) -> String {
         let scheme = if self.ca_file.is_some() { "https" } else { "http" };
         format!(
@@ -208,11 +214,16 @@ impl Azurite {
                     )
                 })?;
             let mut child = child;
-            if wait_for_ports(&mut child, &[blob_port, queue_port], Duration::from_secs(30)) {
+            if wait_for_ports(
+                &mut child,
+                &[blob_port, queue_port, table_port],
+                Duration::from_secs(30),
+            ) {
                 return Ok(Azurite {
                     host: "127.0.0.1".into(),
                     blob_port,
                     queue_port,
+                    table_port,
                     ca_file: ca_file.clone(),
                     child: Mutex::new(child),
                     workdir,
@@ -226,7 +237,12 @@ impl Azurite {
 
     /// A connection string with explicit endpoints, as a user would set `AzureWebJobsStorage`.
     pub fn connection_string(&self) -> String {
-        StorageAccount::emulator_connection_string(&self.host, self.blob_port, self.queue_port)
+        StorageAccount::emulator_connection_string(
+            &self.host,
+            self.blob_port,
+            self.queue_port,
+            self.table_port,
+        )
     }
 
     pub fn account(&self) -> StorageAccount {
@@ -234,7 +250,7 @@ impl Azurite {
             .expect("emulator connection string parses")
     }
 
-    /// A connection string with explicit endpoints and an account SAS (blob and queue; service,
+    /// A connection string with explicit endpoints and an account SAS (blob, queue and table; service,
     /// container and object; every permission; an hour) signed here with the emulator's key, as
     /// a user would paste from the portal.
     pub fn sas_connection_string(&self) -> String {
@@ -251,7 +267,7 @@ impl Azurite {
         let expiry = httpdate_iso(expiry);
         let (version, permissions) = ("2021-08-06", "rwdlacup");
         let to_sign = format!(
-            "{account}\n{permissions}\nbq\n{resource_types}\n\n{expiry}\n\nhttps,http\n{version}\n\n",
+            "{account}\n{permissions}\nbqt\n{resource_types}\n\n{expiry}\n\nhttps,http\n{version}\n\n",
             account = leasehold_storage::EMULATOR_ACCOUNT
         );
         let key = base64::engine::general_purpose::STANDARD
@@ -262,7 +278,7 @@ impl Azurite {
         let signature = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
         let sas: String = url::form_urlencoded::Serializer::new(String::new())
             .append_pair("sv", version)
-            .append_pair("ss", "bq")
+            .append_pair("ss", "bqt")
             .append_pair("srt", resource_types)
             .append_pair("sp", permissions)
             .append_pair("se", &expiry)
@@ -270,9 +286,10 @@ impl Azurite {
             .append_pair("sig", &signature)
             .finish();
         format!(
-            "BlobEndpoint={};QueueEndpoint={};SharedAccessSignature={sas}",
+            "BlobEndpoint={};QueueEndpoint={};TableEndpoint={};SharedAccessSignature={sas}",
             self.blob_uri(),
-            self.queue_uri()
+            self.queue_uri(),
+            self.table_uri()
         )
     }
 }
