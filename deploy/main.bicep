@@ -12,8 +12,8 @@
 //       account key, so shared keys stay allowed; run from package.
 //   Y1 (Linux Consumption): legacy (retired 30 September 2028), connection string with the key.
 // The app's identity gets Storage Blob Data Owner (leases, markers, the host's own blobs, the
-// deployment container) and Storage Queue Data Contributor (triggers, poison, watchdogs) on the
-// account.
+// deployment container), Storage Queue Data Contributor (triggers, poison, watchdogs) and
+// Storage Table Data Contributor (run history) on the account.
 //
 // Deploy: scripts/deploy.sh <dev|test|prod> (prints the az commands with --dry-run).
 
@@ -107,6 +107,16 @@ param throttlePauseSeconds string = '10'
 
 @description('The longest one throttle pauses its budget, in seconds (1-86400; a longer Retry-After is capped).')
 param maxThrottlePauseSeconds string = '300'
+
+@description('Whether every instance writes run history (what happened to each record) to the storage account\'s Table service: LEASEHOLD_HISTORY.')
+@allowed([
+  'true'
+  'false'
+])
+param history string = 'true'
+
+@description('How long run history is kept and shown, in days (1-366): LEASEHOLD_HISTORY_DAYS.')
+param historyDays string = '7'
 
 var suffix = '${namePrefix}${environmentName}'
 var storageName = toLower('${take(namePrefix, 11)}${environmentName}st${take(uniqueString(resourceGroup().id), 6)}')
@@ -291,6 +301,9 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
         { name: 'LEASEHOLD_ADAPTIVE_CONCURRENCY', value: adaptiveConcurrency }
         { name: 'LEASEHOLD_THROTTLE_PAUSE_SECONDS', value: throttlePauseSeconds }
         { name: 'LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS', value: maxThrottlePauseSeconds }
+        { name: 'LEASEHOLD_HISTORY', value: history }
+        { name: 'LEASEHOLD_HISTORY_DAYS', value: historyDays }
+        { name: 'LEASEHOLD_HISTORY_TABLE', value: '' }
         { name: 'LEASEHOLD_LOG_FORMAT', value: 'json' }
         // How often the handler logs its metrics event (and samples the queue depths): the default.
         { name: 'LEASEHOLD_METRICS_INTERVAL_SECONDS', value: '' }
@@ -325,6 +338,8 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
 var storageRoles = {
   blobDataOwner: 'b7e6dc6d-f1e8-4753-8033-0f276bb0955b'
   queueDataContributor: '974c5e8b-45b9-4653-ba55-5f855dd0fb88'
+  // Run history: a table per period, created, written, read and dropped by the app.
+  tableDataContributor: '0a9a7e1f-b9d0-4cc4-a60d-0319b160aaa3'
 }
 
 resource roleAssignments 'Microsoft.Authorization/roleAssignments@2022-04-01' = [

@@ -81,6 +81,26 @@ pub enum Command {
         #[arg(long)]
         now: bool,
     },
+    /// What happened to a record, newest first, as every instance wrote it: runs started and
+    /// ended (with their fencing token, instance and run time), triggers coalesced onto a run,
+    /// waits, runs put off (until when, and why), triggers held by a budget's pause, give-ups,
+    /// and operators' actions. Two storage requests.
+    #[command(
+        after_help = "Examples:\n  leasehold history --scope account 8f9c1d2e-0000-4000-8000-000000000001\n  \
+        leasehold history --scope account 8f9c1d2e-0000-4000-8000-000000000001 --limit 5 --json"
+    )]
+    History {
+        /// Scope of the record (e.g. a Dataverse table name).
+        #[arg(long, default_value = "default")]
+        scope: Scope,
+        record_id: RecordId,
+        /// Show at most this many entries (1–1000).
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Print JSON (RFC 3339 times) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Downstream budgets: see a budget's pause (set when the downstream answered "too many")
     /// and end it.
     Budget {
@@ -159,6 +179,27 @@ pub async fn run(command: Command, settings: &StorageSettings) -> Result<i32> {
                 "{}",
                 operator.break_lease(&scope, &record_id, &reason, now).await?
             );
+            Ok(0)
+        }
+        Command::History {
+            scope,
+            record_id,
+            limit,
+            json,
+        } => {
+            let operator = Operator::new(settings)?;
+            let entries = operator.history(&scope, &record_id, limit).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&entries)?);
+            } else if entries.is_empty() {
+                println!(
+                    "no history for {scope}/{record_id} (nothing happened to it within the history's days, or it was written with history off)"
+                );
+            } else {
+                for entry in &entries {
+                    println!("{}", entry.line());
+                }
+            }
             Ok(0)
         }
         Command::Budget { command } => {

@@ -3,6 +3,7 @@
 mod budgets;
 pub mod cli;
 pub mod clock;
+mod history;
 mod overview;
 mod poison;
 pub mod text;
@@ -21,6 +22,7 @@ use leasehold_storage::azure::BlobContainer;
 use serde::Serialize;
 
 pub use budgets::BudgetStatus;
+pub use history::{HistoryView, MAX_HISTORY_LIMIT};
 pub use overview::{HeldRecord, Overview, OverviewQuery, QueueView, RecordRef};
 pub use poison::{
     PoisonEntry, PoisonList, PoisonQuery, PoisonRecord, PoisonSelection, Progress, PurgeReport,
@@ -98,6 +100,8 @@ struct Inner {
     retry: RetryOptions,
     /// Held by a poison scan while it runs (shared by clones: scans take turns).
     scans: Arc<tokio::sync::Mutex<()>>,
+    /// The deployment's run history and how long it is kept (`None`: history is off).
+    history: Option<(Arc<dyn leasehold_runtime::HistoryStore>, Duration)>,
 }
 
 impl std::fmt::Debug for Operator {
@@ -151,7 +155,17 @@ impl Operator {
             BlobContainer::new(&settings.account, &settings.container, wiring.counters.clone()),
             wiring.counters,
         )
-        .with(|inner| inner.other = Some(low)))
+        .with(|inner| inner.other = Some(low))
+        .with_history(wiring.history.map(|store| {
+            let keep = settings.history.as_ref().map_or(Duration::ZERO, |h| h.keep);
+            (store, keep)
+        })))
+    }
+
+    /// The same operator, reading and writing run history in `history` (a store and how long
+    /// history is kept), or with history off (`None`).
+    pub fn with_history(self, history: Option<(Arc<dyn leasehold_runtime::HistoryStore>, Duration)>) -> Self {
+        self.with(|inner| inner.history = history)
     }
 
     /// The same operator, for `lane`'s queue and poison queue (its poison tools, its
@@ -219,6 +233,7 @@ impl Operator {
                 interrupt: None,
                 retry: RetryOptions::default(),
                 scans: Arc::default(),
+                history: None,
             }),
         }
     }
@@ -286,6 +301,14 @@ impl Operator {
             .await
             .map_err(|e| OpsError::storage("enqueue", e))?;
         tracing::info!(%scope, record = %record_id, queue = self.queue_name(), "enqueued a trigger");
+        self.note(
+            scope,
+            record_id,
+            leasehold_runtime::HistoryEvent::Enqueued,
+            "leasehold enqueue",
+            Some(&format!("on {}", self.queue_name())),
+        )
+        .await;
         Ok(message)
     }
 
@@ -331,22 +354,29 @@ impl Operator {
     ) -> Result<String, OpsError> {
         let key = record_key(scope, record_id);
         let lock = &self.inner.lock;
-        if now {
+        let said = if now {
             lock.break_lock_after(&key, reason, Duration::ZERO)
                 .await
                 .map_err(|e| OpsError::storage("break lease", e))?;
-            Ok(format!(
-                "broke the lease on {key} ({reason}); the record is free now"
-            ))
+            format!("broke the lease on {key} ({reason}); the record is free now")
         } else {
             lock.break_lock(&key, reason)
                 .await
                 .map_err(|e| OpsError::storage("break lease", e))?;
-            Ok(format!(
+            format!(
                 "broke the lease on {key} ({reason}); its run is told at its next renewal, and the record is free \
                  once that run released it or the lease would have expired (at most {} s)",
                 self.inner.lease_seconds
-            ))
-        }
+            )
+        };
+        self.note(
+            scope,
+            record_id,
+            leasehold_runtime::HistoryEvent::Broken,
+            "leasehold break",
+            Some(reason),
+        )
+        .await;
+        Ok(said)
     }
 }

@@ -8,9 +8,10 @@ use anyhow::Result;
 use leasehold_lock::azure::AzureBlobStore;
 use leasehold_lock::{LeaseLock, LeaseOptions};
 use leasehold_runtime::{
-    AzureBudgets, AzureMarkers, AzureQueue, BudgetStore, MarkerStore, TriggerQueue, low_queue_name,
-    poison_queue_name,
+    AzureBudgets, AzureMarkers, AzureQueue, BudgetStore, HistoryStore, MarkerStore, TableHistory,
+    TriggerQueue, low_queue_name, poison_queue_name,
 };
+use leasehold_storage::table::TableClient;
 use leasehold_storage::{OpCounters, StorageAccount};
 
 /// Where a deployment's state lives: the part of the application's settings that the
@@ -26,6 +27,18 @@ pub struct StorageSettings {
     pub container: String,
     /// The lease's duration, renewal and retries (`LEASEHOLD_LEASE_*`).
     pub lease: LeaseOptions,
+    /// Where run history is kept (`None`: `LEASEHOLD_HISTORY=false`).
+    pub history: Option<HistorySettings>,
+}
+
+/// Where a deployment's run history is kept, and for how long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistorySettings {
+    /// The history tables' names start with this (`LEASEHOLD_HISTORY_TABLE`), then the date
+    /// their period starts.
+    pub table_prefix: String,
+    /// How long history is kept and shown (`LEASEHOLD_HISTORY_DAYS`).
+    pub keep: std::time::Duration,
 }
 
 /// Queues and lock from the settings, sharing one set of round-trip counters.
@@ -41,6 +54,8 @@ pub struct Wiring {
     pub markers: Arc<dyn MarkerStore>,
     /// The downstream budgets' shared pauses (blobs `budgets/<name>` in the container).
     pub budgets: Arc<dyn BudgetStore>,
+    /// The run history, in the account's Table service (`None`: `LEASEHOLD_HISTORY=false`).
+    pub history: Option<Arc<dyn HistoryStore>>,
     /// The round-trip counters all of the above record into.
     pub counters: OpCounters,
 }
@@ -64,9 +79,21 @@ pub fn wire(settings: &StorageSettings) -> Result<Wiring> {
         &settings.container,
         counters.clone(),
     ));
+    let history = match &settings.history {
+        Some(h) => Some(Arc::new(
+            TableHistory::new(
+                TableClient::new(&settings.account, counters.clone()),
+                &h.table_prefix,
+                h.keep,
+            )
+            .map_err(|e| anyhow::anyhow!("LEASEHOLD_HISTORY_TABLE: {e}"))?,
+        ) as Arc<dyn HistoryStore>),
+        None => None,
+    };
     Ok(Wiring {
         markers,
         budgets,
+        history,
         queue: Arc::new(AzureQueue::new(
             &settings.account,
             &settings.queue,

@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use leasehold_storage::StoreError;
+use leasehold_storage::table::{Entity, TABLE_NOT_FOUND, TableClient};
+use leasehold_storage::{Op, StoreError, StoreErrorKind};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -516,6 +517,255 @@ fn write_all(
                 }
             });
         }
+    }
+}
+
+/// History in the account's Table service: one table per period of [`HistoryOptions::keep`]
+/// (whole days), named `<prefix><yyyymmdd>` after the period's first day (UTC), dropped whole
+/// once the period ended more than `keep` ago ([`sweep`](HistoryStore::sweep): a request per
+/// period, not per entry). A record's entries are the partition `<scope>|<record>` (neither
+/// holds `|`), so a bulk import of many records spreads over as many partitions; each write is
+/// one entity whose row key is the newest entry's time inverted (`9999999999999 − ms`, then a
+/// random suffix), so a partition reads newest first, and whose `Entries` property holds the
+/// write's entries as JSON. A record's history within `keep` is in the current period's table
+/// and the one before: read in 2 requests.
+#[derive(Debug, Clone)]
+pub struct TableHistory {
+    client: TableClient,
+    prefix: String,
+    period_days: u64,
+}
+
+/// The longest `Entries` property written, in bytes (the service takes 64 KiB a property).
+const MAX_ENTRIES_BYTES: usize = 30_000;
+
+/// The longest table name prefix: a table name is at most 63 characters, 8 of them the date.
+pub const MAX_HISTORY_PREFIX_LEN: usize = 55;
+
+impl TableHistory {
+    /// History in `client`'s account, tables named `<prefix><yyyymmdd>`, kept for `keep`
+    /// (rounded up to whole days). `prefix`: letters and digits, starting with a letter, at
+    /// most [`MAX_HISTORY_PREFIX_LEN`].
+    pub fn new(client: TableClient, prefix: &str, keep: Duration) -> Result<Self, String> {
+        Self::check_prefix(prefix)?;
+        Ok(Self {
+            client,
+            prefix: prefix.to_string(),
+            period_days: keep.as_secs().div_ceil(DAY.as_secs()).max(1),
+        })
+    }
+
+    /// Whether `prefix` makes valid table names, and if not why.
+    pub fn check_prefix(prefix: &str) -> Result<(), String> {
+        let valid = !prefix.is_empty()
+            && prefix.len() <= MAX_HISTORY_PREFIX_LEN
+            && prefix.starts_with(|c: char| c.is_ascii_alphabetic())
+            && prefix.chars().all(|c| c.is_ascii_alphanumeric());
+        if valid {
+            return Ok(());
+        }
+        Err(format!(
+            "{prefix:?} is not a valid history table prefix: 1 to {MAX_HISTORY_PREFIX_LEN} letters and digits, starting with a letter"
+        ))
+    }
+
+    /// The table prefix a deployment whose blob container is `container` uses by default: its
+    /// letters and digits, after `history`.
+    pub fn default_prefix(container: &str) -> String {
+        let mut prefix: String = format!(
+            "history{}",
+            container
+                .chars()
+                .filter(char::is_ascii_alphanumeric)
+                .collect::<String>()
+        );
+        prefix.truncate(MAX_HISTORY_PREFIX_LEN);
+        prefix
+    }
+
+    /// The period (its number since the Unix epoch) `ms` falls in.
+    fn period_of(&self, ms: u64) -> u64 {
+        ms / DAY.as_millis() as u64 / self.period_days
+    }
+
+    /// The table of period `period`.
+    fn table(&self, period: u64) -> String {
+        let (y, m, d) = civil_from_days((period * self.period_days) as i64);
+        format!("{}{y:04}{m:02}{d:02}", self.prefix)
+    }
+
+    /// The period a table of this history is of, from its name.
+    fn period_of_table(&self, name: &str) -> Option<u64> {
+        let date = name.strip_prefix(&self.prefix)?;
+        if date.len() != 8 || !date.chars().all(|c| c.is_ascii_digit()) {
+            return None;
+        }
+        let (y, m, d) = (
+            date[..4].parse().ok()?,
+            date[4..6].parse().ok()?,
+            date[6..].parse().ok()?,
+        );
+        let days = days_from_civil(y, m, d);
+        (days >= 0 && (days as u64).is_multiple_of(self.period_days)).then(|| days as u64 / self.period_days)
+    }
+
+    fn partition(scope: &Scope, record: &RecordId) -> String {
+        format!("{}|{}", scope.as_str(), record.as_str())
+    }
+
+    async fn insert(&self, table: &str, entity: &Entity) -> Result<(), StoreError> {
+        match self.client.insert_entity(table, entity).await {
+            Err(e) if e.code() == Some(TABLE_NOT_FOUND) => {
+                self.client.create_table(table).await?;
+                self.client.insert_entity(table, entity).await
+            }
+            other => other,
+        }
+    }
+}
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// The civil date (proleptic Gregorian, UTC) of `days` since 1970-01-01 (H. Hinnant's).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// Days since 1970-01-01 of the civil date `y-m-d`.
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = if m > 2 { m - 3 } else { m + 9 } as i64;
+    let doy = (153 * mp + 2) / 5 + d as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[async_trait]
+impl HistoryStore for TableHistory {
+    async fn append(&self, entries: &[HistoryEntry]) -> Result<(), StoreError> {
+        let Some(first) = entries.first() else {
+            return Ok(());
+        };
+        let partition = Self::partition(&first.scope, &first.record);
+        // Entities of at most MAX_ENTRIES_BYTES of entries each (one, nearly always).
+        let mut groups: Vec<Vec<&HistoryEntry>> = vec![Vec::new()];
+        let mut size = 0;
+        for entry in entries {
+            let len = serde_json::to_string(entry).map_or(0, |s| s.len()) + 1;
+            if size + len > MAX_ENTRIES_BYTES && !groups.last().is_some_and(Vec::is_empty) {
+                groups.push(Vec::new());
+                size = 0;
+            }
+            size += len;
+            groups.last_mut().expect("one group at least").push(entry);
+        }
+        for group in groups {
+            let newest = group.iter().map(|e| e.time_ms).max().unwrap_or(0);
+            let mut events: Vec<&str> = group.iter().map(|e| e.event.as_str()).collect();
+            events.dedup();
+            let mut entity = Entity::new();
+            entity.insert("PartitionKey".into(), partition.clone().into());
+            entity.insert(
+                "RowKey".into(),
+                format!(
+                    "{:013}-{}",
+                    9_999_999_999_999u64.saturating_sub(newest),
+                    uuid::Uuid::new_v4().simple()
+                )
+                .into(),
+            );
+            entity.insert("Scope".into(), first.scope.as_str().into());
+            entity.insert("Events".into(), events.join(" ").into());
+            entity.insert(
+                "Entries".into(),
+                serde_json::to_string(&group)
+                    .map_err(|e| StoreError::new(StoreErrorKind::Rejected, Op::HistoryWrite, e.to_string()))?
+                    .into(),
+            );
+            self.insert(&self.table(self.period_of(newest)), &entity).await?;
+        }
+        Ok(())
+    }
+
+    async fn read(
+        &self,
+        scope: &Scope,
+        record: &RecordId,
+        keep: Duration,
+        limit: usize,
+    ) -> Result<Vec<HistoryEntry>, StoreError> {
+        let now = unix_ms(SystemTime::now());
+        let since = now.saturating_sub(keep.as_millis() as u64);
+        let partition = Self::partition(scope, record);
+        let current = self.period_of(now);
+        let mut found = Vec::new();
+        for period in [current, current.saturating_sub(1)] {
+            if found.len() >= limit || (period != current && self.period_of(since) > period) {
+                break;
+            }
+            let table = self.table(period);
+            let mut next = None;
+            // A partition's page can be short and carry a continuation: read on while needed.
+            for _ in 0..8 {
+                let top = (limit - found.len().min(limit)).clamp(1, 1000) as u32;
+                let (entities, more) = match self
+                    .client
+                    .query_partition(&table, &partition, Some(top), next.as_ref())
+                    .await
+                {
+                    Ok(page) => page,
+                    Err(e) if e.kind() == StoreErrorKind::NotFound => break,
+                    Err(e) => return Err(e),
+                };
+                for entity in entities {
+                    let Some(text) = entity.get("Entries").and_then(serde_json::Value::as_str) else {
+                        continue;
+                    };
+                    match serde_json::from_str::<Vec<HistoryEntry>>(text) {
+                        Ok(mut entries) => {
+                            entries.reverse();
+                            found.extend(entries.into_iter().filter(|e| e.time_ms >= since));
+                        }
+                        Err(e) => {
+                            tracing::debug!(table, error = %e, "a history entity that is not this version's: skipped")
+                        }
+                    }
+                }
+                next = more;
+                if next.is_none() || found.len() >= limit {
+                    break;
+                }
+            }
+        }
+        found.sort_by_key(|e| std::cmp::Reverse(e.time_ms));
+        found.truncate(limit);
+        Ok(found)
+    }
+
+    async fn sweep(&self, keep: Duration) -> Result<usize, StoreError> {
+        let now = unix_ms(SystemTime::now());
+        let mut dropped = 0;
+        for name in self.client.list_tables(&self.prefix).await? {
+            let Some(period) = self.period_of_table(&name) else {
+                continue;
+            };
+            // The period's end, in ms.
+            let end = (period + 1) * self.period_days * DAY.as_millis() as u64;
+            if end + (keep.as_millis() as u64) < now && self.client.delete_table(&name).await? {
+                dropped += 1;
+            }
+        }
+        Ok(dropped)
     }
 }
 

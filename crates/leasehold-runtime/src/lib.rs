@@ -25,7 +25,8 @@ pub use error::{Error, LogicError};
 pub use flow::{PerScope, PerScopeError};
 pub use history::{
     HISTORY_DROPPED_TOTAL, HISTORY_FAILURES_TOTAL, HISTORY_WRITTEN_TOTAL, History, HistoryEntry,
-    HistoryEvent, HistoryOptions, HistoryStore, MAX_REASON_CHARS, MemoryHistory, bounded_reason,
+    HistoryEvent, HistoryOptions, HistoryStore, MAX_HISTORY_PREFIX_LEN, MAX_REASON_CHARS, MemoryHistory,
+    TableHistory, bounded_reason,
 };
 pub use markers::{
     AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, WAIT_PREFIX,

@@ -12,7 +12,8 @@ use leasehold_lock::OpCounters;
 use leasehold_ops::Operator;
 use leasehold_ops::wiring::{Wiring, wire};
 use leasehold_runtime::{
-    AzureQueue, Budgets, Consumer, Lane, Logic, RecordRunner, TriggerQueue, low_queue_name, poison_queue_name,
+    AzureQueue, Budgets, Consumer, History, HistoryOptions, Lane, Logic, RecordRunner, TriggerQueue,
+    low_queue_name, poison_queue_name,
 };
 use leasehold_storage::azure::BlobContainer;
 use tokio::net::TcpListener;
@@ -51,6 +52,8 @@ pub struct Application {
     http: HttpOptions,
     /// Samples the queue gauges (and, in handler mode, logs the metrics event) every interval.
     sampler: Sampler,
+    /// The run history writer both lanes write to (`None`: `LEASEHOLD_HISTORY=false`).
+    history: Option<History>,
 }
 
 impl std::fmt::Debug for Application {
@@ -62,15 +65,35 @@ impl std::fmt::Debug for Application {
     }
 }
 
+/// What [`lanes`] wires: each lane's parts, the downstream budgets both draw on (the dashboard
+/// shows them and resumes through them) and the run history both write to.
+struct Lanes {
+    high: LaneParts,
+    low: LaneParts,
+    budgets: Budgets,
+    history: Option<History>,
+}
+
 /// Each lane's queues and record runner over the wiring's lock and markers, both runners
-/// drawing on one set of downstream budgets (returned too: the dashboard shows them and resumes
-/// through them) and telling [`crate::recent`] of every outcome.
-fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> (LaneParts, LaneParts, Budgets) {
+/// drawing on one set of downstream budgets, writing to one run history (if on) and telling
+/// [`crate::recent`] of every outcome.
+fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> Lanes {
     let budgets = Budgets::new(wiring.budgets.clone(), settings.budget.clone());
-    let lane = |queue: &Arc<dyn TriggerQueue>, poison: &Arc<dyn TriggerQueue>, lane: Lane| LaneParts {
-        queue: queue.clone(),
-        poison: poison.clone(),
-        runner: RecordRunner::shipped(
+    let history = wiring.history.clone().map(|store| {
+        History::new(
+            store,
+            HistoryOptions {
+                keep: settings
+                    .history
+                    .as_ref()
+                    .map_or(HistoryOptions::default().keep, |h| h.keep),
+                instance: settings.lease.holder.clone(),
+                ..HistoryOptions::default()
+            },
+        )
+    });
+    let lane = |queue: &Arc<dyn TriggerQueue>, poison: &Arc<dyn TriggerQueue>, lane: Lane| {
+        let mut runner = RecordRunner::shipped(
             wiring.lock.clone(),
             wiring.markers.clone(),
             queue.clone(),
@@ -79,13 +102,52 @@ fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> (LanePa
             &budgets,
             lane,
         )
-        .with_outcome_sink(crate::recent::sink()),
+        .with_outcome_sink(crate::recent::sink());
+        if let Some(history) = &history {
+            runner = runner.with_history(history.clone());
+        }
+        LaneParts {
+            queue: queue.clone(),
+            poison: poison.clone(),
+            runner,
+        }
     };
-    (
-        lane(&wiring.queue, &wiring.poison, Lane::High),
-        lane(&wiring.low_queue, &wiring.low_poison, Lane::Low),
+    Lanes {
+        high: lane(&wiring.queue, &wiring.poison, Lane::High),
+        low: lane(&wiring.low_queue, &wiring.low_poison, Lane::Low),
         budgets,
-    )
+        history,
+    }
+}
+
+/// How often an instance drops the history tables past their days (every instance does; a
+/// table already dropped costs the others a list request and nothing more).
+const HISTORY_SWEEP_EVERY: Duration = Duration::from_secs(3600);
+
+/// The longest a stopping process waits for its last history entries to be written.
+const HISTORY_FLUSH_AT_STOP: Duration = Duration::from_secs(5);
+
+/// Drops the history's old tables a minute after the start and then every
+/// [`HISTORY_SWEEP_EVERY`], until `shutdown`.
+async fn sweep_history(history: History, shutdown: CancellationToken) {
+    let mut next = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep_until(next) => {}
+        }
+        next += HISTORY_SWEEP_EVERY;
+        let keep = history.options().keep;
+        match history.store().sweep(keep).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                tables = n,
+                keep_days = keep.as_secs() / 86_400,
+                "dropped run history older than its days"
+            ),
+            Err(e) => tracing::warn!(error = %e, "could not drop old run history; trying again in an hour"),
+        }
+    }
 }
 
 /// The metrics task over the wiring's queues.
@@ -144,6 +206,10 @@ impl Application {
             shutdown.cancel();
         });
         let sampler = tokio::spawn(self.sampler.run(self.shutdown.clone()));
+        let sweep = self
+            .history
+            .clone()
+            .map(|history| tokio::spawn(sweep_history(history, self.shutdown.clone())));
         let health = self
             .health
             .map(|listener| tokio::spawn(server::serve_health(listener, self.shutdown.clone())));
@@ -156,8 +222,21 @@ impl Application {
             None => http.await,
         }
         link.abort();
+        // What the last runs wrote, in storage before the process ends.
+        if let Some(history) = &self.history
+            && tokio::time::timeout(HISTORY_FLUSH_AT_STOP, history.flush())
+                .await
+                .is_err()
+        {
+            tracing::warn!(
+                "the last run history entries were not written within {HISTORY_FLUSH_AT_STOP:?}; going on stopping"
+            );
+        }
         // They stop at the shutdown, at their next await.
         let _ = sampler.await;
+        if let Some(sweep) = sweep {
+            let _ = sweep.await;
+        }
         if let Some(health) = health {
             let _ = health.await;
         }
@@ -198,7 +277,12 @@ impl Application {
         // In the background: the host gives GET / 30 s at most, and storage may be slow.
         tokio::spawn(ensure_resources(&settings));
         let shutdown = CancellationToken::new();
-        let (high, low, budgets) = lanes(&wiring, logic, &settings);
+        let Lanes {
+            high,
+            low,
+            budgets,
+            history,
+        } = lanes(&wiring, logic, &settings);
         let sampler = sampler(&wiring, &settings, true);
         let app = App {
             policy: settings.policy.clone(),
@@ -235,6 +319,7 @@ impl Application {
             description: "custom handler".into(),
             http,
             sampler,
+            history,
         })
     }
 
@@ -300,7 +385,12 @@ impl Application {
         let mut policy = settings.policy.clone();
         policy.refuse_web_pages = addr.ip().is_loopback();
         let shutdown = CancellationToken::new();
-        let (high, low, budgets) = lanes(&wiring, logic, &settings);
+        let Lanes {
+            high,
+            low,
+            budgets,
+            history,
+        } = lanes(&wiring, logic, &settings);
         let consumer = Consumer::new(
             high.runner.clone(),
             high.poison.clone(),
@@ -351,6 +441,7 @@ impl Application {
             description: "standalone".into(),
             http,
             sampler,
+            history,
         })
     }
 }

@@ -7,7 +7,8 @@ use anyhow::{Context, Result, bail};
 use leasehold_functions::start::{Secret, StartPolicy};
 use leasehold_lock::{LeaseDuration, LeaseOptions};
 use leasehold_runtime::{
-    BudgetOptions, ConsumerOptions, Debounce, PerScope, RunPolicy, RunnerOptions, Scope, check_budget_name,
+    BudgetOptions, ConsumerOptions, Debounce, PerScope, RunPolicy, RunnerOptions, Scope, TableHistory,
+    check_budget_name,
 };
 use leasehold_storage::StorageAccount;
 use serde::Deserialize;
@@ -155,6 +156,7 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("AzureWebJobsStorage__accountName", None),
     setting("AzureWebJobsStorage__blobServiceUri", None),
     setting("AzureWebJobsStorage__queueServiceUri", None),
+    setting("AzureWebJobsStorage__tableServiceUri", None),
     setting("AzureWebJobsStorage__credential", None),
     setting("AzureWebJobsStorage__clientId", None),
     setting("LEASEHOLD_QUEUE", Some("leasehold-triggers")),
@@ -183,6 +185,9 @@ pub const SETTINGS: &[SettingInfo] = &[
     setting("LEASEHOLD_ADAPTIVE_CONCURRENCY", Some("true")),
     setting("LEASEHOLD_THROTTLE_PAUSE_SECONDS", Some("10")),
     setting("LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS", Some("300")),
+    setting("LEASEHOLD_HISTORY", Some("true")),
+    setting("LEASEHOLD_HISTORY_DAYS", Some("7")),
+    setting("LEASEHOLD_HISTORY_TABLE", None),
     setting("LEASEHOLD_POLL_MAX_SECONDS", Some("2")),
     setting("LEASEHOLD_SHUTDOWN_GRACE_SECONDS", Some("30")),
     setting("LEASEHOLD_PORT", Some("7071")),
@@ -209,6 +214,8 @@ struct Raw {
     storage_blob_service_uri: Option<String>,
     #[serde(rename = "azurewebjobsstorage__queueserviceuri")]
     storage_queue_service_uri: Option<String>,
+    #[serde(rename = "azurewebjobsstorage__tableserviceuri")]
+    storage_table_service_uri: Option<String>,
     #[serde(rename = "azurewebjobsstorage__credential")]
     storage_credential: Option<String>,
     #[serde(rename = "azurewebjobsstorage__clientid")]
@@ -243,6 +250,9 @@ struct Raw {
     leasehold_adaptive_concurrency: Option<String>,
     leasehold_throttle_pause_seconds: Option<String>,
     leasehold_max_throttle_pause_seconds: Option<String>,
+    leasehold_history: Option<String>,
+    leasehold_history_days: Option<String>,
+    leasehold_history_table: Option<String>,
     leasehold_poll_max_seconds: Option<String>,
     leasehold_shutdown_grace_seconds: Option<String>,
     leasehold_allowed_organizations: Option<String>,
@@ -299,6 +309,9 @@ pub struct Settings {
     /// `LEASEHOLD_BUDGET`, `LEASEHOLD_ADAPTIVE_CONCURRENCY`, `LEASEHOLD_THROTTLE_PAUSE_SECONDS`
     /// and `LEASEHOLD_MAX_THROTTLE_PAUSE_SECONDS`: the downstream budgets runs draw on.
     pub budget: BudgetOptions,
+    /// `LEASEHOLD_HISTORY`, `LEASEHOLD_HISTORY_DAYS` and `LEASEHOLD_HISTORY_TABLE`: where run
+    /// history is kept and for how long (`None`: history is off).
+    pub history: Option<leasehold_ops::wiring::HistorySettings>,
 }
 
 impl std::fmt::Debug for Settings {
@@ -376,6 +389,7 @@ impl Settings {
             queue: self.queue.clone(),
             container: self.container.clone(),
             lease: self.lease.clone(),
+            history: self.history.clone(),
         }
     }
 
@@ -407,6 +421,7 @@ impl Settings {
                     "AzureWebJobsStorage__accountName" => raw.storage_account_name.clone(),
                     "AzureWebJobsStorage__blobServiceUri" => raw.storage_blob_service_uri.clone(),
                     "AzureWebJobsStorage__queueServiceUri" => raw.storage_queue_service_uri.clone(),
+                    "AzureWebJobsStorage__tableServiceUri" => raw.storage_table_service_uri.clone(),
                     "AzureWebJobsStorage__credential" => raw.storage_credential.clone(),
                     "AzureWebJobsStorage__clientId" => raw.storage_client_id.clone(),
                     _ => None,
@@ -663,6 +678,13 @@ impl Settings {
             &raw.leasehold_metrics_interval_seconds,
             crate::telemetry::DEFAULT_INTERVAL,
         )?;
+        let container = name("LEASEHOLD_CONTAINER", raw.leasehold_container, "leasehold-locks")?;
+        let history = history_settings(
+            &raw.leasehold_history,
+            &raw.leasehold_history_days,
+            &raw.leasehold_history_table,
+            &container,
+        )?;
         let handler_port = match raw.functions_customhandler_port.or(raw.functions_httpworker_port) {
             Some(p) => Some(number("FUNCTIONS_CUSTOMHANDLER_PORT", &Some(p), 0u16)?),
             None => None,
@@ -680,7 +702,7 @@ impl Settings {
                 }
                 queue
             },
-            container: name("LEASEHOLD_CONTAINER", raw.leasehold_container, "leasehold-locks")?,
+            container,
             logic,
             logic_env: list(&raw.leasehold_logic_env),
             policy,
@@ -706,8 +728,40 @@ impl Settings {
             runner,
             consumer,
             budget,
+            history,
         })
     }
+}
+
+/// The longest history may be kept: a year.
+const MAX_HISTORY_DAYS: u64 = 366;
+
+/// Reads the run history settings (`None`: `LEASEHOLD_HISTORY=false`).
+fn history_settings(
+    enabled: &Option<String>,
+    days: &Option<String>,
+    table: &Option<String>,
+    container: &str,
+) -> Result<Option<leasehold_ops::wiring::HistorySettings>> {
+    let days: u64 = number("LEASEHOLD_HISTORY_DAYS", days, 7)?;
+    if !(1..=MAX_HISTORY_DAYS).contains(&days) {
+        bail!("LEASEHOLD_HISTORY_DAYS must be 1–{MAX_HISTORY_DAYS} days, not {days}");
+    }
+    let prefix = match table.as_deref().map(str::trim) {
+        None | Some("") => TableHistory::default_prefix(container),
+        Some(prefix) => prefix.to_string(),
+    };
+    // Checked as the store checks it, so a bad name stops the start, not the first write.
+    if let Err(e) = TableHistory::check_prefix(&prefix) {
+        bail!("LEASEHOLD_HISTORY_TABLE: {e}");
+    }
+    if !flag("LEASEHOLD_HISTORY", enabled, true)? {
+        return Ok(None);
+    }
+    Ok(Some(leasehold_ops::wiring::HistorySettings {
+        table_prefix: prefix,
+        keep: Duration::from_secs(days * 24 * 3600),
+    }))
 }
 
 #[cfg(test)]
@@ -803,6 +857,8 @@ mod tests {
                 "LEASEHOLD_HTTP_SHUTDOWN_SECONDS" => s.http.shutdown_timeout.as_secs().to_string(),
                 "LEASEHOLD_HTTP_MAX_CONNECTIONS" => s.http.max_connections.to_string(),
                 "LEASEHOLD_METRICS_INTERVAL_SECONDS" => s.metrics_interval.as_secs().to_string(),
+                "LEASEHOLD_HISTORY" => s.history.is_some().to_string(),
+                "LEASEHOLD_HISTORY_DAYS" => (s.history.as_ref().unwrap().keep.as_secs() / 86_400).to_string(),
                 // Read by the command line (clap), whose default is the same text.
                 "LEASEHOLD_LOG_FORMAT" => "text".into(),
                 _ => return None,

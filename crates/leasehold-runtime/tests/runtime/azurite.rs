@@ -955,3 +955,101 @@ async fn a_budget_pause_read_from_storage_is_capped() {
     .await;
     assert!(left <= Duration::from_secs(300), "{left:?}: not capped");
 }
+
+/// Run history in Azurite's Table service (issue 36): a record's entries, written by two
+/// instances, read back newest first in two requests (the current period's table and the one
+/// before); a bulk of records is one partition each; entries older than the days kept are not
+/// shown; a sweep drops whole tables whose period ended more than the days kept ago (a list and
+/// one request a table), never the current one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_history_is_written_and_read_back_in_two_requests_and_dropped_a_table_at_a_time() {
+    use leasehold_runtime::{
+        HistoryEntry, HistoryEvent, HistoryStore, OutcomeLabel, RecordId, Scope, TableHistory,
+    };
+    use leasehold_storage::table::TableClient;
+    let account = Azurite::shared().account();
+    let counters = OpCounters::new();
+    let prefix = format!("h{}", &unique_name("t").replace('-', "")[..12]);
+    let day = Duration::from_secs(24 * 3600);
+    let keep = 2 * day;
+    let client = TableClient::new(&account, counters.clone());
+    let history = TableHistory::new(client.clone(), &prefix, keep).unwrap();
+    let scope = Scope::parse("account").unwrap();
+    let record = RecordId::parse("8f9c1d2e-0000-4000-8000-000000000001").unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let entry = |event, ago: Duration, instance: &str, record: &RecordId| {
+        let mut e = HistoryEntry::new(scope.clone(), record.clone(), event);
+        e.time_ms = now_ms - ago.as_millis() as u64;
+        e.instance = instance.into();
+        e
+    };
+    // Instance a: a run of 3 s, one write (as the writer gathers it). Instance b: a coalesced
+    // trigger, a write of its own. Then one too old to show (5 days: its period's table is two
+    // periods back), and another record's.
+    history
+        .append(&[
+            entry(HistoryEvent::Started, Duration::from_secs(10), "a:1", &record),
+            entry(
+                HistoryEvent::Outcome(OutcomeLabel::Completed),
+                Duration::from_secs(7),
+                "a:1",
+                &record,
+            ),
+        ])
+        .await
+        .unwrap();
+    history
+        .append(&[entry(
+            HistoryEvent::Outcome(OutcomeLabel::Coalesced),
+            Duration::from_secs(8),
+            "b:2",
+            &record,
+        )])
+        .await
+        .unwrap();
+    history
+        .append(&[entry(HistoryEvent::Started, 5 * day, "a:1", &record)])
+        .await
+        .unwrap();
+    let other = RecordId::parse("other").unwrap();
+    history
+        .append(&[entry(
+            HistoryEvent::Started,
+            Duration::from_secs(1),
+            "a:1",
+            &other,
+        )])
+        .await
+        .unwrap();
+    let reads_before = counters.snapshot().get(Op::HistoryRead);
+    let read = history.read(&scope, &record, keep, 50).await.unwrap();
+    let seen: Vec<(&str, &str)> = read
+        .iter()
+        .map(|e| (e.event.as_str(), e.instance.as_str()))
+        .collect();
+    assert_eq!(
+        seen,
+        [("completed", "a:1"), ("coalesced", "b:2"), ("started", "a:1")],
+        "newest first, both instances', nothing older than the days kept, no other record's"
+    );
+    assert!(
+        counters.snapshot().get(Op::HistoryRead) - reads_before <= 2,
+        "a record's history in two requests at most"
+    );
+    assert_eq!(history.read(&scope, &record, keep, 1).await.unwrap().len(), 1);
+
+    // The 5-day-old entry's table is dropped by a sweep; the current one is kept.
+    let tables = client.list_tables(&prefix).await.unwrap();
+    assert!(tables.len() >= 2, "{tables:?}");
+    let dropped = history.sweep(keep).await.unwrap();
+    assert_eq!(dropped, 1, "{tables:?}");
+    let left = client.list_tables(&prefix).await.unwrap();
+    assert_eq!(left.len(), tables.len() - 1, "{left:?}");
+    assert_eq!(history.read(&scope, &record, keep, 50).await.unwrap().len(), 3);
+    for table in left {
+        client.delete_table(&table).await.unwrap();
+    }
+}
