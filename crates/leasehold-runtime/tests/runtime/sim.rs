@@ -1027,7 +1027,10 @@ impl Plan {
         let mut pend_rng = SmallRng::seed_from_u64(seed ^ 0x0035_a1ed);
         let mut supersede_defers_early = false;
         if faulty && long_pause.is_none() && let Some(sp) = supersede {
-            let defers = throttled.is_some_and(|t| t.record == sp.record);
+            // Not in budget seeds: there every throttle pauses every run, so no later run starts
+            // while a deferral's take is in flight, and throttles as frequent as those below
+            // would keep a live holder waiting for its slot past the recovery bound.
+            let defers = budget.is_none() && throttled.is_some_and(|t| t.record == sp.record);
             // While the record's runs fail (or ask to run later), and faults last.
             let until = (sp.to + supersede_failing_tail).min(FAULT_PHASE);
             let at = |rng: &mut SmallRng| {
