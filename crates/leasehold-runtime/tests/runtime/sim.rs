@@ -1026,7 +1026,10 @@ impl Plan {
         // death).
         let mut pend_rng = SmallRng::seed_from_u64(seed ^ 0x0035_a1ed);
         let mut supersede_defers_early = false;
-        if faulty && long_pause.is_none() && let Some(sp) = supersede {
+        if faulty
+            && long_pause.is_none()
+            && let Some(sp) = supersede
+        {
             // Not in budget seeds: there every throttle pauses every run, so no later run starts
             // while a deferral's take is in flight, and throttles as frequent as those below
             // would keep a live holder waiting for its slot past the recovery bound.
@@ -1904,9 +1907,11 @@ struct Journal {
     wake_deaths: Vec<(Instant, String)>,
     /// Outcomes `Superseded` the emulated host saw (Functions mode): record, fencing token.
     superseded_outcomes: Vec<(String, Option<u64>)>,
-    /// Chains of deliveries, by number; and the chain of each message id.
+    /// Chains of deliveries, by number; and the chain of each message, by queue name and id
+    /// (each emulated queue numbers its messages from 1, so a low lane's `m7` is not the high
+    /// lane's; Azure's ids are GUIDs).
     chains: Vec<Chain>,
-    message_chain: HashMap<String, u64>,
+    message_chain: HashMap<(String, String), u64>,
     violations: Vec<Violation>,
     counts: FaultCounts,
 }
@@ -1970,11 +1975,11 @@ pub struct World {
     /// write of the record's message, or a look or consume that found no marker (see
     /// [`Node::step`]): a death meanwhile counts like a holder's for the recovery bound.
     wakes: Mutex<HashMap<usize, HashSet<String>>>,
-    /// Each message's body as a worker last received it, by id; and per machine and message
+    /// Each message's body as a worker last received it, by queue name and id; and per machine and message
     /// id, the record (key) of a waiter rewritten in place, its update in flight: the wake ends
     /// when the update lands (the message is then the next waiter, not a dead wake's
     /// redelivery), not when its answer comes back.
-    received: Mutex<HashMap<String, String>>,
+    received: Mutex<HashMap<(String, String), String>>,
     wake_writes: Mutex<HashMap<(usize, String), String>>,
 }
 
@@ -2679,12 +2684,13 @@ impl Chain {
 
 impl Journal {
     /// The chain a message belongs to (made when it is first delivered, if its put was not seen).
-    fn chain_of(&mut self, id: &str, message: &TriggerMessage) -> u64 {
-        if let Some(chain) = self.message_chain.get(id) {
+    fn chain_of(&mut self, queue: &str, id: &str, message: &TriggerMessage) -> u64 {
+        let id = (queue.to_string(), id.to_string());
+        if let Some(chain) = self.message_chain.get(&id) {
             return *chain;
         }
         let chain = self.new_chain(Chain::started_by(message.kind));
-        self.message_chain.insert(id.to_string(), chain);
+        self.message_chain.insert(id, chain);
         chain
     }
 
@@ -2696,12 +2702,24 @@ impl Journal {
     /// A message put by a delivery of chain `parent` (`None`: not known, outside the emulated
     /// host). A sweep that asks the marker first (`given_up` >= 2) may come only from a sweep's
     /// chain that kept failing: from anything else — fresh events — it can drop a trigger.
-    fn note_put(&mut self, id: &str, message: &TriggerMessage, parent: Option<u64>) {
+    fn note_put(&mut self, queue: &str, id: &str, message: &TriggerMessage, parent: Option<u64>) {
         let chain = match (message.kind, parent) {
             (TriggerKind::Watchdog | TriggerKind::Recheck, Some(parent)) => parent,
             (kind, _) => self.new_chain(Chain::started_by(kind)),
         };
-        self.message_chain.insert(id.to_string(), chain);
+        self.message_chain
+            .insert((queue.to_string(), id.to_string()), chain);
+        if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
+            println!(
+                "chain: put {queue} {id} {:?} {} given_up={} after_token={:?} deferral={:?} by chain {parent:?} -> chain {chain} (sweep: {:?})",
+                message.kind,
+                message.record_id,
+                message.given_up,
+                message.after_token,
+                message.deferral.map(|d| (d.id, d.hops)),
+                self.chains[chain as usize].sweep
+            );
+        }
         if message.kind == TriggerKind::Sweep && message.given_up >= 2 {
             self.counts.conditional_sweeps += 1;
         }
@@ -2755,7 +2773,7 @@ impl TriggerQueue for NotingQueue {
                     .push((t.record_id.to_string(), self.machine, Instant::now()));
             }
             if let Ok(enqueued) = &put {
-                j.note_put(&enqueued.id, &t, parent);
+                j.note_put(self.inner.name(), &enqueued.id, &t, parent);
             }
         }
         put
@@ -2774,7 +2792,7 @@ impl TriggerQueue for NotingQueue {
         if let Ok(messages) = &got {
             let mut received = self.world.received.lock().unwrap();
             for m in messages {
-                received.insert(m.id.clone(), m.body.clone());
+                received.insert((self.inner.name().to_string(), m.id.clone()), m.body.clone());
             }
         }
         got
@@ -2791,7 +2809,7 @@ impl TriggerQueue for NotingQueue {
                 .received
                 .lock()
                 .unwrap()
-                .get(id)
+                .get(&(self.inner.name().to_string(), id.to_string()))
                 .is_some_and(|b| b != body)
         {
             self.world
@@ -4253,7 +4271,11 @@ async fn host(
                 let Ok(message) = TriggerMessage::decode(&m.body) else {
                     return;
                 };
-                let chain = world.journal.lock().unwrap().chain_of(&m.id, &message);
+                let chain = world
+                    .journal
+                    .lock()
+                    .unwrap()
+                    .chain_of(queue.name(), &m.id, &message);
                 if m.dequeue_count > 1 {
                     world.journal.lock().unwrap().host_redeliveries.push((
                         message.record_id.to_string(),
@@ -4270,11 +4292,13 @@ async fn host(
                 }
                 if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
                     println!(
-                        "host: took {} dc={} {:?} {} at {:.3}s",
+                        "host: took {} {} dc={} {:?} {} given_up={} chain {chain} at {:.3}s",
+                        queue.name(),
                         m.id,
                         m.dequeue_count,
                         message.kind,
                         message.record_id,
+                        message.given_up,
                         world.at(Instant::now())
                     );
                 }
