@@ -2736,6 +2736,40 @@ impl Journal {
     }
 }
 
+/// Seed 9153 (with the aims at the retry-backoff supersede's steps): two lanes' queues both
+/// number their messages from `m1`; a sweep's chain must stay a sweep's though the other lane's
+/// message of the same id belongs to fresh events, and its sweep given up again is no violation.
+#[test]
+fn chains_are_told_apart_by_queue_as_well_as_id() {
+    let mut j = Journal::default();
+    let trigger = TriggerMessage::parse("sup", "r0").unwrap();
+    let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
+    sweep.given_up = 1;
+    // The high lane's sweep, given up once, and its watchdog m227.
+    let sweeps = j.chain_of("sim", "m10", &sweep);
+    j.note_put(
+        "sim",
+        "m227",
+        &sweep.follow_up(TriggerKind::Watchdog, 0),
+        Some(sweeps),
+    );
+    // The low lane's own m227, a watchdog of fresh events.
+    let fresh = j.chain_of("sim-low", "m9", &trigger);
+    j.note_put(
+        "sim-low",
+        "m227",
+        &trigger.follow_up(TriggerKind::Watchdog, 0),
+        Some(fresh),
+    );
+    // The high lane's m227 delivered, given up: its sweep asks the marker first, rightly.
+    let delivered = j.chain_of("sim", "m227", &sweep);
+    assert_eq!(delivered, sweeps);
+    let mut again = sweep.clone();
+    again.given_up = 2;
+    j.note_put("sim", "m253", &again, Some(delivered));
+    assert!(j.violations.is_empty(), "{:?}", j.violations);
+}
+
 /// A worker's trigger queue, noting every watchdog it put (for the double fault the recovery
 /// check recognises: a host that took a dead holder's watchdog and died before its handler had
 /// put one of its own).
