@@ -545,8 +545,14 @@ fn simulation_fingerprints() {
         } else {
             ""
         };
+        // And one with faults aimed at a pending run's note or a deferral's marker take.
+        let pending = if plan.aims_at_pending_steps() {
+            " pending-aims"
+        } else {
+            ""
+        };
         println!(
-            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}{lanes}{long_pause}",
+            "fingerprint {seed} {:016x}{mark}{failing}{debounce}{budget}{lanes}{long_pause}{pending}",
             report.fingerprint
         );
     }

@@ -27,6 +27,12 @@
 //!   whose answer is lost (its retry may find its own effect), its retries sometimes failing too, so
 //!   a step that took effect answers with an error (a granted acquire); a request seconds slow to
 //!   land or to answer.
+//! - in faulty seeds whose supersede record's runs fail or ask to run later, faults aimed at the
+//!   two steps that decide whether a retry or a deferral may stand down for a later run (issue
+//!   35): the note of a run that pends is refused, every retry failing ([`Fault::Refuse`]), or
+//!   lands with its answer lost; a deferral's take of the marker lands late, loses its answer
+//!   after taking one, or is slow (there the record's runs ask to run later early, and stop
+//!   asking just before its stream's last but one trigger).
 //!
 //! Invariants checked on every seed: (1) no two runs of a record overlap and fencing tokens rise
 //! in run order; (2) every accepted trigger is followed by a completed run that started after it,
@@ -151,6 +157,14 @@ pub enum Fault {
         host_death: bool,
         restart_after: Duration,
     },
+    /// The machine's next request at `aim` is refused (503) without taking effect, and so is
+    /// every request of that kind from the machine for `failing_for`: every retry fails (a note
+    /// that cannot be written).
+    Refuse {
+        machine: usize,
+        aim: Aim,
+        failing_for: Duration,
+    },
 }
 
 /// A step of the marker protocol, for faults aimed at it: a kind of request, and where one kind
@@ -176,10 +190,19 @@ pub enum Aim {
     /// Debounce: a stand-in's consume of the wait marker, not after a look (path C: a
     /// redelivery's, a sweep's, a watchdog's first request on the record).
     StandInConsume,
+    /// Supersede: the note of a holder whose run pends (it failed with a retry coming, or asked
+    /// to run later): a lock blob metadata write after such a run ended. Its retry or deferral
+    /// may carry the run's token (`afterToken`) only if this write lands.
+    PendingNote,
+    /// Run later: a deferral's take of the marker after its release: a marker delete right after
+    /// a release, by a worker whose latest run of the record asked to run later. A take that
+    /// lands late may consume a marker set during a later run; a retried one may have taken a
+    /// marker whatever its retry answers.
+    DeferralTake,
 }
 
 /// Every step a fault can be aimed at, in the order of the per-step counts.
-const AIMS: [Aim; 7] = [
+const AIMS: [Aim; 9] = [
     Aim::SecondAcquire,
     Aim::MarkerPut,
     Aim::OwnMarkerClear,
@@ -187,16 +210,35 @@ const AIMS: [Aim; 7] = [
     Aim::WaitCreate,
     Aim::WaitConsume,
     Aim::StandInConsume,
+    Aim::PendingNote,
+    Aim::DeferralTake,
 ];
 
 /// The steps of the coalescing protocol, drawn in every faulty seed (the first four [`AIMS`]:
 /// the draw of earlier versions, kept so every seed keeps its plan).
 const MARKER_AIMS: usize = 4;
 
+/// Debounce's steps, drawn in faulty debounce seeds ([`AIMS`] from [`MARKER_AIMS`] to here).
+const DEBOUNCE_AIMS_END: usize = 7;
+
+/// How a worker's latest run of a record ended, for the steps told by it ([`Aim::PendingNote`],
+/// [`Aim::DeferralTake`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LastRun {
+    /// None yet, or it has not ended.
+    Running,
+    /// Completed, or told to stop (superseded, its lease lost, its time limit): nothing pends.
+    Other,
+    /// Failed (or panicked) on its own: its retry comes.
+    Failed,
+    /// Asked to be run later.
+    Deferred,
+}
+
 impl Aim {
     /// Whether a request of kind `op`, after the worker's previous request `prev` on the same
-    /// record, is this step.
-    fn matches(self, op: Op, prev: Option<Op>) -> bool {
+    /// record, is this step; `last` says how the worker's latest run of the record ended.
+    fn matches(self, op: Op, prev: Option<Op>, last: &dyn Fn() -> LastRun) -> bool {
         match self {
             Aim::SecondAcquire => op == Op::LeaseAcquire && prev == Some(Op::FlagPut),
             Aim::MarkerPut => op == Op::FlagPut,
@@ -206,6 +248,12 @@ impl Aim {
             Aim::WaitConsume => op == Op::WaitDelete && prev == Some(Op::WaitHead),
             Aim::StandInConsume => {
                 op == Op::WaitDelete && !matches!(prev, Some(Op::WaitHead | Op::WaitDelete))
+            }
+            Aim::PendingNote => {
+                op == Op::BlobSetMetadata && matches!(last(), LastRun::Failed | LastRun::Deferred)
+            }
+            Aim::DeferralTake => {
+                op == Op::FlagDelete && prev == Some(Op::LeaseRelease) && last() == LastRun::Deferred
             }
         }
     }
@@ -318,6 +366,10 @@ pub struct Plan {
     /// length, same chance): the last chains, with no later trigger to cover what they drop,
     /// reach the poison limit and their sweeps.
     pub supersede_failing_tail: Duration,
+    /// The supersede record's runs that ask to run later do so 0.5-4 s in rather than at the end
+    /// of their 20-70 s (a downstream that refuses at once), so they defer before a trigger
+    /// supersedes them: set in the seeds that aim faults at a deferral's take of the marker.
+    pub supersede_defers_early: bool,
     /// Debounce ([`DebouncePlan`], drawn after everything else): records in a scope of their own
     /// that waits for each burst of triggers to end.
     pub debounce: Option<DebouncePlan>,
@@ -796,7 +848,7 @@ impl Plan {
             for class in 0..3 {
                 for _ in 0..rng.random_range(0..=2) {
                     let machine = rng.random_range(0..machines);
-                    let aim = AIMS[rng.random_range(MARKER_AIMS..AIMS.len())];
+                    let aim = AIMS[rng.random_range(MARKER_AIMS..DEBOUNCE_AIMS_END)];
                     let fault = match class {
                         0 => Fault::LandLate {
                             machine,
@@ -966,6 +1018,112 @@ impl Plan {
         if long_pause.is_some() && !keep_lanes {
             lanes = None;
         }
+        // Faults aimed at the two steps of the retry-backoff supersede (`afterToken`) that
+        // decide whether a retry or a deferral may stand down (issue 35): the note of a run that
+        // pends, and a deferral's take of the marker. Drawn from a generator of their own, and
+        // only in faulty seeds whose supersede record's runs fail or ask to run later, so every
+        // other seed keeps its plan (not in long-pause seeds: their own faults give way to the
+        // death).
+        let mut pend_rng = SmallRng::seed_from_u64(seed ^ 0x0035_a1ed);
+        let mut supersede_defers_early = false;
+        if faulty
+            && long_pause.is_none()
+            && let Some(sp) = supersede
+        {
+            // Not in budget seeds: there every throttle pauses every run, so no later run starts
+            // while a deferral's take is in flight, and throttles as frequent as those below
+            // would keep a live holder waiting for its slot past the recovery bound.
+            let defers = budget.is_none() && throttled.is_some_and(|t| t.record == sp.record);
+            // While the record's runs fail (or ask to run later), and faults last.
+            let until = (sp.to + supersede_failing_tail).min(FAULT_PHASE);
+            let at = |rng: &mut SmallRng| {
+                Duration::from_millis(rng.random_range(sp.from.as_millis() as u64..until.as_millis() as u64))
+            };
+            if supersede_failures > 0.0 || defers {
+                // The note cannot be written (the retry must carry no token, and run); or it
+                // was written and its answer lost, every retry failing (the same, one run more).
+                // Some anywhere in the record's failing time; and on every machine from shortly
+                // before its stream ends, where no later trigger's run covers what a retry that
+                // stood down for nothing would drop.
+                let end = sp.to.saturating_sub(Duration::from_secs(10));
+                let anywhere = (0..pend_rng.random_range(1..=2)).map(|_| None);
+                let at_end = (0..machines).filter(|_| end < until).map(Some);
+                for aimed in anywhere.chain(at_end).collect::<Vec<_>>() {
+                    let (machine, at) = match aimed {
+                        None => (pend_rng.random_range(0..machines), at(&mut pend_rng)),
+                        Some(machine) => (
+                            machine,
+                            Duration::from_millis(
+                                pend_rng.random_range(end.as_millis() as u64..until.as_millis() as u64),
+                            ),
+                        ),
+                    };
+                    let failing_for = Duration::from_millis(pend_rng.random_range(8_000..15_000));
+                    let fault = if pend_rng.random_bool(0.75) {
+                        Fault::Refuse {
+                            machine,
+                            aim: Aim::PendingNote,
+                            failing_for,
+                        }
+                    } else {
+                        Fault::LoseChange {
+                            machine,
+                            aim: Aim::PendingNote,
+                            failing_for,
+                        }
+                    };
+                    faults.push((at, fault));
+                }
+            }
+            if let Some(t) = throttled.as_mut().filter(|_| defers) {
+                // The record's runs ask to run later early in their run, and stop asking 0-4 s
+                // before the stream's last but one trigger: a run that one starts completes
+                // (unless it fails), and the last trigger may come during it. From 10 s before
+                // that, on every machine, a deferral's take lands late — after such a later run
+                // started and the last trigger set the marker during it: its retry finds no
+                // marker, and the later run completes and removes the note — or its answer is
+                // lost (the retry finds none), or it is slow to land.
+                let stream: Vec<Duration> = triggers
+                    .iter()
+                    .filter(|(at, r)| *r == sp.record && *at >= sp.from && *at < sp.to)
+                    .map(|(at, _)| *at)
+                    .collect();
+                let last_but_one = stream.len().checked_sub(2).map_or(sp.to, |i| stream[i]);
+                t.to = last_but_one
+                    .saturating_sub(Duration::from_millis(pend_rng.random_range(0..4_000)))
+                    .max(sp.from + Duration::from_secs(1));
+                supersede_defers_early = true;
+                let from = t.to.saturating_sub(Duration::from_secs(10)).max(sp.from);
+                // Until shortly after: the last deferral's run may end then.
+                let until = t.to + Duration::from_secs(2);
+                let at = |rng: &mut SmallRng| {
+                    Duration::from_millis(rng.random_range(from.as_millis() as u64..until.as_millis() as u64))
+                };
+                for machine in (0..machines).flat_map(|m| [m, m]) {
+                    let fault = match pend_rng.random_range(0..4) {
+                        0 | 1 => Fault::LandLate {
+                            machine,
+                            aim: Aim::DeferralTake,
+                            late: CLIENT_TIMEOUT
+                                + Duration::from_millis(pend_rng.random_range(0..LATE_MAX_MS)),
+                        },
+                        2 => Fault::LoseChange {
+                            machine,
+                            aim: Aim::DeferralTake,
+                            failing_for: Duration::ZERO,
+                        },
+                        _ => Fault::Slow {
+                            machine,
+                            aim: Aim::DeferralTake,
+                            to_land: Duration::from_millis(pend_rng.random_range(1_000..9_000)),
+                            to_answer: Duration::ZERO,
+                        },
+                    };
+                    faults.push((at(&mut pend_rng), fault));
+                }
+            }
+            faults.sort();
+        }
         Self {
             seed,
             mode,
@@ -988,6 +1146,7 @@ impl Plan {
             supersede,
             supersede_failures,
             supersede_failing_tail,
+            supersede_defers_early,
             debounce,
             budget,
             lanes,
@@ -997,6 +1156,29 @@ impl Plan {
 }
 
 impl Plan {
+    /// Whether the plan aims faults at the retry-backoff supersede's own steps (a pending run's
+    /// note, a deferral's marker take): such seeds run differently since they were added.
+    pub fn aims_at_pending_steps(&self) -> bool {
+        self.faults.iter().any(|(_, f)| {
+            matches!(
+                f,
+                Fault::Refuse { .. }
+                    | Fault::LandLate {
+                        aim: Aim::PendingNote | Aim::DeferralTake,
+                        ..
+                    }
+                    | Fault::LoseChange {
+                        aim: Aim::PendingNote | Aim::DeferralTake,
+                        ..
+                    }
+                    | Fault::Slow {
+                        aim: Aim::PendingNote | Aim::DeferralTake,
+                        ..
+                    }
+            )
+        })
+    }
+
     /// The scope of `record`'s triggers and lock.
     pub fn scope_of(&self, record: usize) -> &'static str {
         if self.debounce.as_ref().is_some_and(|d| d.has(record)) {
@@ -1199,13 +1381,16 @@ pub struct FaultCounts {
     pub long_pause_no_holder: u64,
     pub long_pause_no_pause: u64,
     /// Per aimed step ([`AIMS`]): requests that landed late ([`Fault::LandLate`]).
-    pub landed_late: [u64; 7],
+    pub landed_late: [u64; 9],
     /// Per aimed step: changes whose answer was lost, retries working ([`Fault::LoseChange`]).
-    pub lost_changes: [u64; 7],
+    pub lost_changes: [u64; 9],
     /// Per aimed step: changes answered with an error, every retry failing.
-    pub failed_changes: [u64; 7],
+    pub failed_changes: [u64; 9],
     /// Per aimed step: requests that took seconds to land or to answer ([`Fault::Slow`]).
-    pub slow: [u64; 7],
+    pub slow: [u64; 9],
+    /// Per aimed step: requests refused, every retry failing, nothing taking effect
+    /// ([`Fault::Refuse`]).
+    pub refused: [u64; 9],
 }
 
 impl FaultCounts {
@@ -1516,6 +1701,34 @@ impl FaultCounts {
                     .map(|(step, v)| (format!("{class} {step}"), v)),
             );
         }
+        // The retry-backoff supersede's own steps, each with the classes aimed at it.
+        let (note, take) = (Aim::PendingNote.index(), Aim::DeferralTake.index());
+        rows.extend([
+            (
+                "note writes refused (every retry failing) after a run that pends, superseding scope"
+                    .to_string(),
+                self.refused[note],
+            ),
+            (
+                "note writes that landed, their answer lost and every retry failing, after a run that pends"
+                    .to_string(),
+                self.failed_changes[note],
+            ),
+            (
+                "deferrals' marker takes that landed late (10-14 s; the retry may answer 'not there')"
+                    .to_string(),
+                self.landed_late[take],
+            ),
+            (
+                "deferrals' marker takes that took a marker, their answer lost (the retry answers 'not there')"
+                    .to_string(),
+                self.lost_changes[take],
+            ),
+            (
+                "deferrals' marker takes 1-9 s slow to land".to_string(),
+                self.slow[take],
+            ),
+        ]);
         rows
     }
 
@@ -1608,6 +1821,7 @@ impl FaultCounts {
             lost_changes: std::array::from_fn(|i| self.lost_changes[i] + other.lost_changes[i]),
             failed_changes: std::array::from_fn(|i| self.failed_changes[i] + other.failed_changes[i]),
             slow: std::array::from_fn(|i| self.slow[i] + other.slow[i]),
+            refused: std::array::from_fn(|i| self.refused[i] + other.refused[i]),
         };
     }
 }
@@ -1693,9 +1907,11 @@ struct Journal {
     wake_deaths: Vec<(Instant, String)>,
     /// Outcomes `Superseded` the emulated host saw (Functions mode): record, fencing token.
     superseded_outcomes: Vec<(String, Option<u64>)>,
-    /// Chains of deliveries, by number; and the chain of each message id.
+    /// Chains of deliveries, by number; and the chain of each message, by queue name and id
+    /// (each emulated queue numbers its messages from 1, so a low lane's `m7` is not the high
+    /// lane's; Azure's ids are GUIDs).
     chains: Vec<Chain>,
-    message_chain: HashMap<String, u64>,
+    message_chain: HashMap<(String, String), u64>,
     violations: Vec<Violation>,
     counts: FaultCounts,
 }
@@ -1745,6 +1961,8 @@ pub struct World {
     supersede_failures: f64,
     /// Until when they fail ([`Plan::supersede_failing_tail`] after the window).
     supersede_failing_until: Option<Instant>,
+    /// The supersede record's runs that ask to run later do so early ([`Plan::supersede_defers_early`]).
+    supersede_defers_early: bool,
     /// Debounce's quiet period Q ([`DebouncePlan`]).
     debounce_quiet: Option<Duration>,
     /// The longest pause of the budget ([`BudgetPlan::max_pause`]).
@@ -1757,11 +1975,11 @@ pub struct World {
     /// write of the record's message, or a look or consume that found no marker (see
     /// [`Node::step`]): a death meanwhile counts like a holder's for the recovery bound.
     wakes: Mutex<HashMap<usize, HashSet<String>>>,
-    /// Each message's body as a worker last received it, by id; and per machine and message
+    /// Each message's body as a worker last received it, by queue name and id; and per machine and message
     /// id, the record (key) of a waiter rewritten in place, its update in flight: the wake ends
     /// when the update lands (the message is then the next waiter, not a dead wake's
     /// redelivery), not when its answer comes back.
-    received: Mutex<HashMap<String, String>>,
+    received: Mutex<HashMap<(String, String), String>>,
     wake_writes: Mutex<HashMap<(usize, String), String>>,
 }
 
@@ -1869,7 +2087,7 @@ impl Node {
             self.pend_if_dead().await;
             return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
         }
-        if let Some(Fault::LandLate { aim, late, .. }) = self.take_aimed(op, prev, |f| match f {
+        if let Some(Fault::LandLate { aim, late, .. }) = self.take_aimed(op, prev, target, |f| match f {
             Fault::LandLate { aim, .. } => Some(*aim),
             _ => None,
         }) {
@@ -1888,6 +2106,21 @@ impl Node {
         }
         tokio::time::sleep(world.delay()).await;
         self.pend_if_dead().await;
+        if let Some(Fault::Refuse { aim, failing_for, .. }) = self.take_aimed(op, prev, target, |f| match f {
+            Fault::Refuse { aim, .. } => Some(*aim),
+            _ => None,
+        }) {
+            // Refused below, with every request of its kind from this machine for a while.
+            let now = Instant::now();
+            world
+                .failing
+                .lock()
+                .unwrap()
+                .insert((self.machine, op), now + failing_for);
+            let mut j = world.journal.lock().unwrap();
+            j.counts.refused[aim.index()] += 1;
+            j.step_outages.push((now, now + failing_for));
+        }
         let failing = world
             .failing
             .lock()
@@ -1916,7 +2149,7 @@ impl Node {
             to_land,
             to_answer,
             ..
-        }) = self.take_aimed(op, prev, |f| match f {
+        }) = self.take_aimed(op, prev, target, |f| match f {
             Fault::Slow { aim, .. } => Some(*aim),
             _ => None,
         }) {
@@ -1938,10 +2171,11 @@ impl Node {
             return Err(StoreError::timeout(op, CLIENT_TIMEOUT));
         }
         if changed(&result)
-            && let Some(Fault::LoseChange { aim, failing_for, .. }) = self.take_aimed(op, prev, |f| match f {
-                Fault::LoseChange { aim, .. } => Some(*aim),
-                _ => None,
-            })
+            && let Some(Fault::LoseChange { aim, failing_for, .. }) =
+                self.take_aimed(op, prev, target, |f| match f {
+                    Fault::LoseChange { aim, .. } => Some(*aim),
+                    _ => None,
+                })
         {
             let now = Instant::now();
             {
@@ -2145,16 +2379,46 @@ impl Node {
 
     /// The first fault armed for this machine of the class `class` picks out (by its aim) whose
     /// step this request is: taken, it fires once.
-    fn take_aimed(&self, op: Op, prev: Option<Op>, class: impl Fn(&Fault) -> Option<Aim>) -> Option<Fault> {
+    fn take_aimed(
+        &self,
+        op: Op,
+        prev: Option<Op>,
+        target: &str,
+        class: impl Fn(&Fault) -> Option<Aim>,
+    ) -> Option<Fault> {
         if !self.world.faults.load(Ordering::SeqCst) || self.aimable.is_none() {
             return None;
         }
         let mut armed = self.world.aim_armed.lock().unwrap();
         let faults = armed.get_mut(&self.machine)?;
+        let last = || self.last_run(op, target);
         let i = faults
             .iter()
-            .position(|f| class(f).is_some_and(|aim| aim.matches(op, prev)))?;
+            .position(|f| class(f).is_some_and(|aim| aim.matches(op, prev, &last)))?;
         Some(faults.remove(i))
+    }
+
+    /// How this machine's latest run of the record a lock blob metadata write or a marker
+    /// delete is about ended ([`LastRun`]; `Running` for any other request).
+    fn last_run(&self, op: Op, target: &str) -> LastRun {
+        let lock_write = op == Op::BlobSetMetadata && target.starts_with(leasehold_lock::LOCK_PREFIX);
+        if !lock_write && op != Op::FlagDelete {
+            return LastRun::Running;
+        }
+        let record = target.rsplit('/').next().unwrap_or(target);
+        let j = self.world.journal.lock().unwrap();
+        match j
+            .runs
+            .iter()
+            .rev()
+            .find(|r| r.machine == self.machine && r.record == record)
+        {
+            None => LastRun::Running,
+            Some(r) if r.end.is_none() => LastRun::Running,
+            Some(r) if r.run_later.is_some() => LastRun::Deferred,
+            Some(r) if !r.completed && r.told.is_none() => LastRun::Failed,
+            Some(_) => LastRun::Other,
+        }
     }
 
     /// A lost answer armed for this machine and `op` fires (the request took effect): says so.
@@ -2420,12 +2684,13 @@ impl Chain {
 
 impl Journal {
     /// The chain a message belongs to (made when it is first delivered, if its put was not seen).
-    fn chain_of(&mut self, id: &str, message: &TriggerMessage) -> u64 {
-        if let Some(chain) = self.message_chain.get(id) {
+    fn chain_of(&mut self, queue: &str, id: &str, message: &TriggerMessage) -> u64 {
+        let id = (queue.to_string(), id.to_string());
+        if let Some(chain) = self.message_chain.get(&id) {
             return *chain;
         }
         let chain = self.new_chain(Chain::started_by(message.kind));
-        self.message_chain.insert(id.to_string(), chain);
+        self.message_chain.insert(id, chain);
         chain
     }
 
@@ -2437,12 +2702,24 @@ impl Journal {
     /// A message put by a delivery of chain `parent` (`None`: not known, outside the emulated
     /// host). A sweep that asks the marker first (`given_up` >= 2) may come only from a sweep's
     /// chain that kept failing: from anything else — fresh events — it can drop a trigger.
-    fn note_put(&mut self, id: &str, message: &TriggerMessage, parent: Option<u64>) {
+    fn note_put(&mut self, queue: &str, id: &str, message: &TriggerMessage, parent: Option<u64>) {
         let chain = match (message.kind, parent) {
             (TriggerKind::Watchdog | TriggerKind::Recheck, Some(parent)) => parent,
             (kind, _) => self.new_chain(Chain::started_by(kind)),
         };
-        self.message_chain.insert(id.to_string(), chain);
+        self.message_chain
+            .insert((queue.to_string(), id.to_string()), chain);
+        if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
+            println!(
+                "chain: put {queue} {id} {:?} {} given_up={} after_token={:?} deferral={:?} by chain {parent:?} -> chain {chain} (sweep: {:?})",
+                message.kind,
+                message.record_id,
+                message.given_up,
+                message.after_token,
+                message.deferral.map(|d| (d.id, d.hops)),
+                self.chains[chain as usize].sweep
+            );
+        }
         if message.kind == TriggerKind::Sweep && message.given_up >= 2 {
             self.counts.conditional_sweeps += 1;
         }
@@ -2457,6 +2734,40 @@ impl Journal {
             )));
         }
     }
+}
+
+/// Seed 9153 (with the aims at the retry-backoff supersede's steps): two lanes' queues both
+/// number their messages from `m1`; a sweep's chain must stay a sweep's though the other lane's
+/// message of the same id belongs to fresh events, and its sweep given up again is no violation.
+#[test]
+fn chains_are_told_apart_by_queue_as_well_as_id() {
+    let mut j = Journal::default();
+    let trigger = TriggerMessage::parse("sup", "r0").unwrap();
+    let mut sweep = trigger.follow_up(TriggerKind::Sweep, 0);
+    sweep.given_up = 1;
+    // The high lane's sweep, given up once, and its watchdog m227.
+    let sweeps = j.chain_of("sim", "m10", &sweep);
+    j.note_put(
+        "sim",
+        "m227",
+        &sweep.follow_up(TriggerKind::Watchdog, 0),
+        Some(sweeps),
+    );
+    // The low lane's own m227, a watchdog of fresh events.
+    let fresh = j.chain_of("sim-low", "m9", &trigger);
+    j.note_put(
+        "sim-low",
+        "m227",
+        &trigger.follow_up(TriggerKind::Watchdog, 0),
+        Some(fresh),
+    );
+    // The high lane's m227 delivered, given up: its sweep asks the marker first, rightly.
+    let delivered = j.chain_of("sim", "m227", &sweep);
+    assert_eq!(delivered, sweeps);
+    let mut again = sweep.clone();
+    again.given_up = 2;
+    j.note_put("sim", "m253", &again, Some(delivered));
+    assert!(j.violations.is_empty(), "{:?}", j.violations);
 }
 
 /// A worker's trigger queue, noting every watchdog it put (for the double fault the recovery
@@ -2496,7 +2807,7 @@ impl TriggerQueue for NotingQueue {
                     .push((t.record_id.to_string(), self.machine, Instant::now()));
             }
             if let Ok(enqueued) = &put {
-                j.note_put(&enqueued.id, &t, parent);
+                j.note_put(self.inner.name(), &enqueued.id, &t, parent);
             }
         }
         put
@@ -2515,7 +2826,7 @@ impl TriggerQueue for NotingQueue {
         if let Ok(messages) = &got {
             let mut received = self.world.received.lock().unwrap();
             for m in messages {
-                received.insert(m.id.clone(), m.body.clone());
+                received.insert((self.inner.name().to_string(), m.id.clone()), m.body.clone());
             }
         }
         got
@@ -2532,7 +2843,7 @@ impl TriggerQueue for NotingQueue {
                 .received
                 .lock()
                 .unwrap()
-                .get(id)
+                .get(&(self.inner.name().to_string(), id.to_string()))
                 .is_some_and(|b| b != body)
         {
             self.world
@@ -2808,6 +3119,13 @@ impl Logic for SimLogic {
                     _ => Some(HUGE_DEFERRAL),
                 }
             });
+        // Drawn only in the seeds that set it, so the others draw as they did.
+        let duration = if world.supersede_defers_early && later.is_some() && !detached {
+            let early = Duration::from_millis(world.logic_rng.lock().unwrap().random_range(500..4_000));
+            duration.min(early)
+        } else {
+            duration
+        };
         let index = {
             let mut j = world.journal.lock().unwrap();
             j.runs.push(RunRecord {
@@ -3519,6 +3837,7 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
             .map(|s| (format!("r{}", s.record), epoch + s.from, epoch + s.to)),
         supersede_failures: plan.supersede_failures,
         supersede_failing_until: plan.supersede.map(|s| epoch + s.to + plan.supersede_failing_tail),
+        supersede_defers_early: plan.supersede_defers_early,
         debounce_quiet: plan.debounce.as_ref().map(|d| d.quiet),
         max_pause: plan.budget.map_or(SIM_MAX_PAUSE, |b| b.max_pause),
         long_pause: plan
@@ -3879,7 +4198,8 @@ async fn simulate(plan: Plan, variant: ProtocolVariant) -> Report {
             Step::Fault(
                 fault @ (Fault::LandLate { machine, .. }
                 | Fault::LoseChange { machine, .. }
-                | Fault::Slow { machine, .. }),
+                | Fault::Slow { machine, .. }
+                | Fault::Refuse { machine, .. }),
             ) => {
                 world
                     .aim_armed
@@ -3985,7 +4305,11 @@ async fn host(
                 let Ok(message) = TriggerMessage::decode(&m.body) else {
                     return;
                 };
-                let chain = world.journal.lock().unwrap().chain_of(&m.id, &message);
+                let chain = world
+                    .journal
+                    .lock()
+                    .unwrap()
+                    .chain_of(queue.name(), &m.id, &message);
                 if m.dequeue_count > 1 {
                     world.journal.lock().unwrap().host_redeliveries.push((
                         message.record_id.to_string(),
@@ -4002,11 +4326,13 @@ async fn host(
                 }
                 if std::env::var_os("LEASEHOLD_SIM_TRACE").is_some() {
                     println!(
-                        "host: took {} dc={} {:?} {} at {:.3}s",
+                        "host: took {} {} dc={} {:?} {} given_up={} chain {chain} at {:.3}s",
+                        queue.name(),
                         m.id,
                         m.dequeue_count,
                         message.kind,
                         message.record_id,
+                        message.given_up,
                         world.at(Instant::now())
                     );
                 }
