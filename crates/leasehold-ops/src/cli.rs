@@ -372,17 +372,50 @@ async fn status(
         };
     };
     let scope = scope.unwrap_or_default();
-    let (record, queue, poison) = tokio::join!(
+    let (record, queue, poison, history) = tokio::join!(
         operator.record(&scope, &record_id),
         operator.queue_view_of(false),
         operator.queue_view_of(true),
+        operator.history(&scope, &record_id, RECORD_HISTORY_SHOWN),
     );
     let (record, queue, poison) = (record?, queue?, poison?);
+    // History off, or unreadable: the state from the lease and markers alone, and why not more.
+    let (history, history_note) = match history {
+        Ok(h) => (h, None),
+        Err(e) => (Vec::new(), Some(e.to_string())),
+    };
+    let state = crate::RecordState::of(&record, &history, Some(&queue), std::time::SystemTime::now());
     if json {
-        return to_json(&serde_json::json!({ "record": record, "queue": queue, "poison": poison }));
+        return to_json(&serde_json::json!({
+            "state": state.state,
+            "until": state.until.map(crate::clock::rfc3339),
+            "reason": state.reason,
+            "record": record,
+            "history": history,
+            "historyUnavailable": history_note,
+            "queue": queue,
+            "poison": poison,
+        }));
     }
-    Ok(crate::text::record(&record, Some((&queue, &poison))))
+    let mut out = format!("state       {}: {}\n", state.state, state.reason);
+    out.push_str(&crate::text::record(&record, Some((&queue, &poison))));
+    match history_note {
+        Some(note) => out.push_str(&format!("\nhistory     unavailable: {note}")),
+        None if history.is_empty() => out.push_str("\nhistory     none within the days kept"),
+        None => {
+            out.push_str(&format!(
+                "\nhistory     newest first (leasehold history --scope {scope} {record_id} for more):"
+            ));
+            for entry in &history {
+                out.push_str(&format!("\n  {}", entry.line()));
+            }
+        }
+    }
+    Ok(out)
 }
+
+/// How many history entries `leasehold status` shows for a record.
+const RECORD_HISTORY_SHOWN: usize = 10;
 
 /// Exit status of a requeue or purge that could not reach every entry (run it again).
 pub const EXIT_INCOMPLETE: i32 = 3;

@@ -74,7 +74,11 @@ impl HistoryView {
             parts.push(format!("token {token}"));
         }
         if let Some(s) = self.run_seconds {
-            parts.push(format!("ran {}", crate::clock::span(Duration::from_secs_f64(s))));
+            parts.push(if s < 60.0 {
+                format!("ran {s:.1} s")
+            } else {
+                format!("ran {}", crate::clock::span(Duration::from_secs_f64(s)))
+            });
         }
         if let Some(until) = self.until {
             parts.push(format!("until {}", crate::clock::rfc3339(until)));
@@ -146,5 +150,256 @@ impl Operator {
         if let Err(e) = store.append(&[entry]).await {
             tracing::warn!(%scope, record = %record, error = %e, "could not write the action to the record's history");
         }
+    }
+}
+
+/// What a record is doing now, in one line, for every cause: from its lease and markers (as
+/// storage holds them, whichever instance set them) and its newest history entries.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordState {
+    /// `running`, `waiting`, `deferred`, `paused`, `queued`, `poisoned` or `idle`.
+    pub state: &'static str,
+    /// Until when, where it applies (RFC 3339): a wait's latest end, a run put off, a pause, a
+    /// retry.
+    #[serde(serialize_with = "crate::clock::serialize_opt")]
+    pub until: Option<SystemTime>,
+    /// The line a person reads.
+    pub reason: String,
+}
+
+impl RecordState {
+    /// The state of the record `view` shows, whose history (newest first, possibly empty)
+    /// is `history`, at `now`; `queue` is its lane's queue, if known.
+    pub fn of(
+        view: &crate::RecordView,
+        history: &[HistoryView],
+        queue: Option<&crate::QueueView>,
+        now: SystemTime,
+    ) -> Self {
+        let ahead = |q: Option<&crate::QueueView>| {
+            q.map(|q| format!(" (about {} messages in {})", q.approximate_messages, q.name))
+                .unwrap_or_default()
+        };
+        let newest = history.first();
+        let later = |e: &HistoryView| e.until.filter(|u| *u > now);
+        if view.held {
+            let since = view
+                .since
+                .map(|s| format!(" since {}", crate::clock::rfc3339(s)))
+                .unwrap_or_default();
+            let holder = view.holder.as_deref().unwrap_or("a holder");
+            let token = if view.generation > 0 {
+                format!(", token {}", view.generation)
+            } else {
+                String::new()
+            };
+            let pending = if view.retrigger_pending {
+                "; triggers came during it: it runs once more after"
+            } else {
+                ""
+            };
+            return Self {
+                state: "running",
+                until: None,
+                reason: format!("running on {holder}{since}{token}{pending}"),
+            };
+        }
+        if view.waiting {
+            let until = history.iter().find(|e| e.event == "waiting").and_then(later);
+            return Self {
+                state: "waiting",
+                until,
+                reason: match until {
+                    Some(u) => format!(
+                        "waiting for its burst of triggers to end (it looks again at {} at the latest)",
+                        crate::clock::rfc3339(u)
+                    ),
+                    None => "waiting for its burst of triggers to end".into(),
+                },
+            };
+        }
+        let Some(newest) = newest else {
+            return Self {
+                state: if view.retrigger_pending { "queued" } else { "idle" },
+                until: None,
+                reason: if view.retrigger_pending {
+                    format!("a retrigger is pending{}", ahead(queue))
+                } else {
+                    "idle: no history within the days kept".into()
+                },
+            };
+        };
+        let at = crate::clock::rfc3339(newest.time);
+        let why = newest
+            .reason
+            .as_deref()
+            .map(|r| format!(": {r}"))
+            .unwrap_or_default();
+        match newest.event.as_str() {
+            "deferred" if later(newest).is_some() => Self {
+                state: "deferred",
+                until: newest.until,
+                reason: format!(
+                    "put off by its logic until {}{why}",
+                    crate::clock::rfc3339(newest.until.unwrap_or(now))
+                ),
+            },
+            "paused" if later(newest).is_some() => Self {
+                state: "paused",
+                until: newest.until,
+                reason: format!(
+                    "held by budget {}'s pause until {} (see leasehold budget status)",
+                    newest.budget.as_deref().unwrap_or("?"),
+                    crate::clock::rfc3339(newest.until.unwrap_or(now))
+                ),
+            },
+            "waiting" if later(newest).is_some() => Self {
+                state: "waiting",
+                until: newest.until,
+                reason: format!(
+                    "waiting for its burst of triggers to end (it looks again at {})",
+                    crate::clock::rfc3339(newest.until.unwrap_or(now))
+                ),
+            },
+            "failed" | "lease_lost" | "rechecked" if later(newest).is_some() => Self {
+                state: "queued",
+                until: newest.until,
+                reason: format!(
+                    "{} at {at}; it comes back at {}{why}",
+                    newest.event,
+                    crate::clock::rfc3339(newest.until.unwrap_or(now))
+                ),
+            },
+            "poisoned" => Self {
+                state: "poisoned",
+                until: None,
+                reason: format!("given up at {at}{why} (leasehold poison list)"),
+            },
+            "enqueued" | "requeued" | "coalesced" | "debounced" | "retriggered" | "failed" | "lease_lost" => {
+                Self {
+                    state: "queued",
+                    until: None,
+                    reason: format!(
+                        "{} at {at}; a trigger is on its way{}",
+                        newest.event,
+                        ahead(queue)
+                    ),
+                }
+            }
+            _ if view.retrigger_pending => Self {
+                state: "queued",
+                until: None,
+                reason: format!("a retrigger is pending{}", ahead(queue)),
+            },
+            _ => {
+                let ran = newest
+                    .run_seconds
+                    .map(|s| format!(" (ran {s:.1} s)"))
+                    .unwrap_or_default();
+                Self {
+                    state: "idle",
+                    until: None,
+                    reason: format!("idle; last: {} at {at}{ran}{why}", newest.event),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(held: bool, waiting: bool, pending: bool) -> crate::RecordView {
+        crate::RecordView {
+            scope: Scope::parse("account").unwrap(),
+            record_id: RecordId::parse("1").unwrap(),
+            held,
+            lease_state: None,
+            holder: held.then(|| "host-a:42".to_string()),
+            since: held.then(SystemTime::now),
+            since_age_seconds: None,
+            generation: if held { 7 } else { 0 },
+            retrigger_pending: pending,
+            waiting,
+            sharers: Vec::new(),
+            superseded_in_a_row: None,
+            at: SystemTime::now(),
+        }
+    }
+
+    fn entry(event: &str, until_in: Option<i64>, now: SystemTime) -> HistoryView {
+        HistoryView {
+            time: now - Duration::from_secs(5),
+            event: event.into(),
+            attempt: 1,
+            fencing_token: Some(3),
+            instance: "host-b:7".into(),
+            lane: Some("high".into()),
+            budget: Some("default".into()),
+            run_seconds: Some(1.5),
+            until: until_in.map(|s| {
+                if s >= 0 {
+                    now + Duration::from_secs(s as u64)
+                } else {
+                    now - Duration::from_secs((-s) as u64)
+                }
+            }),
+            correlation_id: None,
+            trace_id: None,
+            reason: Some("429 Too Many Requests".into()),
+        }
+    }
+
+    /// Each cause has its state, from storage's view of the lease and markers first, then the
+    /// newest history entry; a past `until` is no longer a state.
+    #[test]
+    fn every_cause_has_its_state() {
+        let now = SystemTime::now();
+        let state = |v: &crate::RecordView, h: &[HistoryView]| RecordState::of(v, h, None, now);
+        let running = state(&view(true, false, true), &[]);
+        assert_eq!(running.state, "running");
+        assert!(
+            running.reason.contains("host-a:42") && running.reason.contains("token 7"),
+            "{running:?}"
+        );
+        assert!(running.reason.contains("once more"), "{running:?}");
+        let waiting = state(&view(false, true, false), &[entry("waiting", Some(30), now)]);
+        assert_eq!((waiting.state, waiting.until.is_some()), ("waiting", true));
+        for (event, expected) in [
+            ("deferred", "deferred"),
+            ("paused", "paused"),
+            ("waiting", "waiting"),
+            ("failed", "queued"),
+            ("rechecked", "queued"),
+        ] {
+            let s = state(&view(false, false, false), &[entry(event, Some(60), now)]);
+            assert_eq!(s.state, expected, "{event}: {s:?}");
+            assert!(s.until.is_some(), "{event}");
+        }
+        let paused = state(&view(false, false, false), &[entry("paused", Some(60), now)]);
+        assert!(paused.reason.contains("budget default"), "{paused:?}");
+        let deferred = state(&view(false, false, false), &[entry("deferred", Some(60), now)]);
+        assert!(deferred.reason.contains("429"), "{deferred:?}");
+        // Over: no longer deferred.
+        let over = state(&view(false, false, false), &[entry("deferred", Some(-1), now)]);
+        assert_eq!(over.state, "idle", "{over:?}");
+        assert_eq!(
+            state(&view(false, false, false), &[entry("poisoned", None, now)]).state,
+            "poisoned"
+        );
+        assert_eq!(
+            state(&view(false, false, false), &[entry("enqueued", None, now)]).state,
+            "queued"
+        );
+        let idle = state(&view(false, false, false), &[entry("completed", None, now)]);
+        assert_eq!(idle.state, "idle");
+        assert!(
+            idle.reason.contains("completed") && idle.reason.contains("ran"),
+            "{idle:?}"
+        );
+        assert_eq!(state(&view(false, false, true), &[]).state, "queued");
+        assert_eq!(state(&view(false, false, false), &[]).state, "idle");
     }
 }

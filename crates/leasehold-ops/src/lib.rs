@@ -22,7 +22,7 @@ use leasehold_storage::azure::BlobContainer;
 use serde::Serialize;
 
 pub use budgets::BudgetStatus;
-pub use history::{HistoryView, MAX_HISTORY_LIMIT};
+pub use history::{HistoryView, MAX_HISTORY_LIMIT, RecordState};
 pub use overview::{HeldRecord, Overview, OverviewQuery, QueueView, RecordRef};
 pub use poison::{
     PoisonEntry, PoisonList, PoisonQuery, PoisonRecord, PoisonSelection, Progress, PurgeReport,

@@ -2083,3 +2083,114 @@ async fn an_unrelated_scope_keeps_its_concurrency_beside_a_record_that_always_an
     );
     app.stop().await;
 }
+
+/// Run history across instances (issue 36): a record run three times by two `serve` processes,
+/// the first killed mid-run. Its `started` entry outlives it; the survivor's recovery and a
+/// third run follow, and `leasehold history` (another process) reads all of it back, newest
+/// first, with both holders' names and rising tokens; `leasehold status` says the record is
+/// idle, its last run completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
+    let env = Env::new();
+    let other = Env {
+        queue: env.queue.clone(),
+        container: env.container.clone(),
+        dir: env.dir.join("second"),
+        port: free_port().into(),
+    };
+    std::fs::create_dir_all(&other.dir).unwrap();
+    // The first run hangs until its worker dies; later runs finish at once.
+    let first = env.dir.join("first-run");
+    let logic = env.logic(&format!(
+        "if [ -e {f} ]; then exit 0; fi; touch {f}; exec sleep 600",
+        f = first.display()
+    ));
+    let settings = [
+        ("LEASEHOLD_LOGIC_COMMAND", logic),
+        ("LEASEHOLD_LEASE_SECONDS", "15".to_string()),
+    ];
+    let a = env.spawn(&["serve"], &settings).await;
+    let b = other.spawn(&["serve"], &settings).await;
+    let history = || async {
+        let (ok, out) = env
+            .output(&["history", "--scope", "account", RECORD, "--json"])
+            .await;
+        assert!(ok, "{out}");
+        serde_json::from_str::<Vec<Value>>(&out).unwrap()
+    };
+    let enqueue = || async {
+        let (ok, out) = env.output(&["enqueue", "--scope", "account", RECORD]).await;
+        assert!(ok, "{out}");
+    };
+    enqueue().await;
+    // Its start is in the history (written within 2 s) before its holder dies.
+    let started = eventually(
+        Duration::from_secs(30),
+        "the first run's start in the history",
+        || async { history().await.into_iter().find(|e| e["event"] == "started") },
+    )
+    .await;
+    let dead_instance = started["instance"].as_str().unwrap().to_string();
+    let dead_pid: u32 = dead_instance.rsplit(':').next().unwrap().parse().unwrap();
+    let (mut dying, survivor) = if a.id() == Some(dead_pid) { (a, b) } else { (b, a) };
+    assert_eq!(
+        dying.id(),
+        Some(dead_pid),
+        "the holder is one of the two: {dead_instance}"
+    );
+    dying.start_kill().unwrap();
+    dying.wait().await.unwrap();
+    eventually(Duration::from_secs(45), "the record to run again", || async {
+        (env.runs().len() >= 2 && history().await.iter().any(|e| e["event"] == "completed")).then_some(())
+    })
+    .await;
+    // A third run, on the survivor.
+    enqueue().await;
+    let entries = eventually(
+        Duration::from_secs(30),
+        "the third run in the history",
+        || async {
+            let entries = history().await;
+            (entries.iter().filter(|e| e["event"] == "completed").count() >= 2).then_some(entries)
+        },
+    )
+    .await;
+    println!("[history] {}", serde_json::to_string_pretty(&entries).unwrap());
+    let tokens: Vec<u64> = entries
+        .iter()
+        .filter(|e| e["event"] == "started")
+        .map(|e| e["fencingToken"].as_u64().unwrap())
+        .collect();
+    assert_eq!(tokens, [3, 2, 1], "three runs, newest first: {entries:#?}");
+    let instances: std::collections::BTreeSet<&str> = entries
+        .iter()
+        .filter(|e| e["event"] == "started")
+        .filter_map(|e| e["instance"].as_str())
+        .collect();
+    assert_eq!(instances.len(), 2, "both holders named: {instances:?}");
+    assert_eq!(
+        entries.iter().filter(|e| e["event"] == "enqueued").count(),
+        2,
+        "the operator's enqueues too: {entries:#?}"
+    );
+    assert!(instances.contains(dead_instance.as_str()));
+    for e in &entries {
+        for field in ["time", "event", "attempt", "instance"] {
+            assert!(!e[field].is_null(), "{field}: {e}");
+        }
+    }
+    let (ok, status) = env
+        .output(&["status", "--scope", "account", RECORD, "--json"])
+        .await;
+    assert!(ok, "{status}");
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["state"], "idle", "{status}");
+    assert!(
+        status["reason"].as_str().unwrap().contains("completed"),
+        "{status}"
+    );
+    drop(dying);
+    terminate(&survivor);
+    let mut survivor = survivor;
+    survivor.wait().await.unwrap();
+}
