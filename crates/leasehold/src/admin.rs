@@ -240,11 +240,42 @@ pub async fn answer(backend: &Backend, request: &ApiRequest<'_>) -> ApiAnswer {
                 Ok(r) => r,
                 Err(e) => return error(400, format!("recordId: {e}")),
             };
-            let (status, mut body) = done(operator.record(&scope, &record_id).await);
+            let (record, history) = tokio::join!(
+                operator.record(&scope, &record_id),
+                operator.history(&scope, &record_id, RECORD_HISTORY_SHOWN)
+            );
+            // The state line from the lease and markers, and the history if there is one (off,
+            // or unreadable: said so, and the record is still shown).
+            let state = record.as_ref().ok().map(|view| {
+                leasehold_ops::RecordState::of(
+                    view,
+                    history.as_deref().unwrap_or_default(),
+                    None,
+                    std::time::SystemTime::now(),
+                )
+            });
+            let (status, mut body) = done(record);
             if status == 200
                 && let Some(map) = body.as_object_mut()
             {
                 map.insert("recentOutcome".into(), recent_outcome(&scope, &record_id));
+                if let Some(state) = state {
+                    map.insert("state".into(), json!(state.state));
+                    map.insert(
+                        "until".into(),
+                        json!(state.until.map(leasehold_ops::clock::rfc3339)),
+                    );
+                    map.insert("reason".into(), json!(state.reason));
+                }
+                match history {
+                    Ok(h) => {
+                        map.insert("history".into(), json!(h));
+                    }
+                    Err(e) => {
+                        map.insert("history".into(), json!([]));
+                        map.insert("historyUnavailable".into(), json!(e.to_string()));
+                    }
+                }
             }
             (status, body)
         }
@@ -835,6 +866,9 @@ async fn invoke_dashboard(State(hosted): State<Arc<Hosted>>, request: Request) -
         Some("dashboard: page served".into()),
     )
 }
+
+/// How many history entries the record view shows (the dashboard's record page).
+const RECORD_HISTORY_SHOWN: usize = 50;
 
 #[cfg(test)]
 mod tests {

@@ -2108,6 +2108,7 @@ async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
     let settings = [
         ("LEASEHOLD_LOGIC_COMMAND", logic),
         ("LEASEHOLD_LEASE_SECONDS", "15".to_string()),
+        ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY.to_string()),
     ];
     let a = env.spawn(&["serve"], &settings).await;
     let b = other.spawn(&["serve"], &settings).await;
@@ -2132,7 +2133,11 @@ async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
     .await;
     let dead_instance = started["instance"].as_str().unwrap().to_string();
     let dead_pid: u32 = dead_instance.rsplit(':').next().unwrap().parse().unwrap();
-    let (mut dying, survivor) = if a.id() == Some(dead_pid) { (a, b) } else { (b, a) };
+    let (mut dying, survivor, survivor_port) = if a.id() == Some(dead_pid) {
+        (a, b, other.port())
+    } else {
+        (b, a, env.port())
+    };
     assert_eq!(
         dying.id(),
         Some(dead_pid),
@@ -2188,6 +2193,21 @@ async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
     assert!(
         status["reason"].as_str().unwrap().contains("completed"),
         "{status}"
+    );
+    // The dashboard's record view, from the survivor: the same state, and the history.
+    let view: Value = common::get(
+        &format!("http://127.0.0.1:{survivor_port}/api/admin/records/account/{RECORD}"),
+        &[("x-leasehold-admin-key", ADMIN_KEY)],
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(view["state"], "idle", "{view}");
+    assert_eq!(
+        view["history"].as_array().map(Vec::len),
+        Some(entries.len()),
+        "{view}"
     );
     drop(dying);
     terminate(&survivor);
