@@ -334,6 +334,10 @@ struct Inner {
     store: Arc<dyn HistoryStore>,
     options: HistoryOptions,
     sender: mpsc::Sender<Command>,
+    /// Entries handed to the writer and not yet written or lost: in the channel, gathered, or
+    /// in a write under way. At [`HistoryOptions::max_buffered`] new ones are dropped, so a
+    /// store that hangs holds at most that many entries in memory.
+    outstanding: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 enum Command {
@@ -356,12 +360,14 @@ impl History {
     /// clone of the writer is dropped (after writing what it holds).
     pub fn new(store: Arc<dyn HistoryStore>, options: HistoryOptions) -> Self {
         let (sender, receiver) = mpsc::channel(options.max_buffered.max(1));
+        let outstanding = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let inner = Arc::new(Inner {
             store: store.clone(),
             options: options.clone(),
             sender,
+            outstanding: outstanding.clone(),
         });
-        tokio::spawn(write_loop(store, options, receiver));
+        tokio::spawn(write_loop(store, options, receiver, outstanding));
         Self { inner }
     }
 
@@ -379,12 +385,17 @@ impl History {
         if entry.instance.is_empty() {
             entry.instance = self.inner.options.instance.clone();
         }
-        if self
-            .inner
-            .sender
-            .try_send(Command::Entry(Box::new(entry)))
-            .is_err()
+        use std::sync::atomic::Ordering::SeqCst;
+        let outstanding = &self.inner.outstanding;
+        let full = outstanding.fetch_add(1, SeqCst) >= self.inner.options.max_buffered;
+        if full
+            || self
+                .inner
+                .sender
+                .try_send(Command::Entry(Box::new(entry)))
+                .is_err()
         {
+            outstanding.fetch_sub(1, SeqCst);
             metrics::counter!(HISTORY_DROPPED_TOTAL).increment(1);
             warn_at_most_once_a_minute("the history writer's buffer is full: an entry was dropped");
         }
@@ -428,6 +439,7 @@ async fn write_loop(
     store: Arc<dyn HistoryStore>,
     options: HistoryOptions,
     mut receiver: mpsc::Receiver<Command>,
+    outstanding: Arc<std::sync::atomic::AtomicUsize>,
 ) {
     // A record's entries, oldest first, in the order records first came.
     let mut pending: HashMap<(Scope, RecordId), Vec<HistoryEntry>> = HashMap::new();
@@ -445,7 +457,7 @@ async fn write_loop(
                 }
             } => {
                 flush_at = None;
-                write_all(&store, &options, &writes, &mut tasks, &mut pending, &mut order);
+                write_all(&store, &options, &writes, &outstanding, &mut tasks, &mut pending, &mut order);
                 continue;
             }
             Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
@@ -462,16 +474,41 @@ async fn write_loop(
             }
             Some(Command::Flush(done)) => {
                 flush_at = None;
-                write_all(&store, &options, &writes, &mut tasks, &mut pending, &mut order);
+                write_all(
+                    &store,
+                    &options,
+                    &writes,
+                    &outstanding,
+                    &mut tasks,
+                    &mut pending,
+                    &mut order,
+                );
                 while tasks.join_next().await.is_some() {}
                 let _ = done.send(());
             }
             None => {
-                write_all(&store, &options, &writes, &mut tasks, &mut pending, &mut order);
+                write_all(
+                    &store,
+                    &options,
+                    &writes,
+                    &outstanding,
+                    &mut tasks,
+                    &mut pending,
+                    &mut order,
+                );
                 while tasks.join_next().await.is_some() {}
                 return;
             }
         }
+    }
+}
+
+/// Entries of a write, counted out of the writer's outstanding ones when dropped.
+struct Outstanding(Arc<std::sync::atomic::AtomicUsize>, usize);
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -482,6 +519,7 @@ fn write_all(
     store: &Arc<dyn HistoryStore>,
     options: &HistoryOptions,
     writes: &Arc<tokio::sync::Semaphore>,
+    outstanding: &Arc<std::sync::atomic::AtomicUsize>,
     tasks: &mut tokio::task::JoinSet<()>,
     pending: &mut HashMap<(Scope, RecordId), Vec<HistoryEntry>>,
     order: &mut VecDeque<(Scope, RecordId)>,
@@ -493,7 +531,10 @@ fn write_all(
         for chunk in entries.chunks(MAX_ENTRIES_PER_WRITE) {
             let chunk = chunk.to_vec();
             let (store, writes, timeout) = (store.clone(), writes.clone(), options.write_timeout);
+            // Counted out when the write ends, however it ends.
+            let done = Outstanding(outstanding.clone(), chunk.len());
             tasks.spawn(async move {
+                let _done = done;
                 let Ok(_permit) = writes.acquire_owned().await else {
                     return;
                 };
@@ -879,6 +920,40 @@ mod tests {
         async fn sweep(&self, _: Duration) -> Result<usize, StoreError> {
             Ok(0)
         }
+    }
+
+    /// Against a store that hangs, the writer holds at most `max_buffered` entries, whether
+    /// they wait in the channel, are gathered, or are in a write under way: more are dropped;
+    /// once the hung writes time out, entries are taken again.
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_store_holds_at_most_the_buffer_in_memory() {
+        let store = Arc::new(Broken {
+            hang: true,
+            calls: Mutex::new(0),
+        });
+        let history = History::new(
+            store.clone(),
+            HistoryOptions {
+                max_buffered: 4,
+                ..HistoryOptions::default()
+            },
+        );
+        for round in 0..3 {
+            for i in 0..100 {
+                history.record(entry(&format!("{round}-{i}"), HistoryEvent::Started));
+                tokio::task::yield_now().await;
+            }
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+        assert_eq!(
+            *store.calls.lock().unwrap(),
+            4,
+            "only the first 4 entries were taken while their writes hung"
+        );
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        history.record(entry("later", HistoryEvent::Started));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(*store.calls.lock().unwrap(), 5, "taken again once they timed out");
     }
 
     /// A store that refuses or hangs never holds `record` up, and the writer goes on: a hung
