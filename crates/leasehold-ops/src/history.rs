@@ -188,7 +188,10 @@ impl RecordState {
                 .since
                 .map(|s| format!(" since {}", crate::clock::rfc3339(s)))
                 .unwrap_or_default();
-            let holder = view.holder.as_deref().unwrap_or("a holder");
+            let holder = view
+                .holder
+                .as_deref()
+                .unwrap_or("a holder (its name is written at its lease's first renewal)");
             let token = if view.generation > 0 {
                 format!(", token {}", view.generation)
             } else {
