@@ -234,6 +234,7 @@ impl RecordState {
             };
         };
         let at = crate::clock::rfc3339(newest.time);
+        let until = crate::clock::rfc3339(newest.until.unwrap_or(now));
         let why = newest
             .reason
             .as_deref()
@@ -243,36 +244,25 @@ impl RecordState {
             "deferred" if later(newest).is_some() => Self {
                 state: "deferred",
                 until: newest.until,
-                reason: format!(
-                    "put off by its logic until {}{why}",
-                    crate::clock::rfc3339(newest.until.unwrap_or(now))
-                ),
+                reason: format!("put off by its logic until {until}{why}"),
             },
             "paused" if later(newest).is_some() => Self {
                 state: "paused",
                 until: newest.until,
                 reason: format!(
-                    "held by budget {}'s pause until {} (see leasehold budget status)",
+                    "held by budget {}'s pause until {until} (see leasehold budget status)",
                     newest.budget.as_deref().unwrap_or("?"),
-                    crate::clock::rfc3339(newest.until.unwrap_or(now))
                 ),
             },
             "waiting" if later(newest).is_some() => Self {
                 state: "waiting",
                 until: newest.until,
-                reason: format!(
-                    "waiting for its burst of triggers to end (it looks again at {})",
-                    crate::clock::rfc3339(newest.until.unwrap_or(now))
-                ),
+                reason: format!("waiting for its burst of triggers to end (it looks again at {until})"),
             },
             "failed" | "lease_lost" | "rechecked" if later(newest).is_some() => Self {
                 state: "queued",
                 until: newest.until,
-                reason: format!(
-                    "{} at {at}; it comes back at {}{why}",
-                    newest.event,
-                    crate::clock::rfc3339(newest.until.unwrap_or(now))
-                ),
+                reason: format!("{} at {at}; it comes back at {until}{why}", newest.event),
             },
             "poisoned" => Self {
                 state: "poisoned",

@@ -82,6 +82,28 @@ impl Env {
         )
     }
 
+    /// Another process's environment on the same queue and container: its own directory
+    /// (`name`, inside this one) and port.
+    fn sibling(&self, name: &str) -> Env {
+        let dir = self.dir.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        Env {
+            queue: self.queue.clone(),
+            container: self.container.clone(),
+            dir,
+            port: free_port().into(),
+        }
+    }
+
+    /// A logic command whose first run (of any process sharing this directory's marker) hangs
+    /// until its worker dies, and whose later runs finish at once.
+    fn first_run_hangs(&self) -> String {
+        self.logic(&format!(
+            "if [ -e {f} ]; then exit 0; fi; touch {f}; exec sleep 600",
+            f = self.dir.join("first-run").display()
+        ))
+    }
+
     fn runs(&self) -> Vec<(String, u64, u128)> {
         std::fs::read_to_string(self.runs_file())
             .unwrap_or_default()
@@ -916,19 +938,9 @@ async fn handler_mode_coalesces_a_burst() {
 async fn a_dead_functions_host_is_recovered_by_the_watchdog_within_a_lease_and_15_s() {
     const LEASE_SECONDS: u64 = 15;
     let env = Env::new();
-    let other = Env {
-        queue: env.queue.clone(),
-        container: env.container.clone(),
-        dir: env.dir.join("second-host"),
-        port: free_port().into(),
-    };
-    std::fs::create_dir_all(&other.dir).unwrap();
+    let other = env.sibling("second-host");
     // The first run hangs (until its worker dies); later runs finish at once.
-    let first = env.dir.join("first-run");
-    let logic = env.logic(&format!(
-        "if [ -e {f} ]; then exit 0; fi; touch {f}; exec sleep 600",
-        f = first.display()
-    ));
+    let logic = env.first_run_hangs();
     let settings = [
         ("LEASEHOLD_LOGIC_COMMAND", logic),
         ("LEASEHOLD_LEASE_SECONDS", LEASE_SECONDS.to_string()),
@@ -2092,19 +2104,9 @@ async fn an_unrelated_scope_keeps_its_concurrency_beside_a_record_that_always_an
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
     let env = Env::new();
-    let other = Env {
-        queue: env.queue.clone(),
-        container: env.container.clone(),
-        dir: env.dir.join("second"),
-        port: free_port().into(),
-    };
-    std::fs::create_dir_all(&other.dir).unwrap();
+    let other = env.sibling("second");
     // The first run hangs until its worker dies; later runs finish at once.
-    let first = env.dir.join("first-run");
-    let logic = env.logic(&format!(
-        "if [ -e {f} ]; then exit 0; fi; touch {f}; exec sleep 600",
-        f = first.display()
-    ));
+    let logic = env.first_run_hangs();
     let settings = [
         ("LEASEHOLD_LOGIC_COMMAND", logic),
         ("LEASEHOLD_LEASE_SECONDS", "15".to_string()),
