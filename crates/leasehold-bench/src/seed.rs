@@ -151,6 +151,7 @@ impl Seed {
                 cancel: CancellationToken::new(),
                 attempt: 1,
                 deferred: std::time::Duration::ZERO,
+                trace: None,
             };
             let _ = self.logic.run(ctx).await;
             runs += 1;

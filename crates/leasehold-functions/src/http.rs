@@ -21,7 +21,9 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::handler::{self, START_FUNCTION, WORKER_FUNCTION, WORKER_LOW_FUNCTION};
-use crate::start::{Decision, MAX_BODY_BYTES, Rejection, StartPolicy, StartRequest, check_head, decide};
+use crate::start::{
+    Decision, MAX_BODY_BYTES, Rejection, StartPolicy, StartRequest, check_head, decide, trace_decision,
+};
 
 /// Counter of Start's answers to its callers, by `status` (the HTTP status the caller gets: in
 /// handler mode the one in `Outputs.res`, not the 200 the host gets).
@@ -152,8 +154,17 @@ async fn answer_start(app: &App, request: Request) -> Response {
         }
     };
     request.body = &bytes;
-    let decision = decide(&app.policy, &request);
+    let mut decision = decide(&app.policy, &request);
+    let span = trace_decision(&mut decision, &request, |lane| {
+        app.lane(lane).queue.name().to_string()
+    });
     let (status, body) = carry_out(app, &decision).await;
+    if let Some(span) = span {
+        if status >= 400 {
+            span.fail(format!("not enqueued: {status}"));
+        }
+        span.end();
+    }
     json_response(status, body)
 }
 
@@ -272,7 +283,8 @@ async fn carry_out(app: &App, decision: &Decision) -> (u16, Value) {
 fn log_decision(decision: &Decision) {
     match decision {
         Decision::Enqueue(m, lane) => tracing::info!(scope = %m.scope, record = %m.record_id,
-            correlation_id = m.correlation_id.as_deref().unwrap_or(""), %lane, outcome = "enqueued", "start: trigger accepted"),
+            correlation_id = m.correlation_id.as_deref().unwrap_or(""), %lane, outcome = "enqueued",
+            trace_id = m.trace().map(|t| t.trace_id_hex()).unwrap_or_default(), "start: trigger accepted"),
         Decision::Ignore {
             scope,
             record_id,
@@ -316,7 +328,12 @@ async fn invoke_start(app: &App, payload: &Value) -> Response {
         body: &req.body,
         check_key: false,
     };
-    let decision = decide(&app.policy, &request);
+    let mut decision = decide(&app.policy, &request);
+    // The host puts the message (the output binding) once we answer: the span ends with the
+    // answer.
+    let _span = trace_decision(&mut decision, &request, |lane| {
+        app.lane(lane).queue.name().to_string()
+    });
     log_decision(&decision);
     let (status, body) = decision.response();
     count_start_response(status);

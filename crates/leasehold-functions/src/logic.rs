@@ -242,8 +242,8 @@ impl Supervisor {
 }
 
 /// Runs `sh -c <command>` per record with `LEASEHOLD_SCOPE`, `LEASEHOLD_RECORD_ID`,
-/// `LEASEHOLD_FENCING_TOKEN` (empty when fencing is off) and `LEASEHOLD_ATTEMPT` in its
-/// environment. Exit 0 is success.
+/// `LEASEHOLD_FENCING_TOKEN` (empty when fencing is off), `LEASEHOLD_ATTEMPT` and, when the
+/// trigger is traced, `TRACEPARENT` (and `TRACESTATE`) in its environment. Exit 0 is success.
 ///
 /// The command does not inherit the worker's environment: it gets the run's variables and a
 /// [`CommandEnv`] (by default the base variables; the `leasehold` executable adds those
@@ -376,6 +376,13 @@ impl Logic for CommandLogic {
             )
             .env("LEASEHOLD_ATTEMPT", ctx.attempt.to_string())
             .env("LEASEHOLD_DEFERRED_SECONDS", ctx.deferred.as_secs().to_string());
+        // The run's trace context, as W3C's environment-variable carrier names it.
+        if let Some(trace) = &ctx.trace {
+            command.env("TRACEPARENT", trace.traceparent());
+            if let Some(state) = &trace.state {
+                command.env("TRACESTATE", state);
+            }
+        }
         if let Some(root) = &self.app_root {
             command.current_dir(root).env("LEASEHOLD_APP_ROOT", root);
         }
@@ -788,7 +795,8 @@ mod supervisor {
 }
 
 /// POSTs `{"scope", "recordId", "fencingToken", "attempt"}` to a URL per record (the fencing
-/// token also as the `x-leasehold-fencing-token` header). Any 2xx is success. On cancellation the
+/// token also as the `x-leasehold-fencing-token` header, the run's trace context as
+/// `traceparent`/`tracestate`). Any 2xx is success. On cancellation the
 /// request is abandoned (the connection is closed).
 ///
 /// Redirects are not followed: a 3xx is a failed run naming the status and the `Location`. A
@@ -836,6 +844,13 @@ impl Logic for UrlLogic {
             .json(&body);
         if let Some(token) = ctx.fencing_token {
             request = request.header("x-leasehold-fencing-token", token.to_string());
+        }
+        // The run's span is the request's parent: the downstream's spans join the trace.
+        if let Some(trace) = &ctx.trace {
+            request = request.header("traceparent", trace.traceparent());
+            if let Some(state) = &trace.state {
+                request = request.header("tracestate", state);
+            }
         }
         let response = tokio::select! {
             biased;

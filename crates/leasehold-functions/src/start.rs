@@ -9,6 +9,8 @@ use sha2::{Digest, Sha256};
 use subtle::{Choice, ConstantTimeEq};
 use uuid::Uuid;
 
+use leasehold_runtime::trace::{self, Span, TRACEPARENT, TRACESTATE, TraceContext};
+
 use leasehold_runtime::{Field, InvalidName, Lane, MAX_CORRELATION_ID_LEN, RecordId, Scope, TriggerMessage};
 
 use leasehold_dataverse::context::{NoRecord, guid_of, looks_like_context, record_of};
@@ -94,6 +96,12 @@ pub struct StartRequest<'a> {
 }
 
 impl StartRequest<'_> {
+    /// The caller's trace context (`traceparent`, `tracestate`), if it sent a valid one; an
+    /// invalid one is ignored (W3C: the trace starts afresh), never refused.
+    pub fn trace_context(&self) -> Option<TraceContext> {
+        TraceContext::parse(self.header(TRACEPARENT)?, self.header(TRACESTATE))
+    }
+
     fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
@@ -265,6 +273,7 @@ impl Decision {
                     "enqueued": { "scope": m.scope, "recordId": m.record_id },
                     "correlationId": m.correlation_id,
                     "priority": lane.as_str(),
+                    "traceId": m.trace().map(|t| t.trace_id_hex()),
                 }),
             ),
             Decision::Ignore {
@@ -281,6 +290,25 @@ impl Decision {
             ),
         }
     }
+}
+
+/// Starts the `send` span of an accepted trigger, under the caller's trace context (or a new
+/// trace: Dataverse sends none), and puts its context in the message: the answer then names
+/// the trace ([`Decision::response`]'s `traceId`), and every delivery of the trigger joins it.
+/// `queue_of` names the queue of a lane. End the span once the message is put.
+pub fn trace_decision(
+    decision: &mut Decision,
+    req: &StartRequest<'_>,
+    queue_of: impl Fn(Lane) -> String,
+) -> Option<Span> {
+    let Decision::Enqueue(message, lane) = decision else {
+        return None;
+    };
+    Some(trace::send(
+        &queue_of(*lane),
+        message,
+        req.trace_context().as_ref(),
+    ))
 }
 
 /// Decides what to do with a request to `POST /api/start`.

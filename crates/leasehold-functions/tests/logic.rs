@@ -20,6 +20,7 @@ fn ctx(record: &str, token: Option<u64>) -> RunContext {
         cancel: CancellationToken::new(),
         attempt: 1,
         deferred: std::time::Duration::ZERO,
+        trace: None,
     }
 }
 

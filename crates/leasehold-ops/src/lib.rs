@@ -293,14 +293,26 @@ impl Operator {
 
     /// Puts a trigger for a record on the queue, as Start would.
     pub async fn enqueue(&self, scope: &Scope, record_id: &RecordId) -> Result<TriggerMessage, OpsError> {
-        let message = TriggerMessage::new(scope.clone(), record_id.clone());
+        let mut message = TriggerMessage::new(scope.clone(), record_id.clone());
+        // A trace of its own, under the caller's when it names one (`TRACEPARENT`, as W3C's
+        // environment carrier does), as Start makes for each trigger.
+        let parent = std::env::var("TRACEPARENT").ok().and_then(|t| {
+            leasehold_runtime::trace::TraceContext::parse(&t, std::env::var("TRACESTATE").ok().as_deref())
+        });
+        let span = leasehold_runtime::trace::send(self.queue_name(), &mut message, parent.as_ref());
         let body = message.encode();
-        self.inner
+        let put = self
+            .inner
             .retry
             .run("enqueue", || self.inner.queue.put(&body, Duration::ZERO))
-            .await
-            .map_err(|e| OpsError::storage("enqueue", e))?;
-        tracing::info!(%scope, record = %record_id, queue = self.queue_name(), "enqueued a trigger");
+            .await;
+        if put.is_err() {
+            span.fail("not enqueued");
+        }
+        drop(span);
+        put.map_err(|e| OpsError::storage("enqueue", e))?;
+        let trace_id = message.trace().map(|t| t.trace_id_hex()).unwrap_or_default();
+        tracing::info!(%scope, record = %record_id, queue = self.queue_name(), %trace_id, "enqueued a trigger");
         self.note(
             scope,
             record_id,

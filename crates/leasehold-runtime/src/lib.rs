@@ -14,6 +14,7 @@ mod record;
 mod runner;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod trace;
 mod watchdog;
 
 pub use budget::{

@@ -7,6 +7,7 @@ use leasehold_lock::LockKey;
 use serde::{Deserialize, Serialize};
 
 use crate::record::{InvalidName, RecordId, Scope, record_key};
+use crate::trace::TraceContext;
 
 /// Why a message was enqueued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -91,6 +92,53 @@ pub struct TriggerMessage {
     /// have created a wait marker and died. See [`crate::RecordRunner`], *Debounce*.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait: Option<Wait>,
+    /// The W3C context of the span that put this message ([`crate::trace`]): Start's, or the
+    /// delivery's that carried the chain on. One that is not valid W3C is dropped when read
+    /// (the message still runs; its trace starts afresh).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "valid_traceparent"
+    )]
+    pub traceparent: Option<String>,
+    /// The vendors' `tracestate` that goes with [`traceparent`](Self::traceparent); dropped when
+    /// read if over [`crate::trace::MAX_TRACESTATE_LEN`] or malformed.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "valid_tracestate"
+    )]
+    pub tracestate: Option<String>,
+    /// In a retrigger (and the chain it starts): the contexts (`traceparent`s) of the triggers
+    /// that coalesced onto the run that put it, which the run it makes links to. At most
+    /// [`crate::trace::MAX_LINKS`]; invalid ones are dropped when read.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "valid_links"
+    )]
+    pub links: Vec<String>,
+}
+
+fn valid_traceparent<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let text = Option::<String>::deserialize(d)?;
+    Ok(text.filter(|t| TraceContext::parse(t, None).is_some()))
+}
+
+fn valid_tracestate<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let text = Option::<String>::deserialize(d)?;
+    Ok(text.and_then(|t| crate::trace::checked_state(&t)))
+}
+
+fn valid_links<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let links = Vec::<String>::deserialize(d)?;
+    let mut valid: Vec<String> = links
+        .into_iter()
+        .filter(|t| TraceContext::parse(t, None).is_some())
+        .collect();
+    let extra = valid.len().saturating_sub(crate::trace::MAX_LINKS);
+    valid.drain(..extra);
+    Ok(valid)
 }
 
 /// How far a waiter has got ([`TriggerMessage::wait`]).
@@ -205,7 +253,29 @@ impl TriggerMessage {
             deferral: None,
             after_token: None,
             wait: None,
+            traceparent: None,
+            tracestate: None,
+            links: Vec::new(),
         }
+    }
+
+    /// The trace context this message carries, if any.
+    pub fn trace(&self) -> Option<TraceContext> {
+        TraceContext::parse(self.traceparent.as_deref()?, self.tracestate.as_deref())
+    }
+
+    /// Carries `context` (the span that puts the message, or carries it on).
+    pub fn set_trace(&mut self, context: &TraceContext) {
+        self.traceparent = Some(context.traceparent());
+        self.tracestate = context.state.clone();
+    }
+
+    /// The contexts of the coalesced triggers this message's run links to.
+    pub fn link_contexts(&self) -> Vec<TraceContext> {
+        self.links
+            .iter()
+            .filter_map(|t| TraceContext::parse(t, None))
+            .collect()
     }
 
     /// A trigger for the record these texts name, once they are checked ([`Scope::parse`],
@@ -281,6 +351,8 @@ impl TriggerMessage {
             deferral: None,
             after_token: None,
             wait: None,
+            // The holder names the triggers that coalesced onto its run (when it knows them).
+            links: Vec::new(),
             ..self.clone()
         }
     }

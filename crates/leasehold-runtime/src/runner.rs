@@ -21,12 +21,15 @@ use crate::observe::{LockStep, OutcomeSink, record_lock, record_outcome, record_
 use crate::poison::PoisonMessage;
 use crate::queue::TriggerQueue;
 use crate::record::{RecordId, Scope};
+use crate::trace::TraceContext;
 use crate::watchdog::Watchdog;
 
 mod debounce;
+mod traced;
 
 pub use debounce::Debounce;
 use debounce::{Next, marked};
+use traced::{CoalescedLinks, DeliveryTrace};
 
 /// What the logic is told about its run.
 #[derive(Debug, Clone)]
@@ -44,6 +47,10 @@ pub struct RunContext {
     /// How long this trigger has been put off so far by its logic's requests to run later
     /// ([`LogicError::run_later`]); zero for a trigger never put off.
     pub deferred: Duration,
+    /// The run's span context ([`crate::trace`]), to hand the downstream (a URL logic sends it
+    /// as `traceparent`, a command gets `TRACEPARENT`) so its spans join the trace; `None` when
+    /// the trigger has no trace.
+    pub trace: Option<TraceContext>,
 }
 
 /// A record's logic.
@@ -256,6 +263,7 @@ impl Delivery {
             kind = ?message.kind,
             attempt = self.attempts(),
             fencing_token = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
         )
     }
 
@@ -479,6 +487,8 @@ pub struct RecordRunner {
     /// process polls then instead of when its idle back-off ends ([`Consumer`](crate::Consumer)
     /// sets it).
     wake: Option<Arc<tokio::sync::Notify>>,
+    /// Contexts of triggers that coalesced onto runs here, for the holder's retrigger to name.
+    coalesced: CoalescedLinks,
 }
 
 impl std::fmt::Debug for dyn Logic {
@@ -519,6 +529,7 @@ impl RecordRunner {
             budgets: None,
             lane: Lane::High,
             wake: None,
+            coalesced: CoalescedLinks::default(),
         }
     }
 
@@ -589,6 +600,9 @@ impl RecordRunner {
     /// [`crate::observe::DELIVERIES_TOTAL`] metric, the outcome sink and the history.
     pub(crate) fn finished(&self, delivery: &Delivery, outcome: &Outcome, ended: &Ended) {
         log(outcome);
+        if let Some(trace) = &ended.trace {
+            self.trace_outcome(delivery, trace, outcome, ended.token);
+        }
         record_outcome(outcome);
         if let Some(sink) = &self.sink {
             sink.tell(
@@ -611,12 +625,16 @@ impl RecordRunner {
         entry.instance = self.lock.options().holder.clone();
         entry.lane = Some(self.lane.as_str().to_string());
         entry.correlation_id = message.correlation_id.clone();
+        entry.trace_id = message.trace().map(|t| t.trace_id_hex());
         entry
     }
 
     /// The history entry of a delivery's outcome.
     fn outcome_entry(&self, delivery: &Delivery, outcome: &Outcome, ended: &Ended) -> HistoryEntry {
         let mut entry = self.entry(delivery, HistoryEvent::Outcome(outcome.label()));
+        if let Some(context) = ended.trace.as_ref().and_then(|t| t.process.context()) {
+            entry.trace_id = Some(context.trace_id_hex());
+        }
         entry.fencing_token = ended.token;
         entry.run_ms = ended.ran.map(|d| d.as_millis() as u64);
         entry.budget = ended.budget.clone();
@@ -685,14 +703,28 @@ impl RecordRunner {
         cancel: &CancellationToken,
         hidden: Option<&HiddenUntil>,
     ) -> (Outcome, Ended) {
+        let traced = self.trace_delivery(delivery);
+        let (delivery, trace) = match &traced {
+            Some((traced, trace)) => (traced, Some(trace.clone())),
+            None => (delivery, None),
+        };
         if let Some(paused) = self.paused(
             delivery,
             hidden.and_then(|h| h.slot.as_deref()),
             MAX_SLOT_WAIT_WATCHED,
         ) {
-            return (paused, Ended::of(delivery));
+            return (
+                paused,
+                Ended {
+                    trace,
+                    ..Ended::of(delivery)
+                },
+            );
         }
-        let mut ended = Ended::of(delivery);
+        let mut ended = Ended {
+            trace: trace.clone(),
+            ..Ended::of(delivery)
+        };
         let step = self.debounce_step(delivery);
         let outcome = match self.debounce(step, delivery, hidden).await {
             // Only a debounce step ends a delivery here.
@@ -700,12 +732,18 @@ impl RecordRunner {
                 if outcome.error().is_some() {
                     // A wait marker delete that failed may have landed: the delivery then owes
                     // a run, which no later run may stand in for (no `afterToken`).
-                    ended = Ended::default();
+                    ended = Ended {
+                        trace: trace.clone(),
+                        ..Ended::default()
+                    };
                 }
                 outcome
             }
             Next::Carry(carried) => {
-                ended = Ended::carried(delivery, &carried);
+                ended = Ended {
+                    trace: trace.clone(),
+                    ..Ended::carried(delivery, &carried)
+                };
                 self.handle_key(&carried.message.key(), &carried, cancel, None, hidden, &mut ended)
                     .await
             }
@@ -833,10 +871,16 @@ impl RecordRunner {
         cancel: &CancellationToken,
     ) -> Outcome {
         async {
-            let mut ended = Ended::of(delivery);
-            let outcome = self
-                .handle_watched_inner(delivery, poison, cancel, &mut ended)
-                .await;
+            let traced = self.trace_delivery(delivery);
+            let (inner, trace) = match &traced {
+                Some((traced, trace)) => (traced, Some(trace.clone())),
+                None => (delivery, None),
+            };
+            let mut ended = Ended {
+                trace,
+                ..Ended::of(delivery)
+            };
+            let outcome = self.handle_watched_inner(inner, poison, cancel, &mut ended).await;
             self.finished(delivery, &outcome, &ended);
             outcome
         }
@@ -1146,7 +1190,11 @@ impl RecordRunner {
             MarkerFirst::Leave
         };
         let asked = Instant::now();
-        match self.lock.try_acquire_as(key, lease).await {
+        let process = ended.trace.as_ref().map(|t| &t.process);
+        let acquire_span = Self::lease_span(process, "acquire");
+        let acquired = self.lock.try_acquire_as(key, lease).await;
+        drop(acquire_span);
+        match acquired {
             Ok(Some(guard)) => {
                 record_lock(LockStep::Grant, asked.elapsed());
                 return self
@@ -1294,6 +1342,8 @@ impl RecordRunner {
             tracing::Span::current().record("fencing_token", token);
         }
         let run_cancel = cancel.child_token();
+        // The run's span: from here (the lease held, the token known) to the release.
+        let run_span = ended.trace.as_ref().map(|t| self.run_span(delivery, t, token));
         let ctx = RunContext {
             scope: delivery.message.scope.clone(),
             record_id: delivery.message.record_id.clone(),
@@ -1301,6 +1351,7 @@ impl RecordRunner {
             cancel: run_cancel.clone(),
             attempt: delivery.attempts(),
             deferred: delivery.message.deferral.map_or(Duration::ZERO, |d| d.total()),
+            trace: run_span.as_ref().and_then(|s| s.context().cloned()),
         };
         let streak = match self.supersede_streak(delivery, guard.get()).await {
             Ok(streak) => streak,
@@ -1510,7 +1561,16 @@ impl RecordRunner {
         ended.after_token = None;
         // Release first, then look at the marker: a trigger that finds the lease held has set
         // the marker before our release, so we see it; one that comes later finds the lease free.
-        if let Err(e) = guard.release().await {
+        let release_span = Self::lease_span(run_span.as_ref(), "release");
+        let released = guard.release().await;
+        drop(release_span);
+        if let Some(run_span) = &run_span
+            && let Err(error) = &result
+        {
+            run_span.fail(error.to_string());
+        }
+        drop(run_span);
+        if let Err(e) = released {
             // The lease stays until it expires; a trigger seeing it in that window would rely on
             // us. Not acknowledging makes our own message come back and look again.
             return storage_failed("release lease", e);
@@ -1813,7 +1873,8 @@ impl RecordRunner {
         if !was_set? && !retried {
             return Ok(false);
         }
-        let retrigger = delivery.message.retrigger();
+        let mut retrigger = delivery.message.retrigger();
+        retrigger.links = self.coalesced.take(key);
         self.enqueue(&retrigger, Duration::ZERO).await?;
         Ok(true)
     }
@@ -1834,6 +1895,10 @@ impl RecordRunner {
         if joined {
             next.given_up = 0;
             next.after_token = None;
+            // Its run covers them: it links to them (the latest, if too many).
+            next.links.extend(self.coalesced.take(key));
+            let extra = next.links.len().saturating_sub(crate::trace::MAX_LINKS);
+            next.links.drain(..extra);
         }
         Ok(joined)
     }
@@ -2064,6 +2129,8 @@ pub(crate) struct Ended {
     pub(crate) token: Option<u64>,
     /// The downstream budget its run drew on, if it ran with one.
     pub(crate) budget: Option<String>,
+    /// The delivery's spans, if it is traced ([`traced`]).
+    pub(crate) trace: Option<Arc<DeliveryTrace>>,
 }
 
 /// How a run's logic ended, for its downstream budget.

@@ -23,6 +23,10 @@ use crate::admin;
 use crate::server::{self, HttpOptions};
 use crate::settings::{LogicSetting, Settings};
 use crate::telemetry::{self, Sampler};
+use crate::traces::Traces;
+
+/// How long a stopping process gives its last spans to reach the collector.
+const TRACES_FLUSH_AT_STOP: Duration = Duration::from_secs(5);
 
 /// Which long-running mode to build.
 #[derive(Debug, Clone)]
@@ -54,6 +58,8 @@ pub struct Application {
     sampler: Sampler,
     /// The run history writer both lanes write to (`None`: `LEASEHOLD_HISTORY=false`).
     history: Option<History>,
+    /// The span exporter, when `OTEL_EXPORTER_OTLP_ENDPOINT` asks for one.
+    traces: Option<Traces>,
 }
 
 impl std::fmt::Debug for Application {
@@ -178,10 +184,13 @@ impl Application {
         supervisor: Option<PathBuf>,
     ) -> Result<Self> {
         telemetry::init();
-        match mode {
+        let traces = crate::traces::install()?;
+        let mut app = match mode {
             Mode::Handler => Self::handler(settings, supervisor).await,
             Mode::Standalone { port, demo } => Self::standalone(settings, port, demo, supervisor).await,
-        }
+        }?;
+        app.traces = traces;
+        Ok(app)
     }
 
     /// The port it listens on.
@@ -239,6 +248,9 @@ impl Application {
         }
         if let Some(health) = health {
             let _ = health.await;
+        }
+        if let Some(traces) = self.traces {
+            traces.shutdown(TRACES_FLUSH_AT_STOP).await;
         }
         tracing::info!(mode = %self.description, "stopped");
         Ok(())
@@ -320,6 +332,7 @@ impl Application {
             http,
             sampler,
             history,
+            traces: None,
         })
     }
 
@@ -442,6 +455,7 @@ impl Application {
             http,
             sampler,
             history,
+            traces: None,
         })
     }
 }

@@ -8,6 +8,7 @@ pub mod recent;
 mod server;
 pub mod settings;
 pub mod telemetry;
+pub mod traces;
 
 pub use app::{Application, Mode};
 pub use recent::{RecentOutcome, recent_outcome, recent_outcomes};

@@ -2216,3 +2216,281 @@ async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
     let mut survivor = survivor;
     survivor.wait().await.unwrap();
 }
+
+/// One span as the stand-in collector received it.
+#[derive(Debug, Clone)]
+struct ReceivedSpan {
+    name: String,
+    kind: i32,
+    trace_id: String,
+    span_id: String,
+    parent: String,
+    /// The (trace id, span id) of each link.
+    links: Vec<(String, String)>,
+    attributes: std::collections::BTreeMap<String, String>,
+    service: String,
+}
+
+/// A stand-in OTLP/HTTP collector: `POST /v1/traces` with an `ExportTraceServiceRequest` in
+/// protobuf, as the OpenTelemetry Collector takes it.
+#[derive(Clone, Default)]
+struct Collector {
+    spans: std::sync::Arc<std::sync::Mutex<Vec<ReceivedSpan>>>,
+}
+
+impl Collector {
+    async fn serve() -> (Self, String) {
+        use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+        use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+        use prost::Message;
+        let this = Self::default();
+        let state = this.clone();
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+                let state = state.clone();
+                async move {
+                    assert_eq!(headers["content-type"], "application/x-protobuf");
+                    let request = ExportTraceServiceRequest::decode(body).expect("OTLP protobuf");
+                    let hex = |b: &[u8]| b.iter().map(|b| format!("{b:02x}")).collect::<String>();
+                    let text = |v: &Option<opentelemetry_proto::tonic::common::v1::AnyValue>| match v
+                        .as_ref()
+                        .and_then(|v| v.value.clone())
+                    {
+                        Some(Any::StringValue(s)) => s,
+                        Some(Any::IntValue(i)) => i.to_string(),
+                        Some(Any::BoolValue(b)) => b.to_string(),
+                        other => format!("{other:?}"),
+                    };
+                    for resource in request.resource_spans {
+                        let service = resource
+                            .resource
+                            .iter()
+                            .flat_map(|r| r.attributes.iter())
+                            .find(|a| a.key == "service.name")
+                            .map(|a| text(&a.value))
+                            .unwrap_or_default();
+                        for scope in resource.scope_spans {
+                            for span in scope.spans {
+                                state.spans.lock().unwrap().push(ReceivedSpan {
+                                    name: span.name,
+                                    kind: span.kind,
+                                    trace_id: hex(&span.trace_id),
+                                    span_id: hex(&span.span_id),
+                                    parent: hex(&span.parent_span_id),
+                                    links: span
+                                        .links
+                                        .iter()
+                                        .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+                                        .collect(),
+                                    attributes: span
+                                        .attributes
+                                        .iter()
+                                        .map(|a| (a.key.clone(), text(&a.value)))
+                                        .collect(),
+                                    service: service.clone(),
+                                });
+                            }
+                        }
+                    }
+                    axum::http::StatusCode::OK
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (this, url)
+    }
+
+    fn spans(&self) -> Vec<ReceivedSpan> {
+        self.spans.lock().unwrap().clone()
+    }
+}
+
+/// A URL logic that records each call's `traceparent`; the first call takes `first`, the others
+/// answer at once.
+async fn traced_downstream(first: Duration) -> (std::sync::Arc<std::sync::Mutex<Vec<String>>>, String) {
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let state = seen.clone();
+    let app = axum::Router::new().route(
+        "/run",
+        axum::routing::post(move |headers: axum::http::HeaderMap| {
+            let state = state.clone();
+            async move {
+                let traceparent = headers
+                    .get("traceparent")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_string();
+                let n = {
+                    let mut seen = state.lock().unwrap();
+                    seen.push(traceparent);
+                    seen.len()
+                };
+                if n == 1 {
+                    tokio::time::sleep(first).await;
+                }
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/run", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (seen, url)
+}
+
+/// Issue "What happened to record X": a stand-in OTLP collector receives one trace per
+/// trigger; the run is linked to every trigger it covered (the two that coalesced onto the
+/// first run are linked from the follow-up run); the URL logic's requests carry their run's
+/// context; Start answers with the trace id and keeps the caller's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_per_trigger_reaches_a_collector_with_each_run_linked_to_the_triggers_it_covered() {
+    let env = Env::new();
+    let (collector, endpoint) = Collector::serve().await;
+    let (seen, logic_url) = traced_downstream(Duration::from_secs(3)).await;
+    let settings = [
+        ("LEASEHOLD_LOGIC_URL", logic_url),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+        ("OTEL_SERVICE_NAME", "leasehold-under-test".to_string()),
+        // Export every 200 ms, so the test need not wait for the 5 s default.
+        ("OTEL_BSP_SCHEDULE_DELAY", "200".to_string()),
+    ];
+    let mut server = env.spawn(&["serve"], &settings).await;
+    let start = format!("http://127.0.0.1:{}/api/start", env.port());
+    let body = json!({ "scope": "account", "recordId": RECORD }).to_string();
+    let caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let (status, first) = common::post(
+        &start,
+        &body,
+        &[("content-type", "application/json"), ("traceparent", caller)],
+    )
+    .await;
+    assert_eq!(status, 202, "{first}");
+    assert_eq!(
+        first["traceId"], "0af7651916cd43dd8448eb211c80319c",
+        "the caller's trace is kept: {first}"
+    );
+    eventually(Duration::from_secs(30), "the first run to start", || async {
+        (seen.lock().unwrap().len() == 1).then_some(())
+    })
+    .await;
+    // Two saves during the run: each a trace of its own (the caller sent none).
+    let mut coalesced = Vec::new();
+    for _ in 0..2 {
+        let (status, answer) = common::post(&start, &body, &[("content-type", "application/json")]).await;
+        assert_eq!(status, 202, "{answer}");
+        let trace = answer["traceId"].as_str().unwrap().to_string();
+        assert_eq!(trace.len(), 32, "{answer}");
+        coalesced.push(trace);
+    }
+    assert_ne!(coalesced[0], coalesced[1]);
+    eventually(Duration::from_secs(30), "the follow-up run", || async {
+        (seen.lock().unwrap().len() == 2).then_some(())
+    })
+    .await;
+    let runs = eventually(
+        Duration::from_secs(30),
+        "both runs' spans at the collector",
+        || async {
+            let runs: Vec<_> = collector
+                .spans()
+                .into_iter()
+                .filter(|s| s.name == "run account")
+                .collect();
+            (runs.len() == 2).then_some(runs)
+        },
+    )
+    .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    server.wait().await.unwrap();
+    let spans = collector.spans();
+    for s in &spans {
+        println!(
+            "[span] {} kind={} trace={} span={} parent={} links={:?}",
+            s.name, s.kind, s.trace_id, s.span_id, s.parent, s.links
+        );
+    }
+    assert!(spans.iter().all(|s| s.service == "leasehold-under-test"));
+    let by_id = |id: &str| spans.iter().find(|s| s.span_id == id).cloned();
+    // Start's producer spans: one per trigger, the first under the caller's span.
+    let sends: Vec<_> = spans.iter().filter(|s| s.name.starts_with("send ")).collect();
+    assert_eq!(sends.len(), 3, "one send span per trigger");
+    let first_send = sends
+        .iter()
+        .find(|s| s.trace_id == "0af7651916cd43dd8448eb211c80319c")
+        .expect("the first trigger's send span in the caller's trace");
+    assert_eq!(first_send.parent, "b7ad6b7169203331");
+    assert_eq!(first_send.kind, 4, "producer");
+    assert_eq!(first_send.attributes["messaging.operation.type"], "send");
+    for trace in &coalesced {
+        let process = spans
+            .iter()
+            .find(|s| &s.trace_id == trace && s.name.starts_with("process "))
+            .unwrap_or_else(|| panic!("trigger {trace}'s delivery span"));
+        assert_eq!(process.kind, 5, "consumer");
+        assert_eq!(process.attributes["leasehold.outcome"], "coalesced");
+        assert_eq!(process.attributes["messaging.operation.type"], "process");
+    }
+    // The first run: in the first trigger's trace, under its delivery, linked to its trigger.
+    let (first_run, follow_up) = if runs[0].links.iter().any(|l| coalesced.contains(&l.0)) {
+        (&runs[1], &runs[0])
+    } else {
+        (&runs[0], &runs[1])
+    };
+    assert_eq!(first_run.trace_id, "0af7651916cd43dd8448eb211c80319c");
+    let delivery = by_id(&first_run.parent).expect("the run's parent span");
+    assert!(delivery.name.starts_with("process "), "{delivery:?}");
+    assert_eq!(
+        delivery.parent, first_send.span_id,
+        "the delivery is under Start's span"
+    );
+    assert!(
+        first_run
+            .links
+            .contains(&(first_send.trace_id.clone(), first_send.span_id.clone())),
+        "the first run links to its trigger: {first_run:?}"
+    );
+    // The follow-up run covers both coalesced triggers and links to each; it keeps the chain
+    // (its delivery is under the first run's delivery, through the retrigger).
+    for trace in &coalesced {
+        assert!(
+            follow_up.links.iter().any(|l| &l.0 == trace),
+            "the follow-up run links to coalesced trigger {trace}: {follow_up:?}"
+        );
+    }
+    assert_eq!(
+        follow_up.trace_id, first_run.trace_id,
+        "the retrigger keeps the chain"
+    );
+    assert_eq!(follow_up.attributes["leasehold.fencing_token"], "2");
+    // Each run's lease release is a span of its own under it; each acquire under its delivery.
+    for run in [first_run, follow_up] {
+        assert!(
+            spans
+                .iter()
+                .any(|s| s.name == "lease release" && s.parent == run.span_id),
+            "{run:?}"
+        );
+        assert!(
+            spans
+                .iter()
+                .any(|s| s.name == "lease acquire" && s.parent == run.parent),
+            "{run:?}"
+        );
+    }
+    // The URL logic got each run's own context.
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        vec![
+            format!("00-{}-{}-01", first_run.trace_id, first_run.span_id),
+            format!("00-{}-{}-01", follow_up.trace_id, follow_up.span_id),
+        ]
+    );
+}

@@ -152,6 +152,7 @@ impl Tree {
             cancel: CancellationToken::new(),
             attempt: 1,
             deferred: std::time::Duration::ZERO,
+            trace: None,
         }
     }
 }
