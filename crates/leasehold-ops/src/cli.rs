@@ -101,6 +101,33 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Recent runs across the deployment, newest first, from the run history: each run's
+    /// record, outcome, run time, fencing token, instance and reason. Runs are the entries that
+    /// end one (completed, retriggered, failed, lease_lost, deferred, superseded, poisoned).
+    /// A read across records, bounded (20 requests, 10,000 stored writes, 10 s): when it stops
+    /// at the bound it says the list is partial; a scope or a narrower window reads less.
+    #[command(
+        after_help = "Examples:\n  leasehold runs\n  leasehold runs --scope account --outcome failed --since 24h\n  \
+        leasehold runs --since 15m --limit 20 --json"
+    )]
+    Runs {
+        /// Only this scope's records.
+        #[arg(long)]
+        scope: Option<Scope>,
+        /// Only runs with this outcome (repeat it for several).
+        #[arg(long)]
+        outcome: Vec<String>,
+        /// How far back: seconds, or with a unit (15m, 1h, 24h, 7d); at most the days history
+        /// is kept.
+        #[arg(long, default_value = "1h")]
+        since: String,
+        /// Show at most this many runs (1–1000).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Print JSON (RFC 3339 times) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Downstream budgets: see a budget's pause (set when the downstream answered "too many")
     /// and end it.
     Budget {
@@ -198,6 +225,42 @@ pub async fn run(command: Command, settings: &StorageSettings) -> Result<i32> {
             } else {
                 for entry in &entries {
                     println!("{}", entry.line());
+                }
+            }
+            Ok(0)
+        }
+        Command::Runs {
+            scope,
+            outcome,
+            since,
+            limit,
+            json,
+        } => {
+            let operator = Operator::new(settings)?;
+            let query = crate::RunQuery {
+                scope,
+                outcomes: outcome,
+                window: crate::parse_window(&since)?,
+                limit,
+            };
+            let list = operator.runs(&query).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                if list.runs.is_empty() {
+                    println!(
+                        "no run ended within the last {}",
+                        crate::clock::span(query.window)
+                    );
+                }
+                for run in &list.runs {
+                    println!("{}", run.line());
+                }
+                if list.partial {
+                    println!(
+                        "partial: the read stopped at its bound after {} stored writes; runs may be missing (a scope or a shorter --since reads less)",
+                        list.scanned
+                    );
                 }
             }
             Ok(0)

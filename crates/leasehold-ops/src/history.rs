@@ -153,6 +153,180 @@ impl Operator {
     }
 }
 
+/// The most runs one [`Operator::runs`] answers.
+pub const MAX_RUNS_LIMIT: usize = 1000;
+/// The runs [`Operator::runs`] answers unless told.
+pub const DEFAULT_RUNS_LIMIT: usize = 100;
+
+/// What [`Operator::runs`] lists: runs that ended within `window` before now, of `scope` (every
+/// scope when `None`), with one of `outcomes` (every outcome that ends a run when empty).
+#[derive(Debug, Clone)]
+pub struct RunQuery {
+    pub scope: Option<Scope>,
+    /// Outcome names (`completed`, `failed`, …): each must be one that ends a run.
+    pub outcomes: Vec<String>,
+    pub window: Duration,
+    /// 1 to [`MAX_RUNS_LIMIT`].
+    pub limit: usize,
+}
+
+impl Default for RunQuery {
+    fn default() -> Self {
+        Self {
+            scope: None,
+            outcomes: Vec::new(),
+            window: Duration::from_secs(3600),
+            limit: DEFAULT_RUNS_LIMIT,
+        }
+    }
+}
+
+/// One run as the run list shows it: its record and the entry that ended it (its outcome, run
+/// time, token, instance, reason).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunView {
+    pub scope: Scope,
+    pub record_id: RecordId,
+    #[serde(flatten)]
+    pub entry: HistoryView,
+}
+
+impl RunView {
+    /// One line a person reads: the record, then the entry's line.
+    pub fn line(&self) -> String {
+        format!("{}/{}  {}", self.scope, self.record_id, self.entry.line())
+    }
+}
+
+/// The deployment's recent runs, newest first.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunList {
+    #[serde(serialize_with = "crate::clock::serialize")]
+    pub at: SystemTime,
+    /// The window read: from `since` to `at`.
+    #[serde(serialize_with = "crate::clock::serialize")]
+    pub since: SystemTime,
+    pub runs: Vec<RunView>,
+    /// The read stopped at its bound before the whole window was read: runs may be missing,
+    /// newer ones among them (a narrower window or a scope reads less).
+    pub partial: bool,
+    /// Stored items read (history table entities).
+    pub scanned: usize,
+    /// The outcomes listed.
+    pub outcomes: Vec<String>,
+}
+
+/// Every outcome that ends a run, by name.
+pub fn run_outcomes() -> Vec<&'static str> {
+    leasehold_runtime::OutcomeLabel::ALL
+        .into_iter()
+        .map(HistoryEvent::Outcome)
+        .filter(|e| e.ends_a_run())
+        .map(HistoryEvent::as_str)
+        .collect()
+}
+
+/// A window of time as the run list takes it: a whole number of seconds, or with a unit
+/// (`90s`, `15m`, `1h`, `24h`, `7d`).
+pub fn parse_window(text: &str) -> Result<Duration, OpsError> {
+    let text = text.trim();
+    let bad = || {
+        OpsError::BadRequest(format!(
+            "the window must be a whole number of seconds or one with a unit (15m, 1h, 24h, 7d), not {text:?}"
+        ))
+    };
+    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let seconds = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(bad()),
+    };
+    let window = Duration::from_secs(n.checked_mul(seconds).ok_or_else(bad)?);
+    if window.is_zero() {
+        return Err(OpsError::BadRequest(format!(
+            "the window must be longer than 0, not {text:?}"
+        )));
+    }
+    Ok(window)
+}
+
+impl Operator {
+    /// The runs of every record (or of `query.scope`'s) that ended within `query.window`,
+    /// newest first, at most `query.limit`: from the history's tables, a query across
+    /// records bounded in requests, entities and time ([`leasehold_runtime::TableHistory`]'s
+    /// `recent`), `partial` when it stopped at its bound.
+    pub async fn runs(&self, query: &RunQuery) -> Result<RunList, OpsError> {
+        if !(1..=MAX_RUNS_LIMIT).contains(&query.limit) {
+            return Err(OpsError::BadRequest(format!(
+                "the limit must be 1–{MAX_RUNS_LIMIT}, not {}",
+                query.limit
+            )));
+        }
+        let ends: Vec<&str> = run_outcomes();
+        let mut events = Vec::new();
+        for name in &query.outcomes {
+            match HistoryEvent::parse(name).filter(|e| e.ends_a_run()) {
+                Some(event) => events.push(event),
+                None => {
+                    return Err(OpsError::BadRequest(format!(
+                        "{name:?} is not an outcome that ends a run: one of {}",
+                        ends.join(", ")
+                    )));
+                }
+            }
+        }
+        if events.is_empty() {
+            events = ends.iter().filter_map(|n| HistoryEvent::parse(n)).collect();
+        }
+        let Some((store, keep)) = &self.inner.history else {
+            return Err(OpsError::BadRequest(
+                "run history is off in this deployment (LEASEHOLD_HISTORY=false)".into(),
+            ));
+        };
+        if query.window > *keep {
+            return Err(OpsError::BadRequest(format!(
+                "the window ({}) is longer than the history is kept ({}, LEASEHOLD_HISTORY_DAYS)",
+                crate::clock::span(query.window),
+                crate::clock::span(*keep)
+            )));
+        }
+        let now = SystemTime::now();
+        let since = now - query.window;
+        let ms = |t: SystemTime| t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let recent = store
+            .recent(&leasehold_runtime::RecentQuery {
+                since_ms: ms(since),
+                until_ms: ms(now),
+                scope: query.scope.clone(),
+                events: events.clone(),
+                limit: query.limit,
+            })
+            .await
+            .map_err(|e| OpsError::storage("read the run history", e))?;
+        Ok(RunList {
+            at: now,
+            since,
+            runs: recent
+                .entries
+                .iter()
+                .map(|e| RunView {
+                    scope: e.scope.clone(),
+                    record_id: e.record.clone(),
+                    entry: HistoryView::from(e),
+                })
+                .collect(),
+            partial: recent.partial,
+            scanned: recent.scanned,
+            outcomes: events.iter().map(|e| e.as_str().to_string()).collect(),
+        })
+    }
+}
+
 /// What a record is doing now, in one line, for every cause: from its lease and markers (as
 /// storage holds them, whichever instance set them) and its newest history entries.
 #[derive(Debug, Clone, Serialize)]
@@ -303,6 +477,165 @@ impl RecordState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn windows_are_read_with_their_unit_and_bad_ones_named() {
+        for (text, secs) in [
+            ("900", 900),
+            ("90s", 90),
+            ("15m", 900),
+            ("1h", 3600),
+            ("7d", 604_800),
+        ] {
+            assert_eq!(parse_window(text).unwrap(), Duration::from_secs(secs), "{text}");
+        }
+        for bad in ["", "h", "1w", "-5m", "0", "1.5h", "99999999999999999999d"] {
+            let e = parse_window(bad).unwrap_err();
+            assert_eq!(e.status(), 400, "{bad}");
+            assert!(e.to_string().contains("window"), "{bad}: {e}");
+        }
+    }
+
+    fn operator(history: Option<Arc<leasehold_runtime::MemoryHistory>>) -> Operator {
+        use leasehold_lock::{LeaseLock, LeaseOptions, memory::MemoryStore};
+        use leasehold_runtime::{MemoryMarkers, MemoryQueue};
+        use leasehold_storage::{OpCounters, StorageAccount, azure::BlobContainer};
+        let lock = LeaseLock::new(Arc::new(MemoryStore::new()), LeaseOptions::default()).unwrap();
+        let account = StorageAccount::emulator("127.0.0.1", 1, 2, 3);
+        Operator::from_parts(
+            Arc::new(MemoryQueue::new("q", OpCounters::new())),
+            Arc::new(MemoryQueue::new("q-poison", OpCounters::new())),
+            lock,
+            Arc::new(MemoryMarkers::new()),
+            BlobContainer::new(&account, "unused", OpCounters::new()),
+            OpCounters::new(),
+        )
+        .with_history(history.map(|h| {
+            (
+                h as Arc<dyn leasehold_runtime::HistoryStore>,
+                Duration::from_secs(86_400),
+            )
+        }))
+    }
+
+    /// The run list: outcomes that end a run, newest first, of a scope and outcome when asked;
+    /// bad outcomes, limits and windows longer than the history is kept are refused by name.
+    #[tokio::test]
+    async fn runs_are_the_outcomes_that_end_a_run_newest_first() {
+        use leasehold_runtime::{HistoryStore, OutcomeLabel};
+        let store = Arc::new(leasehold_runtime::MemoryHistory::new());
+        let now = UNIX_EPOCH.elapsed().unwrap().as_millis() as u64;
+        let at = |scope: &str, record: &str, event, ago_ms: u64| {
+            let mut e = HistoryEntry::new(
+                Scope::parse(scope).unwrap(),
+                RecordId::parse(record).unwrap(),
+                event,
+            );
+            e.time_ms = now - ago_ms;
+            e
+        };
+        let outcome = HistoryEvent::Outcome;
+        store
+            .append(&[
+                at("account", "1", HistoryEvent::Started, 9_000),
+                at("account", "1", outcome(OutcomeLabel::Coalesced), 8_500),
+                at("account", "1", outcome(OutcomeLabel::Retriggered), 8_000),
+            ])
+            .await
+            .unwrap();
+        store
+            .append(&[at("account", "1", outcome(OutcomeLabel::Completed), 4_000)])
+            .await
+            .unwrap();
+        store
+            .append(&[at("contact", "2", outcome(OutcomeLabel::Failed), 2_000)])
+            .await
+            .unwrap();
+        store
+            .append(&[at("account", "old", outcome(OutcomeLabel::Completed), 7_200_000)])
+            .await
+            .unwrap();
+        let op = operator(Some(store));
+        let list = |query: RunQuery| {
+            let op = op.clone();
+            async move { op.runs(&query).await }
+        };
+        let names = |l: &RunList| -> Vec<String> {
+            l.runs
+                .iter()
+                .map(|r| format!("{}/{} {}", r.scope, r.record_id, r.entry.event))
+                .collect()
+        };
+        let all = list(RunQuery::default()).await.unwrap();
+        assert_eq!(
+            names(&all),
+            ["contact/2 failed", "account/1 completed", "account/1 retriggered"],
+            "runs of the last hour, newest first, no start or coalesced trigger"
+        );
+        assert!(!all.partial);
+        let scoped = list(RunQuery {
+            scope: Some(Scope::parse("account").unwrap()),
+            outcomes: vec!["completed".into()],
+            ..RunQuery::default()
+        })
+        .await
+        .unwrap();
+        assert_eq!(names(&scoped), ["account/1 completed"]);
+        let day = list(RunQuery {
+            window: Duration::from_secs(86_400),
+            limit: 10,
+            ..RunQuery::default()
+        })
+        .await
+        .unwrap();
+        assert_eq!(day.runs.len(), 4, "the older run in a day's window");
+        for (query, names) in [
+            (
+                RunQuery {
+                    outcomes: vec!["started".into()],
+                    ..RunQuery::default()
+                },
+                "not an outcome that ends a run",
+            ),
+            (
+                RunQuery {
+                    limit: 0,
+                    ..RunQuery::default()
+                },
+                "limit",
+            ),
+            (
+                RunQuery {
+                    window: Duration::from_secs(2 * 86_400),
+                    ..RunQuery::default()
+                },
+                "longer than the history is kept",
+            ),
+        ] {
+            let e = list(query).await.unwrap_err();
+            assert_eq!(e.status(), 400, "{e}");
+            assert!(e.to_string().contains(names), "{e}");
+        }
+        let off = operator(None).runs(&RunQuery::default()).await.unwrap_err();
+        assert!(off.to_string().contains("history is off"), "{off}");
+    }
+
+    #[test]
+    fn the_outcomes_that_end_a_run() {
+        assert_eq!(
+            run_outcomes(),
+            [
+                "completed",
+                "retriggered",
+                "failed",
+                "lease_lost",
+                "poisoned",
+                "deferred",
+                "superseded"
+            ]
+        );
+    }
 
     fn view(held: bool, waiting: bool, pending: bool) -> crate::RecordView {
         crate::RecordView {

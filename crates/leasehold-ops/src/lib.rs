@@ -22,7 +22,10 @@ use leasehold_storage::azure::BlobContainer;
 use serde::Serialize;
 
 pub use budgets::BudgetStatus;
-pub use history::{HistoryView, MAX_HISTORY_LIMIT, RecordState};
+pub use history::{
+    DEFAULT_RUNS_LIMIT, HistoryView, MAX_HISTORY_LIMIT, MAX_RUNS_LIMIT, RecordState, RunList, RunQuery,
+    RunView, parse_window, run_outcomes,
+};
 pub use overview::{HeldRecord, Overview, OverviewQuery, QueueView, RecordRef};
 pub use poison::{
     PoisonEntry, PoisonList, PoisonQuery, PoisonRecord, PoisonSelection, Progress, PurgeReport,

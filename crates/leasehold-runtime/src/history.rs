@@ -226,6 +226,54 @@ pub trait HistoryStore: Send + Sync + fmt::Debug {
     /// Drops whole stretches of history older than `keep` (never an entry at a time); says
     /// how many.
     async fn sweep(&self, keep: Duration) -> Result<usize, StoreError>;
+
+    /// Entries of every record (or of one scope's) in a window of time, newest first, at most
+    /// `query.limit`: the deployment's recent runs. A store may bound what one call reads
+    /// (see [`TableHistory`]'s); when it stopped at its bound the answer says it is partial.
+    async fn recent(&self, query: &RecentQuery) -> Result<Recent, StoreError>;
+}
+
+/// What [`HistoryStore::recent`] reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecentQuery {
+    /// The window, in Unix ms, both ends included.
+    pub since_ms: u64,
+    pub until_ms: u64,
+    /// Only this scope's records.
+    pub scope: Option<Scope>,
+    /// Only these events; every event when empty.
+    pub events: Vec<HistoryEvent>,
+    /// At most this many entries (the newest).
+    pub limit: usize,
+}
+
+impl RecentQuery {
+    /// Whether `entry` is one the query asks for.
+    pub fn wants(&self, entry: &HistoryEntry) -> bool {
+        (self.since_ms..=self.until_ms).contains(&entry.time_ms)
+            && self.scope.as_ref().is_none_or(|s| &entry.scope == s)
+            && (self.events.is_empty() || self.events.contains(&entry.event))
+    }
+}
+
+/// What [`HistoryStore::recent`] found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Recent {
+    /// Newest first.
+    pub entries: Vec<HistoryEntry>,
+    /// The store stopped at its bound before it had read the whole window: entries may be
+    /// missing, newer ones among them (a store reads in key order, not time order).
+    pub partial: bool,
+    /// Stored items read (entities, for [`TableHistory`]).
+    pub scanned: usize,
+}
+
+/// Newest first; of the same millisecond, the later written (the later in `found`) first.
+fn newest_first(mut found: Vec<HistoryEntry>, limit: usize) -> Vec<HistoryEntry> {
+    found.reverse();
+    found.sort_by_key(|e| std::cmp::Reverse(e.time_ms));
+    found.truncate(limit);
+    found
 }
 
 /// History in memory: for tests and the simulation.
@@ -289,6 +337,16 @@ impl HistoryStore for MemoryHistory {
         let before = entries.len();
         entries.retain(|e| e.time_ms >= since);
         Ok(usize::from(entries.len() < before))
+    }
+
+    async fn recent(&self, query: &RecentQuery) -> Result<Recent, StoreError> {
+        let entries = self.entries.lock().unwrap();
+        let found: Vec<HistoryEntry> = entries.iter().filter(|e| query.wants(e)).cloned().collect();
+        Ok(Recent {
+            entries: newest_first(found, query.limit),
+            partial: false,
+            scanned: entries.len(),
+        })
     }
 }
 
@@ -575,6 +633,8 @@ pub struct TableHistory {
     client: TableClient,
     prefix: String,
     period_days: u64,
+    /// The bounds of one [`HistoryStore::recent`] read: requests, entities, time.
+    recent_bounds: (usize, usize, Duration),
 }
 
 /// The longest `Entries` property written, in bytes (the service takes 64 KiB a property).
@@ -593,7 +653,16 @@ impl TableHistory {
             client,
             prefix: prefix.to_string(),
             period_days: keep.as_secs().div_ceil(DAY.as_secs()).max(1),
+            recent_bounds: (RECENT_MAX_REQUESTS, RECENT_MAX_ENTITIES, RECENT_MAX_TIME),
         })
+    }
+
+    /// The same history, one [`HistoryStore::recent`] read making at most `requests` requests
+    /// and reading at most `entities` entities for at most `time` ([`RECENT_MAX_REQUESTS`],
+    /// [`RECENT_MAX_ENTITIES`] and [`RECENT_MAX_TIME`] unless set; tests lower them).
+    pub fn with_recent_bounds(mut self, requests: usize, entities: usize, time: Duration) -> Self {
+        self.recent_bounds = (requests.max(1), entities.max(1), time);
+        self
     }
 
     /// Whether `prefix` makes valid table names, and if not why.
@@ -793,6 +862,64 @@ impl HistoryStore for TableHistory {
         Ok(found)
     }
 
+    /// Reads the period tables covering the window, newest first, with a `$filter` on the row
+    /// key (and the scope's partitions): a query across partitions, which the service answers
+    /// in key order (scope, then record), not time order, so every page of the window is read
+    /// before the newest `limit` are known.
+    ///
+    /// Bounded, so a big table cannot hold a page up: at most [`RECENT_MAX_REQUESTS`] requests,
+    /// [`RECENT_MAX_ENTITIES`] entities and [`RECENT_MAX_TIME`] in all (unless set otherwise,
+    /// [`TableHistory::with_recent_bounds`]). Stopped at a bound, the
+    /// answer is `partial`: what it read, newest first, with entries of records later in key
+    /// order (and of older tables) missing, newer ones among them. A narrower window or a scope
+    /// reads less.
+    async fn recent(&self, query: &RecentQuery) -> Result<Recent, StoreError> {
+        let started = Instant::now();
+        let (max_requests, max_entities, max_time) = self.recent_bounds;
+        let filter = Self::recent_filter(query);
+        let (first, last) = (self.period_of(query.since_ms), self.period_of(query.until_ms));
+        let mut found = Vec::new();
+        let (mut requests, mut scanned, mut partial) = (0, 0, false);
+        'tables: for period in (first..=last).rev() {
+            let table = self.table(period);
+            let mut next = None;
+            loop {
+                let left = max_time.saturating_sub(started.elapsed());
+                if requests >= max_requests || scanned >= max_entities || left.is_zero() {
+                    partial = true;
+                    break 'tables;
+                }
+                requests += 1;
+                let top = (max_entities - scanned).min(1000) as u32;
+                let page = tokio::time::timeout(
+                    left,
+                    self.client.query(&table, Some(&filter), Some(top), next.as_ref()),
+                )
+                .await;
+                let (entities, more) = match page {
+                    Err(_) => {
+                        partial = true;
+                        break 'tables;
+                    }
+                    Ok(Ok(page)) => page,
+                    Ok(Err(e)) if e.kind() == StoreErrorKind::NotFound => break,
+                    Ok(Err(e)) => return Err(e),
+                };
+                scanned += entities.len();
+                gather(entities, query, &table, &mut found);
+                next = more;
+                if next.is_none() {
+                    break;
+                }
+            }
+        }
+        Ok(Recent {
+            entries: newest_first(found, query.limit),
+            partial,
+            scanned,
+        })
+    }
+
     async fn sweep(&self, keep: Duration) -> Result<usize, StoreError> {
         let now = unix_ms(SystemTime::now());
         let mut dropped = 0;
@@ -807,6 +934,63 @@ impl HistoryStore for TableHistory {
             }
         }
         Ok(dropped)
+    }
+}
+
+/// The most requests one [`TableHistory::recent`] makes.
+pub const RECENT_MAX_REQUESTS: usize = 20;
+/// The most entities one [`TableHistory::recent`] reads (each holds one write's entries: a
+/// run's start and end, usually).
+pub const RECENT_MAX_ENTITIES: usize = 10_000;
+/// The longest one [`TableHistory::recent`] reads for, all requests together.
+pub const RECENT_MAX_TIME: Duration = Duration::from_secs(10);
+/// How much older than its entity's row key (its newest entry) an entry may be: the writer
+/// gathers a record's entries for its flush interval (2 s) before one write, and a write may
+/// wait for a slot; an entity newer than a window's end by up to this may still hold entries of
+/// the window.
+const ENTITY_SPAN: Duration = Duration::from_secs(600);
+
+impl TableHistory {
+    /// The `$filter` of a [`HistoryStore::recent`] read: entities whose newest entry is in
+    /// `[since, until + ENTITY_SPAN]`, of `scope`'s partitions if given.
+    ///
+    /// By row key (the newest entry's time by the writer's clock, inverted), not by the
+    /// service's `Timestamp`: the entries' times are the writer's, so the window is cut by the
+    /// same clock, whatever the skew between the writer and the service.
+    fn recent_filter(query: &RecentQuery) -> String {
+        let inverted = |ms: u64| 9_999_999_999_999u64.saturating_sub(ms);
+        let until = query.until_ms.saturating_add(ENTITY_SPAN.as_millis() as u64);
+        // Row keys are `<13 digits>-<uuid>`: `.` sorts just above `-`, so `<digits>.` bounds
+        // every key of those digits from above, and the digits alone from below.
+        let mut filter = format!(
+            "RowKey ge '{:013}' and RowKey lt '{:013}.'",
+            inverted(until),
+            inverted(query.since_ms)
+        );
+        if let Some(scope) = &query.scope {
+            // A scope's partitions are `<scope>|<record>`; `}` sorts just above `|`.
+            filter = format!(
+                "PartitionKey ge {} and PartitionKey lt {} and {filter}",
+                leasehold_storage::table::odata_literal(&format!("{}|", scope.as_str())),
+                leasehold_storage::table::odata_literal(&format!("{}}}", scope.as_str())),
+            );
+        }
+        filter
+    }
+}
+
+/// Reads entities' entries into `found` (the ones `query` wants).
+fn gather(entities: Vec<Entity>, query: &RecentQuery, table: &str, found: &mut Vec<HistoryEntry>) {
+    for entity in entities {
+        let Some(text) = entity.get("Entries").and_then(serde_json::Value::as_str) else {
+            continue;
+        };
+        match serde_json::from_str::<Vec<HistoryEntry>>(text) {
+            Ok(entries) => found.extend(entries.into_iter().filter(|e| query.wants(e))),
+            Err(e) => {
+                tracing::debug!(table, error = %e, "a history entity that is not this version's: skipped")
+            }
+        }
     }
 }
 
@@ -889,6 +1073,92 @@ mod tests {
         assert_eq!(events, ["completed", "started"], "newest first");
     }
 
+    /// `recent` reads every record's entries in the window, of the scope and events asked,
+    /// newest first, at most `limit`.
+    #[tokio::test]
+    async fn recent_entries_across_records_are_filtered_and_newest_first() {
+        let store = MemoryHistory::new();
+        let at = |record: &str, scope: &str, event, ms: u64| {
+            let mut e = HistoryEntry::new(
+                Scope::parse(scope).unwrap(),
+                RecordId::parse(record).unwrap(),
+                event,
+            );
+            e.time_ms = ms;
+            e
+        };
+        let completed = HistoryEvent::Outcome(OutcomeLabel::Completed);
+        let failed = HistoryEvent::Outcome(OutcomeLabel::Failed);
+        store
+            .append(&[
+                at("1", "account", HistoryEvent::Started, 1_000),
+                at("1", "account", completed, 2_000),
+            ])
+            .await
+            .unwrap();
+        store.append(&[at("2", "contact", failed, 3_000)]).await.unwrap();
+        store
+            .append(&[at("3", "account", completed, 9_000)])
+            .await
+            .unwrap();
+        store.append(&[at("4", "account", completed, 500)]).await.unwrap();
+        let query = |scope: Option<&str>, events: Vec<HistoryEvent>, limit| RecentQuery {
+            since_ms: 1_000,
+            until_ms: 5_000,
+            scope: scope.map(|s| Scope::parse(s).unwrap()),
+            events,
+            limit,
+        };
+        let ids = |r: Recent| -> Vec<(String, &'static str)> {
+            assert!(!r.partial);
+            r.entries
+                .iter()
+                .map(|e| (e.record.as_str().to_string(), e.event.as_str()))
+                .collect()
+        };
+        let all = store.recent(&query(None, vec![], 10)).await.unwrap();
+        assert_eq!(
+            ids(all),
+            [
+                ("2".to_string(), "failed"),
+                ("1".into(), "completed"),
+                ("1".into(), "started")
+            ],
+            "the window only (not 500 nor 9000), newest first"
+        );
+        let runs = store
+            .recent(&query(Some("account"), vec![completed, failed], 10))
+            .await
+            .unwrap();
+        assert_eq!(ids(runs), [("1".to_string(), "completed")], "the scope's runs");
+        let failures = store.recent(&query(None, vec![failed], 10)).await.unwrap();
+        assert_eq!(ids(failures), [("2".to_string(), "failed")]);
+        let one = store.recent(&query(None, vec![], 1)).await.unwrap();
+        assert_eq!(ids(one), [("2".to_string(), "failed")], "the newest of them");
+    }
+
+    /// The table filter bounds row keys (inverted times) by the window, with room for an
+    /// entity's older entries, and a scope's partitions by `|` and the next character.
+    #[test]
+    fn the_recent_filter_bounds_row_keys_and_a_scopes_partitions() {
+        let query = RecentQuery {
+            since_ms: 1_000_000,
+            until_ms: 2_000_000,
+            scope: Some(Scope::parse("account").unwrap()),
+            events: Vec::new(),
+            limit: 10,
+        };
+        let filter = TableHistory::recent_filter(&query);
+        assert_eq!(
+            filter,
+            "PartitionKey ge 'account|' and PartitionKey lt 'account}' and \
+             RowKey ge '9999997399999' and RowKey lt '9999998999999.'"
+        );
+        // A row key written at `since` is inside; one a millisecond before is not.
+        let key = |ms: u64| format!("{:013}-{}", 9_999_999_999_999u64 - ms, "0".repeat(32));
+        assert!(key(1_000_000).as_str() < "9999998999999." && key(999_999).as_str() > "9999998999999.");
+    }
+
     #[derive(Debug)]
     struct Broken {
         hang: bool,
@@ -919,6 +1189,9 @@ mod tests {
         }
         async fn sweep(&self, _: Duration) -> Result<usize, StoreError> {
             Ok(0)
+        }
+        async fn recent(&self, _: &RecentQuery) -> Result<Recent, StoreError> {
+            Ok(Recent::default())
         }
     }
 

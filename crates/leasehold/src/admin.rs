@@ -5,6 +5,8 @@
 //! | `GET /admin` | `GET /api/dashboard` (function `Dashboard`, anonymous) | the page (holds no data) |
 //! | `GET /api/admin/overview` | `GET /api/ops/overview` (function `Ops`; the handler checks the key) | queues, held records, pending retriggers |
 //! | `GET /api/admin/records/{scope}/{recordId}` | `GET /api/ops/records/…` | a record's lease, marker and recent outcome |
+//! | `POST /api/admin/records/{scope}/{recordId}/enqueue` | `POST /api/ops/records/…/enqueue` | put a trigger for the record on the (high lane's) queue, as `leasehold enqueue` does (written to its history as `enqueued`) |
+//! | `GET /api/admin/runs` | `GET /api/ops/runs` | recent runs across the deployment from the history, newest first (`?scope=`, `?outcome=` (repeated or comma-separated), `?since=` (`15m`, `1h`, `24h`, `7d`; default `1h`), `?limit=` (1–1000, default 100)); `partial` when the read stopped at its bound |
 //! | `GET /api/admin/poison` | `GET /api/ops/poison` | poison entries and their reasons (`?lane=low`: the low lane's, for every poison operation) |
 //! | `GET /api/admin/poison/{id}` | `GET /api/ops/poison/{id}` | one entry |
 //! | `POST /api/admin/poison/requeue` | `POST /api/ops/poison/requeue` | requeue a selection |
@@ -128,6 +130,33 @@ fn limit(query: &[(String, String)]) -> Result<Option<usize>, ApiAnswer> {
                 .map_err(|_| error(400, format!("limit must be a whole number, not {v:?}")))
         })
         .transpose()
+}
+
+/// The run list's query: `scope`, `outcome` (repeated or comma-separated), `since` (a window:
+/// `15m`, `1h`, `24h`, `7d`, or seconds; `1h` unless given) and `limit`; 400 naming the bad one.
+fn run_query(query: &[(String, String)]) -> Result<leasehold_ops::RunQuery, ApiAnswer> {
+    let scope = query_value(query, "scope")
+        .map(Scope::parse)
+        .transpose()
+        .map_err(|e| error(400, format!("scope: {e}")))?;
+    let outcomes = query
+        .iter()
+        .filter(|(k, _)| k == "outcome")
+        .flat_map(|(_, v)| v.split(','))
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_string)
+        .collect();
+    let window = match query_value(query, "since") {
+        Some(text) => leasehold_ops::parse_window(text).map_err(|e| error(400, format!("since: {e}")))?,
+        None => leasehold_ops::RunQuery::default().window,
+    };
+    Ok(leasehold_ops::RunQuery {
+        scope,
+        outcomes,
+        window,
+        limit: limit(query)?.unwrap_or(leasehold_ops::DEFAULT_RUNS_LIMIT),
+    })
 }
 
 /// The operator for the lane `?lane=` names (`high`, the default, or `low`): its poison tools act
@@ -279,6 +308,35 @@ pub async fn answer(backend: &Backend, request: &ApiRequest<'_>) -> ApiAnswer {
             }
             (status, body)
         }
+        ["records", scope, record_id, "enqueue"] if post => {
+            let scope = match Scope::parse(scope) {
+                Ok(s) => s,
+                Err(e) => return error(400, format!("scope: {e}")),
+            };
+            let record_id = match RecordId::parse(record_id) {
+                Ok(r) => r,
+                Err(e) => return error(400, format!("recordId: {e}")),
+            };
+            match operator.enqueue(&scope, &record_id).await {
+                Ok(_) => {
+                    tracing::info!(%scope, record = %record_id, "dashboard: a trigger enqueued");
+                    (
+                        200,
+                        json!({
+                            "scope": scope,
+                            "recordId": record_id,
+                            "queue": operator.queue_name(),
+                            "message": format!("enqueued {scope}/{record_id} on {}: it runs when a worker takes it", operator.queue_name()),
+                        }),
+                    )
+                }
+                Err(e) => error(e.status(), e),
+            }
+        }
+        ["runs"] if get => match run_query(&request.query) {
+            Ok(query) => done(operator.runs(&query).await),
+            Err(answer) => answer,
+        },
         ["poison"] if get => match limit(&request.query) {
             Ok(limit) => done(operator.poison_list(&PoisonQuery { limit }).await),
             Err(answer) => answer,
@@ -320,12 +378,13 @@ pub async fn answer(backend: &Backend, request: &ApiRequest<'_>) -> ApiAnswer {
         ["budgets"] if get => budgets(backend).await,
         ["budgets", name, "resume"] if post => resume(backend, name).await,
         ["budgets", _, "resume"] => wrong_method("POST"),
-        ["overview"] | ["records", _, _] | ["poison"] | ["budgets"] => wrong_method("GET"),
+        ["records", _, _, "enqueue"] => wrong_method("POST"),
+        ["overview"] | ["records", _, _] | ["poison"] | ["budgets"] | ["runs"] => wrong_method("GET"),
         ["poison", _] => wrong_method("GET"),
         _ => error(
             404,
             format!(
-                "no such operation: {} (overview, records/{{scope}}/{{recordId}}, poison, poison/{{id}}, poison/requeue, poison/purge, budgets, budgets/{{name}}/resume)",
+                "no such operation: {} (overview, records/{{scope}}/{{recordId}}, records/{{scope}}/{{recordId}}/enqueue, runs, poison, poison/{{id}}, poison/requeue, poison/purge, budgets, budgets/{{name}}/resume)",
                 request.path
             ),
         ),

@@ -67,7 +67,12 @@ impl Env {
 
     /// Puts a trigger for `record` on the trigger queue.
     async fn trigger(&self, record: &str) {
-        let message = TriggerMessage::parse("account", record).unwrap();
+        self.trigger_in("account", record).await
+    }
+
+    /// Puts a trigger for `record` of `scope` on the trigger queue.
+    async fn trigger_in(&self, scope: &str, record: &str) {
+        let message = TriggerMessage::parse(scope, record).unwrap();
         common::queue(&self.queue)
             .put(&message.encode(), Duration::ZERO)
             .await
@@ -1252,4 +1257,413 @@ async fn the_dashboard_shows_a_deep_poison_queue_whole_and_requeues_all_of_it() 
     assert_eq!(poison.approximate_len().await.unwrap(), 0);
     assert_eq!(browser.exceptions(), Vec::<String>::new(), "the page threw");
     app.stop().await;
+}
+
+/// The record view's history events (newest first), from the API.
+async fn history_events(app: &Running, scope: &str, record: &str) -> Vec<String> {
+    let view: Value = get(&app.url(&format!("/api/admin/records/{scope}/{record}")), &[KEY])
+        .await
+        .json()
+        .await
+        .unwrap();
+    view["history"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no history: {view}"))
+        .iter()
+        .map(|e| e["event"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The run list and "run it again" in the admin API (issue 36): a record enqueued through the
+/// API runs, its history says `enqueued`, and the run list shows its run, by scope and outcome;
+/// bad parameters are refused with a 400 naming them, wrong methods with a 405.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_lists_recent_runs_and_enqueues_a_record() {
+    let env = Env::new();
+    let app = env
+        .start(common::standalone(), &[("LEASEHOLD_ADMIN_KEY", ADMIN_KEY)])
+        .await;
+    let (status, answer) = post(
+        &app.url("/api/admin/records/account/api-enqueued-0001/enqueue"),
+        "{}",
+        &[KEY],
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer["message"]
+            .as_str()
+            .unwrap()
+            .contains("enqueued account/api-enqueued-0001"),
+        "{answer}"
+    );
+    env.trigger_in("contact", "api-other-0002").await;
+    let runs = eventually(Duration::from_secs(30), "both runs in the run list", || async {
+        let list: Value = get(&app.url("/api/admin/runs?since=15m"), &[KEY])
+            .await
+            .json()
+            .await
+            .unwrap();
+        (list["runs"].as_array().map_or(0, Vec::len) >= 2).then_some(list)
+    })
+    .await;
+    assert_eq!(runs["partial"], false, "{runs}");
+    let run = &runs["runs"][0];
+    for field in [
+        "scope",
+        "recordId",
+        "event",
+        "time",
+        "runSeconds",
+        "fencingToken",
+        "instance",
+    ] {
+        assert!(!run[field].is_null(), "{field}: {run}");
+    }
+    let scoped: Value = get(
+        &app.url("/api/admin/runs?scope=account&outcome=completed,failed&since=1h&limit=10"),
+        &[KEY],
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let records: Vec<&str> = scoped["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["recordId"].as_str().unwrap())
+        .collect();
+    assert_eq!(records, ["api-enqueued-0001"], "{scoped}");
+    assert_eq!(scoped["outcomes"], json!(["completed", "failed"]), "{scoped}");
+    let none: Value = get(&app.url("/api/admin/runs?outcome=poisoned"), &[KEY])
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(none["runs"], json!([]), "{none}");
+    assert!(
+        history_events(&app, "account", "api-enqueued-0001")
+            .await
+            .contains(&"enqueued".to_string())
+    );
+    // The same from the command line: `leasehold runs`.
+    let cli = |args: &'static [&'static str]| {
+        let vars = common::storage_vars(&env.queue, &env.container);
+        async move {
+            let out = common::leasehold(args)
+                .envs(vars)
+                .env("RUST_LOG", "warn")
+                .output()
+                .await
+                .unwrap();
+            let text =
+                String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            (out.status.success(), text)
+        }
+    };
+    let (ok, text) = cli(&["runs", "--scope", "contact", "--since", "15m"]).await;
+    assert!(ok, "{text}");
+    assert!(
+        text.starts_with("contact/api-other-0002  ")
+            && text.contains("completed")
+            && !text.contains("account/"),
+        "{text}"
+    );
+    let (ok, text) = cli(&["runs", "--outcome", "started"]).await;
+    assert!(!ok && text.contains("not an outcome that ends a run"), "{text}");
+
+    // Bad parameters: 400, naming what is wrong.
+    for (query, names) in [
+        ("since=soon", "window"),
+        ("since=0", "window"),
+        ("since=30d", "longer than the history is kept"),
+        ("outcome=started", "not an outcome that ends a run"),
+        ("outcome=exploded", "completed, retriggered"),
+        ("limit=0", "limit"),
+        ("limit=many", "limit"),
+        ("limit=5000", "limit"),
+        ("scope=Not%20A%20Scope!", "scope"),
+    ] {
+        let response = get(&app.url(&format!("/api/admin/runs?{query}")), &[KEY]).await;
+        assert_eq!(response.status(), 400, "{query}");
+        let body: Value = response.json().await.unwrap();
+        let error = body["error"].as_str().unwrap();
+        assert!(error.contains(names), "{query}: {error}");
+    }
+    for (path, names) in [
+        ("/api/admin/records/Not%20A%20Scope!/x/enqueue", "scope"),
+        ("/api/admin/records/account/not%20an%20id/enqueue", "recordId"),
+    ] {
+        let (status, answer) = post(&app.url(path), "{}", &[KEY]).await;
+        assert_eq!(status, 400, "{path}: {answer}");
+        assert!(
+            answer["error"].as_str().unwrap().contains(names),
+            "{path}: {answer}"
+        );
+    }
+    let (status, answer) = post(&app.url("/api/admin/runs"), "{}", &[KEY]).await;
+    assert_eq!(status, 405, "{answer}");
+    let response = get(&app.url("/api/admin/records/account/x/enqueue"), &[KEY]).await;
+    assert_eq!(response.status(), 405);
+    let (status, _) = post(&app.url("/api/admin/records/account/x/enqueue"), "{}", &[]).await;
+    assert_eq!(status, 401, "a run asked for without the key");
+    app.stop().await;
+}
+
+/// The record page and the run list in a real Chromium (issue 36): a record that ran twice, a
+/// trigger coalescing onto its first run; its page, opened by a link (#record/<scope>/<id>),
+/// shows its state line, two run bars and the coalesced mark on its timeline, its history newest
+/// first and its poison entry (its reason as text); "Run it again" writes `enqueued` and makes a
+/// third run. The run list shows every scope's runs, and filtered by scope and outcome only the
+/// record's completed ones; each row links to the record's page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_page_shows_a_records_runs_and_runs_it_again_and_the_run_list_filters() {
+    let started = Instant::now();
+    let browser = match Browser::launch(1280, 900).await {
+        Ok(b) => b,
+        Err(e) => panic!("the dashboard test needs a real browser: {e}"),
+    };
+    let env = Env::new();
+    const RECORD: &str = "held-order-5521";
+    let page = format!("#record/account/{RECORD}");
+    let app = env
+        .start(
+            common::standalone(),
+            &[
+                ("LEASEHOLD_ADMIN_KEY", ADMIN_KEY),
+                ("LEASEHOLD_LEASE_SECONDS", "15"),
+            ],
+        )
+        .await;
+    sign_in(&browser, &app).await;
+    // Its first run holds until the release file exists; a trigger meanwhile coalesces.
+    env.trigger(RECORD).await;
+    eventually(Duration::from_secs(30), "the record's first run", || async {
+        env.runs().iter().any(|r| r == RECORD).then_some(())
+    })
+    .await;
+    env.trigger(RECORD).await;
+    eventually(
+        Duration::from_secs(30),
+        "the coalesced trigger in the history",
+        || async {
+            history_events(&app, "account", RECORD)
+                .await
+                .contains(&"coalesced".to_string())
+                .then_some(())
+        },
+    )
+    .await;
+    // The held record's row links to its page.
+    wait(
+        &browser,
+        &format!(
+            "!!document.querySelector('#held tbody tr[data-record=\"account/{RECORD}\"] a[href=\"{page}\"]')"
+        ),
+        "the held record's link to its page",
+    )
+    .await;
+    // A poison entry of the record, its reason with markup in it: shown as text.
+    env.poison(
+        RECORD,
+        "the logic exited with status 3: <img id=injected-rec src=x>",
+    )
+    .await;
+    std::fs::write(env.release_file(), "").unwrap();
+    // Another scope's run, for the run list.
+    env.trigger_in("contact", "contact-0042").await;
+    eventually(
+        Duration::from_secs(30),
+        "both runs ended in the history",
+        || async {
+            let events = history_events(&app, "account", RECORD).await;
+            let other = history_events(&app, "contact", "contact-0042").await;
+            (events.iter().filter(|e| *e == "started").count() == 2
+                && events.first().map(String::as_str) == Some("completed")
+                && other.first().map(String::as_str) == Some("completed"))
+            .then_some(())
+        },
+    )
+    .await;
+
+    // The record's page, opened fresh from its link.
+    browser.navigate("about:blank").await.unwrap();
+    browser
+        .navigate(&app.url(&format!("/admin{page}")))
+        .await
+        .unwrap();
+    let line = wait(
+        &browser,
+        "(() => { const s = document.getElementById('rec-state'); \
+          return !document.getElementById('record-view').hidden && s.dataset.state === 'idle' && s.textContent; })()",
+        "the record's state line",
+    )
+    .await;
+    let line = line.as_str().unwrap();
+    assert!(
+        line.starts_with("idle") && line.contains("last: completed"),
+        "{line}"
+    );
+    assert_eq!(
+        eval(&browser, "document.getElementById('rec-id').textContent").await,
+        RECORD
+    );
+    let bars = wait(
+        &browser,
+        "(() => { const b = Array.from(document.querySelectorAll('#rec-timeline rect.bar')).map(b => b.dataset.outcome); \
+          return b.length === 2 && b; })()",
+        "two run bars",
+    )
+    .await;
+    assert_eq!(bars, json!(["retriggered", "completed"]), "oldest first");
+    assert_eq!(
+        eval(
+            &browser,
+            "document.querySelectorAll('#rec-timeline circle.mark[data-event=\"coalesced\"]').length"
+        )
+        .await,
+        1
+    );
+    let title = eval(
+        &browser,
+        "document.querySelector('#rec-timeline rect.bar[data-outcome=\"completed\"] title').textContent",
+    )
+    .await;
+    let title = title.as_str().unwrap();
+    assert!(
+        title.contains("token 2") && title.contains(" ago") && title.contains("ran ") && title.contains("Z"),
+        "relative and absolute times: {title}"
+    );
+    let summary = eval(&browser, "document.getElementById('rec-summary').textContent").await;
+    assert!(
+        summary.as_str().unwrap().contains("1 coalesced trigger"),
+        "{summary}"
+    );
+    let rows = eval(
+        &browser,
+        "Array.from(document.querySelectorAll('#rec-history tbody tr')).map(r => r.dataset.event)",
+    )
+    .await;
+    let mut events: Vec<&str> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap())
+        .collect();
+    assert_eq!(events.first(), Some(&"completed"), "newest first: {events:?}");
+    assert_eq!(events.last(), Some(&"started"), "{events:?}");
+    events.sort_unstable();
+    assert_eq!(
+        events,
+        ["coalesced", "completed", "retriggered", "started", "started"],
+        "{rows}"
+    );
+    let first = eval(
+        &browser,
+        "Array.from(document.querySelector('#rec-history tbody tr').querySelectorAll('td')).map(c => c.textContent)",
+    )
+    .await;
+    let cells: Vec<&str> = first
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert!(
+        cells[0].contains(" ago") && cells[0].ends_with('Z'),
+        "time: {cells:?}"
+    );
+    assert_eq!(cells[3], "2", "token: {cells:?}");
+    assert!(cells[7].contains("ran "), "run time: {cells:?}");
+    let poison = wait(
+        &browser,
+        "document.querySelector('#rec-poison tbody tr') && document.querySelector('#rec-poison tbody tr').textContent",
+        "the record's poison entry",
+    )
+    .await;
+    assert!(
+        poison.as_str().unwrap().contains("<img id=injected-rec src=x>"),
+        "{poison}"
+    );
+    assert_eq!(
+        eval(&browser, "document.getElementById('injected-rec') === null").await,
+        true
+    );
+    let shot = workspace_root().join("target/dashboard/record-page.png");
+    browser.save_screenshot(&shot).await.unwrap();
+
+    // "Run it again": `enqueued` in its history, then a third run on its timeline.
+    eval(&browser, "document.getElementById('rec-enqueue').click(); true").await;
+    let said = toasts(&browser, "the enqueue's answer").await;
+    assert!(said.as_str().unwrap().contains("enqueued account/"), "{said}");
+    wait(
+        &browser,
+        "!!document.querySelector('#rec-history tbody tr[data-event=\"enqueued\"]')",
+        "the enqueued entry",
+    )
+    .await;
+    wait(
+        &browser,
+        "document.querySelectorAll('#rec-timeline rect.bar[data-outcome=\"completed\"]').length === 2 && \
+         document.querySelectorAll('#rec-timeline rect.bar').length === 3",
+        "the third run on the timeline",
+    )
+    .await;
+    assert_eq!(env.runs().iter().filter(|r| *r == RECORD).count(), 3);
+
+    // The run list: every scope's runs, then the account scope's completed ones only.
+    eval(&browser, "document.getElementById('tab-runs').click(); true").await;
+    wait(
+        &browser,
+        &format!(
+            "!document.getElementById('runs-view').hidden && \
+             !!document.querySelector('#runs tbody tr[data-record=\"contact/contact-0042\"]') && \
+             document.querySelectorAll('#runs tbody tr[data-record=\"account/{RECORD}\"]').length === 3"
+        ),
+        "every scope's runs",
+    )
+    .await;
+    eval(
+        &browser,
+        "document.getElementById('runs-scope').value = 'account'; \
+         document.getElementById('runs-outcome').value = 'completed'; \
+         document.getElementById('runs-since').value = '15m'; \
+         document.getElementById('runs-filter').requestSubmit(); true",
+    )
+    .await;
+    let shown = wait(
+        &browser,
+        "(() => { const r = Array.from(document.querySelectorAll('#runs tbody tr')).map(r => r.dataset.record + ' ' + r.dataset.outcome); \
+          return location.hash.includes('scope=account') && r.length === 2 && r; })()",
+        "the account scope's completed runs",
+    )
+    .await;
+    assert_eq!(
+        shown,
+        json!([
+            format!("account/{RECORD} completed"),
+            format!("account/{RECORD} completed")
+        ])
+    );
+    assert_eq!(
+        eval(&browser, "location.hash").await,
+        "#runs?scope=account&outcome=completed&since=15m"
+    );
+    // A row links to its record's page.
+    eval(
+        &browser,
+        &format!("document.querySelector('#runs tbody tr a[href=\"{page}\"]').click(); true"),
+    )
+    .await;
+    wait(
+        &browser,
+        "!document.getElementById('record-view').hidden && document.getElementById('runs-view').hidden",
+        "the record page from the run list",
+    )
+    .await;
+    assert_eq!(browser.exceptions(), Vec::<String>::new(), "the page threw");
+    app.stop().await;
+    drop(browser);
+    eprintln!("record page browser test took {:?}", started.elapsed());
 }

@@ -1053,3 +1053,134 @@ async fn run_history_is_written_and_read_back_in_two_requests_and_dropped_a_tabl
         client.delete_table(&table).await.unwrap();
     }
 }
+
+/// The deployment's recent runs from Azurite's Table service (issue 36): entries of every
+/// record in a window, across partitions and the period tables the window covers, newest
+/// first; of one scope only (a scope whose name starts the same is not it); of the events
+/// asked; an entity written after the window's end still gives its entries within it; and a
+/// read stopped at its bound says it is partial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recent_runs_are_read_across_records_by_window_and_scope_and_say_when_partial() {
+    use leasehold_runtime::{
+        HistoryEntry, HistoryEvent, HistoryStore, OutcomeLabel, RecentQuery, RecordId, Scope, TableHistory,
+    };
+    use leasehold_storage::table::TableClient;
+    let account = Azurite::shared().account();
+    let counters = OpCounters::new();
+    let prefix = format!("r{}", &unique_name("t").replace('-', "")[..12]);
+    let day = Duration::from_secs(24 * 3600);
+    let keep = day;
+    let client = TableClient::new(&account, counters.clone());
+    let history = TableHistory::new(client.clone(), &prefix, keep).unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let entry = |scope: &str, record: &str, event, ago: Duration| {
+        let mut e = HistoryEntry::new(
+            Scope::parse(scope).unwrap(),
+            RecordId::parse(record).unwrap(),
+            event,
+        );
+        e.time_ms = now_ms - ago.as_millis() as u64;
+        e.instance = "a:1".into();
+        e
+    };
+    let (started, completed, failed) = (
+        HistoryEvent::Started,
+        HistoryEvent::Outcome(OutcomeLabel::Completed),
+        HistoryEvent::Outcome(OutcomeLabel::Failed),
+    );
+    let secs = Duration::from_secs;
+    // Runs of three records of `account`, one of `accounts` (a scope whose name starts the same)
+    // and one of `contact`; one run of `account` yesterday (the period table before: keep is a
+    // day), one an hour ago.
+    for batch in [
+        vec![
+            entry("account", "a1", started, secs(30)),
+            entry("account", "a1", completed, secs(28)),
+        ],
+        vec![
+            entry("account", "a2", started, secs(20)),
+            entry("account", "a2", failed, secs(19)),
+        ],
+        vec![entry("accounts", "b1", completed, secs(10))],
+        vec![entry("contact", "c1", completed, secs(5))],
+        vec![entry("account", "a3", completed, secs(3600))],
+        vec![entry("account", "a4", completed, day + secs(60))],
+    ] {
+        history.append(&batch).await.unwrap();
+    }
+    let query =
+        |scope: Option<&str>, since: Duration, until: Duration, events: Vec<HistoryEvent>| RecentQuery {
+            since_ms: now_ms - since.as_millis() as u64,
+            until_ms: now_ms - until.as_millis() as u64,
+            scope: scope.map(|s| Scope::parse(s).unwrap()),
+            events,
+            limit: 100,
+        };
+    let seen = |r: &leasehold_runtime::Recent| -> Vec<String> {
+        r.entries
+            .iter()
+            .map(|e| format!("{}/{} {}", e.scope.as_str(), e.record.as_str(), e.event))
+            .collect()
+    };
+    let runs = vec![completed, failed];
+    let recent = history
+        .recent(&query(None, secs(15 * 60), secs(0), runs.clone()))
+        .await
+        .unwrap();
+    assert!(!recent.partial, "{recent:?}");
+    assert_eq!(
+        seen(&recent),
+        [
+            "contact/c1 completed",
+            "accounts/b1 completed",
+            "account/a2 failed",
+            "account/a1 completed"
+        ],
+        "every record's runs in the last 15 minutes, newest first"
+    );
+    let scoped = history
+        .recent(&query(Some("account"), secs(15 * 60), secs(0), runs.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        seen(&scoped),
+        ["account/a2 failed", "account/a1 completed"],
+        "not accounts'"
+    );
+    let week = history
+        .recent(&query(Some("account"), 2 * day, secs(0), vec![completed]))
+        .await
+        .unwrap();
+    assert_eq!(
+        seen(&week),
+        [
+            "account/a1 completed",
+            "account/a3 completed",
+            "account/a4 completed"
+        ],
+        "yesterday's from the table before: {:?}",
+        client.list_tables(&prefix).await.unwrap()
+    );
+    // A window that ends between a run's start and end: the start is in it, though the entity
+    // (keyed by its newest entry) is after the window's end.
+    let before_end = history
+        .recent(&query(Some("account"), secs(29 + 60), secs(29), vec![]))
+        .await
+        .unwrap();
+    assert_eq!(seen(&before_end), ["account/a1 started"]);
+
+    // Stopped at a bound: partial, with what it read.
+    let bounded = history.clone().with_recent_bounds(1, 2, secs(10));
+    let partial = bounded
+        .recent(&query(None, secs(15 * 60), secs(0), vec![]))
+        .await
+        .unwrap();
+    assert!(partial.partial, "{partial:?}");
+    assert_eq!(partial.scanned, 2, "{partial:?}");
+    for table in client.list_tables(&prefix).await.unwrap() {
+        client.delete_table(&table).await.unwrap();
+    }
+}
