@@ -164,7 +164,7 @@ impl RecordRunner {
         token: Option<u64>,
     ) {
         let span = &trace.process;
-        span.set(KeyValue::new("leasehold.outcome", outcome.name()));
+        span.set(KeyValue::new("leasehold.outcome", outcome.label().as_str()));
         if let Some(token) = token {
             span.set(KeyValue::new("leasehold.fencing_token", token as i64));
         }
