@@ -1081,7 +1081,10 @@ impl Operator {
         // A fresh trigger: a new chain with no attempts behind it, the source's correlation id.
         let mut fresh = TriggerMessage::new(original.scope.clone(), original.record_id.clone());
         fresh.correlation_id = original.correlation_id.clone();
+        // A trace of its own, as Start makes for each trigger.
+        let span = leasehold_runtime::trace::send(self.queue_name(), &mut fresh, None);
         let body = fresh.encode();
+        drop(span);
         let id = entry.id;
         if let Err(e) = self
             .inner
@@ -1098,6 +1101,14 @@ impl Operator {
         tracing::info!(scope = %fresh.scope, record = %fresh.record_id, poison_id = %id,
             correlation_id = fresh.correlation_id.as_deref().unwrap_or(""),
             "poison: requeued as a fresh trigger");
+        self.note(
+            &fresh.scope,
+            &fresh.record_id,
+            leasehold_runtime::HistoryEvent::Requeued,
+            "leasehold poison requeue",
+            Some(&format!("poison entry {id} requeued on {}", self.queue_name())),
+        )
+        .await;
         let requeued = Requeued {
             id: id.clone(),
             scope: fresh.scope,
@@ -1126,6 +1137,16 @@ impl Operator {
             Ok(()) => {
                 tracing::info!(poison_id = %id, scope = ?entry.scope.as_ref().map(Scope::as_str),
                     record = ?entry.record_id.as_ref().map(RecordId::as_str), "poison: purged an entry");
+                if let (Some(scope), Some(record)) = (&entry.scope, &entry.record_id) {
+                    self.note(
+                        scope,
+                        record,
+                        leasehold_runtime::HistoryEvent::Purged,
+                        "leasehold poison purge",
+                        Some(&format!("poison entry {id} purged")),
+                    )
+                    .await;
+                }
                 scan.purged.push(id);
             }
             Err(Removal::Gone) => scan.failed.push(Skipped {
@@ -1624,6 +1645,63 @@ mod tests {
         // Oldest first, and every entry visible again after the scans.
         assert_eq!(all.entries[0].record_id.as_ref().unwrap().as_str(), "r00");
         assert_eq!(poison.inner.peek(32).await.unwrap().len(), 32);
+    }
+
+    /// A requeue and a purge are written to the record's history, naming the entry; the
+    /// requeued trigger is a trace of its own.
+    #[tokio::test(start_paused = true)]
+    async fn a_requeue_and_a_purge_are_in_the_records_history() {
+        let (queue, poison) = (slow("q", Duration::ZERO, false), slow("p", Duration::ZERO, false));
+        fill(&poison, ["again", "gone"].into_iter().map(String::from)).await;
+        let history = Arc::new(leasehold_runtime::MemoryHistory::new());
+        let op = operator(queue.clone(), poison.clone()).with_history(Some((
+            history.clone() as Arc<dyn leasehold_runtime::HistoryStore>,
+            Duration::from_secs(86_400),
+        )));
+        let list = op.poison_list(&PoisonQuery { limit: Some(10) }).await.unwrap();
+        let (again, gone) = (ids_of(&list, "again"), ids_of(&list, "gone"));
+        op.poison_requeue(&PoisonSelection::ids(again.clone()), &|_| {})
+            .await
+            .unwrap();
+        op.poison_purge(&PoisonSelection::ids(gone.clone()))
+            .await
+            .unwrap();
+        let read = |record: &str| {
+            let history = history.clone();
+            let record = record.to_string();
+            async move {
+                use leasehold_runtime::HistoryStore;
+                history
+                    .read(
+                        &Scope::parse("account").unwrap(),
+                        &RecordId::parse(&record).unwrap(),
+                        Duration::from_secs(86_400),
+                        10,
+                    )
+                    .await
+                    .unwrap()
+            }
+        };
+        let requeued = read("again").await;
+        assert_eq!(requeued.len(), 1, "{requeued:?}");
+        assert_eq!(requeued[0].event, leasehold_runtime::HistoryEvent::Requeued);
+        assert!(
+            requeued[0].reason.as_deref().unwrap().contains(&again[0]),
+            "{requeued:?}"
+        );
+        let purged = read("gone").await;
+        assert_eq!(purged.len(), 1, "{purged:?}");
+        assert_eq!(purged[0].event, leasehold_runtime::HistoryEvent::Purged);
+        assert!(
+            purged[0].reason.as_deref().unwrap().contains(&gone[0]),
+            "{purged:?}"
+        );
+        let put = queue.inner.get(1, Duration::from_secs(30)).await.unwrap();
+        let fresh = TriggerMessage::decode(&put[0].body).unwrap();
+        assert!(
+            fresh.trace().is_some(),
+            "the requeued trigger carries a trace context"
+        );
     }
 
     /// Acting by id stops once every id is found; purge removes what it names and counts it.
