@@ -102,6 +102,30 @@ impl HistoryView {
     }
 }
 
+/// Names the run each `coalesced` entry coalesced onto: the run whose `started` came before it
+/// and whose end (an entry with its fencing token) had not come yet — whichever instance held
+/// it. A coalescing delivery does not know the holder's token (it would cost a read); the
+/// history does. `views` are newest first; an entry whose run started before the entries read
+/// is left as it is.
+pub fn coalesced_onto(views: &mut [HistoryView]) {
+    let mut open: Vec<u64> = Vec::new();
+    for view in views.iter_mut().rev() {
+        match (view.event.as_str(), view.fencing_token) {
+            ("started", Some(token)) => open.push(token),
+            ("coalesced", None) => {
+                if let Some(&token) = open.last() {
+                    view.fencing_token = Some(token);
+                    if view.reason.is_none() {
+                        view.reason = Some(format!("onto the run with token {token}"));
+                    }
+                }
+            }
+            (_, Some(token)) => open.retain(|&t| t != token),
+            _ => {}
+        }
+    }
+}
+
 impl Operator {
     /// The history of `scope`/`record`, newest first, at most `limit` entries (1 to
     /// [`MAX_HISTORY_LIMIT`]): two requests (the current period's table and the one before).
@@ -125,7 +149,9 @@ impl Operator {
             .read(scope, record, *keep, limit)
             .await
             .map_err(|e| OpsError::storage("read the record's history", e))?;
-        Ok(entries.iter().map(HistoryView::from).collect())
+        let mut views: Vec<HistoryView> = entries.iter().map(HistoryView::from).collect();
+        coalesced_onto(&mut views);
+        Ok(views)
     }
 
     /// Writes an operator's `event` on `scope`/`record` to the history (if on), as `instance`
@@ -478,6 +504,48 @@ impl RecordState {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// A coalesced entry names the run it coalesced onto (by its token), whichever instance
+    /// held it: the run started before it and not yet ended; none when no run was open.
+    #[test]
+    fn a_coalesced_trigger_names_the_run_it_coalesced_onto() {
+        let now = SystemTime::now();
+        let at = |event: &str, token: Option<u64>| HistoryView {
+            fencing_token: token,
+            reason: None,
+            ..entry(event, None, now)
+        };
+        // Oldest last, as read.
+        let mut views = vec![
+            at("coalesced", None),
+            at("completed", Some(8)),
+            at("coalesced", None),
+            at("started", Some(8)),
+            at("retriggered", Some(7)),
+            at("coalesced", None),
+            at("coalesced", None),
+            at("started", Some(7)),
+            at("coalesced", None),
+        ];
+        coalesced_onto(&mut views);
+        let tokens: Vec<Option<u64>> = views.iter().map(|v| v.fencing_token).collect();
+        assert_eq!(
+            tokens,
+            [
+                None,
+                Some(8),
+                Some(8),
+                Some(8),
+                Some(7),
+                Some(7),
+                Some(7),
+                Some(7),
+                None
+            ]
+        );
+        assert_eq!(views[2].reason.as_deref(), Some("onto the run with token 8"));
+        assert_eq!(views[0].reason, None);
+    }
 
     #[test]
     fn windows_are_read_with_their_unit_and_bad_ones_named() {
