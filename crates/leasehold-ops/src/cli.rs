@@ -447,7 +447,19 @@ async fn status(
         Ok(h) => (h, None),
         Err(e) => (Vec::new(), Some(e.to_string())),
     };
-    let state = crate::RecordState::of(&record, &history, Some(&queue), std::time::SystemTime::now());
+    // The state names the queue of the lane the record's newest entry came by.
+    let lane_queue = match history.first().and_then(|e| e.lane.as_deref()) {
+        Some("low") if operator.lane_of() != Lane::Low => {
+            Some(operator.clone().lane(Lane::Low).queue_view_of(false).await?)
+        }
+        _ => None,
+    };
+    let state = crate::RecordState::of(
+        &record,
+        &history,
+        Some(lane_queue.as_ref().unwrap_or(&queue)),
+        std::time::SystemTime::now(),
+    );
     if json {
         return to_json(&serde_json::json!({
             "state": state.state,

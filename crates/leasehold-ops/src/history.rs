@@ -165,14 +165,20 @@ impl Operator {
         instance: &str,
         reason: Option<&str>,
     ) {
-        let Some((store, _)) = &self.inner.history else {
-            return;
-        };
         let mut entry = HistoryEntry::new(scope.clone(), record.clone(), event);
         entry.instance = instance.to_string();
         if let Some(reason) = reason {
             entry = entry.with_reason(reason);
         }
+        self.note_entry(entry).await;
+    }
+
+    /// [`note`](Self::note) of an entry the caller made (an enqueue names its lane).
+    pub(crate) async fn note_entry(&self, entry: HistoryEntry) {
+        let Some((store, _)) = &self.inner.history else {
+            return;
+        };
+        let (scope, record) = (entry.scope.clone(), entry.record.clone());
         if let Err(e) = store.append(&[entry]).await {
             tracing::warn!(%scope, record = %record, error = %e, "could not write the action to the record's history");
         }
@@ -377,11 +383,16 @@ impl RecordState {
         queue: Option<&crate::QueueView>,
         now: SystemTime,
     ) -> Self {
+        let newest = history.first();
+        // The lane's queue and its depth, the lane named when the newest entry says which.
+        let lane = newest
+            .and_then(|e| e.lane.as_deref())
+            .map(|l| format!("the {l} lane's queue "))
+            .unwrap_or_default();
         let ahead = |q: Option<&crate::QueueView>| {
-            q.map(|q| format!(" (about {} messages in {})", q.approximate_messages, q.name))
+            q.map(|q| format!(" (about {} messages in {lane}{})", q.approximate_messages, q.name))
                 .unwrap_or_default()
         };
-        let newest = history.first();
         let later = |e: &HistoryView| e.until.filter(|u| *u > now);
         if view.held {
             let since = view
@@ -464,11 +475,23 @@ impl RecordState {
                 until: newest.until,
                 reason: format!("{} at {at}; it comes back at {until}{why}", newest.event),
             },
-            "poisoned" => Self {
-                state: "poisoned",
-                until: None,
-                reason: format!("given up at {at}{why} (leasehold poison list)"),
-            },
+            "poisoned" => {
+                // The give-up says how many deliveries failed; the failure itself is in the
+                // entry of the last one that failed before it.
+                let failure = history[1..]
+                    .iter()
+                    .take_while(|e| e.event != "poisoned")
+                    .find(|e| e.event == "failed" || e.event == "lease_lost")
+                    .and_then(|e| e.reason.as_deref())
+                    .filter(|r| !newest.reason.as_deref().is_some_and(|n| n.contains(r)))
+                    .map(|r| format!("; the last failure: {r}"))
+                    .unwrap_or_default();
+                Self {
+                    state: "poisoned",
+                    until: None,
+                    reason: format!("given up at {at}{why}{failure} (leasehold poison list)"),
+                }
+            }
             "enqueued" | "requeued" | "coalesced" | "debounced" | "retriggered" | "failed" | "lease_lost" => {
                 Self {
                     state: "queued",
@@ -782,6 +805,35 @@ mod tests {
         assert_eq!(
             state(&view(false, false, false), &[entry("poisoned", None, now)]).state,
             "poisoned"
+        );
+        // A give-up names the failure of the last delivery that failed before it.
+        let mut gave_up = entry("poisoned", None, now);
+        gave_up.reason = Some("gave up after 2 deliveries (max 2)".into());
+        let mut failed = entry("failed", None, now);
+        failed.reason = Some("the logic command exited with code 3: refused".into());
+        let poisoned = state(&view(false, false, false), &[gave_up, failed]);
+        assert!(
+            poisoned.reason.contains("gave up after 2")
+                && poisoned
+                    .reason
+                    .contains("the last failure: the logic command exited with code 3: refused"),
+            "{poisoned:?}"
+        );
+        // A queued trigger names its lane's queue.
+        let mut enqueued = entry("enqueued", None, now);
+        enqueued.lane = Some("low".into());
+        let low = crate::QueueView {
+            name: "q-low".into(),
+            approximate_messages: 2,
+            oldest_visible_at: None,
+            oldest_visible_age_seconds: None,
+        };
+        let queued = RecordState::of(&view(false, false, false), &[enqueued], Some(&low), now);
+        assert!(
+            queued
+                .reason
+                .contains("about 2 messages in the low lane's queue q-low"),
+            "{queued:?}"
         );
         assert_eq!(
             state(&view(false, false, false), &[entry("enqueued", None, now)]).state,

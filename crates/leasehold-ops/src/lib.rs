@@ -316,14 +316,16 @@ impl Operator {
         put.map_err(|e| OpsError::storage("enqueue", e))?;
         let trace_id = message.trace().map(|t| t.trace_id_hex()).unwrap_or_default();
         tracing::info!(%scope, record = %record_id, queue = self.queue_name(), %trace_id, "enqueued a trigger");
-        self.note(
-            scope,
-            record_id,
+        let mut entry = leasehold_runtime::HistoryEntry::new(
+            scope.clone(),
+            record_id.clone(),
             leasehold_runtime::HistoryEvent::Enqueued,
-            "leasehold enqueue",
-            Some(&format!("on {}", self.queue_name())),
         )
-        .await;
+        .with_reason(format!("on {}", self.queue_name()));
+        entry.instance = "leasehold enqueue".into();
+        // Its lane, so the record's state names the queue it waits in.
+        entry.lane = Some(self.lane_of().as_str().to_string());
+        self.note_entry(entry).await;
         Ok(message)
     }
 

@@ -1011,3 +1011,675 @@ async fn poison_scan_memory() {
         took.as_secs_f64()
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Each record state reached for real (issue 36): `serve` processes against Azurite, the state
+// read back with `leasehold status --scope S RECORD --json`, another process.
+
+/// One deployment for the state tests: [`Env`]'s queue and container, a scratch directory for
+/// the `serve` logs and the logic's files, and the real binary for every process.
+struct Live {
+    env: Env,
+    dir: std::path::PathBuf,
+}
+
+/// A `serve` process: killed when dropped (a failed test), [`Served::stop`] otherwise.
+struct Served {
+    child: tokio::process::Child,
+    port: u16,
+    log: std::path::PathBuf,
+}
+
+impl Served {
+    fn pid(&self) -> u32 {
+        self.child.id().unwrap()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, and waits (30 s at most) for it to exit; how long that took.
+    async fn stop(mut self) -> Duration {
+        let from = std::time::Instant::now();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("serve did not stop within 30 s of SIGTERM")
+            .unwrap();
+        assert!(status.success(), "serve exited {status}: {}", self.log());
+        from.elapsed()
+    }
+}
+
+impl Live {
+    fn new() -> Self {
+        Self {
+            env: Env::new(),
+            dir: common::scratch_dir("leasehold-operate-states"),
+        }
+    }
+
+    /// `serve` with this deployment's settings (any free port, polling every second at most),
+    /// `extra` last; its log in `<name>.log`. Returns once it answers `/healthz`.
+    async fn serve(&self, name: &str, extra: &[(&str, String)]) -> Served {
+        let log = self.dir.join(format!("{name}.log"));
+        let mut command = common::leasehold(&["serve"]);
+        command
+            .envs(self.env.storage_vars())
+            .env("LEASEHOLD_PORT", "0")
+            .env("LEASEHOLD_POLL_MAX_SECONDS", "1")
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        for (k, v) in extra {
+            command.env(k, v);
+        }
+        let child = command.spawn().unwrap();
+        let port = common::serve_port(&log).await;
+        common::answers(&format!("http://127.0.0.1:{port}/healthz"), "serve to answer").await;
+        Served { child, port, log }
+    }
+
+    /// The binary's command `args` with this deployment's settings: its stdout; it must succeed.
+    async fn cli(&self, args: &[&str]) -> String {
+        let out = common::leasehold(args)
+            .envs(self.env.storage_vars())
+            .env("RUST_LOG", "warn")
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "leasehold {args:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    }
+
+    /// `leasehold status --scope S RECORD --json`.
+    async fn state(&self, scope: &str, record: &str) -> Value {
+        let out = self.cli(&["status", "--scope", scope, record, "--json"]).await;
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+    }
+
+    /// Polls [`Live::state`] (every 300 ms) until `check` holds, `limit` at most; the state then.
+    async fn state_until(
+        &self,
+        scope: &str,
+        record: &str,
+        limit: Duration,
+        what: &str,
+        check: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let state = self.state(scope, record).await;
+            if check(&state) {
+                return state;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out after {limit:?} waiting for {what}; the state now: {}",
+                serde_json::to_string_pretty(&state).unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch of an RFC 3339 time in UTC (`2026-11-23T12:04:31.123Z`).
+fn epoch_ms(text: &str) -> i64 {
+    let t = text.strip_suffix('Z').expect("an RFC 3339 time in UTC");
+    let (date, time) = t.split_once('T').expect("an RFC 3339 time");
+    let d: Vec<i64> = date.split('-').map(|p| p.parse().unwrap()).collect();
+    let (hms, frac) = match time.split_once('.') {
+        Some((hms, frac)) => (hms, frac),
+        None => (time, ""),
+    };
+    let h: Vec<i64> = hms.split(':').map(|p| p.parse().unwrap()).collect();
+    let ms = if frac.is_empty() {
+        0
+    } else {
+        format!("{frac:0<3}")[..3].parse::<i64>().unwrap()
+    };
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let (y, m, day) = (if d[1] <= 2 { d[0] - 1 } else { d[0] }, d[1], d[2]);
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    ((days * 86_400 + h[0] * 3600 + h[1] * 60 + h[2]) * 1000) + ms
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Seconds from now to the state's `until` (negative if past); panics without one.
+fn until_in(state: &Value) -> f64 {
+    let until = state["until"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no until: {state}"));
+    (epoch_ms(until) - now_ms()) as f64 / 1000.0
+}
+
+fn reason(state: &Value) -> &str {
+    state["reason"].as_str().unwrap_or("")
+}
+
+#[test]
+fn rfc3339_times_are_read_back() {
+    let at = std::time::UNIX_EPOCH + Duration::from_millis(1_795_000_000_123);
+    assert_eq!(epoch_ms(&leasehold_ops::clock::rfc3339(at)), 1_795_000_000_123);
+    let whole = std::time::UNIX_EPOCH + Duration::from_secs(1_795_000_000);
+    assert_eq!(epoch_ms(&leasehold_ops::clock::rfc3339(whole)), 1_795_000_000_000);
+}
+
+/// `running` then `idle`, for real: a `serve` process runs a record whose logic waits for a file
+/// the test writes. While it runs, `leasehold status` says `running`, naming the holder (this
+/// `serve`'s `host:pid`, written at the lease's first renewal) and the run's token, with no
+/// `until`; once the file is written and the run ends, `idle`, its last outcome `completed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_is_running_under_its_holder_then_idle_for_real() {
+    let started = std::time::Instant::now();
+    let live = Live::new();
+    let release = live.dir.join("release");
+    let serve = live
+        .serve(
+            "serve",
+            &[
+                (
+                    "LEASEHOLD_LOGIC_COMMAND",
+                    format!("while [ ! -e {} ]; do sleep 0.1; done", release.display()),
+                ),
+                // Renewed every 5 s: the holder's name is written then.
+                ("LEASEHOLD_LEASE_SECONDS", "15".to_string()),
+            ],
+        )
+        .await;
+    live.cli(&["enqueue", "--scope", "account", "held-1"]).await;
+    let pid = format!(":{}", serve.pid());
+    let running = live
+        .state_until(
+            "account",
+            "held-1",
+            Duration::from_secs(30),
+            "running, its holder named",
+            |s| s["state"] == "running" && reason(s).contains(&pid),
+        )
+        .await;
+    println!("[states] {}", serde_json::to_string_pretty(&running).unwrap());
+    let generation = running["record"]["generation"].as_u64().unwrap();
+    assert_eq!(generation, 1, "the first grant: {running}");
+    assert!(
+        reason(&running).contains("token 1") && reason(&running).starts_with("running on "),
+        "{running}"
+    );
+    assert!(
+        running["record"]["holder"]
+            .as_str()
+            .is_some_and(|h| h.ends_with(&pid)),
+        "{running}"
+    );
+    assert!(running["until"].is_null(), "{running}");
+    std::fs::write(&release, "").unwrap();
+    let idle = live
+        .state_until(
+            "account",
+            "held-1",
+            Duration::from_secs(30),
+            "idle after the run, its end in the history",
+            |s| s["state"] == "idle" && reason(s).contains("last: completed"),
+        )
+        .await;
+    println!("[states] {}", serde_json::to_string_pretty(&idle).unwrap());
+    assert!(
+        reason(&idle).contains("last: completed") && reason(&idle).contains("ran "),
+        "{idle}"
+    );
+    assert!(idle["until"].is_null(), "{idle}");
+    assert_eq!(idle["record"]["held"], false, "{idle}");
+    serve.stop().await;
+    println!(
+        "[states] running then idle: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// `waiting`, for real: a scope that debounces (quiet period 15 s); a trigger's delivery waits
+/// for its burst to end. `leasehold status` says `waiting`, `until` about 15 s after the trigger
+/// (when its waiter looks again), and the record has not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debounced_record_is_waiting_until_its_quiet_period_ends_for_real() {
+    const QUIET: f64 = 15.0;
+    let started = std::time::Instant::now();
+    let live = Live::new();
+    let ran = live.dir.join("ran");
+    let serve = live
+        .serve(
+            "serve",
+            &[
+                ("LEASEHOLD_LOGIC_COMMAND", format!("touch {}", ran.display())),
+                ("LEASEHOLD_DEBOUNCE_SECONDS", "0,account=15".to_string()),
+                ("LEASEHOLD_DEBOUNCE_MAX_SECONDS", "60".to_string()),
+            ],
+        )
+        .await;
+    let sent = now_ms();
+    live.cli(&["enqueue", "--scope", "account", "burst-1"]).await;
+    let waiting = live
+        .state_until(
+            "account",
+            "burst-1",
+            Duration::from_secs(20),
+            "waiting with an until",
+            |s| s["state"] == "waiting" && s["until"].is_string(),
+        )
+        .await;
+    println!("[states] {}", serde_json::to_string_pretty(&waiting).unwrap());
+    let looks_again = (epoch_ms(waiting["until"].as_str().unwrap()) - sent) as f64 / 1000.0;
+    assert!(
+        (QUIET - 1.0..QUIET + 5.0).contains(&looks_again),
+        "it looks again {looks_again:.1} s after the trigger (quiet period {QUIET} s): {waiting}"
+    );
+    assert!(
+        reason(&waiting).contains("burst") && reason(&waiting).contains(waiting["until"].as_str().unwrap()),
+        "{waiting}"
+    );
+    assert_eq!(waiting["record"]["waiting"], true, "{waiting}");
+    assert!(!ran.exists(), "the record ran before its quiet period ended");
+    serve.stop().await;
+    println!("[states] waiting: {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// A downstream for the state tests: a record whose id starts with `throttled` is answered 429
+/// with `Retry-After: 120` at once; any other call 200 after a second. It notes every call:
+/// record and status.
+async fn throttling_downstream() -> (Arc<std::sync::Mutex<Vec<(String, u16)>>>, String) {
+    let calls: Arc<std::sync::Mutex<Vec<(String, u16)>>> = Default::default();
+    let noted = calls.clone();
+    let app = axum::Router::new().route(
+        "/run",
+        axum::routing::post(move |body: axum::Json<Value>| {
+            let noted = noted.clone();
+            async move {
+                let record = body["recordId"].as_str().unwrap_or("").to_string();
+                let (status, retry_after) = if record.starts_with("throttled") {
+                    (429, "120")
+                } else {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    (200, "0")
+                };
+                noted.lock().unwrap().push((record, status));
+                (
+                    axum::http::StatusCode::from_u16(status).unwrap(),
+                    [(axum::http::header::RETRY_AFTER, retry_after)],
+                    "",
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/run", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (calls, url)
+}
+
+/// `deferred` and `paused`, for real, across two processes. Process A's run of a record is
+/// answered `429 Retry-After: 120`: `leasehold status` says the record is `deferred`, `until`
+/// about 120 s on, the reason naming the 429 and its Retry-After; and the throttle pauses the
+/// budget `default` (in storage). A is stopped. Process B, which learnt of the pause from
+/// storage (at its first trigger of the budget), is handed another record's trigger: it hands it
+/// back, and `leasehold status` says that record is `paused`, `until` the pause's end, the
+/// reason naming the budget; its history entry is B's, and the downstream never saw the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_record_is_deferred_and_another_process_holds_the_next_for_its_paused_budget() {
+    let started = std::time::Instant::now();
+    let live = Live::new();
+    let (calls, url) = throttling_downstream().await;
+    let logic = [("LEASEHOLD_LOGIC_URL", url)];
+    let a = live.serve("a", &logic).await;
+    live.cli(&["enqueue", "--scope", "account", "throttled-1"]).await;
+    let deferred = live
+        .state_until(
+            "account",
+            "throttled-1",
+            Duration::from_secs(20),
+            "deferred",
+            |s| s["state"] == "deferred",
+        )
+        .await;
+    println!("[states] {}", serde_json::to_string_pretty(&deferred).unwrap());
+    let left = until_in(&deferred);
+    assert!(
+        (100.0..=121.0).contains(&left),
+        "until {left:.1} s on: {deferred}"
+    );
+    assert!(
+        reason(&deferred).contains("429") && reason(&deferred).contains("Retry-After: 120"),
+        "{deferred}"
+    );
+    assert!(
+        reason(&deferred).starts_with("put off by its logic until"),
+        "{deferred}"
+    );
+    // The pause is in storage; A is stopped, so only B takes triggers from now on.
+    let mut polls = 0;
+    eventually(Duration::from_secs(20), "the budget's pause in storage", || {
+        polls += 1;
+        let live = &live;
+        let first = polls == 1;
+        async move {
+            if !first {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            let budget = live.cli(&["budget", "status", "default", "--json"]).await;
+            budget.contains("\"paused\": true").then_some(())
+        }
+    })
+    .await;
+    a.stop().await;
+
+    let b = live.serve("b", &logic).await;
+    // B reads the budget's pause from storage when a trigger of the budget first comes (in
+    // the background: that trigger may run or meet the pause); it logs what it read.
+    live.cli(&["enqueue", "--scope", "account", "warm-1"]).await;
+    eventually(
+        Duration::from_secs(20),
+        "B to read the pause from storage",
+        || async {
+            b.log()
+                .contains("another worker paused this downstream budget")
+                .then_some(())
+        },
+    )
+    .await;
+    live.cli(&["enqueue", "--scope", "account", "saved-1"]).await;
+    let paused = live
+        .state_until("account", "saved-1", Duration::from_secs(20), "paused", |s| {
+            s["state"] == "paused"
+        })
+        .await;
+    println!("[states] {}", serde_json::to_string_pretty(&paused).unwrap());
+    let left = until_in(&paused);
+    assert!((60.0..=121.0).contains(&left), "until {left:.1} s on: {paused}");
+    assert!(
+        reason(&paused).contains("budget default") && reason(&paused).contains("pause"),
+        "{paused}"
+    );
+    let entry = &paused["history"][0];
+    assert_eq!(entry["event"], "paused", "{paused}");
+    assert!(
+        entry["instance"]
+            .as_str()
+            .is_some_and(|i| i.ends_with(&format!(":{}", b.pid()))),
+        "handed back by B: {paused}"
+    );
+    assert!(
+        !calls.lock().unwrap().iter().any(|(r, _)| r == "saved-1"),
+        "the downstream saw the record during the pause"
+    );
+    b.stop().await;
+    println!(
+        "[states] deferred, then paused in another process: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// `queued`, for real: two triggers put on the low lane with `leasehold enqueue --priority low`
+/// while no worker runs. `leasehold status` says the record is `queued`, naming the low lane's
+/// queue and the messages in it (2), not the high lane's (empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_nobody_has_taken_is_queued_in_its_lane_for_real() {
+    let live = Live::new();
+    for record in ["before-1", "bulk-1"] {
+        live.cli(&["enqueue", "--scope", "account", "--priority", "low", record])
+            .await;
+    }
+    let low = leasehold_runtime::low_queue_name(&live.env.queue);
+    let queued = live
+        .state_until("account", "bulk-1", Duration::from_secs(20), "queued", |s| {
+            s["state"] == "queued"
+        })
+        .await;
+    println!("[states] {}", serde_json::to_string_pretty(&queued).unwrap());
+    assert!(queued["until"].is_null(), "{queued}");
+    let why = reason(&queued);
+    assert!(
+        why.contains("enqueued at")
+            && why.contains(&format!("about 2 messages in the low lane's queue {low}")),
+        "{queued}"
+    );
+}
+
+/// `poisoned`, for real: logic that always fails, `LEASEHOLD_MAX_DEQUEUE_COUNT=2`. Once the
+/// trigger is given up, `leasehold status` says the record is `poisoned`, the reason with the
+/// give-up, the failure (the logic's exit and what it wrote, from the last failed delivery's
+/// entry) and where to look.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_logic_always_fails_is_poisoned_for_real() {
+    let started = std::time::Instant::now();
+    let live = Live::new();
+    let serve = live
+        .serve(
+            "serve",
+            &[
+                (
+                    "LEASEHOLD_LOGIC_COMMAND",
+                    "echo 'the CRM refused the update' >&2; exit 3".to_string(),
+                ),
+                ("LEASEHOLD_MAX_DEQUEUE_COUNT", "2".to_string()),
+            ],
+        )
+        .await;
+    live.cli(&["enqueue", "--scope", "account", "doomed-1"]).await;
+    let poisoned = live
+        .state_until("account", "doomed-1", Duration::from_secs(20), "poisoned", |s| {
+            s["state"] == "poisoned"
+        })
+        .await;
+    println!("[states] {}", serde_json::to_string_pretty(&poisoned).unwrap());
+    let why = reason(&poisoned);
+    assert!(
+        why.starts_with("given up at")
+            && why.contains("gave up after 2 deliveries")
+            && why.contains("the last failure: logic failed: the logic command exited with code 3: the CRM refused the update"),
+        "{poisoned}"
+    );
+    assert!(why.contains("leasehold poison list"), "{poisoned}");
+    assert!(poisoned["until"].is_null(), "{poisoned}");
+    assert!(
+        poisoned["poison"]["approximateMessages"].as_u64() >= Some(1),
+        "{poisoned}"
+    );
+    serve.stop().await;
+    println!("[states] poisoned: {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// Where the history's Table endpoint points in [`history_storage_unreachable`].
+#[derive(Debug, Clone, Copy)]
+enum TableTrouble {
+    /// A listener that accepts connections and never answers.
+    Hangs,
+    /// A closed port.
+    Refuses,
+}
+
+/// The sum of a metric's samples in Prometheus text (0 when absent).
+fn metric(body: &str, name: &str) -> f64 {
+    body.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Run history storage refusing or hanging under a real `serve` ([`TableTrouble`]): the queue,
+/// blobs and Start on Azurite, the Table endpoint elsewhere. Triggers sent to Start run within
+/// 3 s each and the queue drains, before and after the history's writes fail (a hung write fails
+/// after 10 s); `GET /metrics` counts the failures and the entries dropped; `serve` stops at
+/// once. Returns a line for the report.
+async fn history_storage_unreachable(trouble: TableTrouble) -> String {
+    const KEY: &str = "operate-history-trouble-key";
+    let started = std::time::Instant::now();
+    let live = Live::new();
+    let port = match trouble {
+        TableTrouble::Hangs => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            tokio::spawn(async move {
+                let mut held = Vec::new();
+                while let Ok((socket, _)) = listener.accept().await {
+                    held.push(socket);
+                }
+            });
+            port
+        }
+        TableTrouble::Refuses => std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port(),
+    };
+    let connection: Vec<String> = Azurite::shared()
+        .connection_string()
+        .split(';')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            if p.starts_with("TableEndpoint=") {
+                format!("TableEndpoint=http://127.0.0.1:{port}/devstoreaccount1")
+            } else {
+                p.to_string()
+            }
+        })
+        .collect();
+    let connection = connection.join(";");
+    assert!(connection.contains(&format!("127.0.0.1:{port}")), "{connection}");
+    let runs = live.dir.join("runs.log");
+    let serve = live
+        .serve(
+            "serve",
+            &[
+                ("AzureWebJobsStorage", connection),
+                ("LEASEHOLD_API_KEY", KEY.to_string()),
+                (
+                    "LEASEHOLD_LOGIC_COMMAND",
+                    format!("echo \"$LEASEHOLD_RECORD_ID\" >> {}", runs.display()),
+                ),
+            ],
+        )
+        .await;
+    let ran = |record: &str| {
+        std::fs::read_to_string(&runs)
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l == record)
+    };
+    let triggers = common::queue(&live.env.queue);
+    // One trigger to Start, run within 3 s; then the queue drains.
+    let run_one = |record: String| {
+        let (serve, triggers) = (&serve, &triggers);
+        async move {
+            let sent = std::time::Instant::now();
+            let (status, answer) = common::post(
+                &serve.url("/api/start"),
+                &serde_json::json!({"scope": "account", "recordId": record}).to_string(),
+                &[("x-functions-key", KEY), ("content-type", "application/json")],
+            )
+            .await;
+            assert_eq!(status, 202, "{answer}");
+            eventually(Duration::from_secs(20), "the run", || async {
+                ran(&record).then_some(())
+            })
+            .await;
+            let took = sent.elapsed();
+            assert!(
+                took < Duration::from_secs(3),
+                "{trouble:?}: {record} ran {took:?} after it was sent: {}",
+                serve.log()
+            );
+            eventually(Duration::from_secs(20), "the queue to drain", || async {
+                (unless_transient(triggers.approximate_len().await, "the queue")? == 0).then_some(())
+            })
+            .await;
+            took
+        }
+    };
+    let mut took = Vec::new();
+    for i in 0..3 {
+        took.push(run_one(format!("before-{i}")).await);
+    }
+    let scrape = || async {
+        common::get(&serve.url("/metrics"), &[("x-functions-key", KEY)])
+            .await
+            .text()
+            .await
+            .unwrap()
+    };
+    let body = eventually(
+        Duration::from_secs(30),
+        "the history's failures counted",
+        || async {
+            let body = scrape().await;
+            (metric(&body, "leasehold_history_failures_total") >= 1.0
+                && metric(&body, "leasehold_history_dropped_total") >= 1.0)
+                .then_some(body)
+        },
+    )
+    .await;
+    let failed_after = started.elapsed();
+    assert_eq!(
+        metric(&body, "leasehold_history_written_total"),
+        0.0,
+        "{trouble:?}: nothing was written"
+    );
+    for i in 0..2 {
+        took.push(run_one(format!("after-{i}")).await);
+    }
+    assert_eq!(
+        metric(&body, "leasehold_deliveries_total"),
+        3.0,
+        "{trouble:?}: the three runs before counted: {body}"
+    );
+    let failures = metric(&scrape().await, "leasehold_history_failures_total");
+    let stopped_in = serve.stop().await;
+    assert!(
+        stopped_in < Duration::from_secs(12),
+        "{trouble:?}: serve took {stopped_in:?} to stop"
+    );
+    let slowest = took.iter().max().unwrap();
+    format!(
+        "{trouble:?}: 5 runs, slowest {:.2} s from Start to the logic; failures counted {:.1} s in ({failures} by the end); stopped in {:.2} s; test {:.1} s",
+        slowest.as_secs_f64(),
+        failed_after.as_secs_f64(),
+        stopped_in.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    )
+}
+
+/// Issue 36: history storage that hangs, or refuses connections, never delays nor fails a run
+/// under a real `serve`, and is counted in `GET /metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_storage_that_hangs_or_refuses_never_delays_a_run() {
+    let (hangs, refuses) = tokio::join!(
+        history_storage_unreachable(TableTrouble::Hangs),
+        history_storage_unreachable(TableTrouble::Refuses)
+    );
+    println!("[history trouble] {hangs}\n[history trouble] {refuses}");
+}
