@@ -14,7 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use leasehold_lock::RetryOptions;
 use leasehold_runtime::{
-    Delivery, Error, Lane, Outcome, PoisonMessage, RecordRunner, TriggerQueue, record_outcome,
+    Delivery, Error, HistoryEntry, HistoryEvent, Lane, Outcome, PoisonMessage, RecordRunner, TriggerMessage,
+    TriggerQueue, record_outcome,
 };
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -270,6 +271,7 @@ async fn carry_out(app: &App, decision: &Decision) -> (u16, Value) {
             if let Some(wake) = &app.wake {
                 wake.notify_one();
             }
+            record_accepted(app, message, *lane);
             log_decision(decision);
             decision.response()
         }
@@ -278,6 +280,26 @@ async fn carry_out(app: &App, decision: &Decision) -> (u16, Value) {
             other.response()
         }
     }
+}
+
+/// Writes Start's `enqueued` entry to the record's history (off the request's path: the writer
+/// never waits), so a save that arrived is on record before any run: its time, lane, correlation
+/// id and trace, and a record nobody has taken yet reads as `queued`.
+fn record_accepted(app: &App, message: &TriggerMessage, lane: Lane) {
+    let runner = &app.lane(lane).runner;
+    let Some(history) = runner.history() else {
+        return;
+    };
+    let mut entry = HistoryEntry::new(
+        message.scope.clone(),
+        message.record_id.clone(),
+        HistoryEvent::Enqueued,
+    );
+    entry.instance = runner.lock().options().holder.clone();
+    entry.lane = Some(lane.as_str().to_string());
+    entry.correlation_id = message.correlation_id.clone();
+    entry.trace_id = message.trace().map(|t| t.trace_id_hex());
+    history.record(entry.with_reason(format!("by Start, on {}", app.lane(lane).queue.name())));
 }
 
 fn log_decision(decision: &Decision) {
@@ -334,6 +356,10 @@ async fn invoke_start(app: &App, payload: &Value) -> Response {
     let _span = trace_decision(&mut decision, &request, |lane| {
         app.lane(lane).queue.name().to_string()
     });
+    if let Decision::Enqueue(message, lane) = &decision {
+        // The host puts it once we answer.
+        record_accepted(app, message, *lane);
+    }
     log_decision(&decision);
     let (status, body) = decision.response();
     count_start_response(status);

@@ -2181,6 +2181,15 @@ async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
         "the operator's enqueues too: {entries:#?}"
     );
     assert!(instances.contains(dead_instance.as_str()));
+    // Each run carries its trigger's trace: `leasehold enqueue` made one per trigger, and the
+    // dead holder's run and the one that stood in for it share the first.
+    let traces: Vec<&str> = entries
+        .iter()
+        .filter(|e| e["event"] == "started")
+        .map(|e| e["traceId"].as_str().expect("a run's trace id"))
+        .collect();
+    assert_eq!(traces[1], traces[2], "the recovery run keeps the first trigger's trace");
+    assert_ne!(traces[0], traces[1], "the third trigger is a trace of its own");
     for e in &entries {
         for field in ["time", "event", "attempt", "instance"] {
             assert!(!e[field].is_null(), "{field}: {e}");
@@ -2484,6 +2493,42 @@ async fn a_trace_per_trigger_reaches_a_collector_with_each_run_linked_to_the_tri
             "{run:?}"
         );
     }
+    // The record's history has each save as Start took it, and each delivery, with its trace.
+    let history = eventually(Duration::from_secs(10), "the history of the three saves", || async {
+        let (ok, out) = env
+            .output(&["history", "--scope", "account", RECORD, "--json"])
+            .await;
+        assert!(ok, "{out}");
+        let entries: Vec<Value> = serde_json::from_str(&out).unwrap();
+        (entries.iter().filter(|e| e["event"] == "completed").count() == 1).then_some(entries)
+    })
+    .await;
+    let traces_of = |event: &str| -> std::collections::BTreeSet<String> {
+        history
+            .iter()
+            .filter(|e| e["event"] == event)
+            .map(|e| e["traceId"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    let mut all = std::collections::BTreeSet::from([first_run.trace_id.clone()]);
+    all.extend(coalesced.iter().cloned());
+    assert_eq!(traces_of("enqueued"), all, "Start's entries: {history:#?}");
+    assert!(
+        history
+            .iter()
+            .filter(|e| e["event"] == "enqueued")
+            .all(|e| e["reason"].as_str().unwrap().starts_with("by Start")),
+        "{history:#?}"
+    );
+    assert_eq!(
+        traces_of("coalesced"),
+        coalesced.iter().cloned().collect(),
+        "{history:#?}"
+    );
+    assert_eq!(
+        traces_of("started"),
+        std::collections::BTreeSet::from([first_run.trace_id.clone()])
+    );
     // The URL logic got each run's own context.
     let seen = seen.lock().unwrap().clone();
     assert_eq!(
