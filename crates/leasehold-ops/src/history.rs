@@ -508,6 +508,23 @@ impl RecordState {
                 until: None,
                 reason: format!("a retrigger is pending{}", ahead(queue)),
             },
+            // A run whose start is written but not its end, with the lease free: it ended in
+            // the last couple of seconds (its end is written 2 s after at most), or its holder
+            // died (its trigger comes back once the lease has expired and runs again).
+            _ if newest.event == "started" => Self {
+                state: "idle",
+                until: None,
+                reason: format!(
+                    "idle; last: a run started at {at}{} on {} and its lease is free: it has just \
+                     ended (its outcome is written within seconds), or its holder died (its trigger \
+                     comes back and runs again)",
+                    newest
+                        .fencing_token
+                        .map(|t| format!(" (token {t})"))
+                        .unwrap_or_default(),
+                    newest.instance
+                ),
+            },
             _ => {
                 let ran = newest
                     .run_seconds
@@ -847,5 +864,12 @@ mod tests {
         );
         assert_eq!(state(&view(false, false, true), &[]).state, "queued");
         assert_eq!(state(&view(false, false, false), &[]).state, "idle");
+        // A start with no end and the lease free: ended just now, or its holder died.
+        let unended = state(&view(false, false, false), &[entry("started", None, now)]);
+        assert_eq!(unended.state, "idle");
+        assert!(
+            unended.reason.contains("token 3") && unended.reason.contains("holder died"),
+            "{unended:?}"
+        );
     }
 }

@@ -2188,7 +2188,10 @@ async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
         .filter(|e| e["event"] == "started")
         .map(|e| e["traceId"].as_str().expect("a run's trace id"))
         .collect();
-    assert_eq!(traces[1], traces[2], "the recovery run keeps the first trigger's trace");
+    assert_eq!(
+        traces[1], traces[2],
+        "the recovery run keeps the first trigger's trace"
+    );
     assert_ne!(traces[0], traces[1], "the third trigger is a trace of its own");
     for e in &entries {
         for field in ["time", "event", "attempt", "instance"] {
@@ -2494,14 +2497,18 @@ async fn a_trace_per_trigger_reaches_a_collector_with_each_run_linked_to_the_tri
         );
     }
     // The record's history has each save as Start took it, and each delivery, with its trace.
-    let history = eventually(Duration::from_secs(10), "the history of the three saves", || async {
-        let (ok, out) = env
-            .output(&["history", "--scope", "account", RECORD, "--json"])
-            .await;
-        assert!(ok, "{out}");
-        let entries: Vec<Value> = serde_json::from_str(&out).unwrap();
-        (entries.iter().filter(|e| e["event"] == "completed").count() == 1).then_some(entries)
-    })
+    let history = eventually(
+        Duration::from_secs(10),
+        "the history of the three saves",
+        || async {
+            let (ok, out) = env
+                .output(&["history", "--scope", "account", RECORD, "--json"])
+                .await;
+            assert!(ok, "{out}");
+            let entries: Vec<Value> = serde_json::from_str(&out).unwrap();
+            (entries.iter().filter(|e| e["event"] == "completed").count() == 1).then_some(entries)
+        },
+    )
     .await;
     let traces_of = |event: &str| -> std::collections::BTreeSet<String> {
         history
