@@ -182,7 +182,7 @@ fn service_message(body: &[u8]) -> Option<String> {
     (!first.is_empty()).then(|| first.chars().take(300).collect())
 }
 
-fn classify(status: u16, code: Option<&str>) -> StoreErrorKind {
+pub(crate) fn classify(status: u16, code: Option<&str>) -> StoreErrorKind {
     match (status, code.unwrap_or("")) {
         (409, "LeaseAlreadyPresent") => StoreErrorKind::LeaseAlreadyPresent,
         (409, "LeaseIsBreakingAndCannotBeAcquired") => StoreErrorKind::LeaseBreaking,

@@ -209,6 +209,61 @@ impl TableClient {
         self.call(op, request).await.map(drop)
     }
 
+    /// Inserts `entities` (at most [`MAX_BATCH`], all of one partition) in one request, an
+    /// entity group transaction: all of them or none. Errors as [`insert_entity`]'s, from the
+    /// operation that failed ([`TABLE_NOT_FOUND`] when the table does not exist).
+    ///
+    /// [`insert_entity`]: Self::insert_entity
+    pub async fn insert_batch(&self, table: &str, entities: &[Entity]) -> StoreResult<()> {
+        let op = Op::HistoryWrite;
+        check_table_name(table, op)?;
+        let rejected = |why: String| StoreError::new(StoreErrorKind::Rejected, op, why);
+        if entities.is_empty() || entities.len() > MAX_BATCH {
+            return Err(rejected(format!(
+                "a batch holds 1 to {MAX_BATCH} entities, not {}",
+                entities.len()
+            )));
+        }
+        let mut partition = None;
+        for entity in entities {
+            for key in ["PartitionKey", "RowKey"] {
+                match entity.get(key).and_then(Value::as_str) {
+                    Some(value) => check_key(key, value, op)?,
+                    None => return Err(rejected(format!("the entity has no {key} (a string)"))),
+                }
+            }
+            let pk = entity.get("PartitionKey").and_then(Value::as_str);
+            if *partition.get_or_insert(pk) != pk {
+                return Err(rejected("a batch's entities are all of one partition".into()));
+            }
+        }
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let (batch, changeset) = (format!("batch_{id}"), format!("changeset_{id}"));
+        let mut target = self.endpoint.clone();
+        target
+            .path_segments_mut()
+            .expect("storage endpoints are base URLs")
+            .pop_if_empty()
+            .push(table);
+        let mut body = format!(
+            "--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n"
+        );
+        for entity in entities {
+            body.push_str(&format!(
+                "--{changeset}\r\nContent-Type: application/http\r\nContent-Transfer-Encoding: binary\r\n\r\n\
+                 POST {target} HTTP/1.1\r\nContent-Type: application/json\r\nAccept: {JSON_NO_METADATA}\r\n\
+                 Prefer: return-no-content\r\nDataServiceVersion: 3.0\r\n\r\n{}\r\n",
+                Value::Object(entity.clone())
+            ));
+        }
+        body.push_str(&format!("--{changeset}--\r\n\r\n--{batch}--\r\n"));
+        let mut request = self.request(Method::Post, "$batch", &[]);
+        request.insert_header("content-type", format!("multipart/mixed; boundary={batch}"));
+        request.set_body(body.into_bytes());
+        let response = self.call(op, request).await?;
+        batch_failure(op, response.body().as_ref()).map_or(Ok(()), Err)
+    }
+
     /// One page of the entities of `table` in the partition `partition_key`, in `RowKey` order
     /// (ascending: with inverted timestamps as row keys, newest first): up to `top` entities
     /// (at most [`MAX_PAGE`]; `None` for the service's page), from `continuation` (the previous
@@ -299,6 +354,36 @@ impl TableClient {
         })
         .await
     }
+}
+
+/// The most entities one [`TableClient::insert_batch`] takes (the service's limit).
+pub const MAX_BATCH: usize = 100;
+
+/// The failure inside a batch's answer, if any: the service answers a batch 202 whatever
+/// becomes of it, and a failed transaction as one part with the failing operation's status and
+/// error body.
+fn batch_failure(op: Op, body: &[u8]) -> Option<StoreError> {
+    let text = String::from_utf8_lossy(body);
+    let mut lines = text.lines();
+    while let Some(line) = lines.next() {
+        let Some(rest) = line.strip_prefix("HTTP/1.1 ") else {
+            continue;
+        };
+        let status: u16 = rest.split(' ').next()?.parse().ok()?;
+        if status < 300 {
+            continue;
+        }
+        // The part's body: the first line that is JSON after its headers.
+        let error = lines
+            .by_ref()
+            .find(|l| l.trim_start().starts_with('{'))
+            .and_then(|l| odata_error(l.trim().as_bytes()));
+        let (code, message) = error.unwrap_or_default();
+        let code = (!code.is_empty()).then_some(code);
+        let kind = crate::azure::classify(status, code.as_deref());
+        return Some(StoreError::new(kind, op, message).with_status(status, code));
+    }
+    None
 }
 
 /// Sets a JSON body (and its type) on a write that wants nothing back.

@@ -302,3 +302,48 @@ async fn more_than_a_page_of_entities_is_read_through_the_continuation() {
     assert_eq!(client.counters().snapshot().get(Op::HistoryRead), 2);
     client.delete_table(&table).await.unwrap();
 }
+
+/// A batch (entity group transaction) writes up to 100 entities of one partition in one
+/// request, all or none: a missing table and a duplicate key are told apart as for one insert,
+/// and a batch the service could never take is refused before anything is sent.
+#[tokio::test]
+async fn a_batch_writes_a_partitions_entities_in_one_request_all_or_none() {
+    let client = client();
+    let table = table_name();
+    let row = |p: &str, r: usize| entity(json!({ "PartitionKey": p, "RowKey": format!("{r:03}"), "N": r as i64 }));
+    let e = client.insert_batch(&table, &[row("p", 1)]).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::NotFound, "{e}");
+    assert_eq!(e.code(), Some(TABLE_NOT_FOUND), "{e}");
+    assert!(client.create_table(&table).await.unwrap());
+    let before = client.counters().snapshot();
+    let rows: Vec<Entity> = (0..100).map(|r| row("p", r)).collect();
+    client.insert_batch(&table, &rows).await.unwrap();
+    assert_eq!(
+        client.counters().snapshot().since(&before).get(Op::HistoryWrite),
+        1,
+        "one request for 100 entities"
+    );
+    let (all, _) = read_all(&client, &table, "p", None).await;
+    assert_eq!(all.len(), 100);
+    assert_eq!(all[42]["N"], 42);
+    // A key that exists fails the whole transaction: nothing of it is written.
+    let e = client
+        .insert_batch(&table, &[row("p", 200), row("p", 5)])
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ENTITY_ALREADY_EXISTS), "{e}");
+    assert_eq!(read_all(&client, &table, "p", None).await.0.len(), 100, "all or none");
+    let before = client.counters().snapshot();
+    for bad in [
+        vec![],
+        (0..101).map(|r| row("q", r)).collect(),
+        vec![row("q", 1), row("r", 2)],
+    ] {
+        assert_eq!(
+            client.insert_batch(&table, &bad).await.unwrap_err().kind(),
+            StoreErrorKind::Rejected
+        );
+    }
+    assert_eq!(client.counters().snapshot().since(&before).total(), 0);
+    assert!(client.delete_table(&table).await.unwrap());
+}
