@@ -10,13 +10,13 @@
 //! bounded buffer are dropped and counted ([`HISTORY_DROPPED_TOTAL`]). A run never waits for,
 //! fails for, or repeats for its history.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use leasehold_storage::table::{Entity, TABLE_NOT_FOUND, TableClient};
+use leasehold_storage::table::{Entity, TABLE_NOT_FOUND, TableClient, odata_literal};
 use leasehold_storage::{Op, StoreError, StoreErrorKind};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -570,8 +570,9 @@ impl Drop for Outstanding {
     }
 }
 
-/// The most entries one write carries (a stored group stays well under the store's limits).
-pub const MAX_ENTRIES_PER_WRITE: usize = 100;
+/// The most entries one write ([`HistoryStore::append`]) carries: a flush of more is several
+/// writes, under way at once up to [`HistoryOptions::max_writes`].
+pub const MAX_ENTRIES_PER_WRITE: usize = 1000;
 
 fn write_all(
     store: &Arc<dyn HistoryStore>,
@@ -582,11 +583,16 @@ fn write_all(
     pending: &mut HashMap<(Scope, RecordId), Vec<HistoryEntry>>,
     order: &mut VecDeque<(Scope, RecordId)>,
 ) {
+    // Every record's entries, a record's together and in order: the store writes them in as few
+    // requests as it can (the Table service: one per partition of records, per 100 records).
+    let mut all = Vec::new();
     while let Some(key) = order.pop_front() {
-        let Some(entries) = pending.remove(&key) else {
-            continue;
-        };
-        for chunk in entries.chunks(MAX_ENTRIES_PER_WRITE) {
+        if let Some(entries) = pending.remove(&key) {
+            all.extend(entries);
+        }
+    }
+    {
+        for chunk in all.chunks(MAX_ENTRIES_PER_WRITE) {
             let chunk = chunk.to_vec();
             let (store, writes, timeout) = (store.clone(), writes.clone(), options.write_timeout);
             // Counted out when the write ends, however it ends.
@@ -622,12 +628,15 @@ fn write_all(
 /// History in the account's Table service: one table per period of [`HistoryOptions::keep`]
 /// (whole days), named `<prefix><yyyymmdd>` after the period's first day (UTC), dropped whole
 /// once the period ended more than `keep` ago ([`sweep`](HistoryStore::sweep): a request per
-/// period, not per entry). A record's entries are the partition `<scope>|<record>` (neither
-/// holds `|`), so a bulk import of many records spreads over as many partitions; each write is
-/// one entity whose row key is the newest entry's time inverted (`9999999999999 − ms`, then a
-/// random suffix), so a partition reads newest first, and whose `Entries` property holds the
-/// write's entries as JSON. A record's history within `keep` is in the current period's table
-/// and the one before: read in 2 requests.
+/// period, not per entry). A scope's records are spread by a hash of the record over
+/// [`BUCKETS`] partitions `<scope>|<bucket>` (the scope holds no `|`), so a write of many
+/// records' entries is a few entity group transactions (one per partition per 100 records), and
+/// no partition is hot however a bulk import is ordered. Each record's write is one entity whose
+/// row key is `<record>|` and the newest entry's time inverted (`9999999999999 − ms`, then a
+/// random suffix), so a record's entities are one key range of its partition, newest first,
+/// and whose `Entries` property holds the write's entries as JSON (`Newest`, the newest entry's
+/// time in 13 digits, lets [`recent`](HistoryStore::recent) filter by time). A record's history
+/// within `keep` is in the current period's table and the one before: read in 2 requests.
 #[derive(Debug, Clone)]
 pub struct TableHistory {
     client: TableClient,
@@ -719,15 +728,27 @@ impl TableHistory {
         (days >= 0 && (days as u64).is_multiple_of(self.period_days)).then(|| days as u64 / self.period_days)
     }
 
+    /// The partition of `record`'s entities: its scope and its bucket, by FNV-1a (a hash that
+    /// is the same on every machine and version: readers find what any writer wrote).
     fn partition(scope: &Scope, record: &RecordId) -> String {
-        format!("{}|{}", scope.as_str(), record.as_str())
+        let mut hash: u32 = 0x811c_9dc5;
+        for byte in record.as_str().bytes() {
+            hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+        }
+        format!("{}|{:02x}", scope.as_str(), hash % BUCKETS)
     }
 
-    async fn insert(&self, table: &str, entity: &Entity) -> Result<(), StoreError> {
-        match self.client.insert_entity(table, entity).await {
+    /// The first row key of `record`'s entities in its partition; `record}` bounds them above
+    /// (`}` sorts just after `|`, which no record holds).
+    fn row_prefix(record: &RecordId) -> String {
+        format!("{}|", record.as_str())
+    }
+
+    async fn insert(&self, table: &str, entities: &[Entity]) -> Result<(), StoreError> {
+        match self.client.insert_batch(table, entities).await {
             Err(e) if e.code() == Some(TABLE_NOT_FOUND) => {
                 self.client.create_table(table).await?;
-                self.client.insert_entity(table, entity).await
+                self.client.insert_batch(table, entities).await
             }
             other => other,
         }
@@ -735,6 +756,11 @@ impl TableHistory {
 }
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// The partitions a scope's records are spread over in each table ([`TableHistory`]): enough
+/// that no partition nears the service's 2,000 entities a second (a burst of 2,000 runs a
+/// second is 125 a partition), few enough that a flush of many runs is a few requests.
+pub const BUCKETS: u32 = 16;
 
 /// The civil date (proleptic Gregorian, UTC) of `days` since 1970-01-01 (H. Hinnant's).
 fn civil_from_days(days: i64) -> (i64, u32, u32) {
@@ -763,48 +789,88 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
 #[async_trait]
 impl HistoryStore for TableHistory {
     async fn append(&self, entries: &[HistoryEntry]) -> Result<(), StoreError> {
-        let Some(first) = entries.first() else {
-            return Ok(());
-        };
-        let partition = Self::partition(&first.scope, &first.record);
-        // Entities of at most MAX_ENTRIES_BYTES of entries each (one, nearly always).
-        let mut groups: Vec<Vec<&HistoryEntry>> = vec![Vec::new()];
-        let mut size = 0;
+        // Each record's entries as entities of at most MAX_ENTRIES_BYTES of entries (one,
+        // nearly always), by table and partition.
+        let mut batches: BTreeMap<(String, String), Vec<Entity>> = BTreeMap::new();
+        let mut records: Vec<(&Scope, &RecordId, Vec<&HistoryEntry>)> = Vec::new();
         for entry in entries {
-            let len = serde_json::to_string(entry).map_or(0, |s| s.len()) + 1;
-            if size + len > MAX_ENTRIES_BYTES && !groups.last().is_some_and(Vec::is_empty) {
-                groups.push(Vec::new());
-                size = 0;
+            match records
+                .iter_mut()
+                .find(|(s, r, _)| *s == &entry.scope && *r == &entry.record)
+            {
+                Some((_, _, list)) => list.push(entry),
+                None => records.push((&entry.scope, &entry.record, vec![entry])),
             }
-            size += len;
-            groups.last_mut().expect("one group at least").push(entry);
         }
-        for group in groups {
-            let newest = group.iter().map(|e| e.time_ms).max().unwrap_or(0);
-            let mut events: Vec<&str> = group.iter().map(|e| e.event.as_str()).collect();
-            events.dedup();
-            let mut entity = Entity::new();
-            entity.insert("PartitionKey".into(), partition.clone().into());
-            entity.insert(
-                "RowKey".into(),
-                format!(
-                    "{:013}-{}",
-                    9_999_999_999_999u64.saturating_sub(newest),
-                    uuid::Uuid::new_v4().simple()
-                )
-                .into(),
-            );
-            entity.insert("Scope".into(), first.scope.as_str().into());
-            entity.insert("Events".into(), events.join(" ").into());
-            entity.insert(
-                "Entries".into(),
-                serde_json::to_string(&group)
-                    .map_err(|e| StoreError::new(StoreErrorKind::Rejected, Op::HistoryWrite, e.to_string()))?
+        for (scope, record, list) in records {
+            let mut groups: Vec<Vec<&HistoryEntry>> = vec![Vec::new()];
+            let mut size = 0;
+            for entry in list {
+                let len = serde_json::to_string(entry).map_or(0, |s| s.len()) + 1;
+                if size + len > MAX_ENTRIES_BYTES && !groups.last().is_some_and(Vec::is_empty) {
+                    groups.push(Vec::new());
+                    size = 0;
+                }
+                size += len;
+                groups.last_mut().expect("one group at least").push(entry);
+            }
+            let partition = Self::partition(scope, record);
+            for group in groups {
+                let newest = group.iter().map(|e| e.time_ms).max().unwrap_or(0);
+                let mut events: Vec<&str> = group.iter().map(|e| e.event.as_str()).collect();
+                events.dedup();
+                let mut entity = Entity::new();
+                entity.insert("PartitionKey".into(), partition.clone().into());
+                entity.insert(
+                    "RowKey".into(),
+                    format!(
+                        "{}{:013}-{}",
+                        Self::row_prefix(record),
+                        9_999_999_999_999u64.saturating_sub(newest),
+                        uuid::Uuid::new_v4().simple()
+                    )
                     .into(),
-            );
-            self.insert(&self.table(self.period_of(newest)), &entity).await?;
+                );
+                entity.insert("Newest".into(), format!("{newest:013}").into());
+                entity.insert("Scope".into(), scope.as_str().into());
+                entity.insert("Events".into(), events.join(" ").into());
+                entity.insert(
+                    "Entries".into(),
+                    serde_json::to_string(&group)
+                        .map_err(|e| {
+                            StoreError::new(StoreErrorKind::Rejected, Op::HistoryWrite, e.to_string())
+                        })?
+                        .into(),
+                );
+                batches
+                    .entry((self.table(self.period_of(newest)), partition.clone()))
+                    .or_default()
+                    .push(entity);
+            }
         }
-        Ok(())
+        // One entity group transaction per partition and 100 entities, all under way at once.
+        let mut writes = tokio::task::JoinSet::new();
+        for ((table, _), entities) in batches {
+            for chunk in entities.chunks(leasehold_storage::table::MAX_BATCH) {
+                let (this, table, chunk) = (self.clone(), table.clone(), chunk.to_vec());
+                writes.spawn(async move { this.insert(&table, &chunk).await });
+            }
+        }
+        let mut failed = None;
+        while let Some(done) = writes.join_next().await {
+            match done {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failed = failed.or(Some(e)),
+                Err(e) => {
+                    failed = failed.or(Some(StoreError::new(
+                        StoreErrorKind::Transient,
+                        Op::HistoryWrite,
+                        format!("a history write task failed: {e}"),
+                    )))
+                }
+            }
+        }
+        failed.map_or(Ok(()), Err)
     }
 
     async fn read(
@@ -816,7 +882,12 @@ impl HistoryStore for TableHistory {
     ) -> Result<Vec<HistoryEntry>, StoreError> {
         let now = unix_ms(SystemTime::now());
         let since = now.saturating_sub(keep.as_millis() as u64);
-        let partition = Self::partition(scope, record);
+        let filter = format!(
+            "PartitionKey eq {} and RowKey ge {} and RowKey lt {}",
+            odata_literal(&Self::partition(scope, record)),
+            odata_literal(&Self::row_prefix(record)),
+            odata_literal(&format!("{}}}", record.as_str())),
+        );
         let current = self.period_of(now);
         let mut found = Vec::new();
         for period in [current, current.saturating_sub(1)] {
@@ -830,7 +901,7 @@ impl HistoryStore for TableHistory {
                 let top = (limit - found.len().min(limit)).clamp(1, 1000) as u32;
                 let (entities, more) = match self
                     .client
-                    .query_partition(&table, &partition, Some(top), next.as_ref())
+                    .query(&table, Some(&filter), Some(top), next.as_ref())
                     .await
                 {
                     Ok(page) => page,
@@ -954,25 +1025,19 @@ impl TableHistory {
     /// The `$filter` of a [`HistoryStore::recent`] read: entities whose newest entry is in
     /// `[since, until + ENTITY_SPAN]`, of `scope`'s partitions if given.
     ///
-    /// By row key (the newest entry's time by the writer's clock, inverted), not by the
-    /// service's `Timestamp`: the entries' times are the writer's, so the window is cut by the
-    /// same clock, whatever the skew between the writer and the service.
+    /// By `Newest` (the newest entry's time by the writer's clock, 13 digits, so compared as
+    /// text it compares as a number), not by the service's `Timestamp`: the entries' times are
+    /// the writer's, so the window is cut by the same clock, whatever the skew between the writer
+    /// and the service.
     fn recent_filter(query: &RecentQuery) -> String {
-        let inverted = |ms: u64| 9_999_999_999_999u64.saturating_sub(ms);
         let until = query.until_ms.saturating_add(ENTITY_SPAN.as_millis() as u64);
-        // Row keys are `<13 digits>-<uuid>`: `.` sorts just above `-`, so `<digits>.` bounds
-        // every key of those digits from above, and the digits alone from below.
-        let mut filter = format!(
-            "RowKey ge '{:013}' and RowKey lt '{:013}.'",
-            inverted(until),
-            inverted(query.since_ms)
-        );
+        let mut filter = format!("Newest ge '{:013}' and Newest le '{until:013}'", query.since_ms);
         if let Some(scope) = &query.scope {
-            // A scope's partitions are `<scope>|<record>`; `}` sorts just above `|`.
+            // A scope's partitions are `<scope>|<bucket>`; `}` sorts just above `|`.
             filter = format!(
                 "PartitionKey ge {} and PartitionKey lt {} and {filter}",
-                leasehold_storage::table::odata_literal(&format!("{}|", scope.as_str())),
-                leasehold_storage::table::odata_literal(&format!("{}}}", scope.as_str())),
+                odata_literal(&format!("{}|", scope.as_str())),
+                odata_literal(&format!("{}}}", scope.as_str())),
             );
         }
         filter
@@ -1035,8 +1100,8 @@ mod tests {
         assert!(reason.ends_with('…'));
     }
 
-    /// A record's entries within the flush interval go in one write; records apart; `flush`
-    /// writes at once.
+    /// The entries gathered within the flush interval, of every record, go in one write (the
+    /// store makes it in as few requests as it can); `flush` writes at once.
     #[tokio::test(start_paused = true)]
     async fn a_records_entries_are_gathered_into_one_write() {
         let store = Arc::new(MemoryHistory::new());
@@ -1054,13 +1119,13 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(store.appends(), 0, "nothing is written before the interval");
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(store.appends(), 2, "one write per record");
+        assert_eq!(store.appends(), 1, "one write for both records' entries");
         let all = store.all();
         assert_eq!(all.len(), 3);
         assert!(all.iter().all(|e| e.instance == "host:1"));
         history.record(entry("3", HistoryEvent::Started));
         history.flush().await;
-        assert_eq!(store.appends(), 3);
+        assert_eq!(store.appends(), 2);
         let read = history
             .read(
                 &Scope::parse("account").unwrap(),
@@ -1140,7 +1205,7 @@ mod tests {
     /// The table filter bounds row keys (inverted times) by the window, with room for an
     /// entity's older entries, and a scope's partitions by `|` and the next character.
     #[test]
-    fn the_recent_filter_bounds_row_keys_and_a_scopes_partitions() {
+    fn the_recent_filter_bounds_the_newest_entry_and_a_scopes_partitions() {
         let query = RecentQuery {
             since_ms: 1_000_000,
             until_ms: 2_000_000,
@@ -1152,23 +1217,38 @@ mod tests {
         assert_eq!(
             filter,
             "PartitionKey ge 'account|' and PartitionKey lt 'account}' and \
-             RowKey ge '9999997399999' and RowKey lt '9999998999999.'"
+             Newest ge '0000001000000' and Newest le '0000002600000'"
         );
-        // A row key written at `since` is inside; one a millisecond before is not.
-        let key = |ms: u64| format!("{:013}-{}", 9_999_999_999_999u64 - ms, "0".repeat(32));
-        assert!(key(1_000_000).as_str() < "9999998999999." && key(999_999).as_str() > "9999998999999.");
+    }
+
+    /// A record's partition is its scope and one of [`BUCKETS`], the same on every machine;
+    /// records spread over all of them.
+    #[test]
+    fn records_spread_over_their_scopes_buckets() {
+        let scope = Scope::parse("account").unwrap();
+        let record = |r: &str| RecordId::parse(r).unwrap();
+        assert_eq!(TableHistory::partition(&scope, &record("a")), "account|0c");
+        let mut seen = std::collections::BTreeMap::<String, usize>::new();
+        for i in 0..1600 {
+            *seen
+                .entry(TableHistory::partition(&scope, &record(&format!("rec-{i}"))))
+                .or_default() += 1;
+        }
+        assert_eq!(seen.len(), BUCKETS as usize, "{seen:?}");
+        assert!(seen.values().all(|&n| (50..=150).contains(&n)), "{seen:?}");
     }
 
     #[derive(Debug)]
     struct Broken {
         hang: bool,
-        calls: Mutex<u64>,
+        /// Entries handed to it, all writes together.
+        entries: Mutex<u64>,
     }
 
     #[async_trait]
     impl HistoryStore for Broken {
-        async fn append(&self, _: &[HistoryEntry]) -> Result<(), StoreError> {
-            *self.calls.lock().unwrap() += 1;
+        async fn append(&self, entries: &[HistoryEntry]) -> Result<(), StoreError> {
+            *self.entries.lock().unwrap() += entries.len() as u64;
             if self.hang {
                 std::future::pending::<()>().await;
             }
@@ -1202,7 +1282,7 @@ mod tests {
     async fn a_hanging_store_holds_at_most_the_buffer_in_memory() {
         let store = Arc::new(Broken {
             hang: true,
-            calls: Mutex::new(0),
+            entries: Mutex::new(0),
         });
         let history = History::new(
             store.clone(),
@@ -1219,14 +1299,14 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(3)).await;
         }
         assert_eq!(
-            *store.calls.lock().unwrap(),
+            *store.entries.lock().unwrap(),
             4,
-            "only the first 4 entries were taken while their writes hung"
+            "only the first 4 entries were taken while their write hung"
         );
         tokio::time::sleep(Duration::from_secs(10)).await;
         history.record(entry("later", HistoryEvent::Started));
         tokio::time::sleep(Duration::from_secs(3)).await;
-        assert_eq!(*store.calls.lock().unwrap(), 5, "taken again once they timed out");
+        assert_eq!(*store.entries.lock().unwrap(), 5, "taken again once it timed out");
     }
 
     /// A store that refuses or hangs never holds `record` up, and the writer goes on: a hung
@@ -1236,7 +1316,7 @@ mod tests {
         for hang in [false, true] {
             let store = Arc::new(Broken {
                 hang,
-                calls: Mutex::new(0),
+                entries: Mutex::new(0),
             });
             let history = History::new(
                 store.clone(),
@@ -1253,7 +1333,7 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(60), history.flush())
                 .await
                 .expect("a hung write ends at its timeout");
-            assert!(*store.calls.lock().unwrap() >= 4, "hang {hang}");
+            assert!(*store.entries.lock().unwrap() >= 4, "hang {hang}");
         }
     }
 }

@@ -245,9 +245,7 @@ impl TableClient {
             .expect("storage endpoints are base URLs")
             .pop_if_empty()
             .push(table);
-        let mut body = format!(
-            "--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n"
-        );
+        let mut body = format!("--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n");
         for entity in entities {
             body.push_str(&format!(
                 "--{changeset}\r\nContent-Type: application/http\r\nContent-Transfer-Encoding: binary\r\n\r\n\

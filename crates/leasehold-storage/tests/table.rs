@@ -310,7 +310,8 @@ async fn more_than_a_page_of_entities_is_read_through_the_continuation() {
 async fn a_batch_writes_a_partitions_entities_in_one_request_all_or_none() {
     let client = client();
     let table = table_name();
-    let row = |p: &str, r: usize| entity(json!({ "PartitionKey": p, "RowKey": format!("{r:03}"), "N": r as i64 }));
+    let row =
+        |p: &str, r: usize| entity(json!({ "PartitionKey": p, "RowKey": format!("{r:03}"), "N": r as i64 }));
     let e = client.insert_batch(&table, &[row("p", 1)]).await.unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::NotFound, "{e}");
     assert_eq!(e.code(), Some(TABLE_NOT_FOUND), "{e}");
@@ -332,7 +333,11 @@ async fn a_batch_writes_a_partitions_entities_in_one_request_all_or_none() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Some(ENTITY_ALREADY_EXISTS), "{e}");
-    assert_eq!(read_all(&client, &table, "p", None).await.0.len(), 100, "all or none");
+    assert_eq!(
+        read_all(&client, &table, "p", None).await.0.len(),
+        100,
+        "all or none"
+    );
     let before = client.counters().snapshot();
     for bad in [
         vec![],
