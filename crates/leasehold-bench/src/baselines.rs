@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use leasehold_lock::{LeaseDuration, LeaseId, OpCounts, StoreErrorKind};
-use leasehold_runtime::{Consumer, ConsumerOptions, TriggerMessage};
+use leasehold_runtime::{Consumer, ConsumerOptions, History, TriggerMessage};
 use leasehold_storage::Op;
 use leasehold_test_support::Azurite;
 use tokio_util::sync::CancellationToken;
@@ -29,7 +29,7 @@ use crate::{Env, Probe, env, fmt, runner, seed, summary};
 
 /// A design under measurement.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Design {
+pub(crate) enum Design {
     Minimum,
     Leasehold { fencing: bool },
     Seed,
@@ -57,10 +57,10 @@ impl Design {
 
 /// One drain of a queue of triggers.
 #[derive(Debug, Clone)]
-struct Pass {
-    records: usize,
-    elapsed: Duration,
-    requests: OpCounts,
+pub(crate) struct Pass {
+    pub(crate) records: usize,
+    pub(crate) elapsed: Duration,
+    pub(crate) requests: OpCounts,
     /// CPU time of this process (user + system) during the drain.
     cpu: Duration,
     /// TCP connections opened on the machine during the drain (`/proc/net/snmp` ActiveOpens:
@@ -70,7 +70,7 @@ struct Pass {
 }
 
 impl Pass {
-    fn rate(&self) -> f64 {
+    pub(crate) fn rate(&self) -> f64 {
         self.records as f64 / self.elapsed.as_secs_f64()
     }
 
@@ -120,6 +120,17 @@ fn tcp_active_opens() -> u64 {
 /// Puts a trigger for each of `records`, then drains them `design`'s way with `concurrency`
 /// runs at once; what the drain took.
 async fn pass(e: &Env, design: Design, records: &[String], concurrency: usize) -> Pass {
+    pass_with(e, design, records, concurrency, None).await
+}
+
+/// [`pass`], Leasehold's runner writing its run history to `history` where given (section 9).
+pub(crate) async fn pass_with(
+    e: &Env,
+    design: Design,
+    records: &[String],
+    concurrency: usize,
+    history: Option<&History>,
+) -> Pass {
     // Puts in a row meet a refused connection now and then on a loaded machine: retried, as
     // Start's are (the puts are before the counted drain).
     let retry = leasehold_lock::RetryOptions::default();
@@ -141,7 +152,11 @@ async fn pass(e: &Env, design: Design, records: &[String], concurrency: usize) -
                 concurrency,
                 ..ConsumerOptions::default()
             };
-            let consumer = Consumer::new(runner(e, probe.clone(), fencing, 30), e.poison.clone(), options);
+            let mut runner = runner(e, probe.clone(), fencing, 30);
+            if let Some(history) = history {
+                runner = runner.with_history(history.clone());
+            }
+            let consumer = Consumer::new(runner, e.poison.clone(), options);
             let shutdown = CancellationToken::new();
             let task = {
                 let (c, s) = (consumer.clone(), shutdown.clone());
@@ -270,7 +285,7 @@ fn by_kind(pass: &Pass) -> String {
         .join(", ")
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }

@@ -7,6 +7,7 @@
 
 mod baselines;
 mod functions;
+mod history;
 mod seed;
 
 use std::collections::HashMap;
@@ -57,16 +58,25 @@ fn parse_args() -> Result<Config> {
             }
             "--only" => {
                 let section = args.next().context("--only needs a section")?;
-                if !["baselines", "bulk", "functions", "latency", "footprint"].contains(&section.as_str()) {
+                if ![
+                    "baselines",
+                    "bulk",
+                    "functions",
+                    "latency",
+                    "footprint",
+                    "history",
+                ]
+                .contains(&section.as_str())
+                {
                     anyhow::bail!(
-                        "--only {section:?}: the sections run alone are baselines, bulk, functions, latency and footprint"
+                        "--only {section:?}: the sections run alone are baselines, bulk, functions, latency, footprint and history"
                     );
                 }
                 only = Some(section);
             }
             "-h" | "--help" => {
                 println!(
-                    "leasehold-bench [--smoke] [--out FILE] [--only baselines|bulk|functions|latency|footprint] [--records N]\n\n\
+                    "leasehold-bench [--smoke] [--out FILE] [--only baselines|bulk|functions|latency|footprint|history] [--records N]\n\n\
                      Benchmarks Leasehold against the seed design and raw storage on its own Azurite\n\
                      (installed by scripts/install-azurite.sh). Writes a markdown report to FILE\n\
                      (default target/bench/leasehold-bench.md). --smoke: tiny sizes, for CI.\n\
@@ -74,7 +84,8 @@ fn parse_args() -> Result<Config> {
                      --only baselines: only section 3 (throughput against the baselines, scaling plot);\n\
                      --only functions: only section 4b (the Worker through the custom handler);\n\
                      --only latency: only section 4 (trigger and follow-up run start latency);\n\
-                     --only footprint: only section 7 (handler start-up and idle memory)."
+                     --only footprint: only section 7 (handler start-up and idle memory);\n\
+                     --only history: only section 9 (what run history costs, history off and on)."
                 );
                 std::process::exit(0);
             }
@@ -1058,8 +1069,26 @@ async fn main() -> Result<()> {
         concurrency: 8,
         scaling_records,
     };
+    let section9 = if config.smoke {
+        history::Sizes {
+            records: 20,
+            repeats: 1,
+            concurrency: 8,
+            triggers: 3,
+            long_records: 8,
+        }
+    } else {
+        history::Sizes {
+            records: 600,
+            repeats: 5,
+            concurrency: 8,
+            triggers: 20,
+            long_records: 48,
+        }
+    };
     match config.only.as_deref() {
         Some("baselines") => baselines::section(&section3, &plot, &mut report).await,
+        Some("history") => history::section(&azurite, &section9, &mut report).await,
         Some("latency") => latency(&azurite, samples, &mut report).await,
         Some("functions") => functions::section(&azurite, invocations, &mut report).await?,
         Some("footprint") => footprint(&azurite, footprint_samples, &mut report).await?,
@@ -1095,6 +1124,7 @@ async fn main() -> Result<()> {
             recovery(&azurite, recovery_samples, &mut report).await;
             footprint(&azurite, footprint_samples, &mut report).await?;
             bulk(&azurite, bulk_records, &mut report).await;
+            history::section(&azurite, &section9, &mut report).await;
         }
     }
     writeln!(

@@ -22,6 +22,7 @@ fn the_benchmark_completes_at_its_smoke_sizes() {
         "## 1.",
         "## 3. Throughput",
         "## 6. Recovery",
+        "## 9. History",
         "Total benchmark time",
     ] {
         assert!(
