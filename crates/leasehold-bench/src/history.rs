@@ -6,7 +6,7 @@
 //! * **Throughput**: section 3's drain (a queue of triggers, 8 runs at once, no-op logic, fresh
 //!   records then the same records seen again), by the minimum protocol, Leasehold with history
 //!   off and Leasehold with history on (a [`TableHistory`] in the same Azurite, the writer as
-//!   shipped: a record's entries gathered for 2 s into one write). Each on an empty Azurite of
+//!   shipped: entries gathered for 2 s, a transaction per partition). Each on an empty Azurite of
 //!   its own, the three interleaved in every round (on before off in every other round), so a
 //!   noisy moment of the machine hits both alike. The seen pass follows the fresh one with the
 //!   writer not flushed between them: the fresh pass's last writes land in the seen pass's
@@ -297,7 +297,7 @@ pub async fn section(az: &Azurite, sizes: &Sizes, report: &mut String) {
     .unwrap();
     writeln!(
         report,
-        "History on: the runner writes to a `TableHistory` in the same Azurite (Table service), through the writer as `serve` ships it (a record's entries gathered for 2 s into one write, off the run's path). Fencing on, budgets wired (the shipped configuration).\n"
+        "History on: the runner writes to a `TableHistory` in the same Azurite (Table service), through the writer as `serve` ships it (entries gathered for 2 s, each partition's written as one entity group transaction, off the run's path). Fencing on, budgets wired (the shipped configuration).\n"
     )
     .unwrap();
 

@@ -1,7 +1,8 @@
 //! Span export over OTLP/HTTP (protobuf), configured by the standard `OTEL_*` variables.
 //!
 //! Nothing is exported, and nothing is installed, unless `OTEL_EXPORTER_OTLP_ENDPOINT` (or
-//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set: the libraries' spans
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, or `OTEL_TRACES_EXPORTER` names `azuremonitor`
+//! (Application Insights, straight from `APPLICATIONINSIGHTS_CONNECTION_STRING`: no collector): the libraries' spans
 //! ([`leasehold_runtime::trace`]) then go to OpenTelemetry's no-op tracer, and only the trace
 //! contexts travel (in messages, logs, history and to the logic). When it is set, this installs
 //! the global tracer provider with a batch exporter; the exporter reads the endpoint, headers
@@ -53,32 +54,27 @@ pub fn install() -> anyhow::Result<Option<Traces>> {
     if var("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
         return Ok(None);
     }
-    match var("OTEL_TRACES_EXPORTER").as_deref() {
-        None | Some("otlp") => {}
-        Some("none") => return Ok(None),
-        Some(other) => {
-            bail!("OTEL_TRACES_EXPORTER={other:?}: leasehold exports over OTLP only (otlp or none)")
+    let endpoint = var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT"));
+    // OTEL_TRACES_EXPORTER is a comma list: otlp (the default when an endpoint is set),
+    // azuremonitor, none.
+    let (mut otlp, mut azure) = (false, false);
+    match var("OTEL_TRACES_EXPORTER") {
+        None => otlp = endpoint.is_some(),
+        Some(list) => {
+            for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                match name {
+                    "otlp" => otlp = true,
+                    "azuremonitor" => azure = true,
+                    "none" => {}
+                    other => bail!(
+                        "OTEL_TRACES_EXPORTER names {other:?}: leasehold exports over otlp or to azuremonitor (Application Insights), or none"
+                    ),
+                }
+            }
         }
     }
-    let Some(endpoint) =
-        var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT"))
-    else {
+    if !otlp && !azure {
         return Ok(None);
-    };
-    for name in [
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-        "OTEL_EXPORTER_OTLP_PROTOCOL",
-    ] {
-        if let Some(protocol) = var(name)
-            && protocol != "http/protobuf"
-        {
-            bail!("{name}={protocol:?}: leasehold exports over OTLP/HTTP with protobuf only (http/protobuf)");
-        }
-    }
-    let url = reqwest::Url::parse(&endpoint)
-        .with_context(|| format!("the OTLP endpoint {endpoint:?} is not a URL"))?;
-    if !matches!(url.scheme(), "http" | "https") {
-        bail!("the OTLP endpoint must be http or https, not {:?}", url.scheme());
     }
     let timeout = var("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
         .or_else(|| var("OTEL_EXPORTER_OTLP_TIMEOUT"))
@@ -89,14 +85,6 @@ pub fn install() -> anyhow::Result<Option<Traces>> {
         })
         .transpose()?
         .unwrap_or(DEFAULT_TIMEOUT);
-    let client = Client::new(timeout)?;
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_protocol(Protocol::HttpBinary)
-        .with_timeout(timeout)
-        .with_http_client(client)
-        .build()
-        .context("the OTLP span exporter")?;
     let named = var("OTEL_SERVICE_NAME").is_some()
         || var("OTEL_RESOURCE_ATTRIBUTES")
             .is_some_and(|a| a.split(',').any(|kv| kv.trim().starts_with("service.name=")));
@@ -104,13 +92,61 @@ pub fn install() -> anyhow::Result<Option<Traces>> {
     if !named {
         resource = resource.with_service_name(DEFAULT_SERVICE_NAME);
     }
-    let provider = SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
-        .with_resource(resource.build())
-        .build();
+    let mut provider = SdkTracerProvider::builder().with_resource(resource.build());
+    if otlp {
+        let Some(endpoint) = endpoint else {
+            bail!(
+                "OTEL_TRACES_EXPORTER names otlp, but neither OTEL_EXPORTER_OTLP_ENDPOINT nor OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set"
+            );
+        };
+        for name in [
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ] {
+            if let Some(protocol) = var(name)
+                && protocol != "http/protobuf"
+            {
+                bail!(
+                    "{name}={protocol:?}: leasehold exports over OTLP/HTTP with protobuf only (http/protobuf)"
+                );
+            }
+        }
+        let url = reqwest::Url::parse(&endpoint)
+            .with_context(|| format!("the OTLP endpoint {endpoint:?} is not a URL"))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            bail!("the OTLP endpoint must be http or https, not {:?}", url.scheme());
+        }
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .with_timeout(timeout)
+            .with_http_client(Client::new(timeout)?)
+            .build()
+            .context("the OTLP span exporter")?;
+        provider = provider.with_batch_exporter(exporter);
+        // Only the host: a path or query may hold a key.
+        tracing::info!(endpoint = %url.host_str().unwrap_or(""), "exporting traces over OTLP/HTTP");
+    }
+    if azure {
+        let Some(connection) = var("APPLICATIONINSIGHTS_CONNECTION_STRING") else {
+            bail!(
+                "OTEL_TRACES_EXPORTER names azuremonitor, but APPLICATIONINSIGHTS_CONNECTION_STRING is not set"
+            );
+        };
+        // The connection string is not logged (its key identifies the resource); its error
+        // says what is wrong without it.
+        let exporter = opentelemetry_application_insights::Exporter::new_from_connection_string(
+            &connection,
+            Client::new(timeout)?,
+        )
+        .map_err(|e| {
+            anyhow::anyhow!("APPLICATIONINSIGHTS_CONNECTION_STRING is not a connection string: {e}")
+        })?;
+        provider = provider.with_batch_exporter(exporter);
+        tracing::info!("exporting traces to Application Insights");
+    }
+    let provider = provider.build();
     opentelemetry::global::set_tracer_provider(provider.clone());
-    // Only the host: a path or query may hold a key.
-    tracing::info!(endpoint = %url.host_str().unwrap_or(""), "exporting traces over OTLP/HTTP");
     Ok(Some(Traces { provider }))
 }
 

@@ -2546,3 +2546,144 @@ async fn a_trace_per_trigger_reaches_a_collector_with_each_run_linked_to_the_tri
         ]
     );
 }
+
+/// Application Insights without a collector: with `OTEL_TRACES_EXPORTER=azuremonitor`, the
+/// spans go to the ingestion endpoint of `APPLICATIONINSIGHTS_CONNECTION_STRING` (here a
+/// stand-in taking `POST /v2/track`, gzip'd JSON envelopes, as the service does): the trigger's
+/// delivery is a request whose operation id is the trace id Start answered with, and the run a
+/// dependency under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traces_reach_application_insights_straight_from_its_connection_string() {
+    let env = Env::new();
+    let envelopes: std::sync::Arc<std::sync::Mutex<Vec<Value>>> = Default::default();
+    let state = envelopes.clone();
+    let ingestion = axum::Router::new().route(
+        "/v2/track",
+        axum::routing::post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let state = state.clone();
+            async move {
+                assert_eq!(headers["content-encoding"], "gzip");
+                let mut json = Vec::new();
+                std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&body[..]), &mut json).unwrap();
+                let items: Vec<Value> = serde_json::from_slice(&json).unwrap();
+                let n = items.len();
+                state.lock().unwrap().extend(items);
+                axum::Json(json!({ "itemsReceived": n, "itemsAccepted": n, "errors": [] }))
+            }
+        }),
+    );
+    // The exporter speaks https only: a certificate of the test's own, which the process trusts
+    // through SSL_CERT_FILE (the platform's way, which its TLS client reads).
+    let (endpoint, cert) = https_stand_in(ingestion, &env.dir).await;
+    let settings = [
+        ("LEASEHOLD_DEMO_SECONDS", "0".to_string()),
+        ("OTEL_TRACES_EXPORTER", "azuremonitor".to_string()),
+        (
+            "APPLICATIONINSIGHTS_CONNECTION_STRING",
+            format!("InstrumentationKey=00000000-0000-4000-8000-000000000036;IngestionEndpoint={endpoint}"),
+        ),
+        ("SSL_CERT_FILE", cert.display().to_string()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "200".to_string()),
+    ];
+    let mut server = env.spawn(&["serve", "--demo"], &settings).await;
+    let start = format!("http://127.0.0.1:{}/api/start", env.port());
+    let body = json!({ "scope": "account", "recordId": RECORD }).to_string();
+    let (status, answer) = common::post(&start, &body, &[("content-type", "application/json")]).await;
+    assert_eq!(status, 202, "{answer}");
+    let trace = answer["traceId"].as_str().unwrap().to_string();
+    let of_trace = |name: &str| -> Option<Value> {
+        envelopes
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|e| {
+                e["tags"]["ai.operation.id"] == trace.as_str()
+                    && e["data"]["baseData"]["name"].as_str() == Some(name)
+            })
+            .cloned()
+    };
+    let run = eventually(
+        Duration::from_secs(30),
+        "the run at Application Insights",
+        || async { of_trace("run account") },
+    )
+    .await;
+    let process = envelopes
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|e| {
+            e["tags"]["ai.operation.id"] == trace.as_str()
+                && e["data"]["baseData"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("process "))
+        })
+        .cloned()
+        .expect("the delivery's span");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    server.wait().await.unwrap();
+    println!(
+        "[envelopes] {}",
+        serde_json::to_string_pretty(&*envelopes.lock().unwrap()).unwrap()
+    );
+    assert_eq!(
+        process["data"]["baseType"], "RequestData",
+        "a consumer span is a request: {process}"
+    );
+    assert_eq!(run["data"]["baseType"], "RemoteDependencyData", "{run}");
+    assert_eq!(
+        run["tags"]["ai.operation.parentId"], process["data"]["baseData"]["id"],
+        "the run is under the delivery"
+    );
+    assert_eq!(run["iKey"], "00000000-0000-4000-8000-000000000036");
+    assert_eq!(
+        run["tags"]["ai.cloud.role"], "leasehold",
+        "the service name is the role"
+    );
+}
+
+/// Serves `router` over HTTPS on a free loopback port, with a certificate for 127.0.0.1 made
+/// here; returns the base URL and the certificate's PEM file (in `dir`).
+async fn https_stand_in(router: axum::Router, dir: &std::path::Path) -> (String, PathBuf) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    let pem = dir.join("stand-in.pem");
+    std::fs::write(&pem, cert.pem()).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::aws_lc_rs::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+    )
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, router) = (acceptor.clone(), router.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let service = hyper_util::service::TowerToHyperService::new(router);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    (url, pem)
+}
