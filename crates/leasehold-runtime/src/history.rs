@@ -4,8 +4,9 @@
 //! "what happened to record X" has an answer after the instance that ran it is gone.
 //!
 //! [`History`] is the writer: [`History::record`] never waits and never fails — it hands the
-//! entry to a task that gathers a record's entries for a moment ([`HistoryOptions::flush_every`])
-//! and writes them in one request ([`HistoryStore::append`]). A write that fails or hangs is
+//! entry to a task that gathers every record's entries for a moment
+//! ([`HistoryOptions::flush_every`]) and hands them to the store in one write
+//! ([`HistoryStore::append`]; [`TableHistory`] makes it a request per partition of records). A write that fails or hangs is
 //! counted ([`HISTORY_FAILURES_TOTAL`]) and logged at most once a minute; entries beyond the
 //! bounded buffer are dropped and counted ([`HISTORY_DROPPED_TOTAL`]). A run never waits for,
 //! fails for, or repeats for its history.
@@ -353,9 +354,9 @@ impl HistoryStore for MemoryHistory {
 /// How the history writer behaves.
 #[derive(Debug, Clone)]
 pub struct HistoryOptions {
-    /// How long a record's entries are gathered before they are written together: a run's
-    /// start and end (and the triggers that coalesced onto it) cost one request when the run is
-    /// shorter than this.
+    /// How long entries are gathered before they are written together (every record's at one
+    /// tick): a run's start and end are in one write when no tick falls between them, and the
+    /// more runs a tick gathers, the more share each of the store's requests.
     pub flush_every: Duration,
     /// The most entries waiting to be written; beyond it new ones are dropped (and counted).
     pub max_buffered: usize,
