@@ -1323,10 +1323,14 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
         while bulk_done(&downstream) < records && Instant::now() < deadline {
             let record = format!("person-{}", saves.len());
             let body = TriggerMessage::parse("bench", &record).unwrap().encode();
-            retry
-                .run("put", || e.queue.put(&body, Duration::ZERO))
-                .await
-                .unwrap();
+            // A save that storage does not take (Azurite starved of the CPU beside CI's tests
+            // answered nothing for 30 s once) is left out, said, and the next is sent a second
+            // later: the section measures the saves that were made.
+            if let Err(error) = retry.run("put", || e.queue.put(&body, Duration::ZERO)).await {
+                eprintln!("bulk: a person's save was not taken by storage ({error}); left out");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
             wake.notify_one();
             saves.push((record, Instant::now()));
             tokio::time::sleep(Duration::from_secs(1)).await;
