@@ -794,14 +794,13 @@ impl HistoryStore for TableHistory {
         // nearly always), by table and partition.
         let mut batches: BTreeMap<(String, String), Vec<Entity>> = BTreeMap::new();
         let mut records: Vec<(&Scope, &RecordId, Vec<&HistoryEntry>)> = Vec::new();
+        let mut index: HashMap<(&Scope, &RecordId), usize> = HashMap::new();
         for entry in entries {
-            match records
-                .iter_mut()
-                .find(|(s, r, _)| *s == &entry.scope && *r == &entry.record)
-            {
-                Some((_, _, list)) => list.push(entry),
-                None => records.push((&entry.scope, &entry.record, vec![entry])),
-            }
+            let at = *index.entry((&entry.scope, &entry.record)).or_insert_with(|| {
+                records.push((&entry.scope, &entry.record, Vec::new()));
+                records.len() - 1
+            });
+            records[at].2.push(entry);
         }
         for (scope, record, list) in records {
             let mut groups: Vec<Vec<&HistoryEntry>> = vec![Vec::new()];

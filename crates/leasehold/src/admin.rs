@@ -115,6 +115,13 @@ fn decode_segment(segment: &str) -> Result<String, String> {
     String::from_utf8(out).map_err(|_| format!("{segment:?} is not UTF-8 once decoded"))
 }
 
+/// A record named in a path, or the 400 naming what is wrong with it.
+fn record_of(scope: &str, record_id: &str) -> Result<(Scope, RecordId), ApiAnswer> {
+    let scope = Scope::parse(scope).map_err(|e| error(400, format!("scope: {e}")))?;
+    let record_id = RecordId::parse(record_id).map_err(|e| error(400, format!("recordId: {e}")))?;
+    Ok((scope, record_id))
+}
+
 fn query_value<'a>(query: &'a [(String, String)], name: &str) -> Option<&'a str> {
     query
         .iter()
@@ -261,13 +268,9 @@ pub async fn answer(backend: &Backend, request: &ApiRequest<'_>) -> ApiAnswer {
             done(operator.overview(&query).await)
         }
         ["records", scope, record_id] if get => {
-            let scope = match Scope::parse(scope) {
-                Ok(s) => s,
-                Err(e) => return error(400, format!("scope: {e}")),
-            };
-            let record_id = match RecordId::parse(record_id) {
+            let (scope, record_id) = match record_of(scope, record_id) {
                 Ok(r) => r,
-                Err(e) => return error(400, format!("recordId: {e}")),
+                Err(answer) => return answer,
             };
             let (record, history) = tokio::join!(
                 operator.record(&scope, &record_id),
@@ -309,13 +312,9 @@ pub async fn answer(backend: &Backend, request: &ApiRequest<'_>) -> ApiAnswer {
             (status, body)
         }
         ["records", scope, record_id, "enqueue"] if post => {
-            let scope = match Scope::parse(scope) {
-                Ok(s) => s,
-                Err(e) => return error(400, format!("scope: {e}")),
-            };
-            let record_id = match RecordId::parse(record_id) {
+            let (scope, record_id) = match record_of(scope, record_id) {
                 Ok(r) => r,
-                Err(e) => return error(400, format!("recordId: {e}")),
+                Err(answer) => return answer,
             };
             match operator.enqueue(&scope, &record_id).await {
                 Ok(_) => {
