@@ -9,6 +9,7 @@ mod markers;
 mod message;
 pub mod observe;
 mod poison;
+pub mod protocol;
 mod queue;
 mod record;
 mod runner;

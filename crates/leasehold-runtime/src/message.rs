@@ -10,7 +10,7 @@ use crate::record::{InvalidName, RecordId, Scope, record_key};
 use crate::trace::TraceContext;
 
 /// Why a message was enqueued.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum TriggerKind {
     /// From Start (or `leasehold enqueue`): an event for the record.

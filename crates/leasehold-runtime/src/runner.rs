@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold_lock::{LeaseGuard, LeaseId, LeaseLock, LockKey, StoreError, StoreErrorKind, StoreResult};
+use leasehold_lock::{LeaseGuard, LeaseLock, LockKey, StoreError, StoreErrorKind, StoreResult};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -15,9 +15,9 @@ use crate::consumer::ConsumerSlot;
 use crate::error::{Error, LogicError};
 use crate::flow::PerScope;
 use crate::history::{History, HistoryEntry, HistoryEvent};
-use crate::markers::{MarkerSet, MarkerStore, RecordStatus, record_status};
+use crate::markers::{MarkerStore, RecordStatus, record_status};
 use crate::message::{TriggerKind, TriggerMessage, truncate_to};
-use crate::observe::{LockStep, OutcomeSink, record_lock, record_outcome, record_run};
+use crate::observe::{LockStep, OutcomeSink, record_lock, record_outcome};
 use crate::poison::PoisonMessage;
 use crate::queue::TriggerQueue;
 use crate::record::{RecordId, Scope};
@@ -25,6 +25,7 @@ use crate::trace::TraceContext;
 use crate::watchdog::Watchdog;
 
 mod debounce;
+mod drive;
 mod traced;
 
 pub use debounce::Debounce;
@@ -92,6 +93,8 @@ pub enum ProtocolVariant {
     /// Debounce: a joining trigger whose touch finds the marker gone creates it again: an
     /// incarnation with no waiter.
     TouchByPut,
+    /// A known-wrong decision of the protocol core ([`crate::protocol::Fault`]).
+    Core(crate::protocol::Fault),
 }
 
 /// What a scope does with a trigger that arrives during a run of its record.
@@ -277,15 +280,6 @@ impl Delivery {
             kind if kind.is_carrier() => kind,
             _ => TriggerKind::Recheck,
         }
-    }
-
-    /// A sweep runs once the lease is free, whatever the marker says: the trigger given up may
-    /// have consumed the marker (holders delete it after their run) without handing its duty on.
-    /// Only the sweep of a trigger given up more than once — a sweep's own chain, whose logic
-    /// keeps failing — runs just if the marker is set, so the give-up → sweep cycle ends; its
-    /// first delivery consumes the marker before running, and a later one runs regardless.
-    fn runs_only_if_marked(&self) -> bool {
-        self.message.kind == TriggerKind::Sweep && self.message.given_up >= 2 && !self.redelivered()
     }
 }
 
@@ -1159,481 +1153,6 @@ impl RecordRunner {
         lease.duration.as_duration() + WATCHDOG_MARGIN
     }
 
-    /// Whether this delivery may set the marker and leave when it finds the lease held.
-    fn trusts_holder(&self, delivery: &Delivery, watched: bool) -> bool {
-        #[cfg(feature = "testing")]
-        if self.options.variant == ProtocolVariant::TrustHolderOnRedelivery {
-            return true;
-        }
-        // Under a watchdog every holder has a carrier of its own, so only carriers must look
-        // again; without one a redelivered trigger may be looking at its own dead holder.
-        !delivery.message.kind.is_carrier() && (watched || !delivery.redelivered())
-    }
-
-    async fn handle_key(
-        &self,
-        key: &LockKey,
-        delivery: &Delivery,
-        cancel: &CancellationToken,
-        watchdog: Option<&Arc<Watchdog>>,
-        hidden: Option<&HiddenUntil>,
-        ended: &mut Ended,
-    ) -> Outcome {
-        // One lease id for every attempt of this delivery: an acquire that took effect after we
-        // gave up on it is then our own lease, which our next attempt renews, not a stranger's.
-        let lease = LeaseId::random();
-        let first = if delivery.runs_only_if_marked() {
-            MarkerFirst::ClearOrStandDown
-        } else if delivery.message.kind == TriggerKind::Sweep {
-            MarkerFirst::Clear
-        } else {
-            MarkerFirst::Leave
-        };
-        let asked = Instant::now();
-        let process = ended.trace.as_ref().map(|t| &t.process);
-        let acquire_span = Self::lease_span(process, "acquire");
-        let acquired = self.lock.try_acquire_as(key, lease).await;
-        drop(acquire_span);
-        match acquired {
-            Ok(Some(guard)) => {
-                record_lock(LockStep::Grant, asked.elapsed());
-                return self
-                    .hold(key, delivery, guard, first, cancel, watchdog, hidden, ended)
-                    .await;
-            }
-            Ok(None) => {}
-            Err(e) => return storage_failed("acquire", e),
-        }
-
-        if !self.trusts_holder(delivery, watchdog.is_some()) {
-            // The holder may be the dead one this delivery stands in for: look again once its
-            // lease must have expired, instead of leaving a marker nobody may read.
-            if watchdog.is_some() {
-                return Outcome::Rechecking {
-                    after: self.recheck_delay,
-                };
-            }
-            let again = delivery
-                .message
-                .looking_again(delivery.continuation_kind(), delivery.attempts() - 1);
-            return match self.enqueue(&again, self.recheck_delay).await {
-                Ok(()) => Outcome::Rechecking {
-                    after: self.recheck_delay,
-                },
-                Err(e) => storage_failed("enqueue recheck", e),
-            };
-        }
-
-        match self.set_marker(key).await {
-            Ok(MarkerSet::AlreadySet) => Outcome::Coalesced,
-            Ok(MarkerSet::Created) => match self.lock.try_acquire_as(key, lease).await {
-                // The holder released between our two attempts and may already have looked at
-                // the marker: we hold now, and our run covers the marker we set.
-                Ok(Some(guard)) => {
-                    record_lock(LockStep::Grant, asked.elapsed());
-                    self.hold(
-                        key,
-                        delivery,
-                        guard,
-                        MarkerFirst::ClearOrStandDown,
-                        cancel,
-                        watchdog,
-                        hidden,
-                        ended,
-                    )
-                    .await
-                }
-                Ok(None) => Outcome::Coalesced,
-                Err(e) => storage_failed("acquire", e),
-            },
-            Err(e) => storage_failed("set retrigger marker", e),
-        }
-    }
-
-    /// The holder path, from a granted lease to the acknowledgement decision, with the watchdog
-    /// (Functions mode) following the lease until it ends. `first` says whether the marker is
-    /// consumed before the run (the run covers it), and whether the run then happens only if it
-    /// was set. How long the logic ran, if it ran, goes to `ran`.
-    #[allow(clippy::too_many_arguments)]
-    async fn hold(
-        &self,
-        key: &LockKey,
-        delivery: &Delivery,
-        guard: LeaseGuard,
-        first: MarkerFirst,
-        cancel: &CancellationToken,
-        watchdog: Option<&Arc<Watchdog>>,
-        hidden: Option<&HiddenUntil>,
-        ended: &mut Ended,
-    ) -> Outcome {
-        // Standalone: the delivered message is pushed just before each renewal of the lease, so
-        // it surfaces a margin after the lease expires, whenever this process dies.
-        if let Some(push) = hidden.and_then(|h| h.push.clone()) {
-            guard.before_each_renewal(push);
-        }
-        // Keep the watchdog a lease ahead of the lease while we hold it; once the hold ends,
-        // let a push in flight finish so the watchdog's receipt is current for what follows.
-        let follower = watchdog.map(|w| {
-            let (follower, push) = w.follow(self.watchdog_visibility());
-            guard.before_each_renewal(push);
-            follower
-        });
-        let watched = watchdog.is_some();
-        let outcome = self
-            .hold_lease(
-                key,
-                delivery,
-                guard,
-                first,
-                cancel,
-                watched,
-                hidden.and_then(|h| h.slot.as_deref()),
-                ended,
-            )
-            .await;
-        if let Some(follower) = follower {
-            follower.finish().await;
-        }
-        outcome
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn hold_lease(
-        &self,
-        key: &LockKey,
-        delivery: &Delivery,
-        guard: LeaseGuard,
-        first: MarkerFirst,
-        cancel: &CancellationToken,
-        watched: bool,
-        consumer_slot: Option<&ConsumerSlot>,
-        ended: &mut Ended,
-    ) -> Outcome {
-        let guard = Held(Some(guard));
-        if first != MarkerFirst::Leave {
-            let (cleared, retried) = self
-                .marker_op("clear own marker", |markers| markers.take(key))
-                .await;
-            match cleared {
-                // Our run would cover the marker we set, but it is gone: the previous holder's
-                // post-release check consumed it and is bound to enqueue a retrigger that covers
-                // this trigger. Running too would be one run more than needed, so stand down —
-                // but as a holder: others may have found *our* lease held and set the marker
-                // since, so release and check the marker like any holder.
-                Ok(false) if !retried && first == MarkerFirst::ClearOrStandDown => {
-                    if let Err(e) = guard.release().await {
-                        return storage_failed("release lease", e);
-                    }
-                    return match self.take_marker_and_retrigger(key, delivery).await {
-                        Ok(_) => Outcome::Coalesced,
-                        Err(e) => storage_failed("check retrigger marker", e),
-                    };
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    let _ = guard.release().await;
-                    return storage_failed("clear own marker", e);
-                }
-            }
-        }
-        let token = guard.get().fencing_token();
-        ended.token = token;
-        if let Some(token) = token {
-            tracing::Span::current().record("fencing_token", token);
-        }
-        let run_cancel = cancel.child_token();
-        // The run's span: from here (the lease held, the token known) to the release.
-        let run_span = ended.trace.as_ref().map(|t| self.run_span(delivery, t, token));
-        let ctx = RunContext {
-            scope: delivery.message.scope.clone(),
-            record_id: delivery.message.record_id.clone(),
-            fencing_token: token,
-            cancel: run_cancel.clone(),
-            attempt: delivery.attempts(),
-            deferred: delivery.message.deferral.map_or(Duration::ZERO, |d| d.total()),
-            trace: run_span.as_ref().and_then(|s| s.context().cloned()),
-        };
-        let streak = match self.supersede_streak(delivery, guard.get()).await {
-            Ok(streak) => streak,
-            Err(e) => {
-                // Nothing ran: the trigger is retried, and the marker (cleared above, set again
-                // by whoever found the lease held since) stays for its run.
-                let _ = guard.release().await;
-                return storage_failed("read the record's notes", e);
-            }
-        };
-        if let (Some(streak), Some(after)) = (streak, delivery.message.after_token)
-            && streak.pending != Some(after)
-        {
-            // The retry (or deferral) of run `after`, whose duty a later run has taken over: that
-            // run started after this trigger and ended completed or superseded (or pends itself,
-            // and its own retry carries on). Stand down — as a holder: release, then take the
-            // marker, for triggers that found *this* grant's lease held.
-            tracing::info!(after_token = after, pending = ?streak.pending,
-                "a later run took this retry's duty over: standing down");
-            if let Err(e) = guard.release().await {
-                return storage_failed("release lease", e);
-            }
-            // Reported as every stand-down is: a run covers this trigger.
-            return match self.take_marker_and_retrigger(key, delivery).await {
-                Ok(_) => Outcome::Coalesced,
-                Err(e) => {
-                    // The take may have consumed a marker nobody else will answer for: the
-                    // retry must run.
-                    ended.after_token = None;
-                    storage_failed("check retrigger marker", e)
-                }
-            };
-        }
-        // The downstream budget's slot, waited for under the lease: triggers that come
-        // meanwhile find the lease held and coalesce onto this run, as during the run itself.
-        // With it, the pause a throttle of the run set, if one did.
-        let (end, run_time, throttle_pause) = match self.slot(delivery, cancel, watched, consumer_slot).await
-        {
-            Err((budget, after)) => {
-                // Put off before the run: the trigger is handed back as it is, hidden until the
-                // pause ends — as a holder: release, then take the marker, which the trigger
-                // handed back now stands for too. The streak and the notes stay as they are
-                // (nothing ran).
-                if let Err(e) = guard.release().await {
-                    return storage_failed("release lease", e);
-                }
-                let message = &delivery.message;
-                let mut next = message.follow_up(message.kind, delivery.attempts().saturating_sub(1));
-                if let Err(e) = self.take_marker_into(key, &mut next).await {
-                    return storage_failed("check retrigger marker", e);
-                }
-                return Outcome::Paused {
-                    budget,
-                    after,
-                    next: Box::new(next),
-                };
-            }
-            Ok(slot) => {
-                let waited = slot.as_ref().is_some_and(|s| s.waited);
-                let mut permit = slot.map(|s| s.permit);
-                if waited {
-                    // Triggers that found the lease held while this holder waited for its slot
-                    // set the marker: the run, starting after them, covers them. Taken now, so
-                    // they cost no run more (nor stop this one, in a superseding scope). A take
-                    // that fails leaves the marker for the usual retrigger.
-                    let (taken, _) = self
-                        .marker_op("clear the marker before the run", |markers| markers.take(key))
-                        .await;
-                    if let Err(e) = taken {
-                        tracing::debug!(error = %e, "could not clear the marker before the run; it gives a retrigger after it");
-                    }
-                }
-                let superseded = streak.and_then(|s| self.watch_for_triggers(key, guard.get(), s));
-                ended.budget = permit.as_ref().map(|p| p.budget().to_string());
-                if let Some(history) = &self.history {
-                    let mut entry = self.entry(delivery, HistoryEvent::Started);
-                    entry.fencing_token = token;
-                    entry.budget = ended.budget.clone();
-                    history.record(entry);
-                }
-                let started = Instant::now();
-                let end = self
-                    .run_logic(
-                        ctx,
-                        guard.get(),
-                        &run_cancel,
-                        cancel,
-                        superseded.as_ref().map(|w| &w.fired),
-                    )
-                    .await;
-                drop(superseded);
-                let run_time = started.elapsed();
-                record_run(run_time);
-                ended.ran = Some(run_time);
-                let logic_end = match &end.result {
-                    Ok(()) => LogicEnd::Succeeded,
-                    Err(Error::Logic(e)) if e.is_throttled() => LogicEnd::Throttled(
-                        self.budgets
-                            .as_ref()
-                            .map(|b| b.pause_for(e.asks_to_run_later().flatten())),
-                    ),
-                    Err(_) => LogicEnd::Other,
-                };
-                // The slot is free once the logic has ended (or been abandoned); a throttle
-                // pauses the budget before this holder's follow-ups are written.
-                if let Some(permit) = &mut permit {
-                    // A record put off by a throttle and refused again, when no other record
-                    // was, is one record's refusal: it neither pauses nor cuts its budget.
-                    let again = delivery.message.deferral.as_ref().is_some_and(|d| d.throttled);
-                    tell_budget(permit, key.as_str(), logic_end, again).await;
-                }
-                drop(permit);
-                let pause = match logic_end {
-                    LogicEnd::Throttled(pause) => pause,
-                    _ => None,
-                };
-                (end, run_time, pause)
-            }
-        };
-        if let Some(task) = end.still_running {
-            // The logic is still running: releasing would let another holder start beside it.
-            // Keep the lease renewed until the task has really ended, then release it; the
-            // message comes back meanwhile and finds the lease held.
-            keep_until_ended(guard, task);
-            return Outcome::Failed {
-                error: end.result.expect_err("an abandoned run failed"),
-                retriggered: false,
-            };
-        }
-        let result = end.result;
-
-        #[cfg(feature = "testing")]
-        if self.options.variant == ProtocolVariant::CheckMarkerBeforeRelease {
-            // WRONG on purpose: a trigger that sets the marker after this check and before the
-            // release below is never seen by anyone.
-            let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
-                Ok(r) => r,
-                Err(e) => return storage_failed("check retrigger marker", e),
-            };
-            let _ = guard.release().await;
-            return match result {
-                Ok(()) => Outcome::Completed {
-                    fencing_token: token,
-                    retriggered,
-                    run_time,
-                },
-                Err(error) => Outcome::Failed { error, retriggered },
-            };
-        }
-
-        let was_superseded = matches!(result, Err(Error::Superseded));
-        let deferral = asks_to_run_later(&result).map(|(asked, why)| {
-            // A throttle's run comes back once its budget's pause is over (the pause is bounded).
-            let asked = throttle_pause.or(asked);
-            let mut deferred = self.defer(delivery, asked, why);
-            if let Outcome::Deferred { next, .. } = &mut deferred
-                && let Some(d) = &mut next.deferral
-            {
-                // So its next refusal is known as the same record's, not a new throttle.
-                d.throttled = throttle_pause.is_some();
-            }
-            deferred
-        });
-        // Whether this delivery's trigger will be tried again later by a message of its own (a
-        // retry, or the deferral): then, in a superseding scope, it pends.
-        let pends = match (&result, &deferral) {
-            (_, Some(d)) => matches!(d, Outcome::Deferred { .. }),
-            (Err(Error::Superseded), None) => false,
-            (Err(e), None) => !e.gives_up() && delivery.attempts() < self.options.max_attempts,
-            (Ok(()), None) => false,
-        };
-        let mut after_token = None;
-        if let Some(streak) = streak {
-            // The pending run's own retry (or deferral) carries on its chain: it leaves the note
-            // as it is, and its next retry keeps the token. Rewriting the note first would strand
-            // the message that still carries the old token if it came back before being
-            // rewritten (a crash, a failed update), and it would stand down for itself.
-            let continues = streak.pending.is_some() && delivery.message.after_token == streak.pending;
-            let pending = match (&result, pends) {
-                _ if continues => None,
-                // Only a chain never given up may take another's duty: a given-up chain's sweep
-                // asks the marker first, and would not cover the pending run's trigger.
-                (_, true) if delivery.message.given_up == 0 => Some(token),
-                (_, true) => None,
-                // This run covers the pending one: it started after that run's trigger.
-                (Ok(()), _) | (Err(Error::Superseded), _) => Some(None),
-                // Given up: the note stays as it is (the give-up's sweep covers this trigger).
-                _ => None,
-            };
-            let written = self
-                .note_streak(guard.get(), streak, was_superseded, run_time, pending)
-                .await;
-            if pends {
-                after_token = if continues {
-                    streak.pending
-                } else if written && pending == Some(token) {
-                    token
-                } else {
-                    None
-                };
-            }
-        }
-        // From the release on, a storage failure leaves this delivery answering for triggers
-        // that may have come during a later run (a marker it may have consumed, a lease held
-        // past its run): its retry carries no token, and must run. Only the run's own failure,
-        // at the end, hands the token on.
-        ended.after_token = None;
-        // Release first, then look at the marker: a trigger that finds the lease held has set
-        // the marker before our release, so we see it; one that comes later finds the lease free.
-        let release_span = Self::lease_span(run_span.as_ref(), "release");
-        let released = guard.release().await;
-        drop(release_span);
-        if let Some(run_span) = &run_span
-            && let Err(error) = &result
-        {
-            run_span.fail(error.to_string());
-        }
-        drop(run_span);
-        if let Err(e) = released {
-            // The lease stays until it expires; a trigger seeing it in that window would rely on
-            // us. Not acknowledging makes our own message come back and look again.
-            return storage_failed("release lease", e);
-        }
-        if let Some(outcome) = deferral {
-            if let Outcome::Deferred {
-                after,
-                total,
-                asked,
-                why,
-                mut next,
-            } = outcome
-            {
-                // The later run covers what coalesced onto this one: its message is the
-                // retrigger, delayed. The marker is taken all the same (as any holder takes it
-                // after its release), so the triggers it stands for are covered by a run that
-                // starts after them, and none is left behind to cost the next holder a run more.
-                match self.take_marker_into(key, &mut next).await {
-                    Ok(true) => {}
-                    Ok(false) => next.after_token = after_token,
-                    Err(e) => return storage_failed("check retrigger marker", e),
-                }
-                return Outcome::Deferred {
-                    after,
-                    total,
-                    asked,
-                    why,
-                    next,
-                };
-            }
-            // The budget is spent and the trigger is given up: as for a failed run given up,
-            // triggers that coalesced onto the run get a retrigger of their own.
-            let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
-                Ok(r) => r,
-                Err(e) => return storage_failed("check retrigger marker", e),
-            };
-            return match outcome {
-                Outcome::Failed { error, .. } => Outcome::Failed { error, retriggered },
-                other => other,
-            };
-        }
-        let retriggered = match self.take_marker_and_retrigger(key, delivery).await {
-            Ok(r) => r,
-            Err(e) => return storage_failed("check retrigger marker", e),
-        };
-        match result {
-            Ok(()) => Outcome::Completed {
-                fencing_token: token,
-                retriggered,
-                run_time,
-            },
-            Err(Error::Superseded) => Outcome::Superseded {
-                fencing_token: token,
-                retriggered,
-                run_time,
-            },
-            Err(error) => {
-                ended.after_token = after_token;
-                Outcome::Failed { error, retriggered }
-            }
-        }
-    }
-
     /// The record's streak of superseded runs, when its scope supersedes (and fencing is on: the
     /// pending note names a run by its token): runs in a row, and the run time they cost. One
     /// read of the lease's notes, only in a superseding scope.
@@ -1859,60 +1378,6 @@ impl RecordRunner {
         }
     }
 
-    /// Deletes the marker; if it was set, enqueues one retrigger. A delete whose answer was lost
-    /// (a transient failure before a retry) may have removed a set marker: then we retrigger
-    /// anyway, because an extra run is harmless and a lost trigger is not.
-    async fn take_marker_and_retrigger(
-        &self,
-        key: &LockKey,
-        delivery: &Delivery,
-    ) -> Result<bool, StoreError> {
-        let (was_set, retried) = self
-            .marker_op("check retrigger marker", |markers| markers.take(key))
-            .await;
-        if !was_set? && !retried {
-            return Ok(false);
-        }
-        let mut retrigger = delivery.message.retrigger();
-        retrigger.links = self.coalesced.take(key);
-        self.enqueue(&retrigger, Duration::ZERO).await?;
-        Ok(true)
-    }
-
-    /// After the release, takes the marker for `next`, a message that carries this delivery on
-    /// (its deferral, or its trigger handed back by a paused budget), and says whether fresh
-    /// triggers joined it: the marker was set, or may have been (a retried take). It then stands
-    /// for them, and they are owed what any new trigger is: a chain that is given up once before
-    /// its sweep asks the marker (no give-ups, as a retrigger starts), and one that may not stand
-    /// down for a later run (no `afterToken`): those triggers may have arrived during that run
-    /// (this take comes after the release, while another may hold and run), which then does not
-    /// cover them — a failed run retriggers for them instead.
-    async fn take_marker_into(&self, key: &LockKey, next: &mut TriggerMessage) -> Result<bool, StoreError> {
-        let (taken, retried) = self
-            .marker_op("check retrigger marker", |markers| markers.take(key))
-            .await;
-        let joined = taken? || retried;
-        if joined {
-            next.given_up = 0;
-            next.after_token = None;
-            // Its run covers them: it links to them (the latest, if too many).
-            next.links.extend(self.coalesced.take(key));
-            let extra = next.links.len().saturating_sub(crate::trace::MAX_LINKS);
-            next.links.drain(..extra);
-        }
-        Ok(joined)
-    }
-
-    /// Sets the marker. If an earlier attempt's answer was lost, "already set" may mean we set
-    /// it, so it counts as created (we then make the second acquire attempt a setter owes).
-    async fn set_marker(&self, key: &LockKey) -> Result<MarkerSet, StoreError> {
-        let (set, retried) = self
-            .marker_op("set retrigger marker", |markers| markers.set(key))
-            .await;
-        let set = set?;
-        Ok(if retried { MarkerSet::Created } else { set })
-    }
-
     /// Runs a marker operation with retries, and says whether it was retried: after a retry a
     /// definitive-looking answer ("not there", "already there") may describe our own earlier
     /// attempt, whose answer was lost.
@@ -2010,18 +1475,6 @@ fn log(outcome: &Outcome) {
         ),
         other => tracing::info!(outcome = other.name(), "trigger handled without a run"),
     }
-}
-
-/// What a holder does with the marker before its run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum MarkerFirst {
-    /// Nothing: the marker is checked after the release.
-    Leave,
-    /// Consume it (the run covers it) and run whatever it said: a sweep, which owes a run.
-    Clear,
-    /// Consume it, and run only if it was set: a contender that created it (if it is gone, the
-    /// previous holder consumed it and owes a retrigger) or a sweep of a chain given up twice.
-    ClearOrStandDown,
 }
 
 /// A record's streak of superseded runs, as its lease's notes say, and the run whose retry or
