@@ -8,11 +8,13 @@ mod history;
 mod markers;
 mod message;
 pub mod observe;
+mod outcome;
 mod poison;
 pub mod protocol;
 mod queue;
 mod record;
 mod runner;
+mod slot;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod trace;
@@ -37,12 +39,13 @@ pub use markers::{
 };
 pub use message::{DecodeError, Deferral, MAX_CORRELATION_ID_LEN, TriggerKind, TriggerMessage, Wait};
 pub use observe::{OutcomeLabel, OutcomeSink, record_outcome};
+pub use outcome::Outcome;
 pub use poison::PoisonMessage;
 pub use queue::{AzureQueue, Enqueued, MAX_MESSAGE_BYTES, MemoryQueue, Peeked, Received, TriggerQueue};
 pub use record::{Field, InvalidName, MAX_RECORD_ID_LEN, MAX_SCOPE_LEN, RecordId, Scope, record_key};
 #[cfg(feature = "testing")]
 pub use runner::ProtocolVariant;
 pub use runner::{
-    CARRIER_MARGIN, Debounce, Delivery, Logic, Outcome, RecordRunner, RunContext, RunPolicy, RunnerOptions,
+    CARRIER_MARGIN, Debounce, Delivery, Logic, RecordRunner, RunContext, RunPolicy, RunnerOptions,
     SUPERSEDED_NOTE, WATCHDOG_MARGIN, superseded_streak,
 };

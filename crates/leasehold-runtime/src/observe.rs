@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::outcome::Outcome;
 use crate::record::{RecordId, Scope};
-use crate::runner::Outcome;
 
 /// Counter of finished deliveries, by `outcome` ([`OutcomeLabel`]).
 pub const DELIVERIES_TOTAL: &str = "leasehold_deliveries_total";

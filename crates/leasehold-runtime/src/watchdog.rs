@@ -107,7 +107,7 @@ impl Watchdog {
         let this = self.clone();
         let stop = CancellationToken::new();
         let stopped = stop.clone();
-        let (before, mut pushes) = crate::runner::push_before_renewal();
+        let (before, mut pushes) = push_before_renewal();
         let follower = Follower(
             tokio::spawn(async move {
                 // A failed push is tried once more a second later: the margin over the lease
@@ -174,4 +174,25 @@ impl Drop for Follower {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// Asks a carrier's pusher (the message's renewer standalone, the watchdog's follower under
+/// Functions) to push now; the pusher answers by dropping the sender once the push is done.
+pub(crate) type PushRequests = tokio::sync::mpsc::Receiver<tokio::sync::oneshot::Sender<()>>;
+
+/// The work a lease runs before each renewal to have its carrier pushed
+/// ([`leasehold_lock::LeaseGuard::before_each_renewal`]), and the requests it sends the pusher:
+/// each asks for a push and waits until the pusher has done it.
+pub(crate) fn push_before_renewal() -> (leasehold_lock::BeforeRenewal, PushRequests) {
+    let (push_now, requests) = tokio::sync::mpsc::channel(1);
+    let before: leasehold_lock::BeforeRenewal = Arc::new(move || {
+        let push_now = push_now.clone();
+        Box::pin(async move {
+            let (done, pushed) = tokio::sync::oneshot::channel();
+            if push_now.send(done).await.is_ok() {
+                let _ = pushed.await;
+            }
+        })
+    });
+    (before, requests)
 }

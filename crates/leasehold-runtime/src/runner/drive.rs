@@ -16,15 +16,16 @@ use super::{
     Delivery, Ended, Held, HiddenUntil, LogicEnd, RecordRunner, RunContext, keep_until_ended, storage_failed,
     tell_budget,
 };
-use crate::consumer::ConsumerSlot;
 use crate::error::{Error, LogicError};
 use crate::history::HistoryEvent;
 use crate::markers::MarkerSet;
 use crate::message::TriggerMessage;
 use crate::observe::{LockStep, record_lock, record_run};
+use crate::outcome::Outcome;
 use crate::protocol::release::CHECK_MARKER;
 use crate::protocol::{Answer, End, Facts, Fault, Machine, Request, RunEnd, Step};
-use crate::runner::{Outcome, asks_to_run_later};
+use crate::runner::asks_to_run_later;
+use crate::slot::ConsumerSlot;
 use crate::trace::Span;
 use crate::watchdog::Watchdog;
 

@@ -7,6 +7,7 @@
 //! shortest sequence of events that reaches it, one line per event.
 
 mod check;
+mod structure;
 mod world;
 
 use leasehold_runtime::protocol::Fault;
