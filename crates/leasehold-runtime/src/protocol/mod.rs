@@ -236,26 +236,6 @@ impl Machine {
             hold::Next::Release(release, step) => (Phase::Release(release), step),
         }
     }
-
-    /// Whether the delivery holds the lease (granted, and not yet released or handed on).
-    pub fn holds(&self) -> bool {
-        match &self.phase {
-            Phase::Hold(_) | Phase::Running => true,
-            Phase::Release(release) => release.holds(),
-            Phase::Take(_) | Phase::Over(_) => false,
-        }
-    }
-
-    /// The step the machine waits on, named for a counterexample's trace.
-    pub fn phase_name(&self) -> &'static str {
-        match &self.phase {
-            Phase::Take(_) => "take",
-            Phase::Hold(_) => "hold",
-            Phase::Running => "run",
-            Phase::Release(_) => "release and marker",
-            Phase::Over(_) => "over",
-        }
-    }
 }
 
 #[cfg(test)]

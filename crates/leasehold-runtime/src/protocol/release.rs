@@ -104,15 +104,6 @@ impl Release {
         )
     }
 
-    /// Whether the lease is still held (not yet released).
-    pub(super) fn holds(&self) -> bool {
-        match self.waits {
-            Waits::Release | Waits::LateRelease { .. } => true,
-            // Only the faulty order takes the marker while it holds.
-            Waits::TakeMarker | Waits::Retrigger => self.checks_first,
-        }
-    }
-
     pub(super) fn on(self, answer: Answer, fault: Fault) -> Next {
         if let (Waits::Release, Then::Quietly(step)) = (self.waits, self.then) {
             return Next::End(End::StorageFailed { step });
