@@ -26,17 +26,15 @@ pub struct Report {
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
+        write!(
             f,
-            "{} ({:?}): {} states, {} transitions, {} ends, at most {} runs, {:.1} s",
-            self.config.name,
-            self.config.fault,
-            self.states,
-            self.transitions,
-            self.ends,
-            self.most_runs,
-            self.took.as_secs_f64()
+            "{} ({:?}): {} states, {} transitions",
+            self.config.name, self.config.fault, self.states, self.transitions
         )?;
+        if self.violation.is_none() {
+            write!(f, ", {} ends, at most {} runs", self.ends, self.most_runs)?;
+        }
+        writeln!(f, ", {:.1} s", self.took.as_secs_f64())?;
         if let Some((what, events)) = &self.violation {
             writeln!(f, "VIOLATION: {what}")?;
             for (i, e) in events.iter().enumerate() {

@@ -37,6 +37,19 @@ pub struct Msg {
     pub given_up: u8,
 }
 
+impl std::fmt::Display for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a {:?} (delivery {}", self.kind, self.dequeued)?;
+        if self.prior > 0 {
+            write!(f, ", {} failed before", self.prior)?;
+        }
+        if self.given_up > 0 {
+            write!(f, ", given up {}", self.given_up)?;
+        }
+        write!(f, ")")
+    }
+}
+
 /// [`TriggerKind`], ordered (for a canonical queue).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
@@ -299,7 +312,7 @@ impl World {
                 if msg.attempts() > config.max_attempts {
                     // Given up: its poison entry, then a sweep, then the message deleted.
                     next.put(Msg::new(Kind::Sweep, 0, msg.given_up + 1));
-                    let mut s = ok(next, &actor, format!("takes {msg:?}: given up, a sweep is put"));
+                    let mut s = ok(next, &actor, format!("takes {msg}: given up, a sweep is put"));
                     s.reached = Some(4);
                     out.push(s);
                     continue;
@@ -311,7 +324,7 @@ impl World {
                     watched: false,
                 };
                 let (machine, step) = Machine::start(facts, config.fault);
-                let what = format!("takes {msg:?}");
+                let what = format!("takes {msg}");
                 next.workers[w].delivery = Some(Delivery {
                     msg,
                     machine,
@@ -581,14 +594,14 @@ impl World {
                 };
                 let mut after = self.clone();
                 after.put(m.clone());
-                ways.push((after.clone(), Answer::Done, format!("put {m:?}")));
+                ways.push((after.clone(), Answer::Done, format!("put {m}")));
                 if faulty {
                     ways.push((
                         spend(&after),
                         Answer::Failed,
-                        format!("put {m:?}: landed, answer lost"),
+                        format!("put {m}: landed, answer lost"),
                     ));
-                    ways.push((spend(self), Answer::Failed, format!("put {m:?}: fails")));
+                    ways.push((spend(self), Answer::Failed, format!("put {m}: fails")));
                 }
             }
         }
