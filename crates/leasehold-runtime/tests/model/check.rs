@@ -96,7 +96,7 @@ pub fn check(config: &Config) -> Report {
                 break 'search;
             }
         }
-        if out.is_empty() && !world.honoured() {
+        if out.is_empty() && !world.honoured(config) {
             violation = Some((
                 "nothing more can happen, and a trigger was never followed by a completed run that started after it".into(),
                 path(&parent, next as u32),
@@ -167,6 +167,9 @@ fn path(parent: &[Option<(u32, Event)>], mut at: u32) -> Vec<Event> {
 fn describe(v: &Violation) -> String {
     match v {
         Violation::TwoRuns => "two runs of the record at once".into(),
+        Violation::EndlessGiveUps => {
+            "a trigger's chain is given up again and again: the give-up cycle does not end".into()
+        }
         Violation::ExtraRun { runs, allowed } => {
             format!("run {runs} of the record, where the triggers sent and the faults spent allow {allowed}")
         }

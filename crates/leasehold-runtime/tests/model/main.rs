@@ -25,12 +25,13 @@ const BASE: Config = Config {
     crashes: 1,
     logic_failures: 1,
     lost_leases: 0,
+    always_fails: false,
     max_attempts: 2,
     fault: Fault::None,
 };
 
 /// The configurations CI checks.
-const CHECKED: [Config; 6] = [
+const CHECKED: [Config; 7] = [
     BASE,
     Config {
         name: "2 workers, 3 triggers, 1 fault, 1 crash",
@@ -57,6 +58,14 @@ const CHECKED: [Config; 6] = [
         faults: 0,
         crashes: 0,
         logic_failures: 2,
+        ..BASE
+    },
+    Config {
+        name: "2 workers, 2 triggers, logic that always fails",
+        faults: 0,
+        crashes: 0,
+        logic_failures: 0,
+        always_fails: true,
         ..BASE
     },
     Config {

@@ -19,6 +19,9 @@ pub struct Config {
     pub crashes: u8,
     /// Runs whose logic fails.
     pub logic_failures: u8,
+    /// The record's logic never succeeds (every run fails, without limit): the triggers end in the
+    /// poison queue, and what is checked is that the give-ups end.
+    pub always_fails: bool,
     /// Runs whose holder loses its lease (cut off from storage).
     pub lost_leases: u8,
     /// The poison limit: a message delivered more often than this is given up.
@@ -136,7 +139,6 @@ pub struct World {
     pub lost_leases: u8,
     /// The token of the latest run started: the downstream accepts only rising tokens.
     pub last_token: u8,
-    pub poisoned: u8,
     /// Runs started so far.
     pub runs: u8,
 }
@@ -147,6 +149,10 @@ pub struct Event {
     pub actor: String,
     pub what: String,
 }
+
+/// More give-ups of one chain than any configuration's triggers can cause: the give-up → sweep
+/// cycle does not end.
+const MAX_GIVE_UPS: u8 = 8;
 
 /// What a check of one state found wrong.
 #[derive(Debug, Clone)]
@@ -162,6 +168,7 @@ pub enum Violation {
         token: u8,
         last: u8,
     },
+    EndlessGiveUps,
 }
 
 /// Things the model can reach, for the `sometimes` properties.
@@ -206,14 +213,14 @@ impl World {
             logic_failures: config.logic_failures,
             lost_leases: config.lost_leases,
             last_token: 0,
-            poisoned: 0,
             runs: 0,
         }
     }
 
-    /// Whether every trigger sent is honoured: covered by a run, or given up.
-    pub fn honoured(&self) -> bool {
-        self.sent & !(self.covered | self.poisoned) == 0
+    /// Whether every trigger sent is honoured: covered by a run. (With logic that always fails
+    /// nothing is covered; what is checked then is that the give-ups end.)
+    pub fn honoured(&self, config: &Config) -> bool {
+        config.always_fails || self.sent & !self.covered == 0
     }
 
     pub fn successors(&self, config: &Config) -> Vec<Successor> {
@@ -311,6 +318,13 @@ impl World {
                 msg.dequeued += 1;
                 if msg.attempts() > config.max_attempts {
                     // Given up: its poison entry, then a sweep, then the message deleted.
+                    if msg.given_up >= MAX_GIVE_UPS {
+                        // A chain of give-ups that does not end: a state space without end too.
+                        let mut s = ok(next, &actor, format!("takes {msg}: given up once more"));
+                        s.violation = Some(Violation::EndlessGiveUps);
+                        out.push(s);
+                        continue;
+                    }
                     next.put(Msg::new(Kind::Sweep, 0, msg.given_up + 1));
                     let mut s = ok(next, &actor, format!("takes {msg}: given up, a sweep is put"));
                     s.reached = Some(4);
@@ -350,7 +364,7 @@ impl World {
                     let allowed = self.sent.count_ones() as u8 + self.spent(config);
                     let violation = if others {
                         Some(Violation::TwoRuns)
-                    } else if self.runs >= allowed {
+                    } else if self.runs >= allowed && !config.always_fails {
                         Some(Violation::ExtraRun {
                             runs: self.runs + 1,
                             allowed,
@@ -389,11 +403,17 @@ impl World {
                         d.ran_ok = Some(ok);
                         d.step = d.machine.on(Answer::RunEnded(RunEnd::Ran));
                     };
-                    let mut next = self.clone();
-                    next.covered |= before;
-                    ended(&mut next, true);
-                    out.push(ok(next, &actor, "the logic completes".into()));
-                    if self.logic_failures > 0 {
+                    if config.always_fails {
+                        let mut next = self.clone();
+                        ended(&mut next, false);
+                        out.push(ok(next, &actor, "the logic fails".into()));
+                    } else {
+                        let mut next = self.clone();
+                        next.covered |= before;
+                        ended(&mut next, true);
+                        out.push(ok(next, &actor, "the logic completes".into()));
+                    }
+                    if self.logic_failures > 0 && !config.always_fails {
                         let mut next = self.clone();
                         next.logic_failures -= 1;
                         ended(&mut next, false);
