@@ -14,7 +14,9 @@
 //!   again later (a carrier or a redelivery, which may be standing in for that very holder);
 //! - [`hold`]: what a holder does with the marker before its run (consume it, or stand down);
 //! - [`release`]: release the lease, *then* take the marker, and put one retrigger if it was (or
-//!   may have been) set.
+//!   may have been) set;
+//! - [`supersede`]: a retry's `afterToken` and the lease's `pending` note — whether a granted
+//!   retry stands down, what a run notes before its release, and which token its retry carries.
 //!
 //! What happens between the grant and the release (the supersede notes, the budget's slot, the
 //! run itself, run later) is still the runner's: the machine asks for it with [`Step::Run`] and
@@ -26,6 +28,7 @@
 
 pub mod hold;
 pub mod release;
+pub mod supersede;
 pub mod take;
 
 use crate::message::TriggerKind;
@@ -58,6 +61,14 @@ pub enum Fault {
     /// A redelivery or a carrier that finds the lease held trusts the holder (sets the marker
     /// and leaves), though it may be standing in for that very holder, dead.
     TrustHolderOnRedelivery,
+    /// Supersede (issue 35's first loss): a run hands its token to its retry or deferral although
+    /// its `pending` note could not be written; the retry then takes itself for a run whose duty
+    /// a later run took over, stands down, and its trigger is lost.
+    TokenWithoutNote,
+    /// Run later (issue 35's second loss): a deferral whose take of the marker after the release
+    /// was retried and answered "not there" takes that at its word and keeps its token, though its
+    /// first attempt may have consumed a marker set during a later run.
+    CarriedOnRetriedTakeAtItsWord,
 }
 
 /// A storage request the machine asks for. Each is one call with the driver's retries.

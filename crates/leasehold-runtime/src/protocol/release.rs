@@ -124,7 +124,7 @@ impl Release {
                 let owed = changed || (retried && fault != Fault::RetriedTakeAtItsWord);
                 match self.then {
                     Then::CarriedOn => Next::End(End::CarriedOn {
-                        joined: changed || retried,
+                        joined: changed || (retried && fault != Fault::CarriedOnRetriedTakeAtItsWord),
                     }),
                     _ if owed => self.wait(Waits::Retrigger, Step::Send(Request::PutRetrigger)),
                     _ => self.retriggered(false),

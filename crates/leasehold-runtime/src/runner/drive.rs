@@ -23,6 +23,7 @@ use crate::message::TriggerMessage;
 use crate::observe::{LockStep, record_lock, record_run};
 use crate::outcome::Outcome;
 use crate::protocol::release::CHECK_MARKER;
+use crate::protocol::supersede::{self, RunResult};
 use crate::protocol::{Answer, End, Facts, Fault, Machine, Request, RunEnd, Step};
 use crate::runner::asks_to_run_later;
 use crate::slot::ConsumerSlot;
@@ -294,14 +295,14 @@ impl RecordRunner {
                 );
             }
         };
-        if let (Some(streak), Some(after)) = (streak, delivery.message.after_token)
-            && streak.pending != Some(after)
+        if let Some(streak) = streak
+            && supersede::stands_down(delivery.message.after_token, streak.pending)
         {
             // The retry (or deferral) of run `after`, whose duty a later run has taken over: that
             // run started after this trigger and ended completed or superseded (or pends itself,
             // and its own retry carries on). Stand down — as a holder: release, then take the
             // marker, for triggers that found *this* grant's lease held.
-            tracing::info!(after_token = after, pending = ?streak.pending,
+            tracing::info!(after_token = delivery.message.after_token, pending = ?streak.pending,
                 "a later run took this retry's duty over: standing down");
             return (RunEnd::StoodDown, Hold::StoodDown);
         }
@@ -436,44 +437,29 @@ impl RecordRunner {
             }
             deferred
         });
-        // Whether this delivery's trigger will be tried again later by a message of its own (a
-        // retry, or the deferral): then, in a superseding scope, it pends.
-        let pends = match (&result, &deferral) {
-            (_, Some(d)) => matches!(d, Outcome::Deferred { .. }),
-            (Err(Error::Superseded), None) => false,
-            (Err(e), None) => !e.gives_up() && delivery.attempts() < self.options.max_attempts,
-            (Ok(()), None) => false,
+        let run_result = match (&result, &deferral) {
+            (_, Some(Outcome::Deferred { .. })) => RunResult::Deferred,
+            (_, Some(_)) => RunResult::GivenUp,
+            (Err(Error::Superseded), None) => RunResult::Superseded,
+            (Err(e), None) => RunResult::Failed {
+                retried: !e.gives_up() && delivery.attempts() < self.options.max_attempts,
+            },
+            (Ok(()), None) => RunResult::Completed,
         };
         let mut after_token = None;
         if let Some(streak) = streak {
-            // The pending run's own retry (or deferral) carries on its chain: it leaves the note
-            // as it is, and its next retry keeps the token. Rewriting the note first would strand
-            // the message that still carries the old token if it came back before being
-            // rewritten (a crash, a failed update), and it would stand down for itself.
-            let continues = streak.pending.is_some() && delivery.message.after_token == streak.pending;
-            let pending = match (&result, pends) {
-                _ if continues => None,
-                // Only a chain never given up may take another's duty: a given-up chain's sweep
-                // asks the marker first, and would not cover the pending run's trigger.
-                (_, true) if delivery.message.given_up == 0 => Some(token),
-                (_, true) => None,
-                // This run covers the pending one: it started after that run's trigger.
-                (Ok(()), _) | (Err(Error::Superseded), _) => Some(None),
-                // Given up: the note stays as it is (the give-up's sweep covers this trigger).
-                _ => None,
-            };
+            let message = &delivery.message;
+            let pending = supersede::after_run(
+                run_result,
+                message.after_token,
+                message.given_up,
+                streak.pending,
+                token,
+            );
             let written = self
-                .note_streak(guard, streak, was_superseded, run_time, pending)
+                .note_streak(guard, streak, was_superseded, run_time, pending.note)
                 .await;
-            if pends {
-                after_token = if continues {
-                    streak.pending
-                } else if written && pending == Some(token) {
-                    token
-                } else {
-                    None
-                };
-            }
+            after_token = pending.after_token(written, self.fault());
         }
         // From the release on, a storage failure leaves this delivery answering for triggers
         // that may have come during a later run (a marker it may have consumed, a lease held

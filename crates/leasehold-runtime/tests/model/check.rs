@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::time::{Duration, Instant};
 
 use crate::world::{Config, Event, SOMETIMES, Violation, World};
@@ -45,90 +46,167 @@ impl fmt::Display for Report {
     }
 }
 
+/// FxHash (rustc's): fast, and good enough for states the search compares in full anyway.
+#[derive(Default)]
+struct Fx(u64);
+
+impl Fx {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl Hasher for Fx {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.add(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u8(&mut self, i: u8) {
+        self.add(u64::from(i));
+    }
+    fn write_u32(&mut self, i: u32) {
+        self.add(u64::from(i));
+    }
+    fn write_u64(&mut self, i: u64) {
+        self.add(i);
+    }
+    fn write_usize(&mut self, i: usize) {
+        self.add(i as u64);
+    }
+}
+
+/// The states found so far, each stored once: a state's id is its place in `states`; `first`
+/// maps a hash to the first id with it, `chain` each id to the next with the same hash.
+struct Seen {
+    states: Vec<World>,
+    first: HashMap<u64, u32, BuildHasherDefault<Fx>>,
+    chain: Vec<u32>,
+}
+
+const NONE: u32 = u32::MAX;
+
+impl Seen {
+    /// The id of `world`, and whether it is new.
+    fn id(&mut self, world: World) -> (u32, bool) {
+        let mut hasher = Fx::default();
+        world.hash(&mut hasher);
+        let hash = hasher.finish();
+        let fresh = self.states.len() as u32;
+        let mut at = *self.first.entry(hash).or_insert(fresh);
+        if at == fresh {
+            self.states.push(world);
+            self.chain.push(NONE);
+            return (fresh, true);
+        }
+        loop {
+            if self.states[at as usize] == world {
+                return (at, false);
+            }
+            if self.chain[at as usize] == NONE {
+                self.chain[at as usize] = fresh;
+                self.states.push(world);
+                self.chain.push(NONE);
+                return (fresh, true);
+            }
+            at = self.chain[at as usize];
+        }
+    }
+}
+
 pub fn check(config: &Config) -> Report {
     let started = Instant::now();
-    let initial = World::initial(config);
-    let mut index: HashMap<World, u32> = HashMap::new();
-    let mut states: Vec<World> = Vec::new();
-    // How each state was first reached: its parent and the event.
-    let mut parent: Vec<Option<(u32, Event)>> = Vec::new();
-    let mut edges: Vec<Vec<u32>> = vec![Vec::new()];
-    index.insert(initial.clone(), 0);
-    states.push(initial);
-    parent.push(None);
+    let mut seen = Seen {
+        states: Vec::new(),
+        first: HashMap::default(),
+        chain: Vec::new(),
+    };
+    seen.id(World::initial(config));
+    // How each state was first reached: its parent and which of the parent's successors.
+    let mut parent: Vec<(u32, u16)> = vec![(NONE, 0)];
+    // The transitions out of state i: `to[from[i]..from[i + 1]]` (states are explored in order).
+    let mut from: Vec<u32> = vec![0];
+    let mut to: Vec<u32> = Vec::new();
     let mut reached = vec![false; SOMETIMES.len()];
     let mut transitions = 0usize;
     let mut violation = None;
+    let mut ends = Vec::new();
+    let mut most_runs = 0;
     let mut next = 0usize;
-    'search: while next < states.len() {
-        if states.len() > MAX_STATES {
+    'search: while next < seen.states.len() {
+        if seen.states.len() > MAX_STATES {
             violation = Some((
                 format!("more than {MAX_STATES} states: the model does not end"),
-                path(&parent, (states.len() - 1) as u32),
+                path(config, &seen.states, &parent, next as u32),
             ));
             break;
         }
-        let world = states[next].clone();
-        let successors = world.successors(config);
-        let mut out = Vec::with_capacity(successors.len());
-        for mut s in successors {
+        let successors = seen.states[next].successors(config);
+        let count = successors.len();
+        for (k, mut s) in successors.into_iter().enumerate() {
             s.world.normalise();
             transitions += 1;
             if let Some(r) = s.reached {
                 reached[r] = true;
             }
-            let id = match index.get(&s.world) {
-                Some(&id) => id,
-                None => {
-                    let id = states.len() as u32;
-                    index.insert(s.world.clone(), id);
-                    states.push(s.world);
-                    parent.push(Some((next as u32, s.event.clone())));
-                    edges.push(Vec::new());
-                    id
-                }
-            };
-            out.push(id);
+            let (id, new) = seen.id(s.world);
+            if new {
+                parent.push((next as u32, k as u16));
+            }
+            to.push(id);
             if let Some(v) = s.violation {
-                let mut trace = path(&parent, next as u32);
+                let mut trace = path(config, &seen.states, &parent, next as u32);
                 trace.push(s.event);
                 violation = Some((describe(&v), trace));
                 break 'search;
             }
         }
-        if out.is_empty() && !world.honoured(config) {
-            violation = Some((
-                "nothing more can happen, and a trigger was never followed by a completed run that started after it".into(),
-                path(&parent, next as u32),
-            ));
-            break;
+        if count == 0 {
+            let world = &seen.states[next];
+            if !world.honoured(config) {
+                violation = Some((
+                    "nothing more can happen, and a trigger was never followed by a completed run that started after it".into(),
+                    path(config, &seen.states, &parent, next as u32),
+                ));
+                break;
+            }
+            ends.push(next as u32);
+            most_runs = most_runs.max(world.runs);
         }
-        edges[next] = out;
+        from.push(to.len() as u32);
         next += 1;
     }
-    let mut ends = 0;
-    let mut most_runs = 0;
+    let states = seen.states.len();
     if violation.is_none() {
-        // Liveness: every state can still reach an end where every trigger is honoured.
-        let n = states.len();
-        let mut back: Vec<Vec<u32>> = vec![Vec::new(); n];
-        for (from, outs) in edges.iter().enumerate() {
-            for &to in outs {
-                back[to as usize].push(from as u32);
+        // Liveness: every state can still reach an end where every trigger is honoured. Backwards
+        // from the ends over the reversed transitions.
+        let mut into: Vec<u32> = vec![0; states + 1];
+        for &t in &to {
+            into[t as usize + 1] += 1;
+        }
+        for i in 0..states {
+            into[i + 1] += into[i];
+        }
+        let mut back = vec![0u32; to.len()];
+        let mut fill = into.clone();
+        for f in 0..states {
+            for &t in &to[from[f] as usize..from[f + 1] as usize] {
+                back[fill[t as usize] as usize] = f as u32;
+                fill[t as usize] += 1;
             }
         }
-        let mut good = vec![false; n];
-        let mut stack: Vec<u32> = Vec::new();
-        for (i, outs) in edges.iter().enumerate() {
-            if outs.is_empty() {
-                ends += 1;
-                most_runs = most_runs.max(states[i].runs);
-                good[i] = true;
-                stack.push(i as u32);
-            }
+        let mut good = vec![false; states];
+        let mut stack = ends.clone();
+        for &e in &ends {
+            good[e as usize] = true;
         }
         while let Some(s) = stack.pop() {
-            for &p in &back[s as usize] {
+            for &p in &back[into[s as usize] as usize..into[s as usize + 1] as usize] {
                 if !good[p as usize] {
                     good[p as usize] = true;
                     stack.push(p);
@@ -138,15 +216,15 @@ pub fn check(config: &Config) -> Report {
         if let Some(stuck) = good.iter().position(|g| !g) {
             violation = Some((
                 "a trap: from here no end is reachable where every trigger is honoured".into(),
-                path(&parent, stuck as u32),
+                path(config, &seen.states, &parent, stuck as u32),
             ));
         }
     }
     Report {
         config: *config,
-        states: states.len(),
+        states,
         transitions,
-        ends,
+        ends: ends.len(),
         most_runs,
         took: started.elapsed(),
         reached,
@@ -154,11 +232,14 @@ pub fn check(config: &Config) -> Report {
     }
 }
 
-fn path(parent: &[Option<(u32, Event)>], mut at: u32) -> Vec<Event> {
+/// The events from the initial state to state `at`, each found again among its parent's
+/// successors (the search keeps no text per state).
+fn path(config: &Config, states: &[World], parent: &[(u32, u16)], mut at: u32) -> Vec<Event> {
     let mut events = Vec::new();
-    while let Some((p, e)) = &parent[at as usize] {
-        events.push(e.clone());
-        at = *p;
+    while let Some(&(p, k)) = parent.get(at as usize).filter(|(p, _)| *p != NONE) {
+        let mut successors = states[p as usize].successors(config);
+        events.push(successors.swap_remove(k as usize).event);
+        at = p;
     }
     events.reverse();
     events

@@ -5,7 +5,9 @@
 //! actor; [`World::successors`] lists all of them, and the checker tries every one.
 
 use leasehold_runtime::TriggerKind;
-use leasehold_runtime::protocol::{Answer, End, Facts, Fault, Machine, Request, RunEnd, Step};
+use leasehold_runtime::protocol::release::CHECK_MARKER;
+use leasehold_runtime::protocol::supersede::RunResult;
+use leasehold_runtime::protocol::{Answer, End, Facts, Fault, Machine, Request, Step};
 
 /// What a configuration allows.
 #[derive(Debug, Clone, Copy)]
@@ -24,6 +26,11 @@ pub struct Config {
     pub always_fails: bool,
     /// Runs whose holder loses its lease (cut off from storage).
     pub lost_leases: u8,
+    /// Runs whose logic asks to be run later.
+    pub ask_later: u8,
+    /// The scope supersedes: a run is stopped for a trigger that arrived during it, and a retry
+    /// carries its run's token (`afterToken`), standing down if a later run took its duty over.
+    pub supersede: bool,
     /// The poison limit: a message delivered more often than this is given up.
     pub max_attempts: u8,
     pub fault: Fault,
@@ -38,16 +45,28 @@ pub struct Msg {
     /// Failed deliveries carried over from the messages it continues.
     pub prior: u8,
     pub given_up: u8,
+    /// Supersede: the token of the run whose retry or deferral this is.
+    pub after_token: Option<u8>,
+    /// A run's deferral (run later).
+    pub deferred: bool,
 }
 
 impl std::fmt::Display for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "a {:?} (delivery {}", self.kind, self.dequeued)?;
+        let kind = if self.deferred {
+            "deferral".to_string()
+        } else {
+            format!("{:?}", self.kind)
+        };
+        write!(f, "a {kind} (delivery {}", self.dequeued)?;
         if self.prior > 0 {
             write!(f, ", {} failed before", self.prior)?;
         }
         if self.given_up > 0 {
             write!(f, ", given up {}", self.given_up)?;
+        }
+        if let Some(t) = self.after_token {
+            write!(f, ", after token {t}")?;
         }
         write!(f, ")")
     }
@@ -74,16 +93,18 @@ impl Kind {
 }
 
 impl Msg {
-    fn new(kind: Kind, prior: u8, given_up: u8) -> Self {
+    pub(crate) fn new(kind: Kind, prior: u8, given_up: u8) -> Self {
         Self {
             kind,
             dequeued: 0,
             prior,
             given_up,
+            after_token: None,
+            deferred: false,
         }
     }
 
-    fn attempts(&self) -> u8 {
+    pub(crate) fn attempts(&self) -> u8 {
         self.prior + self.dequeued.max(1)
     }
 }
@@ -107,10 +128,28 @@ pub struct Delivery {
     pub step: Step,
     /// The fencing token of its grant, once granted.
     pub token: Option<u8>,
+    /// Supersede: the `pending` note read at the grant, once read.
+    pub notes: Option<Option<u8>>,
     /// The run in progress: the triggers sent before it started (bit per trigger).
     pub running: Option<u8>,
-    /// How its run ended (`true`: the logic completed).
-    pub ran_ok: Option<bool>,
+    /// How its run ended, once it has.
+    pub result: Option<RunResult>,
+    /// The `pending` note to write before the release, with the token its retry carries if the
+    /// write succeeds and if it does not.
+    pub noting: Option<Noting>,
+    /// The token its retry or deferral carries.
+    pub after_token: Option<u8>,
+    /// Its run's decisions are made: from the release on, a storage failure hands no token on.
+    pub after_run: bool,
+    /// It stood down for a later run (supersede).
+    pub stood_down: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Noting {
+    pub note: Option<u8>,
+    pub if_written: Option<u8>,
+    pub if_not: Option<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -123,6 +162,8 @@ pub struct Worker {
 pub struct World {
     pub lease: Lease,
     pub sequence: u8,
+    /// Supersede: the lock blob's `pending` note (the token of a run whose retry pends).
+    pub pending: Option<u8>,
     pub marker: bool,
     /// Visible messages (sorted).
     pub queue: Vec<Msg>,
@@ -137,6 +178,7 @@ pub struct World {
     pub crashes: u8,
     pub logic_failures: u8,
     pub lost_leases: u8,
+    pub ask_later: u8,
     /// The token of the latest run started: the downstream accepts only rising tokens.
     pub last_token: u8,
     /// Runs started so far.
@@ -172,7 +214,7 @@ pub enum Violation {
 }
 
 /// Things the model can reach, for the `sometimes` properties.
-pub const SOMETIMES: [&str; 8] = [
+pub const SOMETIMES: [&str; 11] = [
     "a trigger coalesced onto a run",
     "a retrigger ran the record again",
     "a carrier looked again",
@@ -181,6 +223,9 @@ pub const SOMETIMES: [&str; 8] = [
     "a sweep ran the record",
     "a dead holder's lease expired and its message ran",
     "a run lost its lease",
+    "a run was superseded by a trigger that arrived during it",
+    "a run was put off and its deferral ran",
+    "a retry stood down for a later run that took its duty over",
 ];
 
 pub struct Successor {
@@ -196,6 +241,7 @@ impl World {
         Self {
             lease: Lease::Free,
             sequence: 0,
+            pending: None,
             marker: false,
             queue: Vec::new(),
             parked: Vec::new(),
@@ -212,6 +258,7 @@ impl World {
             crashes: config.crashes,
             logic_failures: config.logic_failures,
             lost_leases: config.lost_leases,
+            ask_later: config.ask_later,
             last_token: 0,
             runs: 0,
         }
@@ -253,11 +300,12 @@ impl World {
     }
 
     /// Faults, crashes, failed runs and lost leases spent so far.
-    fn spent(&self, config: &Config) -> u8 {
+    pub(crate) fn spent(&self, config: &Config) -> u8 {
         (config.faults - self.faults)
             + (config.crashes - self.crashes)
             + (config.logic_failures - self.logic_failures)
             + (config.lost_leases - self.lost_leases)
+            + (config.ask_later - self.ask_later)
     }
 
     /// Renumbers the fencing tokens by rank: only their order matters (the downstream accepts a
@@ -265,29 +313,44 @@ impl World {
     /// forever without running (two contenders standing down for each other, round after round)
     /// would make the state space infinite instead of a cycle.
     pub fn normalise(&mut self) {
-        let mut tokens: Vec<u8> = vec![self.sequence, self.last_token];
-        tokens.extend(self.workers.iter().filter_map(|w| w.delivery.as_ref()?.token));
+        let mut tokens: Vec<u8> = Vec::new();
+        self.each_token(|t| tokens.push(*t));
+        tokens.push(0);
         tokens.sort_unstable();
         tokens.dedup();
-        let rank = |t: u8| tokens.iter().position(|&x| x == t).unwrap() as u8;
-        // Token 0 ("no run yet") stays 0.
-        let shift = u8::from(tokens[0] != 0);
-        self.sequence = rank(self.sequence) + shift;
-        self.last_token = if self.last_token == 0 {
-            0
-        } else {
-            rank(self.last_token) + shift
-        };
-        for w in &mut self.workers {
-            if let Some(d) = &mut w.delivery
-                && let Some(t) = &mut d.token
-            {
-                *t = rank(*t) + shift;
+        // Token 0 ("none yet") stays 0; the others by rank from 1.
+        self.each_token(|t| *t = tokens.iter().position(|x| x == t).unwrap() as u8);
+    }
+
+    /// Every fencing token the state holds.
+    fn each_token(&mut self, mut f: impl FnMut(&mut u8)) {
+        f(&mut self.sequence);
+        f(&mut self.last_token);
+        if let Some(t) = &mut self.pending {
+            f(t);
+        }
+        let queued = self.queue.iter_mut().chain(self.parked.iter_mut());
+        for t in queued.filter_map(|m| m.after_token.as_mut()) {
+            f(t);
+        }
+        for d in self.workers.iter_mut().filter_map(|w| w.delivery.as_mut()) {
+            let noting = d
+                .noting
+                .as_mut()
+                .map(|n| [n.note.as_mut(), n.if_written.as_mut(), n.if_not.as_mut()]);
+            let tokens = [
+                d.token.as_mut(),
+                d.notes.as_mut().and_then(|n| n.as_mut()),
+                d.after_token.as_mut(),
+                d.msg.after_token.as_mut(),
+            ];
+            for t in tokens.into_iter().chain(noting.into_iter().flatten()).flatten() {
+                f(t);
             }
         }
     }
 
-    fn put(&mut self, m: Msg) {
+    pub(crate) fn put(&mut self, m: Msg) {
         let at = self.queue.partition_point(|q| q <= &m);
         self.queue.insert(at, m);
     }
@@ -344,8 +407,13 @@ impl World {
                     machine,
                     step,
                     token: None,
+                    notes: None,
                     running: None,
-                    ran_ok: None,
+                    result: None,
+                    noting: None,
+                    after_token: None,
+                    after_run: false,
+                    stood_down: false,
                 });
                 out.push(ok(next, &actor, what));
             }
@@ -353,110 +421,77 @@ impl World {
         };
         match delivery.step {
             Step::Send(request) => self.request(w, request, &actor, out),
-            Step::Run => match delivery.running {
-                None => {
-                    // The logic starts.
-                    let mut next = self.clone();
-                    let token = delivery.token.expect("a run has a token");
-                    let others = self.workers.iter().enumerate().any(|(o, x)| {
-                        o != w && x.alive && x.delivery.as_ref().is_some_and(|d| d.running.is_some())
-                    });
-                    let allowed = self.sent.count_ones() as u8 + self.spent(config);
-                    let violation = if others {
-                        Some(Violation::TwoRuns)
-                    } else if self.runs >= allowed && !config.always_fails {
-                        Some(Violation::ExtraRun {
-                            runs: self.runs + 1,
-                            allowed,
-                        })
-                    } else if token <= self.last_token {
-                        Some(Violation::TokenNotRising {
-                            token,
-                            last: self.last_token,
-                        })
-                    } else {
-                        None
-                    };
-                    next.last_token = token;
-                    next.runs += 1;
-                    let d = next.workers[w].delivery.as_mut().unwrap();
-                    d.running = Some(self.sent);
-                    let reached = match d.msg.kind {
-                        Kind::Retrigger => Some(1),
-                        Kind::Sweep => Some(5),
-                        _ => None,
-                    };
-                    out.push(Successor {
-                        world: next,
-                        event: Event {
-                            actor,
-                            what: format!("the logic starts (token {token})"),
-                        },
-                        violation,
-                        reached,
-                    });
-                }
-                Some(before) => {
-                    let ended = |next: &mut World, ok: bool| {
-                        let d = next.workers[w].delivery.as_mut().unwrap();
-                        d.running = None;
-                        d.ran_ok = Some(ok);
-                        d.step = d.machine.on(Answer::RunEnded(RunEnd::Ran));
-                    };
-                    if config.always_fails {
-                        let mut next = self.clone();
-                        ended(&mut next, false);
-                        out.push(ok(next, &actor, "the logic fails".into()));
-                    } else {
-                        let mut next = self.clone();
-                        next.covered |= before;
-                        ended(&mut next, true);
-                        out.push(ok(next, &actor, "the logic completes".into()));
-                    }
-                    if self.logic_failures > 0 && !config.always_fails {
-                        let mut next = self.clone();
-                        next.logic_failures -= 1;
-                        ended(&mut next, false);
-                        out.push(ok(next, &actor, "the logic fails".into()));
-                    }
-                    if self.lost_leases > 0 && self.lease == Lease::Held(w as u8) {
-                        // Told 10 s before storage could let it expire, the logic stopped within
-                        // its grace: by the time anyone else can acquire, it has ended.
-                        let mut next = self.clone();
-                        next.lost_leases -= 1;
-                        next.lease = Lease::Free;
-                        ended(&mut next, false);
-                        let mut s = ok(next, &actor, "loses its lease; the logic is stopped".into());
-                        s.reached = Some(7);
-                        out.push(s);
-                    }
-                }
-            },
+            Step::Run => self.run_successors(config, w, &actor, out),
             Step::Done(end) => self.finish(w, end, &actor, out),
         }
     }
 
     /// The consumer's handling of a delivery's end (standalone, as `Consumer` does).
     fn finish(&self, w: usize, end: End, actor: &str, out: &mut Vec<Successor>) {
-        let delivery = self.workers[w].delivery.as_ref().unwrap();
-        let acknowledge = match end {
-            End::Coalesced | End::LookAgain => true,
-            End::Ran { .. } => delivery.ran_ok == Some(true),
-            End::CarriedOn { .. } | End::StillRunning => unreachable!("not in this model"),
-            End::StorageFailed { .. } => false,
-        };
-        let reached = match end {
-            End::Coalesced if delivery.token.is_some() => Some(3),
-            End::Coalesced => Some(0),
-            End::LookAgain => Some(2),
-            _ => None,
-        };
         let mut next = self.clone();
         let d = next.workers[w].delivery.take().unwrap();
         if next.lease == Lease::Held(w as u8) {
             // The guard is dropped without a release: nobody renews the lease.
             next.lease = Lease::Orphan;
         }
+        let reached = match end {
+            End::Coalesced if d.stood_down => Some(10),
+            End::Coalesced if d.token.is_some() => Some(3),
+            End::Coalesced => Some(0),
+            End::LookAgain => Some(2),
+            _ => None,
+        };
+        // What comes back if the message is not acknowledged: the message as it was, carrying
+        // the token its delivery leaves (the runner's `Ended::after_token`).
+        let mut retry = d.msg.clone();
+        let acknowledge = match end {
+            End::Coalesced | End::LookAgain => true,
+            End::Ran { .. } => match d.result {
+                Some(RunResult::Completed | RunResult::Superseded) => true,
+                _ => {
+                    retry.after_token = d.after_token;
+                    false
+                }
+            },
+            End::CarriedOn { joined } => {
+                // The deferral, written over the message in one update (`persist_in_place`).
+                let mut deferral = Msg::new(Kind::Recheck, d.msg.attempts() - 1, d.msg.given_up);
+                deferral.deferred = true;
+                if joined {
+                    deferral.given_up = 0;
+                } else {
+                    deferral.after_token = d.after_token;
+                }
+                next.put(deferral.clone());
+                let mut s = ok(
+                    next.clone(),
+                    actor,
+                    format!("ends {end:?}: the message becomes {deferral}"),
+                );
+                s.reached = reached;
+                out.push(s);
+                if self.faults > 0 {
+                    // The update fails: the message comes back as it was, and runs early.
+                    let mut failed = self.clone();
+                    let d = failed.workers[w].delivery.take().unwrap();
+                    failed.faults -= 1;
+                    failed.put(d.msg);
+                    out.push(ok(
+                        failed,
+                        actor,
+                        format!("ends {end:?}: the update fails, the message comes back"),
+                    ));
+                }
+                return;
+            }
+            End::StillRunning => unreachable!("not in this model"),
+            End::StorageFailed { step } => {
+                if d.after_run || (d.stood_down && step == CHECK_MARKER) {
+                    retry.after_token = None;
+                }
+                false
+            }
+        };
         if acknowledge {
             let mut s = ok(next.clone(), actor, format!("ends {end:?}: message deleted"));
             s.reached = reached;
@@ -472,12 +507,9 @@ impl World {
                 ));
             }
         } else {
-            next.put(d.msg);
-            out.push(ok(
-                next,
-                actor,
-                format!("ends {end:?}: the message comes back for a retry"),
-            ));
+            let what = format!("ends {end:?}: {retry} comes back for a retry");
+            next.put(retry);
+            out.push(ok(next, actor, what));
         }
     }
 
@@ -633,7 +665,7 @@ impl World {
     }
 }
 
-fn ok(world: World, actor: &str, what: String) -> Successor {
+pub(crate) fn ok(world: World, actor: &str, what: String) -> Successor {
     Successor {
         world,
         event: Event {
