@@ -288,6 +288,40 @@ fn first_loss(variant: ProtocolVariant) -> Option<(u64, Violation)> {
     })
 }
 
+/// How many seeds the simulation needs for each known-wrong decision the protocol core keeps
+/// (the model checker finds each in seconds: `tests/model`). A tool:
+/// `LEASEHOLD_SIM_SEEDS=2000 cargo test -p leasehold-runtime --test runtime
+/// simulation_against_the_cores_faults -- --ignored --nocapture`.
+#[test]
+#[ignore = "a tool: run it by name"]
+fn simulation_against_the_cores_faults() {
+    use leasehold_runtime::protocol::Fault;
+    for fault in [
+        Fault::RetriedSetAtItsWord,
+        Fault::FailedReacquireCoalesces,
+        Fault::StandDownSkipsMarkerCheck,
+        Fault::RetriedTakeAtItsWord,
+        Fault::ReacquireLeavesMarker,
+        Fault::StandDownAfterRetriedClear,
+        Fault::SweepLeavesMarker,
+        Fault::TokenWithoutNote,
+        Fault::CarriedOnRetriedTakeAtItsWord,
+    ] {
+        let run = run_seeds(seeds(), ProtocolVariant::Core(fault), Stop::Never);
+        let lost = run
+            .failures
+            .iter()
+            .filter(|(_, v)| v.iter().any(|v| matches!(v, Violation::Lost(_))))
+            .count();
+        let first = run.failures.first().map(|(seed, _)| *seed);
+        println!(
+            "{fault:?}: {} of {} seeds fail ({lost} with a lost trigger); first: {first:?}",
+            run.failures.len(),
+            run.seeds_run
+        );
+    }
+}
+
 #[test]
 fn simulation_catches_checking_the_marker_before_release() {
     let (seed, violation) = first_loss(ProtocolVariant::CheckMarkerBeforeRelease)
