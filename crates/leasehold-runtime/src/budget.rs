@@ -35,6 +35,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::flow::PerScope;
+use crate::protocol::budget::{Waits, waits};
 use crate::queue::TriggerQueue;
 use crate::record::Scope;
 
@@ -978,8 +979,8 @@ impl Budgets {
             };
             if !parked && let Some(park) = waiting.park {
                 parked = true;
-                if !park()
-                    && let Some(until) = held_until
+                if let (Waits::HandBack, Some(until)) =
+                    (waits(held_until.is_some(), Some(park())), held_until)
                 {
                     // Nowhere to wait without keeping others from work: back after the pause.
                     return Admission::Paused {

@@ -253,7 +253,7 @@ impl Delivery {
     pub fn may_stand_in(&self) -> bool {
         let released =
             self.message.kind == TriggerKind::Recheck && self.message.deferral.is_some_and(|d| d.released);
-        self.redelivered() || (self.message.kind.is_carrier() && !released)
+        crate::protocol::budget::may_stand_in(self.message.kind, self.redelivered(), released)
     }
 
     /// The span every event of this delivery is logged in: scope, record, message kind, attempt,
@@ -656,7 +656,12 @@ impl RecordRunner {
         // A pause that ends within what a holder may wait is waited out under the lease (where
         // triggers for the record coalesce onto it), not handed back: handing back costs the
         // message a round trip and, with a backlog, a pass over all of it per pause.
-        if after <= longest_wait && !slot.is_some_and(ConsumerSlot::room_full) {
+        let room_full = slot.is_some_and(ConsumerSlot::room_full);
+        if !crate::protocol::budget::handed_back_before_the_lock(
+            after > longest_wait,
+            room_full,
+            self.fault(),
+        ) {
             return None;
         }
         Some(Outcome::Paused {
@@ -689,7 +694,9 @@ impl RecordRunner {
             return Ok(None);
         };
         let message = &delivery.message;
-        let park = consumer_slot.map(|s| move || s.park());
+        let park = consumer_slot
+            .filter(|_| crate::protocol::budget::offers_seat(self.fault()))
+            .map(|s| move || s.park());
         let waiting = Waiting {
             stand_in: delivery.may_stand_in(),
             // Under Functions the host's invocation must not be held for minutes.

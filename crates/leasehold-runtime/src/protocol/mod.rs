@@ -15,6 +15,8 @@
 //! - [`hold`]: what a holder does with the marker before its run (consume it, or stand down);
 //! - [`release`]: release the lease, *then* take the marker, and put one retrigger if it was (or
 //!   may have been) set;
+//! - [`budget`]: the budget's gate — who is never held (a stand-in), who is handed back before the
+//!   lock, and where a holder waits out a pause (a seat of the waiting room, not its slot);
 //! - [`supersede`]: a retry's `afterToken` and the lease's `pending` note — whether a granted
 //!   retry stands down, what a run notes before its release, and which token its retry carries.
 //!
@@ -26,6 +28,7 @@
 //! answer says whether it was retried, because after a retry a definitive-looking answer ("not
 //! there", "already there") may describe our own earlier attempt, whose answer was lost.
 
+pub mod budget;
 pub mod hold;
 pub mod release;
 pub mod supersede;
@@ -69,6 +72,10 @@ pub enum Fault {
     /// was retried and answered "not there" takes that at its word and keeps its token, though its
     /// first attempt may have consumed a marker set during a later run.
     CarriedOnRetriedTakeAtItsWord,
+    /// Budgets (issue 35's liveness failure): a holder waiting out its budget's pause keeps its
+    /// slot of the consumer (the code before the waiting room): holders waiting out a pause fill
+    /// the slots, and a dead holder's message waits for the pause to end.
+    HolderKeepsItsSlot,
 }
 
 /// A storage request the machine asks for. Each is one call with the driver's retries.

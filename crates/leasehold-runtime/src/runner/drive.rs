@@ -69,7 +69,7 @@ struct Ran {
 
 impl RecordRunner {
     /// The known-wrong decisions a test asked for ([`crate::ProtocolVariant`]), if any.
-    fn fault(&self) -> Fault {
+    pub(super) fn fault(&self) -> Fault {
         #[cfg(feature = "testing")]
         match self.options.variant {
             crate::ProtocolVariant::CheckMarkerBeforeRelease => return Fault::CheckMarkerBeforeRelease,
