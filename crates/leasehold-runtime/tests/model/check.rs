@@ -7,7 +7,7 @@ use std::fmt;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::time::{Duration, Instant};
 
-use crate::world::{Config, Event, SOMETIMES, Violation, World};
+use crate::world::{Config, Event, SOMETIMES, STARVED, Violation, World};
 
 /// A bound on the search, so a model that does not end fails instead of eating the machine.
 const MAX_STATES: usize = 3_000_000;
@@ -132,6 +132,8 @@ pub fn check(config: &Config) -> Report {
     // The transitions out of state i: `to[from[i]..from[i + 1]]` (states are explored in order).
     let mut from: Vec<u32> = vec![0];
     let mut to: Vec<u32> = Vec::new();
+    // Whether each transition is the end of the budget's pause.
+    let mut pause_ends: Vec<bool> = Vec::new();
     let mut reached = vec![false; SOMETIMES.len()];
     let mut transitions = 0usize;
     let mut violation = None;
@@ -159,6 +161,7 @@ pub fn check(config: &Config) -> Report {
                 parent.push((next as u32, k as u16));
             }
             to.push(id);
+            pause_ends.push(s.pause_ends);
             if let Some(v) = s.violation {
                 let mut trace = path(config, &seen.states, &parent, next as u32);
                 trace.push(s.event);
@@ -176,7 +179,7 @@ pub fn check(config: &Config) -> Report {
                 break;
             }
             ends.push(next as u32);
-            most_runs = most_runs.max(world.runs);
+            most_runs = most_runs.max(world.records.iter().map(|r| r.runs).max().unwrap_or(0));
         }
         from.push(to.len() as u32);
         next += 1;
@@ -200,24 +203,57 @@ pub fn check(config: &Config) -> Report {
                 fill[t as usize] += 1;
             }
         }
-        let mut good = vec![false; states];
-        let mut stack = ends.clone();
-        for &e in &ends {
-            good[e as usize] = true;
-        }
-        while let Some(s) = stack.pop() {
-            for &p in &back[into[s as usize] as usize..into[s as usize + 1] as usize] {
-                if !good[p as usize] {
-                    good[p as usize] = true;
-                    stack.push(p);
-                }
+        // Which transition each backward one is, to leave out the end of a pause.
+        let mut back_edge = vec![0u32; to.len()];
+        let mut fill = into.clone();
+        for f in 0..states {
+            for e in from[f] as usize..from[f + 1] as usize {
+                let t = to[e] as usize;
+                back_edge[fill[t] as usize] = e as u32;
+                fill[t] += 1;
             }
         }
+        let reach = |start: Vec<u32>, skip_pause_end: bool| {
+            let mut good = vec![false; states];
+            for &s in &start {
+                good[s as usize] = true;
+            }
+            let mut stack = start;
+            while let Some(s) = stack.pop() {
+                let range = into[s as usize] as usize..into[s as usize + 1] as usize;
+                for (&p, &e) in back[range.clone()].iter().zip(&back_edge[range]) {
+                    if skip_pause_end && pause_ends[e as usize] {
+                        continue;
+                    }
+                    if !good[p as usize] {
+                        good[p as usize] = true;
+                        stack.push(p);
+                    }
+                }
+            }
+            good
+        };
+        let good = reach(ends.clone(), false);
         if let Some(stuck) = good.iter().position(|g| !g) {
             violation = Some((
                 "a trap: from here no end is reachable where every trigger is honoured".into(),
                 path(config, &seen.states, &parent, stuck as u32),
             ));
+        }
+        if violation.is_none() && config.pauses > 0 {
+            // The recovery bound must not depend on a pause: from every state where a dead
+            // holder's message waits while the budget is paused, a slot can take it before the
+            // pause ends.
+            let unstarved: Vec<u32> = (0..states as u32)
+                .filter(|&s| !seen.states[s as usize].starving())
+                .collect();
+            let good = reach(unstarved, true);
+            if let Some(starved) = good.iter().position(|g| !g) {
+                violation = Some((
+                    STARVED.into(),
+                    path(config, &seen.states, &parent, starved as u32),
+                ));
+            }
         }
     }
     Report {

@@ -20,8 +20,10 @@ use world::{Config, SOMETIMES};
 /// fault, a crash and a failed run anywhere.
 const BASE: Config = Config {
     name: "2 workers, 2 triggers, 1 fault, 1 crash, 1 failed run",
-    workers: 2,
+    processes: &[1, 1],
+    records: 1,
     triggers: 2,
+    pauses: 0,
     faults: 1,
     crashes: 1,
     logic_failures: 1,
@@ -33,11 +35,12 @@ const BASE: Config = Config {
     fault: Fault::None,
 };
 
-/// Where the configurations with supersede begin in [`CHECKED`].
+/// Where the configurations with supersede begin in [`CHECKED`], and those with a budget.
 const SUPERSEDE: usize = 7;
+const BUDGET: usize = 9;
 
 /// The configurations CI checks.
-const CHECKED: [Config; 9] = [
+const CHECKED: [Config; 10] = [
     BASE,
     Config {
         name: "2 workers, 3 triggers, 1 fault, 1 crash",
@@ -96,13 +99,23 @@ const CHECKED: [Config; 9] = [
         supersede: true,
         ..BASE
     },
+    Config {
+        name: "budget: 2 processes (2 slots, 1 slot), 3 records, 1 crash, 1 pause",
+        processes: &[2, 1],
+        records: 3,
+        triggers: 1,
+        pauses: 1,
+        faults: 0,
+        logic_failures: 0,
+        ..BASE
+    },
 ];
 
 /// Larger configurations: `cargo test -p leasehold-runtime --test model -- --ignored --nocapture`.
 const LARGER: [Config; 2] = [
     Config {
         name: "3 workers, 3 triggers, 1 fault, 1 crash, 1 failed run",
-        workers: 3,
+        processes: &[1, 1, 1],
         triggers: 3,
         ..BASE
     },
@@ -145,8 +158,18 @@ fn the_protocol_holds_in_every_interleaving_of_small_deployments() {
 /// With supersede and run later: a retry's token, the `pending` note, deferrals.
 #[test]
 fn supersede_and_run_later_hold_in_every_interleaving_of_small_deployments() {
-    let reached = all_hold(&CHECKED[SUPERSEDE..]);
-    for (what, reached) in SOMETIMES.iter().zip(reached).skip(8) {
+    let reached = all_hold(&CHECKED[SUPERSEDE..BUDGET]);
+    for (what, reached) in SOMETIMES.iter().zip(reached).skip(8).take(3) {
+        assert!(reached, "no configuration reaches: {what}");
+    }
+}
+
+/// With a downstream budget's pause: holders wait it out in seats of the waiting room, and a dead
+/// holder's message is taken before the pause ends.
+#[test]
+fn a_budgets_pause_never_holds_a_dead_holders_record_in_any_interleaving() {
+    let reached = all_hold(&CHECKED[BUDGET..]);
+    for (what, reached) in SOMETIMES.iter().zip(reached).skip(11) {
         assert!(reached, "no configuration reaches: {what}");
     }
 }
@@ -178,6 +201,7 @@ fn every_known_fault_is_caught() {
         (Fault::TrustHolderOnRedelivery, 0),
         (Fault::TokenWithoutNote, SUPERSEDE),
         (Fault::CarriedOnRetriedTakeAtItsWord, SUPERSEDE + 1),
+        (Fault::HolderKeepsItsSlot, BUDGET),
     ];
     for (fault, config) in faults {
         let report = check(&Config {

@@ -2,6 +2,7 @@
 //! the runner still does itself around the core's [`Step::Run`] — supersede's notes, the logic,
 //! the `pending` note — with the core's decisions ([`supersede`]) where it has them.
 
+use leasehold_runtime::protocol::budget;
 use leasehold_runtime::protocol::supersede::{self, RunResult};
 use leasehold_runtime::protocol::{Answer, RunEnd};
 
@@ -19,10 +20,11 @@ fn narrow(t: Option<u64>) -> Option<u8> {
 impl World {
     pub(crate) fn run_successors(&self, config: &Config, w: usize, actor: &str, out: &mut Vec<Successor>) {
         let d = self.workers[w].delivery.as_ref().unwrap();
+        let r = self.record_of(w);
         if config.supersede && d.notes.is_none() && d.result.is_none() {
             // Supersede: the record's notes, read at the grant.
             let mut next = self.clone();
-            let pending = self.pending;
+            let pending = self.records[r].pending;
             let nd = next.workers[w].delivery.as_mut().unwrap();
             nd.notes = Some(pending);
             let mut s = if supersede::stands_down(wide(nd.msg.after_token), wide(pending)) {
@@ -54,6 +56,7 @@ impl World {
             return;
         }
         match d.running {
+            None if self.paused && !d.msg.may_stand_in() => self.wait_at_gate(config, w, actor, out),
             None => self.start_logic(w, actor, config, out),
             Some(before) => self.end_logic(config, w, before, actor, out),
         }
@@ -61,33 +64,42 @@ impl World {
 
     fn start_logic(&self, w: usize, actor: &str, config: &Config, out: &mut Vec<Successor>) {
         let d = self.workers[w].delivery.as_ref().unwrap();
+        let r = self.record_of(w);
+        let record = &self.records[r];
         let mut next = self.clone();
         let token = d.token.expect("a run has a token");
-        let others = self
-            .workers
-            .iter()
-            .enumerate()
-            .any(|(o, x)| o != w && x.alive && x.delivery.as_ref().is_some_and(|d| d.running.is_some()));
-        let allowed = self.sent.count_ones() as u8 + self.spent(config);
+        let others = self.workers.iter().enumerate().any(|(o, x)| {
+            o != w
+                && x.alive
+                && x.delivery
+                    .as_ref()
+                    .is_some_and(|d| d.running.is_some() && usize::from(d.msg.record) == r)
+        });
+        let allowed = record.sent.count_ones() as u8 + self.spent(config);
         let violation = if others {
             Some(Violation::TwoRuns)
-        } else if token <= self.last_token {
+        } else if token <= record.last_token {
             Some(Violation::TokenNotRising {
                 token,
-                last: self.last_token,
+                last: record.last_token,
             })
-        } else if self.runs >= allowed && !config.always_fails {
+        } else if record.runs >= allowed && !config.always_fails {
             Some(Violation::ExtraRun {
-                runs: self.runs + 1,
+                runs: record.runs + 1,
                 allowed,
             })
         } else {
             None
         };
-        next.last_token = token;
-        next.runs += 1;
+        next.records[r].last_token = token;
+        next.records[r].runs += 1;
+        if d.waited {
+            // Triggers that found the lease held while it waited set the marker: the run, starting
+            // after them, covers them (a take that fails leaves it for the usual retrigger).
+            next.records[r].marker = false;
+        }
         let nd = next.workers[w].delivery.as_mut().unwrap();
-        nd.running = Some(self.sent);
+        nd.running = Some(record.sent);
         let reached = match nd.msg.kind {
             crate::world::Kind::Retrigger => Some(1),
             crate::world::Kind::Sweep => Some(5),
@@ -102,17 +114,19 @@ impl World {
             },
             violation,
             reached,
+            pause_ends: false,
         });
     }
 
     /// Every way the logic may end.
     fn end_logic(&self, config: &Config, w: usize, before: u8, actor: &str, out: &mut Vec<Successor>) {
         let d = self.workers[w].delivery.as_ref().unwrap();
+        let r = self.record_of(w);
         let retried = d.msg.attempts() < config.max_attempts;
         let mut ends: Vec<(World, RunResult, String, Option<usize>)> = Vec::new();
         if !config.always_fails {
             let mut next = self.clone();
-            next.covered |= before;
+            next.records[r].covered |= before;
             ends.push((next, RunResult::Completed, "the logic completes".into(), None));
         }
         if config.always_fails || self.logic_failures > 0 {
@@ -137,7 +151,7 @@ impl World {
                 None,
             ));
         }
-        if config.supersede && self.marker {
+        if config.supersede && self.records[r].marker {
             // The watch reads the marker after a renewal: a trigger arrived during the run.
             ends.push((
                 self.clone(),
@@ -146,12 +160,12 @@ impl World {
                 Some(8),
             ));
         }
-        if self.lost_leases > 0 && self.lease == Lease::Held(w as u8) {
+        if self.lost_leases > 0 && self.records[r].lease == Lease::Held(w as u8) {
             // Told 10 s before storage could let it expire, the logic stopped within its grace:
             // by the time anyone else can acquire, it has ended.
             let mut next = self.clone();
             next.lost_leases -= 1;
-            next.lease = Lease::Free;
+            next.records[r].lease = Lease::Free;
             ends.push((
                 next,
                 RunResult::Failed { retried },
@@ -170,7 +184,7 @@ impl World {
     /// The run's decisions once its logic has ended: the note to write (supersede), or on to
     /// the release.
     fn after_logic(&mut self, config: &Config, w: usize, result: RunResult) {
-        let lost = self.lease != Lease::Held(w as u8);
+        let lost = self.records[self.record_of(w)].lease != Lease::Held(w as u8);
         let d = self.workers[w].delivery.as_mut().unwrap();
         d.running = None;
         d.result = Some(result);
@@ -201,11 +215,12 @@ impl World {
 
     /// The `pending` note's write, under the lease, before the release.
     fn write_note(&self, _config: &Config, w: usize, noting: Noting, actor: &str, out: &mut Vec<Successor>) {
-        let mine = self.lease == Lease::Held(w as u8);
+        let r = self.record_of(w);
+        let mine = self.records[r].lease == Lease::Held(w as u8);
         let mut ways = Vec::new();
         let mut written = self.clone();
         if mine {
-            written.pending = noting.note;
+            written.records[r].pending = noting.note;
         }
         ways.push((written.clone(), mine, format!("notes pending {:?}", noting.note)));
         if self.faults > 0 && mine {
@@ -223,6 +238,46 @@ impl World {
             next.ran(w);
             out.push(ok(next, actor, what));
         }
+    }
+
+    /// A holder at its budget's gate while the pause lasts (it is not a stand-in): it waits in a
+    /// seat of its process's waiting room, in its slot, or is handed back, as the core decides.
+    fn wait_at_gate(&self, config: &Config, w: usize, actor: &str, out: &mut Vec<Successor>) {
+        let d = self.workers[w].delivery.as_ref().unwrap();
+        if d.waited {
+            // Waiting (in its slot or its seat) until the pause ends.
+            return;
+        }
+        let seat = budget::offers_seat(config.fault).then(|| self.free_seat(w));
+        let mut next = self.clone();
+        let (what, reached) = match budget::waits(true, seat.map(|s| s.is_some())) {
+            budget::Waits::InSeat => {
+                let mut moved = next.workers[w].delivery.take().unwrap();
+                moved.waited = true;
+                let to = seat.flatten().unwrap();
+                if let Some(record) = next.records.iter_mut().find(|r| r.lease == Lease::Held(w as u8)) {
+                    record.lease = Lease::Held(to as u8);
+                }
+                next.workers[to].delivery = Some(moved);
+                (
+                    format!("waits out the pause in seat w{to}: its slot is free"),
+                    Some(11),
+                )
+            }
+            budget::Waits::InSlot => {
+                next.workers[w].delivery.as_mut().unwrap().waited = true;
+                ("waits out the pause in its slot".to_string(), None)
+            }
+            budget::Waits::HandBack => {
+                let nd = next.workers[w].delivery.as_mut().unwrap();
+                nd.handed_back = true;
+                nd.step = nd.machine.on(Answer::RunEnded(RunEnd::CarriedOn));
+                ("no seat free: handed back, as a holder".to_string(), Some(12))
+            }
+        };
+        let mut s = ok(next, actor, what);
+        s.reached = reached;
+        out.push(s);
     }
 
     /// On to the release: the run's decisions are made.

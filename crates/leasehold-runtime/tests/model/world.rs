@@ -1,10 +1,13 @@
-//! The model: storage (the record's lease with its fencing sequence, the retrigger marker), the
-//! queue (messages visible, taken, parked behind a dead holder's lease), the workers (each
-//! driving one delivery through the protocol core's [`Machine`], as the runner does) and the
-//! environment (triggers from Start, faults, crashes). Every transition is one event of one
+//! The model: storage (each record's lease with its fencing sequence, its retrigger marker and
+//! notes; a downstream budget's pause), the queue (messages visible, taken, parked behind a dead
+//! holder's lease, handed back until a pause ends), the workers (each a slot of a consumer
+//! process driving one delivery through the protocol core's [`Machine`], as the runner does; with
+//! a budget, as many seats of the process's waiting room) and the environment (triggers from
+//! Start, faults, crashes, throttles). Every transition is one event of one
 //! actor; [`World::successors`] lists all of them, and the checker tries every one.
 
 use leasehold_runtime::TriggerKind;
+use leasehold_runtime::protocol::budget;
 use leasehold_runtime::protocol::release::CHECK_MARKER;
 use leasehold_runtime::protocol::supersede::RunResult;
 use leasehold_runtime::protocol::{Answer, End, Facts, Fault, Machine, Request, Step};
@@ -13,11 +16,18 @@ use leasehold_runtime::protocol::{Answer, End, Facts, Fault, Machine, Request, S
 #[derive(Debug, Clone, Copy)]
 pub struct Config {
     pub name: &'static str,
-    pub workers: usize,
+    /// Consumer processes, each with this many slots (deliveries at once).
+    pub processes: &'static [u8],
+    /// Records, and the triggers Start sends for each.
+    pub records: u8,
     pub triggers: u8,
+    /// Times a throttle pauses the records' downstream budget (each pause short enough to be
+    /// waited out under a lease); with it, each process has a waiting room of as many seats as
+    /// it has slots.
+    pub pauses: u8,
     /// Storage requests that fail (before or after taking effect) or lose their answer.
     pub faults: u8,
-    /// Workers that die (at any point between two requests).
+    /// Processes that die (at any point between two requests of one of their deliveries).
     pub crashes: u8,
     /// Runs whose logic fails.
     pub logic_failures: u8,
@@ -39,6 +49,7 @@ pub struct Config {
 /// A queue message, as far as the protocol's decisions go.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Msg {
+    pub record: u8,
     pub kind: Kind,
     /// Deliveries of this message so far.
     pub dequeued: u8,
@@ -49,6 +60,8 @@ pub struct Msg {
     pub after_token: Option<u8>,
     /// A run's deferral (run later).
     pub deferred: bool,
+    /// A dead holder's message, surfaced once its lease expired and not yet taken again.
+    pub orphaned: bool,
 }
 
 impl std::fmt::Display for Msg {
@@ -58,7 +71,7 @@ impl std::fmt::Display for Msg {
         } else {
             format!("{:?}", self.kind)
         };
-        write!(f, "a {kind} (delivery {}", self.dequeued)?;
+        write!(f, "r{}: a {kind} (delivery {}", self.record, self.dequeued)?;
         if self.prior > 0 {
             write!(f, ", {} failed before", self.prior)?;
         }
@@ -93,19 +106,26 @@ impl Kind {
 }
 
 impl Msg {
-    pub(crate) fn new(kind: Kind, prior: u8, given_up: u8) -> Self {
+    pub(crate) fn new(record: u8, kind: Kind, prior: u8, given_up: u8) -> Self {
         Self {
+            record,
             kind,
             dequeued: 0,
             prior,
             given_up,
             after_token: None,
             deferred: false,
+            orphaned: false,
         }
     }
 
     pub(crate) fn attempts(&self) -> u8 {
         self.prior + self.dequeued.max(1)
+    }
+
+    /// Whether its delivery may stand in for a dead holder (never held by a budget's pause).
+    pub(crate) fn may_stand_in(&self) -> bool {
+        budget::may_stand_in(self.kind.trigger_kind(), self.dequeued > 1, self.deferred)
     }
 }
 
@@ -143,6 +163,10 @@ pub struct Delivery {
     pub after_run: bool,
     /// It stood down for a later run (supersede).
     pub stood_down: bool,
+    /// It waited at its budget's gate (it takes the marker before its run).
+    pub waited: bool,
+    /// A paused budget handed it back before its run.
+    pub handed_back: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -155,34 +179,49 @@ pub struct Noting {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Worker {
     pub alive: bool,
+    /// Its process.
+    pub process: u8,
+    /// A seat of the process's waiting room: it only ever holds a delivery parked there.
+    pub seat: bool,
     pub delivery: Option<Delivery>,
 }
 
+/// One record in storage, and what the checks know of it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct World {
+pub struct Record {
     pub lease: Lease,
     pub sequence: u8,
     /// Supersede: the lock blob's `pending` note (the token of a run whose retry pends).
     pub pending: Option<u8>,
     pub marker: bool,
-    /// Visible messages (sorted).
-    pub queue: Vec<Msg>,
-    /// Messages of dead holders, hidden until their lease has expired.
+    /// Messages of dead holders, hidden until the lease has expired.
     pub parked: Vec<Msg>,
-    pub workers: Vec<Worker>,
     /// Triggers sent so far (bit per trigger), and those covered: a run that started after them
     /// completed.
     pub sent: u8,
     pub covered: u8,
+    /// The token of the latest run started: the downstream accepts only rising tokens.
+    pub last_token: u8,
+    /// Runs started so far.
+    pub runs: u8,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct World {
+    pub records: Vec<Record>,
+    /// Visible messages (sorted).
+    pub queue: Vec<Msg>,
+    pub workers: Vec<Worker>,
+    /// The downstream budget is paused, and the throttles left to pause it.
+    pub paused: bool,
+    pub pauses: u8,
+    /// Messages handed back by the pause, hidden until it ends.
+    pub held_back: Vec<Msg>,
     pub faults: u8,
     pub crashes: u8,
     pub logic_failures: u8,
     pub lost_leases: u8,
     pub ask_later: u8,
-    /// The token of the latest run started: the downstream accepts only rising tokens.
-    pub last_token: u8,
-    /// Runs started so far.
-    pub runs: u8,
 }
 
 /// One transition, for a counterexample's trace.
@@ -213,8 +252,11 @@ pub enum Violation {
     EndlessGiveUps,
 }
 
+/// What a backward search over the explored graph found wrong (see `check`).
+pub const STARVED: &str = "a dead holder's message waits for the budget's pause to end: no slot of a live consumer can take it before";
+
 /// Things the model can reach, for the `sometimes` properties.
-pub const SOMETIMES: [&str; 11] = [
+pub const SOMETIMES: [&str; 14] = [
     "a trigger coalesced onto a run",
     "a retrigger ran the record again",
     "a carrier looked again",
@@ -226,6 +268,9 @@ pub const SOMETIMES: [&str; 11] = [
     "a run was superseded by a trigger that arrived during it",
     "a run was put off and its deferral ran",
     "a retry stood down for a later run that took its duty over",
+    "a holder waited out a pause in a seat of the waiting room",
+    "a paused budget handed a trigger back",
+    "a dead holder's message was taken during a pause",
 ];
 
 pub struct Successor {
@@ -234,64 +279,109 @@ pub struct Successor {
     pub violation: Option<Violation>,
     /// Index into [`SOMETIMES`] of what this transition reached, if anything.
     pub reached: Option<usize>,
+    /// The budget's pause ends (the bound on recovery must not depend on it).
+    pub pause_ends: bool,
 }
 
 impl World {
     pub fn initial(config: &Config) -> Self {
-        Self {
+        let record = Record {
             lease: Lease::Free,
             sequence: 0,
             pending: None,
             marker: false,
-            queue: Vec::new(),
             parked: Vec::new(),
-            workers: vec![
-                Worker {
-                    alive: true,
-                    delivery: None
-                };
-                config.workers
-            ],
             sent: 0,
             covered: 0,
+            last_token: 0,
+            runs: 0,
+        };
+        let mut workers = Vec::new();
+        for (p, &slots) in config.processes.iter().enumerate() {
+            let seats = if config.pauses > 0 { slots } else { 0 };
+            for seat in
+                std::iter::repeat_n(false, slots.into()).chain(std::iter::repeat_n(true, seats.into()))
+            {
+                workers.push(Worker {
+                    alive: true,
+                    process: p as u8,
+                    seat,
+                    delivery: None,
+                });
+            }
+        }
+        Self {
+            records: vec![record; config.records.into()],
+            queue: Vec::new(),
+            workers,
+            paused: false,
+            pauses: config.pauses,
+            held_back: Vec::new(),
             faults: config.faults,
             crashes: config.crashes,
             logic_failures: config.logic_failures,
             lost_leases: config.lost_leases,
             ask_later: config.ask_later,
-            last_token: 0,
-            runs: 0,
         }
+    }
+
+    /// The record worker `w`'s delivery is for.
+    pub(crate) fn record_of(&self, w: usize) -> usize {
+        self.workers[w].delivery.as_ref().unwrap().msg.record.into()
     }
 
     /// Whether every trigger sent is honoured: covered by a run. (With logic that always fails
     /// nothing is covered; what is checked then is that the give-ups end.)
     pub fn honoured(&self, config: &Config) -> bool {
-        config.always_fails || self.sent & !self.covered == 0
+        config.always_fails || self.records.iter().all(|r| r.sent & !r.covered == 0)
+    }
+
+    /// Whether a dead holder's message waits in the queue while the budget is paused.
+    pub fn starving(&self) -> bool {
+        self.paused && self.queue.iter().any(|m| m.orphaned)
     }
 
     pub fn successors(&self, config: &Config) -> Vec<Successor> {
         let mut out = Vec::new();
-        // Start sends the next trigger.
-        let sent = self.sent.count_ones() as u8;
-        if sent < config.triggers {
-            let mut next = self.clone();
-            next.sent |= 1 << sent;
-            next.put(Msg::new(Kind::Trigger, 0, 0));
-            out.push(ok(next, "start", format!("trigger #{sent} enqueued")));
+        for (r, record) in self.records.iter().enumerate() {
+            // Start sends the record's next trigger.
+            let sent = record.sent.count_ones() as u8;
+            if sent < config.triggers {
+                let mut next = self.clone();
+                next.records[r].sent |= 1 << sent;
+                next.put(Msg::new(r as u8, Kind::Trigger, 0, 0));
+                out.push(ok(next, "start", format!("r{r}: trigger #{sent} enqueued")));
+            }
+            // A lease nobody renews expires; the messages parked behind it surface.
+            if record.lease == Lease::Orphan {
+                let mut next = self.clone();
+                next.records[r].lease = Lease::Free;
+                let parked = std::mem::take(&mut next.records[r].parked);
+                let reached = (!parked.is_empty()).then_some(6);
+                for mut m in parked {
+                    // Marked only where the property that needs it is checked (it adds states).
+                    m.orphaned = config.pauses > 0;
+                    next.put(m);
+                }
+                let mut s = ok(next, "storage", format!("r{r}: the unrenewed lease expires"));
+                s.reached = reached;
+                out.push(s);
+            }
         }
-        // A lease nobody renews expires; the messages parked behind it surface.
-        if self.lease == Lease::Orphan {
+        if self.paused {
             let mut next = self.clone();
-            next.lease = Lease::Free;
-            let parked = std::mem::take(&mut next.parked);
-            let reached = (!parked.is_empty()).then_some(6);
-            for m in parked {
+            next.paused = false;
+            for m in std::mem::take(&mut next.held_back) {
                 next.put(m);
             }
-            let mut s = ok(next, "storage", "the unrenewed lease expires".into());
-            s.reached = reached;
+            let mut s = ok(next, "budget", "the pause ends".into());
+            s.pause_ends = true;
             out.push(s);
+        } else if self.pauses > 0 {
+            let mut next = self.clone();
+            next.pauses -= 1;
+            next.paused = true;
+            out.push(ok(next, "budget", "a throttle pauses the budget".into()));
         }
         for w in 0..self.workers.len() {
             self.worker_successors(config, w, &mut out);
@@ -306,6 +396,14 @@ impl World {
             + (config.logic_failures - self.logic_failures)
             + (config.lost_leases - self.lost_leases)
             + (config.ask_later - self.ask_later)
+    }
+
+    /// A free seat of worker `w`'s process's waiting room, if one is.
+    pub(crate) fn free_seat(&self, w: usize) -> Option<usize> {
+        let process = self.workers[w].process;
+        self.workers
+            .iter()
+            .position(|x| x.alive && x.seat && x.process == process && x.delivery.is_none())
     }
 
     /// Renumbers the fencing tokens by rank: only their order matters (the downstream accepts a
@@ -324,12 +422,17 @@ impl World {
 
     /// Every fencing token the state holds.
     fn each_token(&mut self, mut f: impl FnMut(&mut u8)) {
-        f(&mut self.sequence);
-        f(&mut self.last_token);
-        if let Some(t) = &mut self.pending {
-            f(t);
+        for record in &mut self.records {
+            f(&mut record.sequence);
+            f(&mut record.last_token);
+            if let Some(t) = &mut record.pending {
+                f(t);
+            }
+            for t in record.parked.iter_mut().filter_map(|m| m.after_token.as_mut()) {
+                f(t);
+            }
         }
-        let queued = self.queue.iter_mut().chain(self.parked.iter_mut());
+        let queued = self.queue.iter_mut().chain(self.held_back.iter_mut());
         for t in queued.filter_map(|m| m.after_token.as_mut()) {
             f(t);
         }
@@ -361,14 +464,22 @@ impl World {
             return;
         }
         let actor = format!("w{w}");
-        // A crash between any two requests of a delivery, or while it runs.
+        // A crash of its process between any two requests of a delivery, or while it runs.
         if self.crashes > 0 && worker.delivery.is_some() {
             let mut next = self.clone();
             next.crashes -= 1;
-            next.crash(w);
-            out.push(ok(next, &actor, "dies".into()));
+            let process = worker.process;
+            for x in 0..self.workers.len() {
+                if self.workers[x].process == process {
+                    next.crash(x);
+                }
+            }
+            out.push(ok(next, &actor, format!("dies, with its process p{process}")));
         }
         let Some(delivery) = &worker.delivery else {
+            if worker.seat {
+                return;
+            }
             // Take any visible message.
             let mut seen = Vec::new();
             for (i, m) in self.queue.iter().enumerate() {
@@ -379,6 +490,7 @@ impl World {
                 let mut next = self.clone();
                 let mut msg = next.queue.remove(i);
                 msg.dequeued += 1;
+                let orphaned = std::mem::take(&mut msg.orphaned);
                 if msg.attempts() > config.max_attempts {
                     // Given up: its poison entry, then a sweep, then the message deleted.
                     if msg.given_up >= MAX_GIVE_UPS {
@@ -388,9 +500,23 @@ impl World {
                         out.push(s);
                         continue;
                     }
-                    next.put(Msg::new(Kind::Sweep, 0, msg.given_up + 1));
+                    next.put(Msg::new(msg.record, Kind::Sweep, 0, msg.given_up + 1));
                     let mut s = ok(next, &actor, format!("takes {msg}: given up, a sweep is put"));
                     s.reached = Some(4);
+                    out.push(s);
+                    continue;
+                }
+                if self.paused
+                    && !msg.may_stand_in()
+                    && budget::handed_back_before_the_lock(false, self.free_seat(w).is_none(), config.fault)
+                {
+                    // The first gate: no seat left to wait in; back when the pause ends.
+                    let what =
+                        format!("takes {msg}: the budget is paused and the waiting room full: handed back");
+                    next.held_back.push(Msg { dequeued: 0, ..msg });
+                    next.held_back.sort();
+                    let mut s = ok(next, &actor, what);
+                    s.reached = Some(12);
                     out.push(s);
                     continue;
                 }
@@ -414,8 +540,14 @@ impl World {
                     after_token: None,
                     after_run: false,
                     stood_down: false,
+                    waited: false,
+                    handed_back: false,
                 });
-                out.push(ok(next, &actor, what));
+                let mut s = ok(next, &actor, what);
+                if orphaned && self.paused {
+                    s.reached = Some(13);
+                }
+                out.push(s);
             }
             return;
         };
@@ -430,9 +562,10 @@ impl World {
     fn finish(&self, w: usize, end: End, actor: &str, out: &mut Vec<Successor>) {
         let mut next = self.clone();
         let d = next.workers[w].delivery.take().unwrap();
-        if next.lease == Lease::Held(w as u8) {
+        let r = usize::from(d.msg.record);
+        if next.records[r].lease == Lease::Held(w as u8) {
             // The guard is dropped without a release: nobody renews the lease.
-            next.lease = Lease::Orphan;
+            next.records[r].lease = Lease::Orphan;
         }
         let reached = match end {
             End::Coalesced if d.stood_down => Some(10),
@@ -453,9 +586,34 @@ impl World {
                     false
                 }
             },
+            End::CarriedOn { joined } if d.handed_back => {
+                // Handed back by the pause: the message as it was (not an attempt), hidden until
+                // the pause ends; fresh triggers joined it if the marker was set.
+                let mut back = Msg {
+                    prior: d.msg.attempts() - 1,
+                    dequeued: 0,
+                    ..d.msg.clone()
+                };
+                if joined {
+                    back.given_up = 0;
+                    back.after_token = None;
+                }
+                let what = format!("ends {end:?}: {back} is hidden until the pause ends");
+                if next.paused {
+                    next.held_back.push(back);
+                    next.held_back.sort();
+                } else {
+                    next.put(back);
+                }
+                let mut s = ok(next, actor, what);
+                s.reached = Some(12);
+                out.push(s);
+                return;
+            }
             End::CarriedOn { joined } => {
                 // The deferral, written over the message in one update (`persist_in_place`).
-                let mut deferral = Msg::new(Kind::Recheck, d.msg.attempts() - 1, d.msg.given_up);
+                let mut deferral =
+                    Msg::new(d.msg.record, Kind::Recheck, d.msg.attempts() - 1, d.msg.given_up);
                 deferral.deferred = true;
                 if joined {
                     deferral.given_up = 0;
@@ -521,10 +679,11 @@ impl World {
         // The command logic is killed with its worker. The message surfaces once the lease
         // pushed before each renewal has expired (standalone: it is kept hidden a margin past
         // the lease), or when its visibility lapses if it holds none.
-        if self.lease == Lease::Held(w as u8) {
-            self.lease = Lease::Orphan;
-            self.parked.push(d.msg);
-            self.parked.sort();
+        let record = &mut self.records[usize::from(d.msg.record)];
+        if record.lease == Lease::Held(w as u8) {
+            record.lease = Lease::Orphan;
+            record.parked.push(d.msg);
+            record.parked.sort();
         } else {
             self.put(d.msg);
         }
@@ -533,6 +692,7 @@ impl World {
     /// Every way storage may answer `request` from worker `w`.
     fn request(&self, w: usize, request: Request, actor: &str, out: &mut Vec<Successor>) {
         let me = w as u8;
+        let r = self.record_of(w);
         // (effect, answer, a fault spent, what)
         let mut ways: Vec<(World, Answer, String)> = Vec::new();
         let faulty = self.faults > 0;
@@ -544,11 +704,12 @@ impl World {
         match request {
             Request::Acquire => {
                 let mut granted = self.clone();
-                let free = matches!(self.lease, Lease::Free) || self.lease == Lease::Held(me);
+                let lease = self.records[r].lease;
+                let free = matches!(lease, Lease::Free) || lease == Lease::Held(me);
                 if free {
-                    granted.lease = Lease::Held(me);
-                    granted.sequence += 1;
-                    let token = granted.sequence;
+                    granted.records[r].lease = Lease::Held(me);
+                    granted.records[r].sequence += 1;
+                    let token = granted.records[r].sequence;
                     granted.workers[w].delivery.as_mut().unwrap().token = Some(token);
                     ways.push((
                         granted,
@@ -557,8 +718,8 @@ impl World {
                     ));
                     if faulty {
                         let mut landed = spend(self);
-                        landed.lease = Lease::Orphan;
-                        landed.sequence += 1;
+                        landed.records[r].lease = Lease::Orphan;
+                        landed.records[r].sequence += 1;
                         ways.push((
                             landed,
                             Answer::Failed,
@@ -576,8 +737,8 @@ impl World {
                 let set = request == Request::SetMarker;
                 let name = if set { "set marker" } else { "take marker" };
                 let mut after = self.clone();
-                let changed = after.marker != set;
-                after.marker = set;
+                let changed = after.records[r].marker != set;
+                after.records[r].marker = set;
                 ways.push((
                     after.clone(),
                     Answer::Marker {
@@ -612,9 +773,9 @@ impl World {
                 }
             }
             Request::Release => {
-                if self.lease == Lease::Held(me) {
+                if self.records[r].lease == Lease::Held(me) {
                     let mut after = self.clone();
-                    after.lease = Lease::Free;
+                    after.records[r].lease = Lease::Free;
                     ways.push((after.clone(), Answer::Done, "release".into()));
                     if faulty {
                         ways.push((
@@ -635,14 +796,14 @@ impl World {
             Request::PutRetrigger | Request::PutLookAgain => {
                 let d = self.workers[w].delivery.as_ref().unwrap();
                 let m = if request == Request::PutRetrigger {
-                    Msg::new(Kind::Retrigger, 0, 0)
+                    Msg::new(d.msg.record, Kind::Retrigger, 0, 0)
                 } else {
                     let kind = match d.msg.kind {
                         Kind::Sweep if d.msg.dequeued > 1 => Kind::Recheck,
                         Kind::Recheck | Kind::Sweep => d.msg.kind,
                         _ => Kind::Recheck,
                     };
-                    Msg::new(kind, d.msg.attempts() - 1, d.msg.given_up)
+                    Msg::new(d.msg.record, kind, d.msg.attempts() - 1, d.msg.given_up)
                 };
                 let mut after = self.clone();
                 after.put(m.clone());
@@ -674,5 +835,6 @@ pub(crate) fn ok(world: World, actor: &str, what: String) -> Successor {
         },
         violation: None,
         reached: None,
+        pause_ends: false,
     }
 }
