@@ -195,23 +195,20 @@ pub fn check(config: &Config) -> Report {
         for i in 0..states {
             into[i + 1] += into[i];
         }
-        let mut back = vec![0u32; to.len()];
-        let mut fill = into.clone();
+        // For each state, the transitions into it (`back_edge`) and where they come from
+        // (`back`), in `into[state]..into[state + 1]`.
+        let mut source = vec![0u32; to.len()];
         for f in 0..states {
-            for &t in &to[from[f] as usize..from[f + 1] as usize] {
-                back[fill[t as usize] as usize] = f as u32;
-                fill[t as usize] += 1;
-            }
+            source[from[f] as usize..from[f + 1] as usize].fill(f as u32);
         }
-        // Which transition each backward one is, to leave out the end of a pause.
+        let mut back = vec![0u32; to.len()];
         let mut back_edge = vec![0u32; to.len()];
         let mut fill = into.clone();
-        for f in 0..states {
-            for e in from[f] as usize..from[f + 1] as usize {
-                let t = to[e] as usize;
-                back_edge[fill[t] as usize] = e as u32;
-                fill[t] += 1;
-            }
+        for (e, &t) in to.iter().enumerate() {
+            let at = fill[t as usize] as usize;
+            back[at] = source[e];
+            back_edge[at] = e as u32;
+            fill[t as usize] += 1;
         }
         let reach = |start: Vec<u32>, skip_pause_end: bool| {
             let mut good = vec![false; states];
