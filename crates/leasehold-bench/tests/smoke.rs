@@ -4,7 +4,8 @@
 //! tests' features: CI runs that binary beside the tests (`.ci/run`), where `cargo run -p
 //! leasehold-bench` resolved features for the bench alone and rebuilt most dependencies (two
 //! minutes of a cold run). Ignored by default: the README's test command leaves the benchmark
-//! (76 s of real time, mostly waiting on leases) to CI and to `scripts/bench.sh`.
+//! (about 5 minutes of real time beside the tests, mostly waiting on leases) to CI and to
+//! `scripts/bench.sh`.
 
 #[test]
 #[ignore = "the benchmark in smoke mode: CI runs it"]

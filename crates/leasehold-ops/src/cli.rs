@@ -1,6 +1,6 @@
-//! The operator's commands (`leasehold enqueue | status | poison | break`): their definitions
-//! (clap) beside the code they drive. The `leasehold` binary flattens [`Command`] into its own
-//! subcommands and calls [`run`].
+//! The operator's commands (`leasehold enqueue | status | history | runs | budget | poison | break`):
+//! their definitions (clap) beside the code they drive. The `leasehold` binary flattens [`Command`]
+//! into its own subcommands and calls [`run`].
 
 use anyhow::{Result, bail};
 use clap::Subcommand;
