@@ -281,6 +281,9 @@ fn path(config: &Config, states: &[World], parent: &[(u32, u16)], mut at: u32) -
 fn describe(v: &Violation) -> String {
     match v {
         Violation::TwoRuns => "two runs of the record at once".into(),
+        Violation::StandInHeld => {
+            "a delivery standing in for a dead holder waits for the budget's pause".into()
+        }
         Violation::EndlessGiveUps => {
             "a trigger's chain is given up again and again: the give-up cycle does not end".into()
         }

@@ -248,6 +248,17 @@ impl World {
             // Waiting (in its slot or its seat) until the pause ends.
             return;
         }
+        if d.for_the_dead {
+            // Its record must run again within the recovery bound, pause or not.
+            let mut s = ok(
+                self.clone(),
+                actor,
+                "stands in for a dead holder, and is held by the pause".into(),
+            );
+            s.violation = Some(Violation::StandInHeld);
+            out.push(s);
+            return;
+        }
         let seat = budget::offers_seat(config.fault).then(|| self.free_seat(w));
         let mut next = self.clone();
         let (what, reached) = match budget::waits(true, seat.map(|s| s.is_some())) {

@@ -167,6 +167,8 @@ pub struct Delivery {
     pub waited: bool,
     /// A paused budget handed it back before its run.
     pub handed_back: bool,
+    /// Its message is a dead holder's, taken again once the lease expired (with a budget).
+    pub for_the_dead: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -250,6 +252,8 @@ pub enum Violation {
         last: u8,
     },
     EndlessGiveUps,
+    /// A delivery standing in for a dead holder is held by the budget's pause.
+    StandInHeld,
 }
 
 /// What a backward search over the explored graph found wrong (see `check`).
@@ -542,6 +546,7 @@ impl World {
                     stood_down: false,
                     waited: false,
                     handed_back: false,
+                    for_the_dead: orphaned,
                 });
                 let mut s = ok(next, &actor, what);
                 if orphaned && self.paused {
