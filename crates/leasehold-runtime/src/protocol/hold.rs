@@ -56,7 +56,7 @@ pub(super) enum Next {
 pub const CLEAR_OWN_MARKER: &str = "clear own marker";
 
 impl Hold {
-    pub(super) fn start(first: MarkerFirst, _fault: Fault) -> Next {
+    pub(super) fn start(first: MarkerFirst) -> Next {
         match first {
             MarkerFirst::Leave => Next::Run,
             first => Next::Step(

@@ -207,7 +207,7 @@ pub struct Facts {
 impl Machine {
     /// A delivery's protocol, and its first step (always the acquire).
     pub fn start(facts: Facts, fault: Fault) -> (Self, Step) {
-        let (take, step) = take::Take::start(facts, fault);
+        let (take, step) = take::Take::start(facts);
         let machine = Self {
             phase: Phase::Take(take),
             fault,
@@ -222,7 +222,7 @@ impl Machine {
         let (phase, step) = match phase {
             Phase::Take(take) => match take.on(answer, fault) {
                 take::Next::Step(take, step) => (Phase::Take(take), step),
-                take::Next::Hold(first) => Self::hold(first, fault),
+                take::Next::Hold(first) => Self::hold(first),
                 take::Next::End(end) => (Phase::Over(end), Step::Done(end)),
             },
             Phase::Hold(hold) => match hold.on(answer, fault) {
@@ -247,8 +247,8 @@ impl Machine {
         step
     }
 
-    fn hold(first: hold::MarkerFirst, fault: Fault) -> (Phase, Step) {
-        match hold::Hold::start(first, fault) {
+    fn hold(first: hold::MarkerFirst) -> (Phase, Step) {
+        match hold::Hold::start(first) {
             hold::Next::Step(hold, step) => (Phase::Hold(hold), step),
             hold::Next::Run => (Phase::Running, Step::Run),
             hold::Next::Release(release, step) => (Phase::Release(release), step),

@@ -49,7 +49,7 @@ pub(super) enum Next {
 }
 
 impl Take {
-    pub(super) fn start(facts: Facts, _fault: Fault) -> (Self, Step) {
+    pub(super) fn start(facts: Facts) -> (Self, Step) {
         let take = Self {
             facts,
             waits: Waits::Acquire,

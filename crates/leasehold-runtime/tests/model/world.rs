@@ -625,6 +625,7 @@ impl World {
                 } else {
                     deferral.after_token = d.after_token;
                 }
+                let before = next.clone();
                 next.put(deferral.clone());
                 let mut s = ok(
                     next.clone(),
@@ -635,15 +636,8 @@ impl World {
                 out.push(s);
                 if self.faults > 0 {
                     // The update fails: the message comes back as it was, and runs early.
-                    let mut failed = self.clone();
-                    let d = failed.workers[w].delivery.take().unwrap();
-                    failed.faults -= 1;
-                    failed.put(d.msg);
-                    out.push(ok(
-                        failed,
-                        actor,
-                        format!("ends {end:?}: the update fails, the message comes back"),
-                    ));
+                    let what = format!("ends {end:?}: the update fails, the message comes back");
+                    out.push(comes_back(before, d.msg, actor, what));
                 }
                 return;
             }
@@ -661,13 +655,8 @@ impl World {
             out.push(s);
             if self.faults > 0 {
                 // The delete fails: the message comes back.
-                next.faults -= 1;
-                next.put(d.msg);
-                out.push(ok(
-                    next,
-                    actor,
-                    format!("ends {end:?}: the delete fails, the message comes back"),
-                ));
+                let what = format!("ends {end:?}: the delete fails, the message comes back");
+                out.push(comes_back(next, d.msg, actor, what));
             }
         } else {
             let what = format!("ends {end:?}: {retry} comes back for a retry");
@@ -829,6 +818,14 @@ impl World {
             out.push(ok(world, actor, what));
         }
     }
+}
+
+/// The consumer's request that would have ended a delivery (its delete, or its message's update)
+/// fails, a fault spent: the message comes back as it was.
+fn comes_back(mut world: World, msg: Msg, actor: &str, what: String) -> Successor {
+    world.faults -= 1;
+    world.put(msg);
+    ok(world, actor, what)
 }
 
 pub(crate) fn ok(world: World, actor: &str, what: String) -> Successor {
