@@ -17,6 +17,8 @@
 //!   may have been) set;
 //! - [`budget`]: the budget's gate — who is never held (a stand-in), who is handed back before the
 //!   lock, and where a holder waits out a pause (a seat of the waiting room, not its slot);
+//! - [`debounce`]: before all of these, a trigger waits for its record's burst to end (a wait
+//!   marker and its waiter), and a possible stand-in consumes a marker its dead creator left;
 //! - [`supersede`]: a retry's `afterToken` and the lease's `pending` note — whether a granted
 //!   retry stands down, what a run notes before its release, and which token its retry carries.
 //!
@@ -29,6 +31,7 @@
 //! there", "already there") may describe our own earlier attempt, whose answer was lost.
 
 pub mod budget;
+pub mod debounce;
 pub mod hold;
 pub mod release;
 pub mod supersede;
@@ -76,6 +79,15 @@ pub enum Fault {
     /// slot of the consumer (the code before the waiting room): holders waiting out a pause fill
     /// the slots, and a dead holder's message waits for the pause to end.
     HolderKeepsItsSlot,
+    /// Debounce: a possible stand-in (a redelivery) carries on without consuming the wait marker,
+    /// though a marker whose creator died has no waiter but it.
+    StandInTrustsWaitMarker,
+    /// Debounce: a waiter whose retried consume answers "gone" stands down, though its own first
+    /// attempt may have consumed the marker.
+    WaiterStandsDownAfterRetriedDelete,
+    /// Debounce: a trigger's touch of a marker consumed meanwhile creates one, which nobody waits
+    /// for.
+    TouchByPut,
 }
 
 /// A storage request the machine asks for. Each is one call with the driver's retries.

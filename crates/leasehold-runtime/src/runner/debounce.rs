@@ -6,20 +6,11 @@
 //! once it has not changed for a whole period (or the waiter has waited the longest wait M),
 //! consumes the marker and carries on as one trigger through the coalescing protocol.
 //!
-//! * **A, a trigger** (a first delivery, in a scope that debounces): create the marker
-//!   (`If-None-Match: *`). Created: become its waiter (the delivered message, re-hidden for Q).
-//!   There already: touch it (a metadata write changes its ETag; never a create) and
-//!   acknowledge: the waiter consumes it later and runs after that, which covers this trigger.
-//! * **B, a waiter's wake**: look; unchanged since the last look → delete `If-Match` that ETag,
-//!   then run; changed → wait another Q; waited M → delete unconditionally, then run; gone →
-//!   someone else consumed it and owes the run: stand down (unless `owed`).
-//! * **C, a possible stand-in** (a redelivered trigger, a sweep, a watchdog or retry of an A or
-//!   B delivery, a waiter whose scope no longer debounces): delete whatever marker exists, then
-//!   carry on as today. It may be the carrier of a delivery that created a marker and died
-//!   before becoming its waiter; consuming it and running covers every trigger that joined it.
-//!
-//! So every wait marker has a waiter or a stand-in, and whoever consumes one owes a run that
-//! starts after. The design and its proof: `docs/design.md` (*Debounce*).
+//! The decisions — which path a delivery takes (A, a trigger; B, a waiter's wake; C, a possible
+//! stand-in), and what each answer means — are the protocol core's ([`crate::protocol::debounce`],
+//! where the paths are described); this module drives them against the marker store: the ETags,
+//! the clock (the quiet period Q, the longest wait M), the requests with their retries, and the
+//! waiter's next message. The design and its proof: `docs/design.md` (*Debounce*).
 
 use std::time::Duration;
 
@@ -32,7 +23,8 @@ use tokio::time::Instant;
 
 use super::{Delivery, HiddenUntil, Outcome, RecordRunner, storage_failed};
 use crate::markers::WaitConsumed;
-use crate::message::{TriggerKind, TriggerMessage, Wait};
+use crate::message::{TriggerMessage, Wait};
+use crate::protocol::debounce::{self, Answer, Consumed, End, Etag, Path, Request, Waited, Waiting};
 
 /// A scope's debounce window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,17 +47,12 @@ impl Debounce {
     }
 }
 
-/// What a delivery does about debounce before the coalescing protocol.
+/// What a delivery does about debounce before the coalescing protocol: its path (the core's
+/// decision), and its scope's window.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Step {
-    /// Nothing.
-    Skip,
-    /// Path A: a trigger's first delivery in a scope that debounces.
-    Trigger(Debounce),
-    /// Path B: a waiter's wake.
-    Wake(Debounce, Wait),
-    /// Path C: consume whatever wait marker there is, then carry on.
-    StandIn,
+pub(crate) struct Step {
+    path: Path,
+    window: Option<Debounce>,
 }
 
 /// Where a delivery goes after its debounce step.
@@ -81,8 +68,15 @@ impl Step {
     /// Whether this delivery's carrier (a Functions watchdog, or its retry) must stand in for a
     /// wait marker it may leave: marked with `wait`, it takes path C if it surfaces.
     pub(crate) fn marks_carrier(&self) -> bool {
-        !matches!(self, Step::Skip)
+        self.path.marks_carrier()
     }
+}
+
+/// The ETags a debounce step has seen: the driver's part of what the core decides on.
+#[derive(Default)]
+struct Etags {
+    created: Option<String>,
+    looked: Option<String>,
 }
 
 impl RecordRunner {
@@ -90,23 +84,19 @@ impl RecordRunner {
     pub(crate) fn debounce_step(&self, delivery: &Delivery) -> Step {
         let message = &delivery.message;
         let window = *self.options.debounce.get(&message.scope);
-        let first = !delivery.redelivered();
-        match (&message.wait, message.kind, window) {
-            (Some(wait), TriggerKind::Trigger, Some(window)) if first => Step::Wake(window, wait.clone()),
-            (Some(_), _, _) => Step::StandIn,
-            // A redelivered trigger may be its own orphan's stand-in (standalone, it died after
-            // creating a marker; under Functions, its handler died): in any scope, because
-            // debounce may have been on when it was first delivered.
-            (None, TriggerKind::Trigger, _) if !first => Step::StandIn,
-            (None, TriggerKind::Trigger, Some(window)) => Step::Trigger(window),
-            // A sweep stands for a trigger given up, which may have been such a delivery.
-            (None, TriggerKind::Sweep, _) => Step::StandIn,
-            _ => Step::Skip,
+        let waited = message.wait.as_ref().map(|wait| Waited {
+            owed: wait.owed,
+            longest: window.is_some_and(|w| Duration::from_millis(wait.waited_ms) >= w.longest),
+        });
+        Step {
+            path: debounce::path(message.kind, waited, delivery.redelivered(), window.is_some()),
+            window,
         }
     }
 
-    /// Takes `step` for `delivery`, in the delivery's span.
-    /// `hidden`: until when the delivered message stays hidden, if the caller knows.
+    /// Takes `step` for `delivery`, in the delivery's span: the core's [`Waiting`], driven
+    /// against the marker store. `hidden`: until when the delivered message stays hidden, if the
+    /// caller knows.
     pub(crate) async fn debounce(
         &self,
         step: Step,
@@ -118,137 +108,131 @@ impl RecordRunner {
             hidden,
             margin: DEFAULT_REQUEST_TIMEOUT + self.lock.options().retry.late_window,
         };
-        match step {
-            Step::Skip => Next::Carry(delivery.clone()),
-            Step::Trigger(window) => self.join_or_wait(&key, delivery, window, carrier).await,
-            Step::Wake(window, wait) => self.wake(&key, delivery, window, wait, carrier).await,
-            Step::StandIn => {
-                #[cfg(feature = "testing")]
-                if self.options.variant == crate::ProtocolVariant::StandInTrustsWaitMarker {
-                    // WRONG on purpose: a marker whose creator died has no waiter but this.
-                    return Next::Carry(carried_on(delivery, false));
-                }
-                let (consumed, retried) = self.consume_wait(&key, None, carrier).await;
-                match consumed {
-                    Ok(consumed) => {
-                        tracing::debug!(
-                            ?consumed,
-                            retried,
-                            "a possible stand-in consumed the wait marker, if any; running without waiting"
-                        );
-                        // A delete that found a marker (or may have: retried) owes a run.
-                        let owes = consumed == WaitConsumed::Consumed || retried;
-                        Next::Carry(carried_on(delivery, owes))
+        let (mut waiting, mut next) = Waiting::start(step.path, self.fault());
+        let mut etags = Etags::default();
+        let mut error = None;
+        loop {
+            let request = match next {
+                debounce::Step::Send(request) => request,
+                debounce::Step::Done(end) => return self.debounced(end, &step, delivery, etags, error),
+            };
+            let answer = match self
+                .wait_request(request, &key, delivery, carrier, &mut etags)
+                .await
+            {
+                Ok(answer) => answer,
+                Err(e) => {
+                    if request == Request::Touch {
+                        tracing::debug!(error = %e, "touching the wait marker failed; the waiter may run before the burst ends");
                     }
-                    Err(e) => Next::Done(storage_failed("consume wait marker", e)),
+                    error = Some(e);
+                    Answer::Failed
                 }
-            }
+            };
+            next = waiting.on(answer);
         }
     }
 
-    /// Path A.
-    async fn join_or_wait(
+    /// Sends one of the core's wait-marker requests, with retries.
+    async fn wait_request(
         &self,
+        request: Request,
         key: &LockKey,
         delivery: &Delivery,
-        window: Debounce,
         carrier: Carrier<'_>,
-    ) -> Next {
-        let (created, retried) = self
-            .marker_op("create wait marker", |m| {
-                let sent = carrier.may_send(Op::WaitPut);
-                async move {
-                    sent?;
-                    m.wait_create(key).await
-                }
-            })
-            .await;
-        match created {
-            Ok(Some(etag)) => Next::Done(self.rewait(delivery, window, Some(etag), 0, false)),
-            // Our own create may have landed with its answer lost: counted as created (at worst
-            // a second waiter), its ETag unknown.
-            Ok(None) if retried => Next::Done(self.rewait(delivery, window, None, 0, false)),
-            Ok(None) => {
-                // Covered by whoever consumes the marker: it runs after this trigger was
-                // accepted. The touch only makes the waiter wait for quiet, so any answer will
-                // do, a failure included.
-                match self.markers.wait_touch(key).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        #[cfg(feature = "testing")]
-                        if self.options.variant == crate::ProtocolVariant::TouchByPut {
-                            // WRONG on purpose: nobody waits for the marker this creates.
-                            let _ = self.markers.wait_create(key).await;
+        etags: &mut Etags,
+    ) -> Result<Answer, StoreError> {
+        Ok(match request {
+            Request::Create => {
+                let (created, retried) = self
+                    .marker_op(debounce::CREATE, |m| {
+                        let sent = carrier.may_send(Op::WaitPut);
+                        async move {
+                            sent?;
+                            m.wait_create(key).await
                         }
-                        tracing::debug!(
-                            "the wait marker was consumed before the touch; its consumer's run covers this trigger"
-                        )
+                    })
+                    .await;
+                match created? {
+                    Some(etag) => {
+                        etags.created = Some(etag);
+                        Answer::Created
                     }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "touching the wait marker failed; the waiter may run before the burst ends")
-                    }
+                    None => Answer::Exists { retried },
                 }
-                Next::Done(Outcome::Debounced { joined: true })
             }
-            Err(e) => Next::Done(storage_failed("create wait marker", e)),
-        }
+            Request::Touch => {
+                let found = self.markers.wait_touch(key).await?;
+                if !found {
+                    tracing::debug!(
+                        "the wait marker was consumed before the touch; its consumer's run covers this trigger"
+                    );
+                }
+                Answer::Touched { found }
+            }
+            Request::Look => {
+                let looked = self
+                    .lock
+                    .options()
+                    .retry
+                    .run(debounce::LOOK, || self.markers.wait_look(key))
+                    .await?;
+                let seen = delivery.message.wait.as_ref().and_then(|w| w.etag.as_ref());
+                let unchanged = looked.as_ref().map(|tag| seen == Some(tag));
+                etags.looked = looked;
+                Answer::Looked(unchanged)
+            }
+            Request::Consume { if_unchanged } => {
+                let condition = if if_unchanged {
+                    etags.looked.as_deref()
+                } else {
+                    None
+                };
+                let (consumed, retried) = self.consume_wait(key, condition, carrier).await;
+                let what = match consumed? {
+                    WaitConsumed::Consumed => Consumed::Consumed,
+                    WaitConsumed::Gone => Consumed::Gone,
+                    WaitConsumed::Changed => Consumed::Changed,
+                };
+                Answer::Consumed { what, retried }
+            }
+        })
     }
 
-    /// Path B.
-    async fn wake(
+    /// Where the delivery goes once its debounce step has ended with `end`.
+    fn debounced(
         &self,
-        key: &LockKey,
+        end: End,
+        step: &Step,
         delivery: &Delivery,
-        window: Debounce,
-        wait: Wait,
-        carrier: Carrier<'_>,
+        etags: Etags,
+        error: Option<StoreError>,
     ) -> Next {
-        let looked = self
-            .lock
-            .options()
-            .retry
-            .run("look at wait marker", || self.markers.wait_look(key))
-            .await;
-        let now = match looked {
-            Ok(now) => now,
-            Err(e) => return Next::Done(storage_failed("look at wait marker", e)),
-        };
-        let waited = Duration::from_millis(wait.waited_ms);
-        let condition = match &now {
-            None if wait.owed => return Next::Carry(carried_on(delivery, true)),
-            // Someone else consumed it (a stand-in), and owes the run.
-            None => return Next::Done(Outcome::Debounced { joined: false }),
-            Some(_) if waited >= window.longest => None,
-            Some(tag) if wait.etag.as_ref() == Some(tag) => Some(tag.clone()),
-            Some(tag) => {
-                return Next::Done(self.rewait(
-                    delivery,
-                    window,
-                    Some(tag.clone()),
-                    wait.waited_ms,
-                    wait.owed,
-                ));
+        match end {
+            End::Carry { owes } => {
+                if step.path == Path::StandIn {
+                    tracing::debug!(
+                        owes,
+                        "a possible stand-in consumed the wait marker, if any; running without waiting"
+                    );
+                }
+                Next::Carry(carried_on(delivery, owes))
             }
-        };
-        let (consumed, retried) = self.consume_wait(key, condition.as_deref(), carrier).await;
-        let owed = wait.owed || retried;
-        #[cfg(feature = "testing")]
-        // WRONG on purpose: the first attempt may have consumed the marker.
-        let owed = if self.options.variant == crate::ProtocolVariant::WaiterStandsDownAfterRetriedDelete {
-            wait.owed
-        } else {
-            owed
-        };
-        match consumed {
-            Ok(WaitConsumed::Consumed) => Next::Carry(carried_on(delivery, true)),
-            // A trigger joined between the look and the delete: wait for quiet again. If the
-            // delete was retried, its first attempt may have consumed an earlier marker.
-            Ok(WaitConsumed::Changed) => {
-                Next::Done(self.rewait(delivery, window, None, wait.waited_ms, owed))
+            End::Wait { etag, owed } => {
+                let etag = match etag {
+                    Etag::Created => etags.created,
+                    Etag::Looked => etags.looked,
+                    Etag::Unknown => None,
+                };
+                let window = step.window.expect("only a scope that debounces waits");
+                let waited_ms = delivery.message.wait.as_ref().map_or(0, |w| w.waited_ms);
+                Next::Done(self.rewait(delivery, window, etag, waited_ms, owed))
             }
-            Ok(WaitConsumed::Gone) if owed => Next::Carry(carried_on(delivery, true)),
-            Ok(WaitConsumed::Gone) => Next::Done(Outcome::Debounced { joined: false }),
-            Err(e) => Next::Done(storage_failed("consume wait marker", e)),
+            End::Joined => Next::Done(Outcome::Debounced { joined: true }),
+            End::NotOwed => Next::Done(Outcome::Debounced { joined: false }),
+            End::StorageFailed { step } => {
+                Next::Done(storage_failed(step, error.expect("a failed step has its error")))
+            }
         }
     }
 
@@ -260,7 +244,7 @@ impl RecordRunner {
         condition: Option<&str>,
         carrier: Carrier<'_>,
     ) -> (Result<WaitConsumed, StoreError>, bool) {
-        self.marker_op("consume wait marker", |m| {
+        self.marker_op(debounce::CONSUME, |m| {
             let sent = carrier.may_send(Op::WaitDelete);
             async move {
                 sent?;

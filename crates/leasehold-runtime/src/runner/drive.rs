@@ -74,6 +74,11 @@ impl RecordRunner {
         match self.options.variant {
             crate::ProtocolVariant::CheckMarkerBeforeRelease => return Fault::CheckMarkerBeforeRelease,
             crate::ProtocolVariant::TrustHolderOnRedelivery => return Fault::TrustHolderOnRedelivery,
+            crate::ProtocolVariant::StandInTrustsWaitMarker => return Fault::StandInTrustsWaitMarker,
+            crate::ProtocolVariant::WaiterStandsDownAfterRetriedDelete => {
+                return Fault::WaiterStandsDownAfterRetriedDelete;
+            }
+            crate::ProtocolVariant::TouchByPut => return Fault::TouchByPut,
             crate::ProtocolVariant::Core(fault) => return fault,
             _ => {}
         }

@@ -7,6 +7,7 @@
 //! shortest sequence of events that reaches it, one line per event.
 
 mod check;
+mod debounce;
 mod run;
 mod structure;
 mod world;
@@ -31,16 +32,19 @@ const BASE: Config = Config {
     always_fails: false,
     ask_later: 0,
     supersede: false,
+    debounce: false,
     max_attempts: 2,
     fault: Fault::None,
 };
 
-/// Where the configurations with supersede begin in [`CHECKED`], and those with a budget.
+/// Where the configurations with supersede begin in [`CHECKED`], those with a budget, and those
+/// with debounce.
 const SUPERSEDE: usize = 7;
 const BUDGET: usize = 9;
+const DEBOUNCE: usize = 10;
 
 /// The configurations CI checks.
-const CHECKED: [Config; 10] = [
+const CHECKED: [Config; 12] = [
     BASE,
     Config {
         name: "2 workers, 3 triggers, 1 fault, 1 crash",
@@ -109,6 +113,20 @@ const CHECKED: [Config; 10] = [
         logic_failures: 0,
         ..BASE
     },
+    Config {
+        name: "debounce: 2 workers, 2 triggers, 1 fault, 1 crash",
+        logic_failures: 0,
+        debounce: true,
+        ..BASE
+    },
+    Config {
+        name: "debounce: 2 workers, 3 triggers, 1 fault",
+        triggers: 3,
+        crashes: 0,
+        logic_failures: 0,
+        debounce: true,
+        ..BASE
+    },
 ];
 
 /// Larger configurations: `cargo test -p leasehold-runtime --test model -- --ignored --nocapture`.
@@ -168,8 +186,18 @@ fn supersede_and_run_later_hold_in_every_interleaving_of_small_deployments() {
 /// holder's message is taken before the pause ends.
 #[test]
 fn a_budgets_pause_never_holds_a_dead_holders_record_in_any_interleaving() {
-    let reached = all_hold(&CHECKED[BUDGET..]);
-    for (what, reached) in SOMETIMES.iter().zip(reached).skip(11) {
+    let reached = all_hold(&CHECKED[BUDGET..DEBOUNCE]);
+    for (what, reached) in SOMETIMES.iter().zip(reached).skip(11).take(3) {
+        assert!(reached, "no configuration reaches: {what}");
+    }
+}
+
+/// With debounce: triggers wait for their burst to end, join it, and a dead creator's marker is
+/// consumed by its stand-in.
+#[test]
+fn debounce_holds_in_every_interleaving_of_small_deployments() {
+    let reached = all_hold(&CHECKED[DEBOUNCE..]);
+    for (what, reached) in SOMETIMES.iter().zip(reached).skip(14) {
         assert!(reached, "no configuration reaches: {what}");
     }
 }
@@ -202,6 +230,9 @@ fn every_known_fault_is_caught() {
         (Fault::TokenWithoutNote, SUPERSEDE),
         (Fault::CarriedOnRetriedTakeAtItsWord, SUPERSEDE + 1),
         (Fault::HolderKeepsItsSlot, BUDGET),
+        (Fault::StandInTrustsWaitMarker, DEBOUNCE),
+        (Fault::WaiterStandsDownAfterRetriedDelete, DEBOUNCE),
+        (Fault::TouchByPut, DEBOUNCE + 1),
     ];
     for (fault, config) in faults {
         let report = check(&Config {

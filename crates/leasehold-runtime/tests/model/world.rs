@@ -41,6 +41,9 @@ pub struct Config {
     /// The scope supersedes: a run is stopped for a trigger that arrived during it, and a retry
     /// carries its run's token (`afterToken`), standing down if a later run took its duty over.
     pub supersede: bool,
+    /// The scope debounces: a trigger waits for its record's burst to end (a wait marker, its
+    /// waiter), and a possible stand-in consumes a marker its dead creator left.
+    pub debounce: bool,
     /// The poison limit: a message delivered more often than this is given up.
     pub max_attempts: u8,
     pub fault: Fault,
@@ -62,6 +65,19 @@ pub struct Msg {
     pub deferred: bool,
     /// A dead holder's message, surfaced once its lease expired and not yet taken again.
     pub orphaned: bool,
+    /// Debounce: the message is a waiter (or a carrier marked as one).
+    pub wait: Option<Wait>,
+}
+
+/// A waiter's wait, as its message carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Wait {
+    /// The wait marker's ETag it saw last, if known.
+    pub etag: Option<u8>,
+    /// Quiet periods waited so far.
+    pub waited: u8,
+    /// An earlier wake's consume may have consumed the marker.
+    pub owed: bool,
 }
 
 impl std::fmt::Display for Msg {
@@ -81,6 +97,13 @@ impl std::fmt::Display for Msg {
         if let Some(t) = self.after_token {
             write!(f, ", after token {t}")?;
         }
+        if let Some(w) = self.wait {
+            write!(
+                f,
+                ", a waiter: etag {:?}, waited {}, owed {}",
+                w.etag, w.waited, w.owed
+            )?;
+        }
         write!(f, ")")
     }
 }
@@ -95,7 +118,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn trigger_kind(self) -> TriggerKind {
+    pub(crate) fn trigger_kind(self) -> TriggerKind {
         match self {
             Kind::Trigger => TriggerKind::Trigger,
             Kind::Retrigger => TriggerKind::Retrigger,
@@ -116,6 +139,7 @@ impl Msg {
             after_token: None,
             deferred: false,
             orphaned: false,
+            wait: None,
         }
     }
 
@@ -126,6 +150,16 @@ impl Msg {
     /// Whether its delivery may stand in for a dead holder (never held by a budget's pause).
     pub(crate) fn may_stand_in(&self) -> bool {
         budget::may_stand_in(self.kind.trigger_kind(), self.dequeued > 1, self.deferred)
+    }
+
+    /// What the protocol core is told of its delivery.
+    pub(crate) fn facts(&self) -> Facts {
+        Facts {
+            kind: self.kind.trigger_kind(),
+            redelivered: self.dequeued > 1,
+            given_up: u32::from(self.given_up),
+            watched: false,
+        }
     }
 }
 
@@ -169,6 +203,18 @@ pub struct Delivery {
     pub handed_back: bool,
     /// Its message is a dead holder's, taken again once the lease expired (with a budget).
     pub for_the_dead: bool,
+    /// Its debounce step, while it lasts.
+    pub debouncing: Option<crate::debounce::Debouncing>,
+    /// The queue message as delivered, if it carries on as another (after its debounce step):
+    /// what comes back if the consumer's delete fails or its process dies.
+    pub queued: Option<Msg>,
+}
+
+impl Delivery {
+    /// The queue message as delivered.
+    pub(crate) fn delivered(&self) -> Msg {
+        self.queued.clone().unwrap_or_else(|| self.msg.clone())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -196,6 +242,9 @@ pub struct Record {
     /// Supersede: the lock blob's `pending` note (the token of a run whose retry pends).
     pub pending: Option<u8>,
     pub marker: bool,
+    /// Debounce: the wait marker's ETag, if there is one, and the ETags handed out so far.
+    pub wait: Option<u8>,
+    pub etags: u8,
     /// Messages of dead holders, hidden until the lease has expired.
     pub parked: Vec<Msg>,
     /// Triggers sent so far (bit per trigger), and those covered: a run that started after them
@@ -260,7 +309,7 @@ pub enum Violation {
 pub const STARVED: &str = "a dead holder's message waits for the budget's pause to end: no slot of a live consumer can take it before";
 
 /// Things the model can reach, for the `sometimes` properties.
-pub const SOMETIMES: [&str; 14] = [
+pub const SOMETIMES: [&str; 18] = [
     "a trigger coalesced onto a run",
     "a retrigger ran the record again",
     "a carrier looked again",
@@ -275,6 +324,10 @@ pub const SOMETIMES: [&str; 14] = [
     "a holder waited out a pause in a seat of the waiting room",
     "a paused budget handed a trigger back",
     "a dead holder's message was taken during a pause",
+    "a trigger joined a burst that waits for quiet",
+    "a waiter waited another quiet period: a trigger joined since its last look",
+    "a waiter consumed its wait marker and carried on to run the record",
+    "a possible stand-in consumed a wait marker its creator left",
 ];
 
 pub struct Successor {
@@ -294,6 +347,8 @@ impl World {
             sequence: 0,
             pending: None,
             marker: false,
+            wait: None,
+            etags: 0,
             parked: Vec::new(),
             sent: 0,
             covered: 0,
@@ -336,8 +391,11 @@ impl World {
 
     /// Whether every trigger sent is honoured: covered by a run. (With logic that always fails
     /// nothing is covered; what is checked then is that the give-ups end.)
+    /// With debounce, no wait marker is left either: one left has no waiter, and a trigger that
+    /// joined it would be lost.
     pub fn honoured(&self, config: &Config) -> bool {
-        config.always_fails || self.records.iter().all(|r| r.sent & !r.covered == 0)
+        (config.always_fails || self.records.iter().all(|r| r.sent & !r.covered == 0))
+            && self.records.iter().all(|r| r.wait.is_none())
     }
 
     /// Whether a dead holder's message waits in the queue while the budget is paused.
@@ -450,6 +508,7 @@ impl World {
                 d.notes.as_mut().and_then(|n| n.as_mut()),
                 d.after_token.as_mut(),
                 d.msg.after_token.as_mut(),
+                d.queued.as_mut().and_then(|m| m.after_token.as_mut()),
             ];
             for t in tokens.into_iter().chain(noting.into_iter().flatten()).flatten() {
                 f(t);
@@ -524,13 +583,8 @@ impl World {
                     out.push(s);
                     continue;
                 }
-                let facts = Facts {
-                    kind: msg.kind.trigger_kind(),
-                    redelivered: msg.dequeued > 1,
-                    given_up: u32::from(msg.given_up),
-                    watched: false,
-                };
-                let (machine, step) = Machine::start(facts, config.fault);
+                let (machine, step) = Machine::start(msg.facts(), config.fault);
+                let debouncing = crate::debounce::Debouncing::start(config, &msg);
                 let what = format!("takes {msg}");
                 next.workers[w].delivery = Some(Delivery {
                     msg,
@@ -547,6 +601,8 @@ impl World {
                     waited: false,
                     handed_back: false,
                     for_the_dead: orphaned,
+                    debouncing,
+                    queued: None,
                 });
                 let mut s = ok(next, &actor, what);
                 if orphaned && self.paused {
@@ -556,6 +612,9 @@ impl World {
             }
             return;
         };
+        if let Some(debouncing) = &delivery.debouncing {
+            return self.debounce_successors(config, w, debouncing.clone(), &actor, out);
+        }
         match delivery.step {
             Step::Send(request) => self.request(w, request, &actor, out),
             Step::Run => self.run_successors(config, w, &actor, out),
@@ -637,7 +696,7 @@ impl World {
                 if self.faults > 0 {
                     // The update fails: the message comes back as it was, and runs early.
                     let what = format!("ends {end:?}: the update fails, the message comes back");
-                    out.push(comes_back(before, d.msg, actor, what));
+                    out.push(comes_back(before, d.delivered(), actor, what));
                 }
                 return;
             }
@@ -656,7 +715,7 @@ impl World {
             if self.faults > 0 {
                 // The delete fails: the message comes back.
                 let what = format!("ends {end:?}: the delete fails, the message comes back");
-                out.push(comes_back(next, d.msg, actor, what));
+                out.push(comes_back(next, d.delivered(), actor, what));
             }
         } else {
             let what = format!("ends {end:?}: {retry} comes back for a retry");
@@ -674,12 +733,13 @@ impl World {
         // pushed before each renewal has expired (standalone: it is kept hidden a margin past
         // the lease), or when its visibility lapses if it holds none.
         let record = &mut self.records[usize::from(d.msg.record)];
+        let msg = d.delivered();
         if record.lease == Lease::Held(w as u8) {
             record.lease = Lease::Orphan;
-            record.parked.push(d.msg);
+            record.parked.push(msg);
             record.parked.sort();
         } else {
-            self.put(d.msg);
+            self.put(msg);
         }
     }
 
@@ -822,7 +882,7 @@ impl World {
 
 /// The consumer's request that would have ended a delivery (its delete, or its message's update)
 /// fails, a fault spent: the message comes back as it was.
-fn comes_back(mut world: World, msg: Msg, actor: &str, what: String) -> Successor {
+pub(crate) fn comes_back(mut world: World, msg: Msg, actor: &str, what: String) -> Successor {
     world.faults -= 1;
     world.put(msg);
     ok(world, actor, what)
