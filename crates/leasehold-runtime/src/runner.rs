@@ -34,7 +34,7 @@ use gate::{LogicEnd, MAX_PAUSE_WAIT_WATCHED, MAX_SLOT_WAIT_WATCHED, tell_budget}
 use run::{Held, Streak, asks_to_run_later, keep_until_ended};
 
 pub use debounce::Debounce;
-use debounce::{Next, marked};
+use debounce::{Next, Step as DebounceStep, marked};
 pub use options::*;
 use traced::{CoalescedLinks, DeliveryTrace};
 

@@ -19,6 +19,8 @@
 //!   lock, and where a holder waits out a pause (a seat of the waiting room, not its slot);
 //! - [`debounce`]: before all of these, a trigger waits for its record's burst to end (a wait
 //!   marker and its waiter), and a possible stand-in consumes a marker its dead creator left;
+//! - [`carriers`]: under Functions, what becomes of a delivery's watchdog when it ends (deleted,
+//!   or rewritten into its look again, its retry, its follow-up; a give-up);
 //! - [`supersede`]: a retry's `afterToken` and the lease's `pending` note — whether a granted
 //!   retry stands down, what a run notes before its release, and which token its retry carries.
 //!
@@ -31,6 +33,7 @@
 //! there", "already there") may describe our own earlier attempt, whose answer was lost.
 
 pub mod budget;
+pub mod carriers;
 pub mod debounce;
 pub mod hold;
 pub mod release;
@@ -88,6 +91,9 @@ pub enum Fault {
     /// Debounce: a trigger's touch of a marker consumed meanwhile creates one, which nobody waits
     /// for.
     TouchByPut,
+    /// Functions: a delivery that has to look again deletes its watchdog instead of leaving it as
+    /// the look again.
+    LookAgainDropsWatchdog,
 }
 
 /// A storage request the machine asks for. Each is one call with the driver's retries.

@@ -2,6 +2,7 @@
 //! minutes whatever happens) and giving a trigger up (the poison entry, then a sweep).
 
 use super::*;
+use crate::protocol::carriers;
 
 impl RecordRunner {
     /// Handles one delivery whose message someone else keeps hidden, for longer than a lease,
@@ -44,8 +45,7 @@ impl RecordRunner {
     ) -> Outcome {
         let msg = &delivery.message;
         let attempts = delivery.attempts();
-        if attempts > self.options.max_attempts {
-            // Only a message the host redelivered after a crash can get here.
+        if carriers::gives_up_at_once(attempts, self.options.max_attempts) {
             let error = Error::GaveUp {
                 deliveries: attempts - 1,
                 max: self.options.max_attempts,
@@ -68,16 +68,14 @@ impl RecordRunner {
                 Err(e) => storage_failed("put the paused trigger back", e),
             };
         }
-        let key = msg.key();
         // A delivery that may leave a wait marker behind has carriers that stand in for it.
         let step = self.debounce_step(delivery);
         let marks = step.marks_carrier();
-        let carrier = |m: TriggerMessage| if marks { marked(m) } else { m };
-        let standin = carrier(msg.follow_up(TriggerKind::Watchdog, attempts));
+        let standin = msg.follow_up(TriggerKind::Watchdog, attempts);
         let watchdog = match Watchdog::arm(
             self.queue.clone(),
             &self.options_retry(),
-            &standin,
+            &if marks { marked(standin) } else { standin },
             self.watchdog_visibility(),
         )
         .await
@@ -86,118 +84,181 @@ impl RecordRunner {
             // Nothing happened yet: the host retries its message.
             Err(e) => return storage_failed("put watchdog", e),
         };
-        // What the delivery's follow-ups (a retry, a recheck) are made of: once it carries on
-        // past its debounce step, the message without `wait`.
-        // The host keeps its message hidden for 10 minutes whatever happens: no visibility to
-        // watch here (a wait marker left by a late request is covered by that message, or the
-        // watchdog put afresh).
-        let (outcome, carried) = match self.debounce(step, delivery, None).await {
+        let (outcome, carried) = self
+            .watched_protocol(step, delivery, &watchdog, cancel, ended)
+            .await;
+        // Given up as the message it carried on as (a stand-in that consumed a wait marker has
+        // a fresh chain's give-up count).
+        let delivery = Delivery {
+            message: carried,
+            dequeue_count: delivery.dequeue_count,
+        };
+        self.after_watched(outcome, &delivery, attempts, &watchdog, poison, ended)
+            .await
+    }
+
+    /// The delivery's debounce step and lock protocol, under its watchdog: its outcome, and the
+    /// message its follow-ups (a retry, a recheck) are made of — once it carries on past its
+    /// debounce step, the message without `wait`. The host keeps its message hidden for 10
+    /// minutes whatever happens: no visibility to watch here (a wait marker left by a late
+    /// request is covered by that message, or the watchdog put afresh).
+    async fn watched_protocol(
+        &self,
+        step: DebounceStep,
+        delivery: &Delivery,
+        watchdog: &Arc<Watchdog>,
+        cancel: &CancellationToken,
+        ended: &mut Ended,
+    ) -> (Outcome, TriggerMessage) {
+        let marks = step.marks_carrier();
+        match self.debounce(step, delivery, None).await {
             Next::Done(outcome) => {
                 if outcome.error().is_some() {
                     // As in `handle_untold`: the retry carries no `afterToken`.
                     *ended = Ended::default();
                 }
-                let mut retry_of = carrier(msg.clone());
+                let mut retry_of = delivery.message.clone();
+                if marks {
+                    retry_of = marked(retry_of);
+                }
                 retry_of.after_token = ended.after_token;
                 (outcome, retry_of)
             }
             Next::Carry(carried) => {
                 *ended = Ended::carried(delivery, &carried);
-                (
-                    self.handle_key(&key, &carried, cancel, Some(&watchdog), None, ended)
-                        .await,
-                    carried.message,
-                )
+                let key = carried.message.key();
+                let outcome = self
+                    .handle_key(&key, &carried, cancel, Some(watchdog), None, ended)
+                    .await;
+                (outcome, carried.message)
             }
-        };
-        let msg = &carried;
-        // Given up as the message it carried on as (a stand-in that consumed a wait marker has
-        // a fresh chain's give-up count).
-        let delivery = &Delivery {
-            message: carried.clone(),
-            dequeue_count: delivery.dequeue_count,
-        };
-        let outcome = match outcome {
-            // Handed back before its run: the watchdog becomes it; the host's message is
-            // acknowledged. If that fails, the host retries its message (early, nothing lost).
-            Outcome::Paused { budget, after, next } => match self.rearm_or_put(&watchdog, &next, after).await
-            {
-                Ok(()) => return Outcome::Paused { budget, after, next },
-                Err(e) => storage_failed("hand the paused trigger back", e),
+        }
+    }
+
+    /// What becomes of the watchdog once the delivery's protocol came to `outcome`, as the
+    /// core decides ([`carriers`]): deleted, or rewritten into what carries the duty on; and
+    /// the delivery's outcome for the host.
+    async fn after_watched(
+        &self,
+        outcome: Outcome,
+        delivery: &Delivery,
+        attempts: u32,
+        watchdog: &Watchdog,
+        poison: &dyn TriggerQueue,
+        ended: &Ended,
+    ) -> Outcome {
+        let ended_as = match &outcome {
+            Outcome::Paused { .. } | Outcome::Waiting { .. } => carriers::Ended::FollowUp,
+            Outcome::Deferred { .. } => carriers::Ended::Deferred,
+            Outcome::Rechecking { .. } => carriers::Ended::LookAgain,
+            Outcome::Failed { error, .. } => carriers::Ended::Failed {
+                gives_up: error.gives_up(),
             },
-            // The watchdog becomes the waiter; the host's message is acknowledged.
-            Outcome::Waiting { after, next } => match self.rearm_or_put(&watchdog, &next, after).await {
-                Ok(()) => return Outcome::Waiting { after, next },
-                // Not acknowledged: it may be that nobody waits for a marker this delivery
-                // created. Its retry, or the host's redelivery, stands in for it.
-                Err(e) => storage_failed("persist the waiter", e),
-            },
-            other => other,
+            _ => carriers::Ended::Acknowledged,
         };
-        match outcome {
-            Outcome::Rechecking { after } => {
-                // Leave the watchdog in place as the look again; this delivery did not fail.
-                let again = msg.looking_again(delivery.continuation_kind(), attempts - 1);
-                if let Err(e) = self.rearm_or_put(&watchdog, &again, after).await {
-                    tracing::warn!(error = %e, "could not reschedule the watchdog; it surfaces when its visibility lapses");
-                }
-                Outcome::Rechecking { after }
+        let decided = carriers::after(ended_as, attempts, self.options.max_attempts, self.fault());
+        let failed = match decided {
+            carriers::Watchdog::Disarm | carriers::Watchdog::Dropped => {
+                watchdog.disarm().await;
+                return outcome;
             }
-            Outcome::Deferred {
-                after,
-                total,
-                asked,
-                why,
-                next,
-            } => match self.rearm_or_put(&watchdog, &next, after).await {
-                // The host's message is acknowledged; the watchdog, a message the host never
-                // took, carries the later run, so no deferral counts towards the host's
-                // maxDequeueCount.
-                Ok(()) => Outcome::Deferred {
-                    after,
-                    total,
-                    asked,
-                    why,
-                    next,
-                },
-                // The host retries its message (and the watchdog may surface too): early, but
-                // nothing lost. The storage failure counts as a failed attempt.
-                Err(e) => storage_failed("persist the deferral", e),
-            },
-            Outcome::Failed { error, .. } if error.gives_up() => {
-                let outcome = self.poison_delivery(poison, delivery, error).await;
-                if outcome.acknowledge() {
-                    watchdog.disarm().await;
-                }
-                outcome
+            carriers::Watchdog::GiveUp => {
+                return self
+                    .give_up_watched(outcome, delivery, attempts, watchdog, poison)
+                    .await;
             }
-            Outcome::Failed { error, .. } if attempts >= self.options.max_attempts => {
-                let error = Error::GaveUp {
-                    deliveries: attempts,
-                    max: self.options.max_attempts,
-                    last: Some(Box::new(error)),
+            carriers::Watchdog::Retry => {
+                let Outcome::Failed { error, retriggered } = outcome else {
+                    unreachable!("only a failure is retried")
                 };
-                let outcome = self.poison_delivery(poison, delivery, error).await;
-                if outcome.acknowledge() {
-                    watchdog.disarm().await;
-                }
-                outcome
-            }
-            Outcome::Failed { error, retriggered } => {
-                let mut retry = msg.follow_up(TriggerKind::Watchdog, attempts);
+                let mut retry = delivery.message.follow_up(TriggerKind::Watchdog, attempts);
                 retry.after_token = ended.after_token;
                 let after = self.options.retry_delay;
-                match self.rearm_or_put(&watchdog, &retry, after).await {
+                return match self.rearm_or_put(watchdog, &retry, after).await {
                     Ok(()) => Outcome::Retrying { error, after },
                     // The host retries its message (and the watchdog may surface too).
                     Err(_) => Outcome::Failed { error, retriggered },
-                }
+                };
             }
-            other => {
-                watchdog.disarm().await;
-                other
+            carriers::Watchdog::LookAgain => {
+                let again = delivery
+                    .message
+                    .looking_again(delivery.continuation_kind(), attempts - 1);
+                match outcome {
+                    Outcome::Rechecking { after } => self.rearm_or_put(watchdog, &again, after).await,
+                    _ => unreachable!("only a look again leaves its watchdog as the look again"),
+                }
+                .err()
+                .map(|e| ("reschedule the watchdog", e))
+            }
+            carriers::Watchdog::FollowUp | carriers::Watchdog::Deferral => {
+                let (step, next, after) = match &outcome {
+                    Outcome::Paused { next, after, .. } => ("hand the paused trigger back", next, *after),
+                    Outcome::Waiting { next, after } => ("persist the waiter", next, *after),
+                    Outcome::Deferred { next, after, .. } => ("persist the deferral", next, *after),
+                    _ => unreachable!("only a follow-up is rewritten into"),
+                };
+                self.rearm_or_put(watchdog, next, after)
+                    .await
+                    .err()
+                    .map(|e| (step, e))
+            }
+        };
+        let Some((step, e)) = failed else {
+            // The host's message is acknowledged; the watchdog, a message the host never took,
+            // carries the duty on, so no deferral or wait counts towards the host's
+            // maxDequeueCount.
+            return outcome;
+        };
+        match carriers::if_it_fails(decided) {
+            carriers::IfItFails::Acknowledge => {
+                tracing::warn!(error = %e, "could not {step}; the watchdog surfaces when its visibility lapses");
+                outcome
+            }
+            carriers::IfItFails::HostRetries => storage_failed(step, e),
+            // Not acknowledged: it may be that nobody waits for a marker this delivery
+            // created. Its retry, or the host's redelivery, stands in for it.
+            carriers::IfItFails::Failed => {
+                Box::pin(self.after_watched(
+                    storage_failed(step, e),
+                    delivery,
+                    attempts,
+                    watchdog,
+                    poison,
+                    ended,
+                ))
+                .await
             }
         }
+    }
+
+    /// Gives the delivery up (its poison entry, then a sweep), then deletes its watchdog if that
+    /// succeeded.
+    async fn give_up_watched(
+        &self,
+        outcome: Outcome,
+        delivery: &Delivery,
+        attempts: u32,
+        watchdog: &Watchdog,
+        poison: &dyn TriggerQueue,
+    ) -> Outcome {
+        let Outcome::Failed { error, .. } = outcome else {
+            unreachable!("only a failure is given up")
+        };
+        let error = if error.gives_up() {
+            error
+        } else {
+            Error::GaveUp {
+                deliveries: attempts,
+                max: self.options.max_attempts,
+                last: Some(Box::new(error)),
+            }
+        };
+        let outcome = self.poison_delivery(poison, delivery, error).await;
+        if outcome.acknowledge() {
+            watchdog.disarm().await;
+        }
+        outcome
     }
 
     /// Gives a trigger up: writes its poison entry, then queues a sweep (so triggers that

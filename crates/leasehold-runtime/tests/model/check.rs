@@ -171,11 +171,8 @@ pub fn check(config: &Config) -> Report {
         }
         if count == 0 {
             let world = &seen.states[next];
-            if !world.honoured(config) {
-                violation = Some((
-                    "nothing more can happen, and a trigger was never followed by a completed run that started after it".into(),
-                    path(config, &seen.states, &parent, next as u32),
-                ));
+            if let Some(wrong) = world.unhonoured(config) {
+                violation = Some((wrong.into(), path(config, &seen.states, &parent, next as u32)));
                 break;
             }
             ends.push(next as u32);

@@ -9,12 +9,13 @@
 //! skip the delete that would find none (the runner sends it; its failure is one more storage
 //! failure before the lock, which the configurations already try at the acquire).
 
+use leasehold_runtime::protocol::carriers::Ended;
 use leasehold_runtime::protocol::debounce::{
     self, Answer, Consumed, End, Etag, Path, Request, Step, Waited, Waiting,
 };
 use leasehold_runtime::protocol::{Machine, Step as MachineStep};
 
-use crate::world::{Config, Msg, Successor, Wait, World, comes_back, ok};
+use crate::world::{Config, Delivery, Msg, Successor, Wait, World, comes_back, ok};
 
 /// The longest wait M, in quiet periods.
 const LONGEST: u8 = 2;
@@ -220,6 +221,46 @@ impl World {
         }
     }
 
+    /// Under Functions, the handler's end of a delivery whose debounce step ended it: the
+    /// watchdog becomes the waiter, or is deleted, or becomes the retry. `self` is the world with
+    /// the delivery taken out.
+    fn debounced_watched(
+        self,
+        config: &Config,
+        d: &Delivery,
+        debouncing: &Debouncing,
+        end: End,
+        actor: &str,
+        out: &mut Vec<Successor>,
+    ) {
+        let msg = &d.msg;
+        // Its retry is its message, marked as the carrier of a delivery that may leave a wait
+        // marker, with no `afterToken`.
+        let retry = Msg {
+            after_token: None,
+            wait: msg.wait.or(Some(Wait::default())),
+            ..msg.clone()
+        };
+        let (ended, follow, reached) = match end {
+            End::Wait { etag, owed } => {
+                // A new message: the watchdog, rewritten (no attempt of its own).
+                let waiter = Msg {
+                    dequeued: 0,
+                    wait: Some(waited(msg, debouncing, etag, owed)),
+                    ..msg.clone()
+                };
+                let reached = matches!(debouncing.path, Path::Wake { .. }).then_some(15);
+                (Ended::FollowUp, Some(waiter), reached)
+            }
+            End::Joined => (Ended::Acknowledged, None, Some(14)),
+            End::NotOwed => (Ended::Acknowledged, None, None),
+            End::StorageFailed { .. } => (Ended::Failed { gives_up: false }, None, None),
+            End::Carry { .. } => unreachable!("carried on into the protocol"),
+        };
+        let what = format!("ends {end:?}");
+        self.watched_end(config, d, ended, follow, retry, what, reached, actor, out);
+    }
+
     fn debouncing(&mut self, w: usize) -> &mut Debouncing {
         self.workers[w]
             .delivery
@@ -237,6 +278,9 @@ impl World {
         let mut d = next.workers[w].delivery.take().unwrap();
         let debouncing = d.debouncing.take().unwrap();
         let msg = d.msg.clone();
+        if config.functions && !matches!(end, End::Carry { .. }) {
+            return next.debounced_watched(config, &d, &debouncing, end, actor, out);
+        }
         let (acknowledge, reached) = match end {
             End::Carry { owes } => {
                 // On as the message without its wait; one that consumed a marker owes a run that
@@ -249,7 +293,8 @@ impl World {
                     carried.after_token = None;
                     carried.given_up = 0;
                 }
-                let (machine, step): (Machine, MachineStep) = Machine::start(carried.facts(), config.fault);
+                let (machine, step): (Machine, MachineStep) =
+                    Machine::start(carried.facts(config.functions), config.fault);
                 if carried != msg {
                     d.queued = Some(msg);
                 }
@@ -271,20 +316,10 @@ impl World {
                 // The waiter: the delivered message, rewritten in place and hidden for another
                 // period (not an attempt). If the update fails, it comes back as it was, and as a
                 // redelivery stands in.
-                let etag = match etag {
-                    Etag::Created => debouncing.created,
-                    Etag::Looked => debouncing.looked,
-                    Etag::Unknown => None,
-                };
-                let waited = msg.wait.map_or(0, |x| x.waited);
                 let waiter = Msg {
                     prior: msg.attempts() - 1,
                     dequeued: 0,
-                    wait: Some(Wait {
-                        etag,
-                        waited: (waited + 1).min(LONGEST),
-                        owed,
-                    }),
+                    wait: Some(waited(&msg, &debouncing, etag, owed)),
                     ..msg.clone()
                 };
                 let before = next.clone();
@@ -320,5 +355,20 @@ impl World {
             next.put(retry);
             out.push(ok(next, actor, what));
         }
+    }
+}
+
+/// The wait a waiter's next message carries.
+fn waited(msg: &Msg, debouncing: &Debouncing, etag: Etag, owed: bool) -> Wait {
+    let etag = match etag {
+        Etag::Created => debouncing.created,
+        Etag::Looked => debouncing.looked,
+        Etag::Unknown => None,
+    };
+    let waited = msg.wait.map_or(0, |x| x.waited);
+    Wait {
+        etag,
+        waited: (waited + 1).min(LONGEST),
+        owed,
     }
 }

@@ -8,6 +8,7 @@
 
 mod check;
 mod debounce;
+mod functions;
 mod run;
 mod structure;
 mod world;
@@ -33,6 +34,8 @@ const BASE: Config = Config {
     ask_later: 0,
     supersede: false,
     debounce: false,
+    functions: false,
+    lapses: 0,
     max_attempts: 2,
     fault: Fault::None,
 };
@@ -42,9 +45,10 @@ const BASE: Config = Config {
 const SUPERSEDE: usize = 7;
 const BUDGET: usize = 9;
 const DEBOUNCE: usize = 10;
+const FUNCTIONS: usize = 12;
 
 /// The configurations CI checks.
-const CHECKED: [Config; 12] = [
+const CHECKED: [Config; 14] = [
     BASE,
     Config {
         name: "2 workers, 3 triggers, 1 fault, 1 crash",
@@ -127,6 +131,19 @@ const CHECKED: [Config; 12] = [
         debounce: true,
         ..BASE
     },
+    Config {
+        name: "functions: 2 workers, 2 triggers, 1 fault, 1 crash, 1 failed run",
+        functions: true,
+        ..BASE
+    },
+    Config {
+        name: "functions: 2 workers, 2 triggers, 1 fault, 1 lapse",
+        crashes: 0,
+        logic_failures: 0,
+        lapses: 1,
+        functions: true,
+        ..BASE
+    },
 ];
 
 /// Larger configurations: `cargo test -p leasehold-runtime --test model -- --ignored --nocapture`.
@@ -196,8 +213,18 @@ fn a_budgets_pause_never_holds_a_dead_holders_record_in_any_interleaving() {
 /// consumed by its stand-in.
 #[test]
 fn debounce_holds_in_every_interleaving_of_small_deployments() {
-    let reached = all_hold(&CHECKED[DEBOUNCE..]);
-    for (what, reached) in SOMETIMES.iter().zip(reached).skip(14) {
+    let reached = all_hold(&CHECKED[DEBOUNCE..FUNCTIONS]);
+    for (what, reached) in SOMETIMES.iter().zip(reached).skip(14).take(4) {
+        assert!(reached, "no configuration reaches: {what}");
+    }
+}
+
+/// Functions mode: the host, each delivery's watchdog, its rewrite into the retry or the look
+/// again, and a watchdog that surfaces while its delivery lives.
+#[test]
+fn functions_mode_holds_in_every_interleaving_of_small_deployments() {
+    let reached = all_hold(&CHECKED[FUNCTIONS..]);
+    for (what, reached) in SOMETIMES.iter().zip(reached).skip(18) {
         assert!(reached, "no configuration reaches: {what}");
     }
 }
@@ -233,6 +260,7 @@ fn every_known_fault_is_caught() {
         (Fault::StandInTrustsWaitMarker, DEBOUNCE),
         (Fault::WaiterStandsDownAfterRetriedDelete, DEBOUNCE),
         (Fault::TouchByPut, DEBOUNCE + 1),
+        (Fault::LookAgainDropsWatchdog, FUNCTIONS),
     ];
     for (fault, config) in faults {
         let report = check(&Config {

@@ -103,6 +103,7 @@ impl World {
         let reached = match nd.msg.kind {
             crate::world::Kind::Retrigger => Some(1),
             crate::world::Kind::Sweep => Some(5),
+            crate::world::Kind::Watchdog => Some(18),
             _ if nd.msg.deferred => Some(9),
             _ => None,
         };

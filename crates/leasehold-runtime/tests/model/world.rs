@@ -7,10 +7,10 @@
 //! actor; [`World::successors`] lists all of them, and the checker tries every one.
 
 use leasehold_runtime::TriggerKind;
-use leasehold_runtime::protocol::budget;
 use leasehold_runtime::protocol::release::CHECK_MARKER;
 use leasehold_runtime::protocol::supersede::RunResult;
 use leasehold_runtime::protocol::{Answer, End, Facts, Fault, Machine, Request, Step};
+use leasehold_runtime::protocol::{budget, carriers};
 
 /// What a configuration allows.
 #[derive(Debug, Clone, Copy)]
@@ -44,6 +44,13 @@ pub struct Config {
     /// The scope debounces: a trigger waits for its record's burst to end (a wait marker, its
     /// waiter), and a possible stand-in consumes a marker its dead creator left.
     pub debounce: bool,
+    /// Functions mode: a host takes each message (and keeps it hidden while its handler lives,
+    /// counting its own dequeues); each delivery puts a watchdog first, which carries its duty if
+    /// the host dies, and is deleted or rewritten into its retry, look again or follow-up.
+    pub functions: bool,
+    /// Functions: times a delivery's watchdog surfaces while the delivery still lives (it went a
+    /// lease's time without a grant), and another instance takes it.
+    pub lapses: u8,
     /// The poison limit: a message delivered more often than this is given up.
     pub max_attempts: u8,
     pub fault: Fault,
@@ -70,7 +77,7 @@ pub struct Msg {
 }
 
 /// A waiter's wait, as its message carries it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Wait {
     /// The wait marker's ETag it saw last, if known.
     pub etag: Option<u8>,
@@ -115,6 +122,8 @@ pub enum Kind {
     Retrigger,
     Recheck,
     Sweep,
+    /// Functions: a delivery's watchdog, or what it was rewritten into as its retry.
+    Watchdog,
 }
 
 impl Kind {
@@ -124,6 +133,7 @@ impl Kind {
             Kind::Retrigger => TriggerKind::Retrigger,
             Kind::Recheck => TriggerKind::Recheck,
             Kind::Sweep => TriggerKind::Sweep,
+            Kind::Watchdog => TriggerKind::Watchdog,
         }
     }
 }
@@ -152,13 +162,13 @@ impl Msg {
         budget::may_stand_in(self.kind.trigger_kind(), self.dequeued > 1, self.deferred)
     }
 
-    /// What the protocol core is told of its delivery.
-    pub(crate) fn facts(&self) -> Facts {
+    /// What the protocol core is told of its delivery (`watched`: under Functions).
+    pub(crate) fn facts(&self, watched: bool) -> Facts {
         Facts {
             kind: self.kind.trigger_kind(),
             redelivered: self.dequeued > 1,
             given_up: u32::from(self.given_up),
-            watched: false,
+            watched,
         }
     }
 }
@@ -208,12 +218,52 @@ pub struct Delivery {
     /// The queue message as delivered, if it carries on as another (after its debounce step):
     /// what comes back if the consumer's delete fails or its process dies.
     pub queued: Option<Msg>,
+    /// Functions: its watchdog.
+    pub watchdog: Option<crate::functions::Watch>,
 }
 
 impl Delivery {
     /// The queue message as delivered.
     pub(crate) fn delivered(&self) -> Msg {
         self.queued.clone().unwrap_or_else(|| self.msg.clone())
+    }
+
+    /// Its look again: a carrier with the failed attempts so far.
+    pub(crate) fn look_again(&self) -> Msg {
+        let kind = match self.msg.kind {
+            Kind::Sweep if self.msg.dequeued > 1 => Kind::Recheck,
+            Kind::Recheck | Kind::Sweep | Kind::Watchdog => self.msg.kind,
+            _ => Kind::Recheck,
+        };
+        Msg::new(self.msg.record, kind, self.msg.attempts() - 1, self.msg.given_up)
+    }
+
+    /// Its deferral (run later); `joined`: fresh triggers joined it (the marker was set).
+    pub(crate) fn deferral(&self, joined: bool) -> Msg {
+        let mut deferral = Msg::new(
+            self.msg.record,
+            Kind::Recheck,
+            self.msg.attempts() - 1,
+            self.msg.given_up,
+        );
+        deferral.deferred = true;
+        if joined {
+            deferral.given_up = 0;
+        } else {
+            deferral.after_token = self.after_token;
+        }
+        deferral
+    }
+
+    /// The token its retry carries after `end` (the runner's `Ended::after_token`).
+    pub(crate) fn retry_token(&self, end: End) -> Option<u8> {
+        match end {
+            End::Ran { .. } => self.after_token,
+            End::StorageFailed { step } if self.after_run || (self.stood_down && step == CHECK_MARKER) => {
+                None
+            }
+            _ => self.msg.after_token,
+        }
     }
 }
 
@@ -273,6 +323,7 @@ pub struct World {
     pub logic_failures: u8,
     pub lost_leases: u8,
     pub ask_later: u8,
+    pub lapses: u8,
 }
 
 /// One transition, for a counterexample's trace.
@@ -309,7 +360,7 @@ pub enum Violation {
 pub const STARVED: &str = "a dead holder's message waits for the budget's pause to end: no slot of a live consumer can take it before";
 
 /// Things the model can reach, for the `sometimes` properties.
-pub const SOMETIMES: [&str; 18] = [
+pub const SOMETIMES: [&str; 21] = [
     "a trigger coalesced onto a run",
     "a retrigger ran the record again",
     "a carrier looked again",
@@ -328,6 +379,9 @@ pub const SOMETIMES: [&str; 18] = [
     "a waiter waited another quiet period: a trigger joined since its last look",
     "a waiter consumed its wait marker and carried on to run the record",
     "a possible stand-in consumed a wait marker its creator left",
+    "a watchdog (a dead handler's, or a failed run's retry) ran the record",
+    "a failed run's watchdog became its retry",
+    "a watchdog surfaced while its delivery still lived",
 ];
 
 pub struct Successor {
@@ -381,6 +435,7 @@ impl World {
             logic_failures: config.logic_failures,
             lost_leases: config.lost_leases,
             ask_later: config.ask_later,
+            lapses: config.lapses,
         }
     }
 
@@ -389,13 +444,22 @@ impl World {
         self.workers[w].delivery.as_ref().unwrap().msg.record.into()
     }
 
-    /// Whether every trigger sent is honoured: covered by a run. (With logic that always fails
-    /// nothing is covered; what is checked then is that the give-ups end.)
-    /// With debounce, no wait marker is left either: one left has no waiter, and a trigger that
-    /// joined it would be lost.
-    pub fn honoured(&self, config: &Config) -> bool {
-        (config.always_fails || self.records.iter().all(|r| r.sent & !r.covered == 0))
-            && self.records.iter().all(|r| r.wait.is_none())
+    /// What is wrong with an end, if anything: a trigger sent and not covered by a run (with
+    /// logic that always fails nothing is covered; what is checked then is that the give-ups
+    /// end), or a wait marker left (one left has no waiter, and a trigger that joined it would be
+    /// lost).
+    pub fn unhonoured(&self, config: &Config) -> Option<&'static str> {
+        if !config.always_fails && self.records.iter().any(|r| r.sent & !r.covered != 0) {
+            Some(
+                "nothing more can happen, and a trigger was never followed by a completed run that started after it",
+            )
+        } else if self.records.iter().any(|r| r.wait.is_some()) {
+            Some(
+                "nothing more can happen, and a wait marker is left that nobody waits for: a trigger that joins it is lost",
+            )
+        } else {
+            None
+        }
     }
 
     /// Whether a dead holder's message waits in the queue while the budget is paused.
@@ -451,13 +515,17 @@ impl World {
         out
     }
 
-    /// Faults, crashes, failed runs and lost leases spent so far.
+    /// Faults, crashes, failed runs and lost leases spent so far. Under Functions a crash counts
+    /// twice: the dead handler's duty has two carriers, its watchdog (after the lease) and the
+    /// host's redelivery (after the host's 10 minutes), and each may run the record.
     pub(crate) fn spent(&self, config: &Config) -> u8 {
+        let crash = if config.functions { 2 } else { 1 };
         (config.faults - self.faults)
-            + (config.crashes - self.crashes)
+            + crash * (config.crashes - self.crashes)
             + (config.logic_failures - self.logic_failures)
             + (config.lost_leases - self.lost_leases)
             + (config.ask_later - self.ask_later)
+            + (config.lapses - self.lapses)
     }
 
     /// A free seat of worker `w`'s process's waiting room, if one is.
@@ -509,6 +577,7 @@ impl World {
                 d.after_token.as_mut(),
                 d.msg.after_token.as_mut(),
                 d.queued.as_mut().and_then(|m| m.after_token.as_mut()),
+                d.watchdog.as_mut().and_then(|w| w.after_token()),
             ];
             for t in tokens.into_iter().chain(noting.into_iter().flatten()).flatten() {
                 f(t);
@@ -554,7 +623,7 @@ impl World {
                 let mut msg = next.queue.remove(i);
                 msg.dequeued += 1;
                 let orphaned = std::mem::take(&mut msg.orphaned);
-                if msg.attempts() > config.max_attempts {
+                if carriers::gives_up_at_once(msg.attempts().into(), config.max_attempts.into()) {
                     // Given up: its poison entry, then a sweep, then the message deleted.
                     if msg.given_up >= MAX_GIVE_UPS {
                         // A chain of give-ups that does not end: a state space without end too.
@@ -583,7 +652,7 @@ impl World {
                     out.push(s);
                     continue;
                 }
-                let (machine, step) = Machine::start(msg.facts(), config.fault);
+                let (machine, step) = Machine::start(msg.facts(config.functions), config.fault);
                 let debouncing = crate::debounce::Debouncing::start(config, &msg);
                 let what = format!("takes {msg}");
                 next.workers[w].delivery = Some(Delivery {
@@ -603,6 +672,7 @@ impl World {
                     for_the_dead: orphaned,
                     debouncing,
                     queued: None,
+                    watchdog: config.functions.then_some(crate::functions::Watch::Unarmed),
                 });
                 let mut s = ok(next, &actor, what);
                 if orphaned && self.paused {
@@ -612,12 +682,16 @@ impl World {
             }
             return;
         };
+        if config.functions && self.watch_successors(w, &actor, out) {
+            return;
+        }
         if let Some(debouncing) = &delivery.debouncing {
             return self.debounce_successors(config, w, debouncing.clone(), &actor, out);
         }
         match delivery.step {
             Step::Send(request) => self.request(w, request, &actor, out),
             Step::Run => self.run_successors(config, w, &actor, out),
+            Step::Done(end) if config.functions => self.finish_watched(config, w, end, &actor, out),
             Step::Done(end) => self.finish(w, end, &actor, out),
         }
     }
@@ -640,16 +714,13 @@ impl World {
         };
         // What comes back if the message is not acknowledged: the message as it was, carrying
         // the token its delivery leaves (the runner's `Ended::after_token`).
-        let mut retry = d.msg.clone();
+        let retry = Msg {
+            after_token: d.retry_token(end),
+            ..d.msg.clone()
+        };
         let acknowledge = match end {
             End::Coalesced | End::LookAgain => true,
-            End::Ran { .. } => match d.result {
-                Some(RunResult::Completed | RunResult::Superseded) => true,
-                _ => {
-                    retry.after_token = d.after_token;
-                    false
-                }
-            },
+            End::Ran { .. } => matches!(d.result, Some(RunResult::Completed | RunResult::Superseded)),
             End::CarriedOn { joined } if d.handed_back => {
                 // Handed back by the pause: the message as it was (not an attempt), hidden until
                 // the pause ends; fresh triggers joined it if the marker was set.
@@ -676,14 +747,7 @@ impl World {
             }
             End::CarriedOn { joined } => {
                 // The deferral, written over the message in one update (`persist_in_place`).
-                let mut deferral =
-                    Msg::new(d.msg.record, Kind::Recheck, d.msg.attempts() - 1, d.msg.given_up);
-                deferral.deferred = true;
-                if joined {
-                    deferral.given_up = 0;
-                } else {
-                    deferral.after_token = d.after_token;
-                }
+                let deferral = d.deferral(joined);
                 let before = next.clone();
                 next.put(deferral.clone());
                 let mut s = ok(
@@ -701,12 +765,7 @@ impl World {
                 return;
             }
             End::StillRunning => unreachable!("not in this model"),
-            End::StorageFailed { step } => {
-                if d.after_run || (d.stood_down && step == CHECK_MARKER) {
-                    retry.after_token = None;
-                }
-                false
-            }
+            End::StorageFailed { .. } => false,
         };
         if acknowledge {
             let mut s = ok(next.clone(), actor, format!("ends {end:?}: message deleted"));
@@ -732,14 +791,21 @@ impl World {
         // The command logic is killed with its worker. The message surfaces once the lease
         // pushed before each renewal has expired (standalone: it is kept hidden a margin past
         // the lease), or when its visibility lapses if it holds none.
+        // Under Functions the host's message comes back after its 10 minutes, and the watchdog
+        // when its visibility lapses (pushed a lease ahead before each renewal).
+        let watchdog = d.watchdog.clone().and_then(|x| x.hidden());
+        for msg in std::iter::once(d.delivered()).chain(watchdog) {
+            let record = &mut self.records[usize::from(d.msg.record)];
+            if record.lease == Lease::Held(w as u8) {
+                record.parked.push(msg);
+                record.parked.sort();
+            } else {
+                self.put(msg);
+            }
+        }
         let record = &mut self.records[usize::from(d.msg.record)];
-        let msg = d.delivered();
         if record.lease == Lease::Held(w as u8) {
             record.lease = Lease::Orphan;
-            record.parked.push(msg);
-            record.parked.sort();
-        } else {
-            self.put(msg);
         }
     }
 
@@ -852,12 +918,7 @@ impl World {
                 let m = if request == Request::PutRetrigger {
                     Msg::new(d.msg.record, Kind::Retrigger, 0, 0)
                 } else {
-                    let kind = match d.msg.kind {
-                        Kind::Sweep if d.msg.dequeued > 1 => Kind::Recheck,
-                        Kind::Recheck | Kind::Sweep => d.msg.kind,
-                        _ => Kind::Recheck,
-                    };
-                    Msg::new(d.msg.record, kind, d.msg.attempts() - 1, d.msg.given_up)
+                    d.look_again()
                 };
                 let mut after = self.clone();
                 after.put(m.clone());

@@ -306,6 +306,10 @@ fn simulation_against_the_cores_faults() {
         Fault::SweepLeavesMarker,
         Fault::TokenWithoutNote,
         Fault::CarriedOnRetriedTakeAtItsWord,
+        Fault::StandInTrustsWaitMarker,
+        Fault::WaiterStandsDownAfterRetriedDelete,
+        Fault::TouchByPut,
+        Fault::LookAgainDropsWatchdog,
     ] {
         let run = run_seeds(seeds(), ProtocolVariant::Core(fault), Stop::Never);
         let lost = run
