@@ -22,6 +22,7 @@ use crate::message::TriggerMessage;
 use crate::observe::record_outcome;
 use crate::outcome::Outcome;
 use crate::poison::PoisonMessage;
+use crate::protocol::carriers;
 use crate::queue::{Received, TriggerQueue};
 use crate::runner::{Delivery, HiddenUntil, RecordRunner};
 use crate::slot::ConsumerSlot;
@@ -381,74 +382,30 @@ impl Consumer {
         let _ = (&mut renewer.0).await;
         let receipt = receipt.lock().expect("receipt mutex").clone();
 
-        let outcome = match outcome {
-            Outcome::Deferred { after, ref next, .. } => {
-                // A failed update was logged; the message comes back when its visibility lapses.
-                let _ = self
-                    .persist_in_place(&received, &receipt, next, after, "persist the deferral")
-                    .instrument(span.clone())
-                    .await;
-                outcome
-            }
-            // Turned away by a paused budget before anything was done: the message itself,
-            // hidden until the pause ends, not counted as an attempt. If the update fails, it
-            // comes back when its visibility lapses (and meets the pause again).
-            Outcome::Paused {
-                after,
-                ref next,
-                ref budget,
-            } => {
-                let hidden = self
-                    .persist_in_place(&received, &receipt, next, after, "hand the paused trigger back")
-                    .instrument(span.clone())
-                    .await;
-                // A resume (or a shorter pause) this worker learns of makes it visible again at
-                // once, not at the pause's original end.
-                if let (Ok(Some(receipt)), Some(budgets)) = (hidden, self.runner.budgets()) {
-                    budgets.handed_back(budget, self.queue().clone(), &received.id, receipt, after);
-                }
-                outcome
-            }
-            // The waiter is the delivered message, hidden for another period: one request,
-            // which is also the acknowledgement. If the message is gone (another delivery took
-            // it, or our own update landed and its answer was lost), the waiter is put afresh:
-            // at worst there are two waiters, and the second stands down. (That other delivery
-            // stood in for this one only after our create landed: requests that create a wait
-            // marker are sent only while the message stays hidden until they land.) If the
-            // update failed otherwise, the message comes back as a redelivery, which stands in.
-            Outcome::Waiting { after, ref next } => {
-                let gone = self
-                    .persist_in_place(&received, &receipt, next, after, "persist the waiter")
+        let outcome = match carriers::standalone(outcome.ended()) {
+            carriers::Message::PersistInPlace => {
+                self.persist_follow_up(outcome, &received, &receipt)
                     .instrument(span.clone())
                     .await
-                    .err()
-                    == Some(leasehold_lock::StoreErrorKind::NotFound);
-                if gone {
-                    let put = self.runner.enqueue(next, after).await;
-                    if let Err(e) = put {
-                        span.in_scope(|| {
-                            tracing::warn!(error = %e,
-                            "could not put the waiter afresh; the message, if it comes back, stands in")
-                        });
-                    }
-                }
-                outcome
             }
             // Given up at once (its deferral budget is spent), whatever its attempts.
-            Outcome::Failed { error, .. } if error.gives_up() => {
+            carriers::Message::GiveUp => {
+                let Outcome::Failed { error, .. } = outcome else {
+                    unreachable!("only a failure is given up")
+                };
                 let trigger = ended.carried.clone().unwrap_or_else(|| delivery.message.clone());
                 self.poison(&received, &receipt, Some(trigger), error)
                     .instrument(span.clone())
                     .await
             }
-            o if o.acknowledge() => {
+            carriers::Message::Delete => {
                 if let Err(e) = self.queue().delete(&received.id, &receipt).await {
                     // The trigger was honoured; a redelivery will find nothing to do but run once more.
                     span.in_scope(|| tracing::warn!(error = %e, "acknowledging the message failed; it may be delivered again"));
                 }
-                o
+                outcome
             }
-            Outcome::Failed { .. } => {
+            carriers::Message::Retry => {
                 // Hand the message back for a retry after a pause (or soon if we were cancelled
                 // by shutdown, so another worker can take it: not before a request of ours that
                 // timed out may still land, which the retry must come after).
@@ -476,9 +433,63 @@ impl Consumer {
                 }
                 outcome
             }
-            _ => unreachable!("acknowledge() covers the remaining outcomes"),
         };
         span.in_scope(|| self.runner.finished(&delivery, &outcome, &ended));
+    }
+
+    /// Writes a delivery's follow-up over its message ([`Self::persist_in_place`]): its
+    /// deferral, its hand-back by a paused budget, or its waiter.
+    async fn persist_follow_up(&self, outcome: Outcome, received: &Received, receipt: &str) -> Outcome {
+        match outcome {
+            Outcome::Deferred { after, ref next, .. } => {
+                // A failed update was logged; the message comes back when its visibility lapses.
+                let _ = self
+                    .persist_in_place(received, receipt, next, after, "persist the deferral")
+                    .await;
+                outcome
+            }
+            // Turned away by a paused budget before anything was done: the message itself,
+            // hidden until the pause ends, not counted as an attempt. If the update fails, it
+            // comes back when its visibility lapses (and meets the pause again).
+            Outcome::Paused {
+                after,
+                ref next,
+                ref budget,
+            } => {
+                let hidden = self
+                    .persist_in_place(received, receipt, next, after, "hand the paused trigger back")
+                    .await;
+                // A resume (or a shorter pause) this worker learns of makes it visible again at
+                // once, not at the pause's original end.
+                if let (Ok(Some(receipt)), Some(budgets)) = (hidden, self.runner.budgets()) {
+                    budgets.handed_back(budget, self.queue().clone(), &received.id, receipt, after);
+                }
+                outcome
+            }
+            // The waiter is the delivered message, hidden for another period: one request,
+            // which is also the acknowledgement. If the message is gone (another delivery took
+            // it, or our own update landed and its answer was lost), the waiter is put afresh:
+            // at worst there are two waiters, and the second stands down. (That other delivery
+            // stood in for this one only after our create landed: requests that create a wait
+            // marker are sent only while the message stays hidden until they land.) If the
+            // update failed otherwise, the message comes back as a redelivery, which stands in.
+            Outcome::Waiting { after, ref next } => {
+                let gone = self
+                    .persist_in_place(received, receipt, next, after, "persist the waiter")
+                    .await
+                    .err()
+                    == Some(leasehold_lock::StoreErrorKind::NotFound);
+                if gone {
+                    let put = self.runner.enqueue(next, after).await;
+                    if let Err(e) = put {
+                        tracing::warn!(error = %e,
+                            "could not put the waiter afresh; the message, if it comes back, stands in");
+                    }
+                }
+                outcome
+            }
+            _ => unreachable!("only a follow-up is written over its message"),
+        }
     }
 
     /// Turns the delivered message into `next` (its deferral, or its next wait), hidden for

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::error::Error;
 use crate::message::TriggerMessage;
+use crate::protocol::carriers;
 
 /// What became of a delivery, and so what to do with its message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +111,24 @@ impl Outcome {
                 | Outcome::Paused { .. }
                 | Outcome::Superseded { .. }
         )
+    }
+
+    /// What the delivery came to, as the core's carriers see it ([`carriers::Ended`]).
+    pub(crate) fn ended(&self) -> carriers::Ended {
+        match self {
+            Outcome::Paused { .. } | Outcome::Waiting { .. } => carriers::Ended::FollowUp,
+            Outcome::Deferred { .. } => carriers::Ended::Deferred,
+            Outcome::Rechecking { .. } => carriers::Ended::LookAgain,
+            Outcome::Failed { error, .. } => carriers::Ended::Failed {
+                gives_up: error.gives_up(),
+            },
+            Outcome::Completed { .. }
+            | Outcome::Coalesced
+            | Outcome::Retrying { .. }
+            | Outcome::Poisoned { .. }
+            | Outcome::Debounced { .. }
+            | Outcome::Superseded { .. } => carriers::Ended::Acknowledged,
+        }
     }
 
     /// A short name for logs.

@@ -5,7 +5,10 @@
 //! duty on (its look again, its retry, its deferral or waiter), and the host's message is
 //! acknowledged — so retries and attempt counting are the handler's, with reasons.
 //!
-//! These are the decisions; the runner (`runner/watched.rs`) does the requests.
+//! Standalone, the delivered message is its own carrier: the consumer deletes it, writes the
+//! follow-up over it in one update, or leaves it hidden for the retry ([`standalone`]).
+//!
+//! These are the decisions; the runner (`runner/watched.rs`) and the consumer do the requests.
 
 use super::Fault;
 
@@ -92,6 +95,33 @@ pub fn if_it_fails(watchdog: Watchdog) -> IfItFails {
         Watchdog::LookAgain | Watchdog::Disarm | Watchdog::Dropped => IfItFails::Acknowledge,
         Watchdog::FollowUp => IfItFails::Failed,
         Watchdog::Deferral | Watchdog::Retry | Watchdog::GiveUp => IfItFails::HostRetries,
+    }
+}
+
+/// Standalone: what the consumer does with the delivered message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Message {
+    /// Delete it: nothing more is owed, or what is owed is already put (a look again, a
+    /// retrigger).
+    Delete,
+    /// Write the follow-up over it in one update (a deferral, a waiter, a handed-back trigger):
+    /// the follow-up and the acknowledgement land together or not at all. If the update fails,
+    /// the message comes back when its visibility lapses, early: nothing is lost.
+    PersistInPlace,
+    /// Leave it for a retry after the retry delay (with the token its retry carries); it is
+    /// given up, with a sweep, when a delivery finds it past the limit.
+    Retry,
+    /// Give the trigger up at once (its poison entry and a sweep), whatever its attempts.
+    GiveUp,
+}
+
+/// What the standalone consumer does with a message whose delivery `ended` so.
+pub fn standalone(ended: Ended) -> Message {
+    match ended {
+        Ended::Acknowledged | Ended::LookAgain => Message::Delete,
+        Ended::FollowUp | Ended::Deferred => Message::PersistInPlace,
+        Ended::Failed { gives_up: true } => Message::GiveUp,
+        Ended::Failed { gives_up: false } => Message::Retry,
     }
 }
 

@@ -147,16 +147,7 @@ impl RecordRunner {
         poison: &dyn TriggerQueue,
         ended: &Ended,
     ) -> Outcome {
-        let ended_as = match &outcome {
-            Outcome::Paused { .. } | Outcome::Waiting { .. } => carriers::Ended::FollowUp,
-            Outcome::Deferred { .. } => carriers::Ended::Deferred,
-            Outcome::Rechecking { .. } => carriers::Ended::LookAgain,
-            Outcome::Failed { error, .. } => carriers::Ended::Failed {
-                gives_up: error.gives_up(),
-            },
-            _ => carriers::Ended::Acknowledged,
-        };
-        let decided = carriers::after(ended_as, attempts, self.options.max_attempts, self.fault());
+        let decided = carriers::after(outcome.ended(), attempts, self.options.max_attempts, self.fault());
         let failed = match decided {
             carriers::Watchdog::Disarm | carriers::Watchdog::Dropped => {
                 watchdog.disarm().await;

@@ -339,13 +339,7 @@ impl World {
             End::StorageFailed { .. } => (false, None),
         };
         if acknowledge {
-            let mut s = ok(next.clone(), actor, format!("ends {end:?}: message deleted"));
-            s.reached = reached;
-            out.push(s);
-            if self.faults > 0 {
-                let what = format!("ends {end:?}: the delete fails, the message comes back");
-                out.push(comes_back(next, msg, actor, what));
-            }
+            next.acknowledged(&d, format!("ends {end:?}"), reached, actor, out);
         } else {
             let retry = Msg {
                 after_token: None,

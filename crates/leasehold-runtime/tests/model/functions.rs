@@ -14,7 +14,6 @@
 use leasehold_runtime::protocol::End;
 use leasehold_runtime::protocol::carriers::{self, Ended, IfItFails, Watchdog};
 use leasehold_runtime::protocol::debounce::Path;
-use leasehold_runtime::protocol::supersede::RunResult;
 
 use crate::world::{Config, Delivery, Kind, Lease, Msg, Successor, Wait, World, comes_back, ok};
 
@@ -122,28 +121,9 @@ impl World {
     ) {
         let mut next = self.clone();
         let d = next.workers[w].delivery.take().unwrap();
-        let r = usize::from(d.msg.record);
-        if next.records[r].lease == Lease::Held(w as u8) {
-            next.records[r].lease = Lease::Orphan;
-        }
-        let (ended, follow) = match end {
-            End::Coalesced => (Ended::Acknowledged, None),
-            End::LookAgain => (Ended::LookAgain, Some(d.look_again())),
-            End::Ran { .. } => match d.result {
-                Some(RunResult::Completed | RunResult::Superseded) => (Ended::Acknowledged, None),
-                _ => (Ended::Failed { gives_up: false }, None),
-            },
-            End::CarriedOn { joined } => (Ended::Deferred, Some(d.deferral(joined))),
-            End::StorageFailed { .. } => (Ended::Failed { gives_up: false }, None),
-            End::StillRunning => unreachable!("not in this model"),
-        };
-        let reached = match end {
-            End::Coalesced if d.stood_down => Some(10),
-            End::Coalesced if d.token.is_some() => Some(3),
-            End::Coalesced => Some(0),
-            End::LookAgain => Some(2),
-            _ => None,
-        };
+        next.drop_guard(w, &d);
+        let (ended, follow) = d.ended(end);
+        let reached = d.reached(end);
         let retry = Msg {
             after_token: d.retry_token(end),
             ..d.msg.clone()

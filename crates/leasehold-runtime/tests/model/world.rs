@@ -255,6 +255,47 @@ impl Delivery {
         deferral
     }
 
+    /// What its protocol's `end` comes to, as the core's carriers see it, and the message that
+    /// carries its duty on, if any (its look again, its deferral, its hand-back).
+    pub(crate) fn ended(&self, end: End) -> (carriers::Ended, Option<Msg>) {
+        match end {
+            End::Coalesced => (carriers::Ended::Acknowledged, None),
+            End::LookAgain => (carriers::Ended::LookAgain, Some(self.look_again())),
+            End::Ran { .. } => match self.result {
+                Some(RunResult::Completed | RunResult::Superseded) => (carriers::Ended::Acknowledged, None),
+                _ => (carriers::Ended::Failed { gives_up: false }, None),
+            },
+            End::CarriedOn { joined } if self.handed_back => {
+                // The message as it was (not an attempt); fresh triggers joined it if the marker
+                // was set.
+                let mut back = Msg {
+                    prior: self.msg.attempts() - 1,
+                    dequeued: 0,
+                    ..self.msg.clone()
+                };
+                if joined {
+                    back.given_up = 0;
+                    back.after_token = None;
+                }
+                (carriers::Ended::FollowUp, Some(back))
+            }
+            End::CarriedOn { joined } => (carriers::Ended::Deferred, Some(self.deferral(joined))),
+            End::StorageFailed { .. } => (carriers::Ended::Failed { gives_up: false }, None),
+            End::StillRunning => unreachable!("not in this model"),
+        }
+    }
+
+    /// What the end of its protocol reached, for the `sometimes` properties.
+    pub(crate) fn reached(&self, end: End) -> Option<usize> {
+        match end {
+            End::Coalesced if self.stood_down => Some(10),
+            End::Coalesced if self.token.is_some() => Some(3),
+            End::Coalesced => Some(0),
+            End::LookAgain => Some(2),
+            _ => None,
+        }
+    }
+
     /// The token its retry carries after `end` (the runner's `Ended::after_token`).
     pub(crate) fn retry_token(&self, end: End) -> Option<u8> {
         match end {
@@ -696,90 +737,86 @@ impl World {
         }
     }
 
-    /// The consumer's handling of a delivery's end (standalone, as `Consumer` does).
+    /// The consumer's handling of a delivery's end (standalone, as `Consumer` does, with the
+    /// core's decision: [`carriers::standalone`]).
     fn finish(&self, w: usize, end: End, actor: &str, out: &mut Vec<Successor>) {
         let mut next = self.clone();
         let d = next.workers[w].delivery.take().unwrap();
-        let r = usize::from(d.msg.record);
-        if next.records[r].lease == Lease::Held(w as u8) {
-            // The guard is dropped without a release: nobody renews the lease.
-            next.records[r].lease = Lease::Orphan;
-        }
-        let reached = match end {
-            End::Coalesced if d.stood_down => Some(10),
-            End::Coalesced if d.token.is_some() => Some(3),
-            End::Coalesced => Some(0),
-            End::LookAgain => Some(2),
-            _ => None,
-        };
-        // What comes back if the message is not acknowledged: the message as it was, carrying
-        // the token its delivery leaves (the runner's `Ended::after_token`).
-        let retry = Msg {
-            after_token: d.retry_token(end),
-            ..d.msg.clone()
-        };
-        let acknowledge = match end {
-            End::Coalesced | End::LookAgain => true,
-            End::Ran { .. } => matches!(d.result, Some(RunResult::Completed | RunResult::Superseded)),
-            End::CarriedOn { joined } if d.handed_back => {
-                // Handed back by the pause: the message as it was (not an attempt), hidden until
-                // the pause ends; fresh triggers joined it if the marker was set.
-                let mut back = Msg {
-                    prior: d.msg.attempts() - 1,
-                    dequeued: 0,
-                    ..d.msg.clone()
-                };
-                if joined {
-                    back.given_up = 0;
-                    back.after_token = None;
-                }
-                let what = format!("ends {end:?}: {back} is hidden until the pause ends");
-                if next.paused {
-                    next.held_back.push(back);
-                    next.held_back.sort();
-                } else {
-                    next.put(back);
-                }
-                let mut s = ok(next, actor, what);
-                s.reached = Some(12);
-                out.push(s);
-                return;
-            }
-            End::CarriedOn { joined } => {
-                // The deferral, written over the message in one update (`persist_in_place`).
-                let deferral = d.deferral(joined);
+        next.drop_guard(w, &d);
+        let (ended, follow) = d.ended(end);
+        let reached = d.reached(end);
+        let what = format!("ends {end:?}");
+        match carriers::standalone(ended) {
+            carriers::Message::Delete => next.acknowledged(&d, what, reached, actor, out),
+            carriers::Message::PersistInPlace => {
+                // The follow-up, written over the message in one update (`persist_in_place`).
+                let follow = follow.expect("a follow-up");
                 let before = next.clone();
-                next.put(deferral.clone());
-                let mut s = ok(
-                    next.clone(),
-                    actor,
-                    format!("ends {end:?}: the message becomes {deferral}"),
-                );
+                let (what, reached) = if d.handed_back {
+                    // Handed back by the pause: hidden until it ends.
+                    if next.paused {
+                        next.held_back.push(follow.clone());
+                        next.held_back.sort();
+                    } else {
+                        next.put(follow.clone());
+                    }
+                    (
+                        format!("{what}: {follow} is hidden until the pause ends"),
+                        Some(12),
+                    )
+                } else {
+                    next.put(follow.clone());
+                    (format!("{what}: the message becomes {follow}"), reached)
+                };
+                let mut s = ok(next, actor, what.clone());
                 s.reached = reached;
                 out.push(s);
                 if self.faults > 0 {
                     // The update fails: the message comes back as it was, and runs early.
-                    let what = format!("ends {end:?}: the update fails, the message comes back");
+                    let what = format!("{what}: the update fails, the message comes back");
                     out.push(comes_back(before, d.delivered(), actor, what));
                 }
-                return;
             }
-            End::StillRunning => unreachable!("not in this model"),
-            End::StorageFailed { .. } => false,
-        };
-        if acknowledge {
-            let mut s = ok(next.clone(), actor, format!("ends {end:?}: message deleted"));
-            s.reached = reached;
-            out.push(s);
-            if self.faults > 0 {
-                // The delete fails: the message comes back.
-                let what = format!("ends {end:?}: the delete fails, the message comes back");
-                out.push(comes_back(next, d.delivered(), actor, what));
+            carriers::Message::Retry => {
+                // The message as it was, carrying the token its delivery leaves.
+                let retry = Msg {
+                    after_token: d.retry_token(end),
+                    ..d.msg.clone()
+                };
+                let what = format!("{what}: {retry} comes back for a retry");
+                next.put(retry);
+                out.push(ok(next, actor, what));
             }
-        } else {
-            let what = format!("ends {end:?}: {retry} comes back for a retry");
-            next.put(retry);
-            out.push(ok(next, actor, what));
+            carriers::Message::GiveUp => unreachable!("no run asks to be given up in this model"),
+        }
+    }
+
+    /// The delivery's lease guard is dropped without a release, if it still holds the lease:
+    /// nobody renews it.
+    pub(crate) fn drop_guard(&mut self, w: usize, d: &Delivery) {
+        let r = usize::from(d.msg.record);
+        if self.records[r].lease == Lease::Held(w as u8) {
+            self.records[r].lease = Lease::Orphan;
+        }
+    }
+
+    /// The delivered message is deleted (or the delete fails, a fault spent, and it comes
+    /// back). `self` is the world with the delivery taken out.
+    pub(crate) fn acknowledged(
+        self,
+        d: &Delivery,
+        what: String,
+        reached: Option<usize>,
+        actor: &str,
+        out: &mut Vec<Successor>,
+    ) {
+        let faults = self.faults;
+        let mut s = ok(self.clone(), actor, format!("{what}: message deleted"));
+        s.reached = reached;
+        out.push(s);
+        if faults > 0 {
+            let what = format!("{what}: the delete fails, the message comes back");
+            out.push(comes_back(self, d.delivered(), actor, what));
         }
     }
 
