@@ -25,6 +25,7 @@ use crate::watchdog::Watchdog;
 mod debounce;
 mod drive;
 mod gate;
+mod held;
 mod options;
 mod run;
 mod traced;
