@@ -15,7 +15,8 @@ use leasehold_runtime::protocol::debounce::{
 };
 use leasehold_runtime::protocol::{Machine, Step as MachineStep};
 
-use crate::world::{Config, Delivery, Msg, Successor, Wait, World, comes_back, ok};
+use crate::consumer::comes_back;
+use crate::world::{Config, Delivery, Msg, Successor, Wait, World, ok};
 
 /// The longest wait M, in quiet periods.
 const LONGEST: u8 = 2;

@@ -15,7 +15,8 @@ use leasehold_runtime::protocol::End;
 use leasehold_runtime::protocol::carriers::{self, Ended, IfItFails, Watchdog};
 use leasehold_runtime::protocol::debounce::Path;
 
-use crate::world::{Config, Delivery, Kind, Lease, Msg, Successor, Wait, World, comes_back, ok};
+use crate::consumer::comes_back;
+use crate::world::{Config, Delivery, Kind, Lease, Msg, Successor, Wait, World, ok};
 
 /// A delivery's watchdog.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -7,9 +7,11 @@
 //! shortest sequence of events that reaches it, one line per event.
 
 mod check;
+mod consumer;
 mod debounce;
 mod functions;
 mod run;
+mod storage;
 mod structure;
 mod world;
 
