@@ -12,6 +12,85 @@
 use super::Fault;
 use crate::message::TriggerKind;
 
+/// A budget's slots on one worker, as its gate sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Slots {
+    /// Runs of the budget under way here.
+    pub in_flight: usize,
+    /// Runs at once allowed here now (the adaptive limit, or the configured one).
+    pub limit: usize,
+    /// Deliveries of each lane waiting for a slot.
+    pub high_waiting: usize,
+    pub low_waiting: usize,
+    /// High-lane starts since the last low-lane start, counted while the low lane waits.
+    pub high_run: u32,
+    /// While both lanes wait, every `low_every`-th start is the low lane's (0: never).
+    pub low_every: u32,
+}
+
+/// Who asks at the gate; `T` is the driver's instant (the core has no clock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Asker<T> {
+    /// It may stand in for a dead holder: never held, by the pause or the limit (it still counts).
+    pub stand_in: bool,
+    /// It came by the low lane (bulk traffic).
+    pub low: bool,
+    /// The latest a pause may end for it to wait the pause out; a longer pause hands it back.
+    pub pause_deadline: Option<T>,
+}
+
+/// The gate's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Gate<T> {
+    /// Take a slot ([`start`]).
+    Go,
+    /// Handed back: the pause ends at `T`, later than the asker may wait.
+    HandBack(T),
+    /// Wait until the pause ends (`Some`), or until a slot frees (`None`).
+    Wait(Option<T>),
+}
+
+/// The gate: the pause holds all but a stand-in; then a slot is free below the limit, and the
+/// high lane goes first, but for every `low_every`-th start while both lanes wait.
+pub fn gate<T: Ord + Copy>(slots: &Slots, paused_until: Option<T>, now: T, asker: &Asker<T>) -> Gate<T> {
+    if let Some(until) = paused_until.filter(|u| !asker.stand_in && *u > now) {
+        // Waited out when it ends within the wait allowed; else handed back.
+        if asker.pause_deadline.is_some_and(|d| d < until) {
+            return Gate::HandBack(until);
+        }
+        return Gate::Wait(Some(until));
+    }
+    let low_due = slots.low_every > 0 && slots.high_run + 1 >= slots.low_every;
+    let behind_high = asker.low && slots.high_waiting > 0 && !low_due;
+    let yields_to_low = !asker.low && slots.low_waiting > 0 && low_due;
+    if asker.stand_in || (slots.in_flight < slots.limit && !behind_high && !yields_to_low) {
+        Gate::Go
+    } else {
+        Gate::Wait(None)
+    }
+}
+
+/// A start through the gate ([`Gate::Go`]): the slot taken, and the lanes' turn counted. Says
+/// whether the deliveries waiting must be woken (a high-lane delivery may have yielded to this
+/// one).
+pub fn start<T>(slots: &mut Slots, asker: &Asker<T>) -> bool {
+    slots.in_flight += 1;
+    if asker.stand_in {
+        return false;
+    }
+    if asker.low {
+        slots.high_run = 0;
+        true
+    } else {
+        slots.high_run = if slots.low_waiting > 0 {
+            slots.high_run.saturating_add(1)
+        } else {
+            0
+        };
+        false
+    }
+}
+
 /// Whether a delivery may stand in for a dead holder: a redelivery (its earlier delivery may have
 /// died holding the lease), or a carrier other than a deferral as its live holder wrote it.
 pub fn may_stand_in(kind: TriggerKind, redelivered: bool, released_deferral: bool) -> bool {
@@ -54,5 +133,69 @@ pub fn waits(paused: bool, seat: Option<bool>) -> Waits {
         Some(true) => Waits::InSeat,
         Some(false) if paused => Waits::HandBack,
         Some(false) => Waits::InSlot,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asker(low: bool) -> Asker<u32> {
+        Asker {
+            stand_in: false,
+            low,
+            pause_deadline: None,
+        }
+    }
+
+    #[test]
+    fn a_pause_holds_all_but_a_stand_in_and_hands_back_who_cannot_wait_it_out() {
+        let slots = Slots {
+            limit: 1,
+            ..Slots::default()
+        };
+        assert_eq!(gate(&slots, Some(10), 5, &asker(false)), Gate::Wait(Some(10)));
+        let short = Asker {
+            pause_deadline: Some(8),
+            ..asker(false)
+        };
+        assert_eq!(gate(&slots, Some(10), 5, &short), Gate::HandBack(10));
+        let stand_in = Asker {
+            stand_in: true,
+            ..asker(false)
+        };
+        let full = Slots {
+            in_flight: 1,
+            ..slots
+        };
+        assert_eq!(gate(&full, Some(10), 5, &stand_in), Gate::Go);
+        assert_eq!(
+            gate(&slots, Some(5), 5, &asker(false)),
+            Gate::Go,
+            "a pause that has ended"
+        );
+    }
+
+    #[test]
+    fn the_high_lane_goes_first_but_for_every_low_every_th_start() {
+        let mut slots = Slots {
+            limit: 1,
+            high_waiting: 1,
+            low_waiting: 1,
+            low_every: 3,
+            ..Slots::default()
+        };
+        assert_eq!(gate(&slots, None, 0, &asker(true)), Gate::Wait(None));
+        assert_eq!(gate(&slots, None, 0, &asker(false)), Gate::Go);
+        assert!(!start(&mut slots, &asker(false)));
+        assert_eq!(slots.high_run, 1);
+        slots.in_flight = 0;
+        start(&mut slots, &asker(false));
+        slots.in_flight = 0;
+        // Two high starts while the low lane waited: the third is the low lane's.
+        assert_eq!(gate(&slots, None, 0, &asker(false)), Gate::Wait(None));
+        assert_eq!(gate(&slots, None, 0, &asker(true)), Gate::Go);
+        assert!(start(&mut slots, &asker(true)));
+        assert_eq!(slots.high_run, 0);
     }
 }
