@@ -24,7 +24,7 @@ use crate::outcome::Outcome;
 use crate::poison::PoisonMessage;
 use crate::protocol::carriers;
 use crate::queue::{Received, TriggerQueue};
-use crate::runner::{Delivery, HiddenUntil, RecordRunner};
+use crate::runner::{Delivery, Ended, HiddenUntil, RecordRunner};
 use crate::slot::ConsumerSlot;
 use crate::watchdog::{PushRequests, push_before_renewal};
 
@@ -382,26 +382,39 @@ impl Consumer {
         let _ = (&mut renewer.0).await;
         let receipt = receipt.lock().expect("receipt mutex").clone();
 
-        let outcome = match carriers::standalone(outcome.ended()) {
-            carriers::Message::PersistInPlace => {
-                self.persist_follow_up(outcome, &received, &receipt)
-                    .instrument(span.clone())
-                    .await
-            }
+        let outcome = self
+            .end_delivery(outcome, &received, &receipt, &delivery, &ended, &cancel)
+            .instrument(span.clone())
+            .await;
+        span.in_scope(|| self.runner.finished(&delivery, &outcome, &ended));
+    }
+
+    /// What the consumer does with the delivered message once its delivery came to `outcome`,
+    /// as the core decides ([`carriers::standalone`]): delete it, write the follow-up over it,
+    /// leave it for the retry, or give it up.
+    async fn end_delivery(
+        &self,
+        outcome: Outcome,
+        received: &Received,
+        receipt: &str,
+        delivery: &Delivery,
+        ended: &Ended,
+        cancel: &CancellationToken,
+    ) -> Outcome {
+        match carriers::standalone(outcome.ended()) {
+            carriers::Message::PersistInPlace => self.persist_follow_up(outcome, received, receipt).await,
             // Given up at once (its deferral budget is spent), whatever its attempts.
             carriers::Message::GiveUp => {
                 let Outcome::Failed { error, .. } = outcome else {
                     unreachable!("only a failure is given up")
                 };
                 let trigger = ended.carried.clone().unwrap_or_else(|| delivery.message.clone());
-                self.poison(&received, &receipt, Some(trigger), error)
-                    .instrument(span.clone())
-                    .await
+                self.poison(received, receipt, Some(trigger), error).await
             }
             carriers::Message::Delete => {
-                if let Err(e) = self.queue().delete(&received.id, &receipt).await {
+                if let Err(e) = self.queue().delete(&received.id, receipt).await {
                     // The trigger was honoured; a redelivery will find nothing to do but run once more.
-                    span.in_scope(|| tracing::warn!(error = %e, "acknowledging the message failed; it may be delivered again"));
+                    tracing::warn!(error = %e, "acknowledging the message failed; it may be delivered again");
                 }
                 outcome
             }
@@ -426,15 +439,14 @@ impl Consumer {
                 };
                 if let Err(e) = self
                     .queue()
-                    .set_visibility(&received.id, &receipt, &body, delay)
+                    .set_visibility(&received.id, receipt, &body, delay)
                     .await
                 {
-                    span.in_scope(|| tracing::debug!(error = %e, "could not shorten visibility; the message reappears when it lapses"));
+                    tracing::debug!(error = %e, "could not shorten visibility; the message reappears when it lapses");
                 }
                 outcome
             }
-        };
-        span.in_scope(|| self.runner.finished(&delivery, &outcome, &ended));
+        }
     }
 
     /// Writes a delivery's follow-up over its message ([`Self::persist_in_place`]): its

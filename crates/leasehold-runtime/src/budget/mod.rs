@@ -448,14 +448,6 @@ impl Budgets {
         let slot_deadline = waiting.slot.map(|w| started + w);
         let pause_deadline = waiting.pause.map(|w| started + w);
         let notify = self.with_budget(&name, |b| b.notify.clone());
-        let limit_of = |b: &Budget| {
-            if self.inner.options.adaptive {
-                (b.limit as usize).max(1)
-            } else {
-                self.inner.options.max_concurrency.max(1)
-            }
-        };
-        let low_every = self.inner.options.low_every;
         let asker = decide::Asker {
             stand_in: waiting.stand_in,
             low: lane == Lane::Low,
@@ -473,38 +465,7 @@ impl Budgets {
             tokio::pin!(notified);
             notified.as_mut().enable();
             let now = Instant::now();
-            let gate = self.with_budget(&name, |b| {
-                let mut slots = decide::Slots {
-                    in_flight: b.in_flight,
-                    limit: limit_of(b),
-                    high_waiting: b.high_waiting,
-                    low_waiting: b.low_waiting,
-                    high_run: b.high_run,
-                    low_every,
-                };
-                match decide::gate(&slots, b.paused_until, now, &asker) {
-                    decide::Gate::HandBack(until) => Gate::HandBack(until - now),
-                    decide::Gate::Wait(Some(until)) => Gate::Wait(Some(until)),
-                    decide::Gate::Go => {
-                        if decide::start(&mut slots, &asker) {
-                            b.notify.notify_waiters();
-                        }
-                        b.in_flight = slots.in_flight;
-                        b.high_run = slots.high_run;
-                        Gate::Go(b.in_flight)
-                    }
-                    decide::Gate::Wait(None) => {
-                        if counted.lane.is_none() {
-                            match lane {
-                                Lane::High => b.high_waiting += 1,
-                                Lane::Low => b.low_waiting += 1,
-                            }
-                            counted.lane = Some(lane);
-                        }
-                        Gate::Wait(None)
-                    }
-                }
-            });
+            let gate = self.pass_gate(&name, now, &asker, lane, &mut counted);
             self.refresh_if_stale(&name);
             let held_until = match gate {
                 Gate::HandBack(after) => {
@@ -551,6 +512,59 @@ impl Budgets {
                     }
                 }
             }
+        }
+    }
+
+    /// One pass through the budget's gate ([`decide::gate`]): a slot taken, handed back, or a
+    /// wait (counted among its lane's waiting the first time).
+    fn pass_gate(
+        &self,
+        name: &str,
+        now: Instant,
+        asker: &decide::Asker<Instant>,
+        lane: Lane,
+        counted: &mut Counted<'_>,
+    ) -> Gate {
+        self.with_budget(name, |b| {
+            let mut slots = decide::Slots {
+                in_flight: b.in_flight,
+                limit: self.limit_of(b),
+                high_waiting: b.high_waiting,
+                low_waiting: b.low_waiting,
+                high_run: b.high_run,
+                low_every: self.inner.options.low_every,
+            };
+            match decide::gate(&slots, b.paused_until, now, asker) {
+                decide::Gate::HandBack(until) => Gate::HandBack(until - now),
+                decide::Gate::Wait(Some(until)) => Gate::Wait(Some(until)),
+                decide::Gate::Go => {
+                    if decide::start(&mut slots, asker) {
+                        b.notify.notify_waiters();
+                    }
+                    b.in_flight = slots.in_flight;
+                    b.high_run = slots.high_run;
+                    Gate::Go(b.in_flight)
+                }
+                decide::Gate::Wait(None) => {
+                    if counted.lane.is_none() {
+                        match lane {
+                            Lane::High => b.high_waiting += 1,
+                            Lane::Low => b.low_waiting += 1,
+                        }
+                        counted.lane = Some(lane);
+                    }
+                    Gate::Wait(None)
+                }
+            }
+        })
+    }
+
+    /// Runs of a budget allowed at once on this worker now.
+    fn limit_of(&self, b: &Budget) -> usize {
+        if self.inner.options.adaptive {
+            (b.limit as usize).max(1)
+        } else {
+            self.inner.options.max_concurrency.max(1)
         }
     }
 }

@@ -183,16 +183,7 @@ impl RecordRunner {
                 .map(|e| ("reschedule the watchdog", e))
             }
             carriers::Watchdog::FollowUp | carriers::Watchdog::Deferral => {
-                let (step, next, after) = match &outcome {
-                    Outcome::Paused { next, after, .. } => ("hand the paused trigger back", next, *after),
-                    Outcome::Waiting { next, after } => ("persist the waiter", next, *after),
-                    Outcome::Deferred { next, after, .. } => ("persist the deferral", next, *after),
-                    _ => unreachable!("only a follow-up is rewritten into"),
-                };
-                self.rearm_or_put(watchdog, next, after)
-                    .await
-                    .err()
-                    .map(|e| (step, e))
+                self.rewrite_into_follow_up(&outcome, watchdog).await
             }
         };
         let Some((step, e)) = failed else {
@@ -221,6 +212,25 @@ impl RecordRunner {
                 .await
             }
         }
+    }
+
+    /// Rewrites the watchdog into the outcome's follow-up (its waiter, its hand-back, its
+    /// deferral): the step and its error, if it failed.
+    async fn rewrite_into_follow_up(
+        &self,
+        outcome: &Outcome,
+        watchdog: &Watchdog,
+    ) -> Option<(&'static str, StoreError)> {
+        let (step, next, after) = match outcome {
+            Outcome::Paused { next, after, .. } => ("hand the paused trigger back", next, *after),
+            Outcome::Waiting { next, after } => ("persist the waiter", next, *after),
+            Outcome::Deferred { next, after, .. } => ("persist the deferral", next, *after),
+            _ => unreachable!("only a follow-up is rewritten into"),
+        };
+        self.rearm_or_put(watchdog, next, after)
+            .await
+            .err()
+            .map(|e| (step, e))
     }
 
     /// Gives the delivery up (its poison entry, then a sweep), then deletes its watchdog if that
