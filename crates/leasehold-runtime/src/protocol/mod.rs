@@ -21,6 +21,8 @@
 //!   marker and its waiter), and a possible stand-in consumes a marker its dead creator left;
 //! - [`carriers`]: under Functions, what becomes of a delivery's watchdog when it ends (deleted,
 //!   or rewritten into its look again, its retry, its follow-up; a give-up);
+//! - [`later`]: run later — the delay of a deferral within its chain's budget, or the give-up
+//!   once it is spent;
 //! - [`supersede`]: a retry's `afterToken` and the lease's `pending` note — whether a granted
 //!   retry stands down, what a run notes before its release, and which token its retry carries.
 //!
@@ -36,6 +38,7 @@ pub mod budget;
 pub mod carriers;
 pub mod debounce;
 pub mod hold;
+pub mod later;
 pub mod release;
 pub mod supersede;
 pub mod take;

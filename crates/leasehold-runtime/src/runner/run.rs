@@ -2,6 +2,7 @@
 //! the lease (stopping it, and keeping the lease of logic that does not stop).
 
 use super::*;
+use crate::protocol::later;
 
 impl RecordRunner {
     /// The record's streak of superseded runs, when its scope supersedes (and fencing is on: the
@@ -133,24 +134,26 @@ impl RecordRunner {
             released: false,
             throttled: false,
         });
-        let floor = self.options.min_deferral;
-        let remaining = max.saturating_sub(so_far.total());
-        if remaining < floor.max(Duration::from_millis(1)) {
-            return Outcome::Failed {
-                error: Error::DeferralExhausted {
-                    total: so_far.total(),
-                    max,
-                    hops: so_far.hops,
-                    asked,
-                    why,
-                },
-                retriggered: false,
-            };
-        }
-        let after = asked
-            .unwrap_or(self.options.default_deferral)
-            .max(floor)
-            .min(remaining);
+        let budget = later::Budget {
+            max,
+            floor: self.options.min_deferral,
+            default: self.options.default_deferral,
+        };
+        let after = match later::later(asked, so_far.total(), budget) {
+            later::Later::Defer(after) => after,
+            later::Later::Exhausted => {
+                return Outcome::Failed {
+                    error: Error::DeferralExhausted {
+                        total: so_far.total(),
+                        max,
+                        hops: so_far.hops,
+                        asked,
+                        why,
+                    },
+                    retriggered: false,
+                };
+            }
+        };
         let next = message.deferred(
             delivery.attempts().saturating_sub(1),
             after,
