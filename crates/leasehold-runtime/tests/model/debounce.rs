@@ -237,9 +237,14 @@ impl World {
         let msg = &d.msg;
         // Its retry is its message, marked as the carrier of a delivery that may leave a wait
         // marker, with no `afterToken`.
+        let marks = debouncing.path.marks_carrier();
         let retry = Msg {
             after_token: None,
-            wait: msg.wait.or(Some(Wait::default())),
+            wait: if marks {
+                msg.wait.or(Some(Wait::default()))
+            } else {
+                msg.wait
+            },
             ..msg.clone()
         };
         let (ended, follow, reached) = match end {

@@ -13,7 +13,6 @@
 
 use leasehold_runtime::protocol::End;
 use leasehold_runtime::protocol::carriers::{self, Ended, IfItFails, Watchdog};
-use leasehold_runtime::protocol::debounce::Path;
 
 use crate::consumer::comes_back;
 use crate::world::{Config, Delivery, Kind, Lease, Msg, Successor, Wait, World, ok};
@@ -82,7 +81,7 @@ impl World {
             dequeued: 0,
             ..d.msg.clone()
         };
-        let marks = d.debouncing.as_ref().is_some_and(|x| x.path != Path::Skip);
+        let marks = d.debouncing.as_ref().is_some_and(|x| x.path.marks_carrier());
         if marks && standin.wait.is_none() {
             standin.wait = Some(Wait::default());
         }

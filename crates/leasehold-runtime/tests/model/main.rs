@@ -50,7 +50,7 @@ const DEBOUNCE: usize = 10;
 const FUNCTIONS: usize = 12;
 
 /// The configurations CI checks.
-const CHECKED: [Config; 14] = [
+const CHECKED: [Config; 15] = [
     BASE,
     Config {
         name: "2 workers, 3 triggers, 1 fault, 1 crash",
@@ -135,6 +135,13 @@ const CHECKED: [Config; 14] = [
     },
     Config {
         name: "functions: 2 workers, 2 triggers, 1 fault, 1 crash, 1 failed run",
+        functions: true,
+        ..BASE
+    },
+    Config {
+        name: "functions and debounce: 2 workers, 2 triggers, 1 fault, 1 crash",
+        logic_failures: 0,
+        debounce: true,
         functions: true,
         ..BASE
     },
