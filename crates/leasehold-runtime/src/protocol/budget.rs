@@ -177,6 +177,16 @@ mod tests {
     }
 
     #[test]
+    fn a_holder_waits_in_a_seat_else_in_its_slot_for_the_limit_and_is_handed_back_by_a_pause() {
+        assert_eq!(waits(true, Some(true)), Waits::InSeat);
+        assert_eq!(waits(false, Some(true)), Waits::InSeat);
+        // Runs of the budget are under way, and one ends soon.
+        assert_eq!(waits(false, Some(false)), Waits::InSlot);
+        assert_eq!(waits(true, Some(false)), Waits::HandBack);
+        assert_eq!(waits(true, None), Waits::InSlot);
+    }
+
+    #[test]
     fn the_high_lane_goes_first_but_for_every_low_every_th_start() {
         let mut slots = Slots {
             limit: 1,

@@ -367,5 +367,7 @@ mod tests {
         assert_eq!(path(Trigger, waits, false, false), Path::StandIn);
         assert_eq!(path(Watchdog, waits, false, true), Path::StandIn);
         assert_eq!(path(Retrigger, None, true, true), Path::Skip);
+        assert!(!Path::Skip.marks_carrier());
+        assert!(Path::Trigger.marks_carrier() && Path::StandIn.marks_carrier());
     }
 }
