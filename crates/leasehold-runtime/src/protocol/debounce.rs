@@ -334,6 +334,23 @@ mod tests {
     }
 
     #[test]
+    fn a_stand_in_owes_a_run_if_it_consumed_a_marker_or_may_have() {
+        let consumed = |what, retried| drive(Path::StandIn, &[Answer::Consumed { what, retried }])[1];
+        assert_eq!(
+            consumed(Consumed::Consumed, false),
+            Step::Done(End::Carry { owes: true })
+        );
+        assert_eq!(
+            consumed(Consumed::Gone, true),
+            Step::Done(End::Carry { owes: true })
+        );
+        assert_eq!(
+            consumed(Consumed::Gone, false),
+            Step::Done(End::Carry { owes: false })
+        );
+    }
+
+    #[test]
     fn a_waiter_that_waited_the_longest_consumes_whatever_marker_there_is() {
         let steps = drive(
             Path::Wake {
