@@ -74,12 +74,7 @@ impl World {
         let r = self.record_of(w);
         let marker = self.records[r].wait;
         let faulty = self.faults > 0;
-        let spend = |world: &World| {
-            let mut x = world.clone();
-            x.faults -= 1;
-            x
-        };
-        // (the world after, the answer, the ETag the delivery learns, what)
+        // (the world after, the answer, what)
         let mut ways: Vec<(World, Answer, String)> = Vec::new();
         match request {
             Request::Create => match marker {
@@ -97,16 +92,20 @@ impl World {
                     ));
                     if faulty {
                         ways.push((
-                            spend(&created),
+                            created.with_fault_spent(),
                             Answer::Exists { retried: true },
                             "create wait marker: landed, answer lost; the retry: there already".into(),
                         ));
                         ways.push((
-                            spend(&created),
+                            created.with_fault_spent(),
                             Answer::Failed,
                             "create wait marker: landed, then every retry fails".into(),
                         ));
-                        ways.push((spend(self), Answer::Failed, "create wait marker: fails".into()));
+                        ways.push((
+                            self.with_fault_spent(),
+                            Answer::Failed,
+                            "create wait marker: fails".into(),
+                        ));
                     }
                 }
                 Some(_) => {
@@ -116,7 +115,11 @@ impl World {
                         "create wait marker: there already".into(),
                     ));
                     if faulty {
-                        ways.push((spend(self), Answer::Failed, "create wait marker: fails".into()));
+                        ways.push((
+                            self.with_fault_spent(),
+                            Answer::Failed,
+                            "create wait marker: fails".into(),
+                        ));
                     }
                 }
             },
@@ -134,11 +137,15 @@ impl World {
                 ));
                 if faulty {
                     ways.push((
-                        spend(&touched),
+                        touched.with_fault_spent(),
                         Answer::Failed,
                         "touch wait marker: landed, answer lost".into(),
                     ));
-                    ways.push((spend(self), Answer::Failed, "touch wait marker: fails".into()));
+                    ways.push((
+                        self.with_fault_spent(),
+                        Answer::Failed,
+                        "touch wait marker: fails".into(),
+                    ));
                 }
             }
             Request::Look => {
@@ -157,7 +164,11 @@ impl World {
                     format!("look at wait marker: etag {marker:?} (the waiter saw {seen:?})"),
                 ));
                 if faulty {
-                    ways.push((spend(self), Answer::Failed, "look at wait marker: fails".into()));
+                    ways.push((
+                        self.with_fault_spent(),
+                        Answer::Failed,
+                        "look at wait marker: fails".into(),
+                    ));
                 }
             }
             Request::Consume { if_unchanged } => {
@@ -191,7 +202,7 @@ impl World {
                 if faulty {
                     let retried = Answer::Consumed { what, retried: true };
                     ways.push((
-                        spend(&after),
+                        after.with_fault_spent(),
                         retried,
                         format!("{name}: first attempt failed; the retry: {what:?}"),
                     ));
@@ -201,17 +212,17 @@ impl World {
                             retried: true,
                         };
                         ways.push((
-                            spend(&after),
+                            after.with_fault_spent(),
                             gone,
                             format!("{name}: consumed, answer lost; the retry: gone"),
                         ));
                     }
                     ways.push((
-                        spend(&after),
+                        after.with_fault_spent(),
                         Answer::Failed,
                         format!("{name}: landed, then every retry fails"),
                     ));
-                    ways.push((spend(self), Answer::Failed, format!("{name}: fails")));
+                    ways.push((self.with_fault_spent(), Answer::Failed, format!("{name}: fails")));
                 }
             }
         }

@@ -16,11 +16,6 @@ impl World {
         // (effect, answer, a fault spent, what)
         let mut ways: Vec<(World, Answer, String)> = Vec::new();
         let faulty = self.faults > 0;
-        let spend = |world: &World| {
-            let mut x = world.clone();
-            x.faults -= 1;
-            x
-        };
         match request {
             Request::Acquire => {
                 let mut granted = self.clone();
@@ -37,7 +32,7 @@ impl World {
                         format!("acquire: granted, token {token}"),
                     ));
                     if faulty {
-                        let mut landed = spend(self);
+                        let mut landed = self.with_fault_spent();
                         landed.records[r].lease = Lease::Orphan;
                         landed.records[r].sequence += 1;
                         ways.push((
@@ -50,7 +45,7 @@ impl World {
                     ways.push((self.clone(), Answer::Held, "acquire: held".into()));
                 }
                 if faulty {
-                    ways.push((spend(self), Answer::Failed, "acquire: fails".into()));
+                    ways.push((self.with_fault_spent(), Answer::Failed, "acquire: fails".into()));
                 }
             }
             Request::SetMarker | Request::TakeMarker { .. } => {
@@ -69,7 +64,7 @@ impl World {
                 ));
                 if faulty {
                     ways.push((
-                        spend(&after),
+                        after.with_fault_spent(),
                         Answer::Marker {
                             changed: false,
                             retried: true,
@@ -77,7 +72,7 @@ impl World {
                         format!("{name}: landed, answer lost; the retry: unchanged"),
                     ));
                     ways.push((
-                        spend(&after),
+                        after.with_fault_spent(),
                         Answer::Marker {
                             changed,
                             retried: true,
@@ -85,11 +80,11 @@ impl World {
                         format!("{name}: first attempt failed; the retry: changed {changed}"),
                     ));
                     ways.push((
-                        spend(&after),
+                        after.with_fault_spent(),
                         Answer::Failed,
                         format!("{name}: landed, then every retry fails"),
                     ));
-                    ways.push((spend(self), Answer::Failed, format!("{name}: fails")));
+                    ways.push((self.with_fault_spent(), Answer::Failed, format!("{name}: fails")));
                 }
             }
             Request::Release => {
@@ -99,11 +94,11 @@ impl World {
                     ways.push((after.clone(), Answer::Done, "release".into()));
                     if faulty {
                         ways.push((
-                            spend(&after),
+                            after.with_fault_spent(),
                             Answer::Failed,
                             "release: landed, answer lost".into(),
                         ));
-                        ways.push((spend(self), Answer::Failed, "release: fails".into()));
+                        ways.push((self.with_fault_spent(), Answer::Failed, "release: fails".into()));
                     }
                 } else {
                     ways.push((
@@ -125,11 +120,11 @@ impl World {
                 ways.push((after.clone(), Answer::Done, format!("put {m}")));
                 if faulty {
                     ways.push((
-                        spend(&after),
+                        after.with_fault_spent(),
                         Answer::Failed,
                         format!("put {m}: landed, answer lost"),
                     ));
-                    ways.push((spend(self), Answer::Failed, format!("put {m}: fails")));
+                    ways.push((self.with_fault_spent(), Answer::Failed, format!("put {m}: fails")));
                 }
             }
         }

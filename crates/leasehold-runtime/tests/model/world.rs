@@ -543,6 +543,14 @@ impl World {
         }
     }
 
+    /// This state with one fault of the configuration's budget spent (a request that fails or
+    /// loses its answer).
+    pub(crate) fn with_fault_spent(&self) -> World {
+        let mut x = self.clone();
+        x.faults -= 1;
+        x
+    }
+
     pub(crate) fn put(&mut self, m: Msg) {
         let at = self.queue.partition_point(|q| q <= &m);
         self.queue.insert(at, m);
