@@ -97,6 +97,10 @@ pub enum Fault {
     /// Functions: a delivery that has to look again deletes its watchdog instead of leaving it as
     /// the look again.
     LookAgainDropsWatchdog,
+    /// Lanes: the budget's gate before the low lane's turn at starts (as one told `low_every` 0):
+    /// while holders of both lanes wait for a slot, the high lane always goes first. Applied by
+    /// the model checker to the gate's [`budget::Slots`]; the runner's gate is told its option.
+    HighLaneAlwaysFirst,
 }
 
 /// A storage request the machine asks for. Each is one call with the driver's retries.

@@ -287,6 +287,14 @@ fn describe(v: &Violation) -> String {
         Violation::ExtraRun { runs, allowed } => {
             format!("run {runs} of the record, where the triggers sent and the faults spent allow {allowed}")
         }
+        Violation::OverLimit { in_flight } => {
+            format!(
+                "a run of the budget starts beside {in_flight} under way on its process, beyond the limit"
+            )
+        }
+        Violation::LowLaneStarved { in_a_row } => format!(
+            "a high-lane start, {in_a_row} in a row while a low-lane holder waits for a slot: the low lane's turn was skipped"
+        ),
         Violation::TokenNotRising { token, last } => {
             format!("a run's fencing token {token} does not rise above the last run's {last}")
         }

@@ -107,6 +107,7 @@ impl World {
             let mut next = self.clone();
             next.crashes -= 1;
             let process = worker.process;
+            next.turns[usize::from(process)] = Default::default();
             for x in 0..self.workers.len() {
                 if self.workers[x].process == process {
                     next.crash(x);
@@ -175,6 +176,7 @@ impl World {
                     stood_down: false,
                     waited: false,
                     handed_back: false,
+                    counted: false,
                     for_the_dead: orphaned,
                     debouncing,
                     queued: None,

@@ -28,6 +28,9 @@ const BASE: Config = Config {
     records: 1,
     triggers: 2,
     pauses: 0,
+    limit: 0,
+    low_records: 0,
+    low_every: 0,
     faults: 1,
     crashes: 1,
     logic_failures: 1,
@@ -42,15 +45,16 @@ const BASE: Config = Config {
     fault: Fault::None,
 };
 
-/// Where the configurations with supersede begin in [`CHECKED`], those with a budget, and those
-/// with debounce.
+/// Where the configurations with supersede begin in [`CHECKED`], those with a budget, with
+/// debounce, under Functions, and with the budget's limit and both lanes.
 const SUPERSEDE: usize = 7;
 const BUDGET: usize = 9;
 const DEBOUNCE: usize = 10;
 const FUNCTIONS: usize = 12;
+const LANES: usize = 15;
 
 /// The configurations CI checks.
-const CHECKED: [Config; 15] = [
+const CHECKED: [Config; 16] = [
     BASE,
     Config {
         name: "2 workers, 3 triggers, 1 fault, 1 crash",
@@ -153,6 +157,18 @@ const CHECKED: [Config; 15] = [
         functions: true,
         ..BASE
     },
+    Config {
+        name: "lanes: 2 processes (2 slots, 1 slot), 4 records (r0 by the low lane), a limit of 1, the low lane's turn every 2nd start, 1 crash",
+        processes: &[2, 1],
+        records: 4,
+        triggers: 1,
+        limit: 1,
+        low_records: 1,
+        low_every: 2,
+        faults: 0,
+        logic_failures: 0,
+        ..BASE
+    },
 ];
 
 /// Larger configurations: `cargo test -p leasehold-runtime --test model -- --ignored --nocapture`.
@@ -232,8 +248,18 @@ fn debounce_holds_in_every_interleaving_of_small_deployments() {
 /// again, and a watchdog that surfaces while its delivery lives.
 #[test]
 fn functions_mode_holds_in_every_interleaving_of_small_deployments() {
-    let reached = all_hold(&CHECKED[FUNCTIONS..]);
-    for (what, reached) in SOMETIMES.iter().zip(reached).skip(18) {
+    let reached = all_hold(&CHECKED[FUNCTIONS..LANES]);
+    for (what, reached) in SOMETIMES.iter().zip(reached).skip(18).take(3) {
+        assert!(reached, "no configuration reaches: {what}");
+    }
+}
+
+/// With the budget's limit and both lanes: holders wait for a slot (in seats of the waiting
+/// room), a stand-in goes beyond the limit, and while both lanes wait the low lane has its turn.
+#[test]
+fn a_budgets_limit_and_lanes_hold_in_every_interleaving() {
+    let reached = all_hold(&CHECKED[LANES..]);
+    for (what, reached) in SOMETIMES.iter().zip(reached).skip(21) {
         assert!(reached, "no configuration reaches: {what}");
     }
 }
@@ -270,6 +296,7 @@ fn every_known_fault_is_caught() {
         (Fault::WaiterStandsDownAfterRetriedDelete, DEBOUNCE),
         (Fault::TouchByPut, DEBOUNCE + 1),
         (Fault::LookAgainDropsWatchdog, FUNCTIONS),
+        (Fault::HighLaneAlwaysFirst, LANES),
     ];
     for (fault, config) in faults {
         let report = check(&Config {

@@ -4,9 +4,9 @@
 
 use leasehold_runtime::protocol::budget;
 use leasehold_runtime::protocol::supersede::{self, RunResult};
-use leasehold_runtime::protocol::{Answer, RunEnd};
+use leasehold_runtime::protocol::{Answer, Fault, RunEnd};
 
-use crate::world::{Config, Event, Lease, Noting, Successor, Violation, World, ok};
+use crate::world::{Config, Delivery, Event, Lease, Noting, Successor, Violation, World, ok};
 
 /// A token of the model as the core's (and back): the model keeps them small, by rank.
 fn wide(t: Option<u8>) -> Option<u64> {
@@ -56,10 +56,97 @@ impl World {
             return;
         }
         match d.running {
-            None if self.paused && !d.msg.may_stand_in() => self.wait_at_gate(config, w, actor, out),
-            None => self.start_logic(w, actor, config, out),
+            None => match budget::gate(
+                &self.slots(config, w),
+                self.paused.then_some(1),
+                0,
+                &self.asker(config, w),
+            ) {
+                budget::Gate::Go => self.start_logic(w, actor, config, out),
+                budget::Gate::Wait(pause) => self.wait_at_gate(config, w, pause.is_some(), actor, out),
+                budget::Gate::HandBack(_) => unreachable!("the model's pauses are short enough to wait out"),
+            },
             Some(before) => self.end_logic(config, w, before, actor, out),
         }
+    }
+
+    /// The budget's slots on worker `w`'s process, as its gate sees them: the runs under way
+    /// there, the holders counted waiting for a slot in each lane, and the turns.
+    fn slots(&self, config: &Config, w: usize) -> budget::Slots {
+        let process = self.workers[w].process;
+        let here: Vec<&Delivery> = self
+            .workers
+            .iter()
+            .filter(|x| x.alive && x.process == process)
+            .filter_map(|x| x.delivery.as_ref())
+            .collect();
+        let waiting = |low: bool| {
+            here.iter()
+                .filter(|d| d.counted && World::low_lane(config, d.msg.record) == low)
+                .count()
+        };
+        budget::Slots {
+            in_flight: here.iter().filter(|d| d.running.is_some()).count(),
+            limit: if config.limit == 0 {
+                usize::MAX
+            } else {
+                config.limit.into()
+            },
+            high_waiting: waiting(false),
+            low_waiting: waiting(true),
+            high_run: self.turns[usize::from(process)].high_run,
+            // The gate before the low lane's turn at starts: as one told `low_every` 0.
+            low_every: if config.fault == Fault::HighLaneAlwaysFirst {
+                0
+            } else {
+                config.low_every.into()
+            },
+        }
+    }
+
+    /// Worker `w`'s holder at its budget's gate (no deadline: the model's pauses are short).
+    fn asker(&self, config: &Config, w: usize) -> budget::Asker<u8> {
+        let d = self.workers[w].delivery.as_ref().unwrap();
+        budget::Asker {
+            stand_in: d.msg.may_stand_in(),
+            low: World::low_lane(config, d.msg.record),
+            pause_deadline: None,
+        }
+    }
+
+    /// A start through the gate: the core counts the lanes' turns; the model checks the limit and
+    /// the low lane's share by its own count.
+    fn start_at_gate(&mut self, config: &Config, w: usize) -> (Option<Violation>, Option<usize>) {
+        let mut slots = self.slots(config, w);
+        let asker = self.asker(config, w);
+        let process = usize::from(self.workers[w].process);
+        let turns = &mut self.turns[process];
+        budget::start(&mut slots, &asker);
+        turns.high_run = slots.high_run;
+        self.workers[w].delivery.as_mut().unwrap().counted = false;
+        if asker.stand_in {
+            // Beyond the limit if need be, and no turn of either lane.
+            return (None, None);
+        }
+        let in_flight = slots.in_flight - 1;
+        if config.limit > 0 && in_flight >= config.limit.into() {
+            return (Some(Violation::OverLimit { in_flight }), None);
+        }
+        let (low_waiting, high_waiting) = (slots.low_waiting, slots.high_waiting);
+        if asker.low {
+            turns.in_a_row = 0;
+            return (None, (high_waiting > 0).then_some(23));
+        }
+        if low_waiting == 0 {
+            turns.in_a_row = 0;
+            return (None, None);
+        }
+        turns.in_a_row += 1;
+        if config.low_every > 0 && turns.in_a_row >= config.low_every {
+            let in_a_row = turns.in_a_row;
+            return (Some(Violation::LowLaneStarved { in_a_row }), None);
+        }
+        (None, Some(22))
     }
 
     fn start_logic(&self, w: usize, actor: &str, config: &Config, out: &mut Vec<Successor>) {
@@ -67,6 +154,7 @@ impl World {
         let r = self.record_of(w);
         let record = &self.records[r];
         let mut next = self.clone();
+        let (at_gate, turn) = next.start_at_gate(config, w);
         let token = d.token.expect("a run has a token");
         let others = self.workers.iter().enumerate().any(|(o, x)| {
             o != w
@@ -76,7 +164,9 @@ impl World {
                     .is_some_and(|d| d.running.is_some() && usize::from(d.msg.record) == r)
         });
         let allowed = record.sent.count_ones() as u8 + self.spent(config);
-        let violation = if others {
+        let violation = if at_gate.is_some() {
+            at_gate
+        } else if others {
             Some(Violation::TwoRuns)
         } else if token <= record.last_token {
             Some(Violation::TokenNotRising {
@@ -105,7 +195,7 @@ impl World {
             crate::world::Kind::Sweep => Some(5),
             crate::world::Kind::Watchdog => Some(18),
             _ if nd.msg.deferred => Some(9),
-            _ => None,
+            _ => turn,
         };
         out.push(Successor {
             world: next,
@@ -241,12 +331,23 @@ impl World {
         }
     }
 
-    /// A holder at its budget's gate while the pause lasts (it is not a stand-in): it waits in a
-    /// seat of its process's waiting room, in its slot, or is handed back, as the core decides.
-    fn wait_at_gate(&self, config: &Config, w: usize, actor: &str, out: &mut Vec<Successor>) {
+    /// A holder the gate holds (it is not a stand-in), for the pause or for a slot of the
+    /// budget's limit: it waits in a seat of its process's waiting room, in its slot, or is
+    /// handed back, as the core decides.
+    fn wait_at_gate(&self, config: &Config, w: usize, paused: bool, actor: &str, out: &mut Vec<Successor>) {
         let d = self.workers[w].delivery.as_ref().unwrap();
         if d.waited {
-            // Waiting (in its slot or its seat) until the pause ends.
+            // Waiting (in its slot or its seat) until the pause ends or a slot frees; counted
+            // among its lane's waiting the first time it waits for a slot.
+            if !paused && !d.counted {
+                let mut next = self.clone();
+                next.workers[w].delivery.as_mut().unwrap().counted = true;
+                out.push(ok(
+                    next,
+                    actor,
+                    "the pause over, waits on for a slot of its budget".into(),
+                ));
+            }
             return;
         }
         if d.for_the_dead {
@@ -262,23 +363,28 @@ impl World {
         }
         let seat = budget::offers_seat(config.fault).then(|| self.free_seat(w));
         let mut next = self.clone();
-        let (what, reached) = match budget::waits(true, seat.map(|s| s.is_some())) {
+        let (wait, reached) = if paused {
+            ("waits out the pause", Some(11))
+        } else {
+            ("waits for a slot of its budget", Some(21))
+        };
+        let (what, reached) = match budget::waits(paused, seat.map(|s| s.is_some())) {
             budget::Waits::InSeat => {
                 let mut moved = next.workers[w].delivery.take().unwrap();
                 moved.waited = true;
+                moved.counted = !paused;
                 let to = seat.flatten().unwrap();
                 if let Some(record) = next.records.iter_mut().find(|r| r.lease == Lease::Held(w as u8)) {
                     record.lease = Lease::Held(to as u8);
                 }
                 next.workers[to].delivery = Some(moved);
-                (
-                    format!("waits out the pause in seat w{to}: its slot is free"),
-                    Some(11),
-                )
+                (format!("{wait} in seat w{to}: its slot is free"), reached)
             }
             budget::Waits::InSlot => {
-                next.workers[w].delivery.as_mut().unwrap().waited = true;
-                ("waits out the pause in its slot".to_string(), None)
+                let nd = next.workers[w].delivery.as_mut().unwrap();
+                nd.waited = true;
+                nd.counted = !paused;
+                (format!("{wait} in its slot"), reached.filter(|_| !paused))
             }
             budget::Waits::HandBack => {
                 let nd = next.workers[w].delivery.as_mut().unwrap();

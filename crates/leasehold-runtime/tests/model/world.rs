@@ -25,9 +25,16 @@ pub struct Config {
     pub records: u8,
     pub triggers: u8,
     /// Times a throttle pauses the records' downstream budget (each pause short enough to be
-    /// waited out under a lease); with it, each process has a waiting room of as many seats as
-    /// it has slots.
+    /// waited out under a lease); with it (or a limit), each process has a waiting room of as
+    /// many seats as it has slots.
     pub pauses: u8,
+    /// The budget's limit: runs of it at once on each process (0: none).
+    pub limit: u8,
+    /// Records `0..low_records` come by the low lane (bulk traffic), the others by the high lane.
+    pub low_records: u8,
+    /// While both lanes wait for a slot of the budget, every `low_every`-th start is the low
+    /// lane's (the budget's `low_every`; the property checked, and what the core's gate is told).
+    pub low_every: u8,
     /// Storage requests that fail (before or after taking effect) or lose their answer.
     pub faults: u8,
     /// Processes that die (at any point between two requests of one of their deliveries).
@@ -214,6 +221,8 @@ pub struct Delivery {
     pub waited: bool,
     /// A paused budget handed it back before its run.
     pub handed_back: bool,
+    /// Counted among its lane's holders waiting for a slot of the budget (not for its pause).
+    pub counted: bool,
     /// Its message is a dead holder's, taken again once the lease expired (with a budget).
     pub for_the_dead: bool,
     /// Its debounce step, while it lasts.
@@ -276,12 +285,23 @@ pub struct World {
     pub pauses: u8,
     /// Messages handed back by the pause, hidden until it ends.
     pub held_back: Vec<Msg>,
+    /// Each process's turns between the lanes at its budget's gate.
+    pub turns: Vec<Turns>,
     pub faults: u8,
     pub crashes: u8,
     pub logic_failures: u8,
     pub lost_leases: u8,
     pub ask_later: u8,
     pub lapses: u8,
+}
+
+/// The turns between the lanes at one process's budget gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Turns {
+    /// The core's count ([`budget::Slots::high_run`]).
+    pub high_run: u32,
+    /// The model's own: high-lane starts in a row while a low-lane holder waited for a slot.
+    pub in_a_row: u8,
 }
 
 /// One transition, for a counterexample's trace.
@@ -312,13 +332,22 @@ pub enum Violation {
     EndlessGiveUps,
     /// A delivery standing in for a dead holder is held by the budget's pause.
     StandInHeld,
+    /// A run of the budget starts beyond its limit on its process (not a stand-in's).
+    OverLimit {
+        in_flight: usize,
+    },
+    /// More high-lane starts in a row than the low lane's share allows while a low-lane holder
+    /// waits for a slot.
+    LowLaneStarved {
+        in_a_row: u8,
+    },
 }
 
 /// What a backward search over the explored graph found wrong (see `check`).
 pub const STARVED: &str = "a dead holder's message waits for the budget's pause to end: no slot of a live consumer can take it before";
 
 /// Things the model can reach, for the `sometimes` properties.
-pub const SOMETIMES: [&str; 21] = [
+pub const SOMETIMES: [&str; 24] = [
     "a trigger coalesced onto a run",
     "a retrigger ran the record again",
     "a carrier looked again",
@@ -340,6 +369,9 @@ pub const SOMETIMES: [&str; 21] = [
     "a watchdog (a dead handler's, or a failed run's retry) ran the record",
     "a failed run's watchdog became its retry",
     "a watchdog surfaced while its delivery still lived",
+    "a holder waited for a slot of its budget's limit",
+    "a high-lane holder started while a low-lane holder waited for a slot",
+    "a low-lane holder took its turn ahead of a waiting high-lane holder",
 ];
 
 pub struct Successor {
@@ -369,7 +401,11 @@ impl World {
         };
         let mut workers = Vec::new();
         for (p, &slots) in config.processes.iter().enumerate() {
-            let seats = if config.pauses > 0 { slots } else { 0 };
+            let seats = if config.pauses > 0 || config.limit > 0 {
+                slots
+            } else {
+                0
+            };
             for seat in
                 std::iter::repeat_n(false, slots.into()).chain(std::iter::repeat_n(true, seats.into()))
             {
@@ -388,6 +424,7 @@ impl World {
             paused: false,
             pauses: config.pauses,
             held_back: Vec::new(),
+            turns: vec![Turns::default(); config.processes.len()],
             faults: config.faults,
             crashes: config.crashes,
             logic_failures: config.logic_failures,
@@ -484,6 +521,11 @@ impl World {
             + (config.lost_leases - self.lost_leases)
             + (config.ask_later - self.ask_later)
             + (config.lapses - self.lapses)
+    }
+
+    /// Whether record `r` comes by the low lane.
+    pub(crate) fn low_lane(config: &Config, r: u8) -> bool {
+        r < config.low_records
     }
 
     /// A free seat of worker `w`'s process's waiting room, if one is.
