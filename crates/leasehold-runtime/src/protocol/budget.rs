@@ -174,6 +174,15 @@ mod tests {
             Gate::Go,
             "a pause that has ended"
         );
+        let exactly = Asker {
+            pause_deadline: Some(10),
+            ..asker(false)
+        };
+        assert_eq!(
+            gate(&slots, Some(10), 5, &exactly),
+            Gate::Wait(Some(10)),
+            "a pause that ends when the asker may wait no longer is waited out"
+        );
     }
 
     #[test]
@@ -207,5 +216,32 @@ mod tests {
         assert_eq!(gate(&slots, None, 0, &asker(true)), Gate::Go);
         assert!(start(&mut slots, &asker(true)));
         assert_eq!(slots.high_run, 0);
+    }
+
+    #[test]
+    fn the_high_lane_goes_first_always_with_low_every_0_and_counts_turns_only_while_the_low_lane_waits() {
+        let never = Slots {
+            limit: 1,
+            high_waiting: 1,
+            low_waiting: 1,
+            high_run: 5,
+            ..Slots::default()
+        };
+        assert_eq!(gate(&never, None, 0, &asker(true)), Gate::Wait(None));
+        assert_eq!(gate(&never, None, 0, &asker(false)), Gate::Go);
+        // The low lane's turn is due, but no low-lane holder waits (it left, handed back): the
+        // high lane goes.
+        let mut gone = Slots {
+            limit: 1,
+            high_run: 1,
+            low_every: 2,
+            ..Slots::default()
+        };
+        assert_eq!(gate(&gone, None, 0, &asker(false)), Gate::Go);
+        start(&mut gone, &asker(false));
+        assert_eq!(
+            gone.high_run, 0,
+            "a high-lane start with no low-lane holder waiting"
+        );
     }
 }

@@ -295,6 +295,9 @@ fn describe(v: &Violation) -> String {
         Violation::LowLaneStarved { in_a_row } => format!(
             "a high-lane start, {in_a_row} in a row while a low-lane holder waits for a slot: the low lane's turn was skipped"
         ),
+        Violation::HighLaneNotFirst { in_a_row } => format!(
+            "a low-lane start ahead of a waiting high-lane holder after {in_a_row} high-lane starts in a row: not the low lane's turn"
+        ),
         Violation::TokenNotRising { token, last } => {
             format!("a run's fencing token {token} does not rise above the last run's {last}")
         }

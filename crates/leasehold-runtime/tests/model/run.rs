@@ -134,8 +134,14 @@ impl World {
         }
         let (low_waiting, high_waiting) = (slots.low_waiting, slots.high_waiting);
         if asker.low {
-            turns.in_a_row = 0;
-            return (None, (high_waiting > 0).then_some(23));
+            // Ahead of a waiting high-lane holder only on the low lane's turn.
+            let turn = config.low_every > 0 && turns.in_a_row + 1 >= config.low_every;
+            let in_a_row = std::mem::take(&mut turns.in_a_row);
+            return match high_waiting {
+                0 => (None, None),
+                _ if turn => (None, Some(23)),
+                _ => (Some(Violation::HighLaneNotFirst { in_a_row }), None),
+            };
         }
         if low_waiting == 0 {
             turns.in_a_row = 0;

@@ -341,6 +341,11 @@ pub enum Violation {
     LowLaneStarved {
         in_a_row: u8,
     },
+    /// A low-lane start ahead of a high-lane holder waiting for a slot, though it was not the
+    /// low lane's turn (`in_a_row` high-lane starts before it).
+    HighLaneNotFirst {
+        in_a_row: u8,
+    },
 }
 
 /// What a backward search over the explored graph found wrong (see `check`).
