@@ -124,11 +124,12 @@ impl World {
         budget::start(&mut slots, &asker);
         turns.high_run = slots.high_run;
         self.workers[w].delivery.as_mut().unwrap().counted = false;
+        let in_flight = slots.in_flight - 1;
         if asker.stand_in {
             // Beyond the limit if need be, and no turn of either lane.
-            return (None, None);
+            let beyond = config.limit > 0 && in_flight >= config.limit.into();
+            return (None, beyond.then_some(24));
         }
-        let in_flight = slots.in_flight - 1;
         if config.limit > 0 && in_flight >= config.limit.into() {
             return (Some(Violation::OverLimit { in_flight }), None);
         }

@@ -352,7 +352,7 @@ pub enum Violation {
 pub const STARVED: &str = "a dead holder's message waits for the budget's pause to end: no slot of a live consumer can take it before";
 
 /// Things the model can reach, for the `sometimes` properties.
-pub const SOMETIMES: [&str; 24] = [
+pub const SOMETIMES: [&str; 25] = [
     "a trigger coalesced onto a run",
     "a retrigger ran the record again",
     "a carrier looked again",
@@ -377,6 +377,7 @@ pub const SOMETIMES: [&str; 24] = [
     "a holder waited for a slot of its budget's limit",
     "a high-lane holder started while a low-lane holder waited for a slot",
     "a low-lane holder took its turn ahead of a waiting high-lane holder",
+    "a dead holder's message started its run beyond the budget's limit",
 ];
 
 pub struct Successor {
