@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use crate::world::{Config, Event, SOMETIMES, STARVED, Violation, World};
 
-/// A bound on the search, so a model that does not end fails instead of eating the machine.
+/// A bound on the search, so a model that does not end fails instead of eating the machine
+/// (about 400 bytes a state, with its transitions).
 const MAX_STATES: usize = 3_000_000;
 
 pub struct Report {
@@ -120,6 +121,11 @@ impl Seen {
 }
 
 pub fn check(config: &Config) -> Report {
+    search(config, MAX_STATES)
+}
+
+/// [`check`], with a bound of `max_states` states.
+pub fn search(config: &Config, max_states: usize) -> Report {
     let started = Instant::now();
     let mut seen = Seen {
         states: Vec::new(),
@@ -141,9 +147,9 @@ pub fn check(config: &Config) -> Report {
     let mut most_runs = 0;
     let mut next = 0usize;
     'search: while next < seen.states.len() {
-        if seen.states.len() > MAX_STATES {
+        if seen.states.len() > max_states {
             violation = Some((
-                format!("more than {MAX_STATES} states: the model does not end"),
+                format!("more than {max_states} states: the model does not end"),
                 path(config, &seen.states, &parent, next as u32),
             ));
             break;
