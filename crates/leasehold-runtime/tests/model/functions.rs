@@ -90,8 +90,7 @@ impl World {
         out.push(ok(armed, actor, format!("puts its watchdog, hidden: {standin}")));
         if self.faults > 0 {
             // Nothing happened yet: the host retries its message.
-            let mut failed = self.clone();
-            failed.faults -= 1;
+            let mut failed = self.with_fault_spent();
             let d = failed.workers[w].delivery.take().unwrap();
             failed.put(d.delivered());
             let mut landed = failed.clone();
@@ -220,8 +219,7 @@ impl World {
             }
             IfItFails::Failed => {
                 let what = format!("{what}: the watchdog's rewrite fails");
-                let mut unsurfaced = self.clone();
-                unsurfaced.faults -= 1;
+                let unsurfaced = self.with_fault_spent();
                 unsurfaced.watched_end(
                     config,
                     d,

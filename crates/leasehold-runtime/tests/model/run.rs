@@ -41,8 +41,7 @@ impl World {
             s.reached = None;
             out.push(s);
             if self.faults > 0 {
-                let mut next = self.clone();
-                next.faults -= 1;
+                let mut next = self.with_fault_spent();
                 let nd = next.workers[w].delivery.as_mut().unwrap();
                 nd.step = nd
                     .machine
@@ -322,12 +321,12 @@ impl World {
         }
         ways.push((written.clone(), mine, format!("notes pending {:?}", noting.note)));
         if self.faults > 0 && mine {
-            let mut refused = self.clone();
-            refused.faults -= 1;
-            ways.push((refused, false, "the note's write fails".into()));
-            let mut landed = written;
-            landed.faults -= 1;
-            ways.push((landed, false, "the note's write lands, its answer lost".into()));
+            ways.push((self.with_fault_spent(), false, "the note's write fails".into()));
+            ways.push((
+                written.with_fault_spent(),
+                false,
+                "the note's write lands, its answer lost".into(),
+            ));
         }
         for (mut next, written, what) in ways {
             let d = next.workers[w].delivery.as_mut().unwrap();
