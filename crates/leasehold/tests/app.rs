@@ -2608,18 +2608,25 @@ async fn traces_reach_application_insights_straight_from_its_connection_string()
         || async { of_trace("run account") },
     )
     .await;
-    let process = envelopes
-        .lock()
-        .unwrap()
-        .iter()
-        .find(|e| {
-            e["tags"]["ai.operation.id"] == trace.as_str()
-                && e["data"]["baseData"]["name"]
-                    .as_str()
-                    .is_some_and(|n| n.starts_with("process "))
-        })
-        .cloned()
-        .expect("the delivery's span");
+    // The delivery's span ends after the run's, so it may reach the ingestion in a later batch.
+    let process = eventually(
+        Duration::from_secs(30),
+        "the delivery's span at Application Insights",
+        || async {
+            envelopes
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|e| {
+                    e["tags"]["ai.operation.id"] == trace.as_str()
+                        && e["data"]["baseData"]["name"]
+                            .as_str()
+                            .is_some_and(|n| n.starts_with("process "))
+                })
+                .cloned()
+        },
+    )
+    .await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(server.id().unwrap() as i32),
         nix::sys::signal::Signal::SIGTERM,
