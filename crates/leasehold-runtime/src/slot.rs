@@ -7,7 +7,8 @@ use std::sync::Arc;
 /// the consumer's waiting room, so waiting holders never keep the consumer from taking other
 /// work: a dead holder's message, a trigger of another budget, the other lane. The room has
 /// as many seats as the consumer has slots; when it is full, a pause hands a delivery back
-/// instead (a wait for the limit goes on in its slot: runs of the budget are under way).
+/// instead, and a wait for the limit goes on in its slot for a few seconds at most (runs of the
+/// budget are under way, but may be long), then hands it back to come again a second later.
 /// Once admitted, the delivery takes a free slot back, or runs in its seat when none is free
 /// (it never waits for a slot while holding a slot of its budget: that could wait forever).
 #[derive(Debug)]

@@ -250,8 +250,13 @@ pub struct Waiting<'a> {
     pub pause: Option<Duration>,
     /// Called once, just before the delivery starts to wait: frees what the delivery holds
     /// that others need while it waits (the consumer's slot), and says whether it could. If it
-    /// could not, a pause hands the delivery back at once (a wait for a slot goes on).
+    /// could not, a pause hands the delivery back at once, and a wait for a slot goes on for at
+    /// most [`in_slot`](Self::in_slot).
     pub park: Option<&'a (dyn Fn() -> bool + Send + Sync)>,
+    /// The longest wait for a slot when [`park`](Self::park) could not free what the delivery
+    /// holds (`None`: as long as it takes); then `Paused` after 1 s, so that what it holds goes
+    /// to other work — a dead holder's message above all — while runs of the budget are long.
+    pub in_slot: Option<Duration>,
 }
 
 impl fmt::Debug for Waiting<'_> {
@@ -261,6 +266,7 @@ impl fmt::Debug for Waiting<'_> {
             .field("slot", &self.slot)
             .field("pause", &self.pause)
             .field("park", &self.park.is_some())
+            .field("in_slot", &self.in_slot)
             .finish()
     }
 }
@@ -434,6 +440,7 @@ impl Budgets {
             slot: max_wait,
             pause: max_wait,
             park: None,
+            in_slot: None,
         };
         self.admit_with(scope, lane, waiting).await
     }
@@ -445,7 +452,7 @@ impl Budgets {
     pub async fn admit_with(&self, scope: &Scope, lane: Lane, waiting: Waiting<'_>) -> Admission {
         let name = self.name_of(scope).to_string();
         let started = Instant::now();
-        let slot_deadline = waiting.slot.map(|w| started + w);
+        let mut slot_deadline = waiting.slot.map(|w| started + w);
         let pause_deadline = waiting.pause.map(|w| started + w);
         let notify = self.with_budget(&name, |b| b.notify.clone());
         let asker = decide::Asker {
@@ -458,7 +465,10 @@ impl Budgets {
             name: &name,
             lane: None,
         };
-        let mut parked = false;
+        // Whether parking found a seat (asked once, just before the first wait), and until when a
+        // wait in the consumer's slot may go on.
+        let mut seat: Option<bool> = None;
+        let mut in_slot_until: Option<Instant> = None;
         let mut waited = false;
         loop {
             let notified = notify.notified();
@@ -486,16 +496,26 @@ impl Budgets {
                 }
                 Gate::Wait(held_until) => held_until,
             };
-            if !parked && let Some(park) = waiting.park {
-                parked = true;
-                if let (Waits::HandBack, Some(until)) =
-                    (waits(held_until.is_some(), Some(park())), held_until)
-                {
-                    // Nowhere to wait without keeping others from work: back after the pause.
-                    return Admission::Paused {
-                        budget: name.clone(),
-                        after: until.saturating_duration_since(Instant::now()),
-                    };
+            if let Some(park) = waiting.park {
+                // Parks once; where it waits is the core's, asked again at every wait (a holder
+                // waiting for the limit in its slot that meets a pause is handed back).
+                let got_seat = *seat.get_or_insert_with(park);
+                match (waits(held_until.is_some(), Some(got_seat)), held_until) {
+                    (Waits::HandBack, Some(until)) => {
+                        // Nowhere to wait without keeping others from work: back after the pause.
+                        return Admission::Paused {
+                            budget: name.clone(),
+                            after: until.saturating_duration_since(Instant::now()),
+                        };
+                    }
+                    (Waits::InSlot, _) => {
+                        // A wait for the limit in what others may need: for a while only.
+                        if let Some(w) = waiting.in_slot {
+                            let until = *in_slot_until.get_or_insert(now + w);
+                            slot_deadline = Some(slot_deadline.map_or(until, |d| d.min(until)));
+                        }
+                    }
+                    _ => {}
                 }
             }
             waited = true;

@@ -523,6 +523,7 @@ async fn a_delivery_parks_before_it_waits_and_one_that_cannot_is_handed_back_fro
         slot: None,
         pause: Some(Duration::from_secs(30)),
         park: Some(&no_seat),
+        in_slot: None,
     };
     match b.admit_with(&scope("a"), Lane::High, waiting).await {
         Admission::Paused { after, .. } => assert_eq!(after, Duration::from_secs(20)),
@@ -539,6 +540,7 @@ async fn a_delivery_parks_before_it_waits_and_one_that_cannot_is_handed_back_fro
         slot: None,
         pause: Some(Duration::from_secs(30)),
         park: Some(&seat),
+        in_slot: None,
     };
     let started = Instant::now();
     match b.admit_with(&scope("a"), Lane::High, waiting).await {
@@ -556,12 +558,69 @@ async fn a_delivery_parks_before_it_waits_and_one_that_cannot_is_handed_back_fro
         slot: None,
         pause: Some(Duration::from_secs(30)),
         park: Some(&seat),
+        in_slot: None,
     };
     assert!(matches!(
         b.admit_with(&scope("a"), Lane::High, waiting).await,
         Admission::Paused { .. }
     ));
     assert_eq!(parks.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// A delivery that finds no seat waits for the limit in what it holds (the consumer's slot) for
+/// `in_slot` at most, then comes back a second later; with a seat it waits as long as it takes.
+/// A delivery waiting in its slot that meets a pause is handed back for the rest of the pause.
+#[tokio::test(start_paused = true)]
+async fn a_wait_for_the_limit_without_a_seat_is_bounded_and_a_pause_hands_it_back() {
+    let (b, _) = budgets(1);
+    const NO_SEAT: &(dyn Fn() -> bool + Send + Sync) = &|| false;
+    const SEAT: &(dyn Fn() -> bool + Send + Sync) = &|| true;
+    let waiting = |park: &'static (dyn Fn() -> bool + Send + Sync)| Waiting {
+        stand_in: false,
+        slot: None,
+        pause: Some(Duration::from_secs(30)),
+        park: Some(park),
+        in_slot: Some(Duration::from_secs(5)),
+    };
+    let running = go(&b, Lane::High).await;
+    // No seat: back after 5 s, to come again in 1 s.
+    let started = Instant::now();
+    let a = scope("a");
+    let no_seat = tokio::time::timeout(
+        Duration::from_secs(60),
+        b.admit_with(&a, Lane::High, waiting(NO_SEAT)),
+    );
+    match no_seat.await.expect("a wait in the slot that ends") {
+        Admission::Paused { after, .. } => assert_eq!(after, Duration::from_secs(1)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+    assert_eq!(b.views()[0].in_flight, 1, "it took no slot");
+    // A seat: waits until the run ends, however long that is.
+    let (b2, started) = (b.clone(), Instant::now());
+    let seated = tokio::spawn(async move { b2.admit_with(&scope("a"), Lane::High, waiting(SEAT)).await });
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(!seated.is_finished());
+    drop(running);
+    match seated.await.unwrap() {
+        Admission::Go(p) => assert!(p.waited()),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(started.elapsed(), Duration::from_secs(60));
+    // No seat, waiting for the limit, and then a pause: handed back at once for its rest.
+    let mut running = go(&b, Lane::High).await;
+    let b2 = b.clone();
+    let in_slot = tokio::spawn(async move { b2.admit_with(&scope("a"), Lane::High, waiting(NO_SEAT)).await });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!in_slot.is_finished());
+    running.throttled("r", Duration::from_secs(20), false).await;
+    tokio::task::yield_now().await;
+    let paused_at = Instant::now();
+    match in_slot.await.unwrap() {
+        Admission::Paused { after, .. } => assert_eq!(after, Duration::from_secs(20)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(paused_at.elapsed(), Duration::ZERO);
 }
 
 #[test]

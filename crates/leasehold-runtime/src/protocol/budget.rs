@@ -118,7 +118,9 @@ pub enum Waits {
     /// In a seat of the consumer's waiting room: its slot is free for other work.
     InSeat,
     /// In its slot of the consumer (no consumer slot to give back, or a wait for the limit in a
-    /// full waiting room: runs of the budget are under way, and one ends soon).
+    /// full waiting room: runs of the budget are under way). Standalone, for a few seconds at
+    /// most: then the trigger is handed back, so that a dead holder's message finds the slot
+    /// while the budget's runs are long.
     InSlot,
     /// Handed back: nowhere to wait out the pause without keeping others from work.
     HandBack,

@@ -62,7 +62,8 @@ impl RecordRunner {
     /// ends within 30 s ([`MAX_PAUSE_WAIT_WATCHED`] under Functions), whether or not the
     /// delivery saw it at the first gate. Standalone, a holder about to wait gives its slot of
     /// the consumer back for a seat of the consumer's waiting room (`consumer_slot`,
-    /// [`ConsumerSlot`]); with no seat free, a pause hands it back. `Err((budget, after))`: the
+    /// [`ConsumerSlot`]); with no seat free, a pause hands it back, and a wait for the limit
+    /// goes on in its slot for at most [`MAX_LIMIT_WAIT_IN_SLOT`]. `Err((budget, after))`: the
     /// budget is paused past that wait (or, under Functions, no slot came in time): the trigger
     /// is handed back, hidden for `after`, without running. A delivery that may stand in for a dead holder
     /// ([`Delivery::may_stand_in`]) is neither put off by a pause nor held by the limit; its run
@@ -96,6 +97,9 @@ impl RecordRunner {
                 MAX_SLOT_WAIT_WATCHED
             }),
             park: park.as_ref().map(|p| p as &(dyn Fn() -> bool + Send + Sync)),
+            // With no seat free, a wait for the limit goes on in the consumer's slot, which a
+            // dead holder's message may need while the budget's runs are long: for a while only.
+            in_slot: Some(MAX_LIMIT_WAIT_IN_SLOT),
         };
         let admitted = tokio::select! {
             // Biased, so the same instants give the same choice (the simulation replays).
@@ -148,6 +152,12 @@ pub(super) async fn tell_budget(permit: &mut BudgetPermit, record: &str, end: Lo
 /// to come again a second later: the host's invocation must not be held for minutes. A pause
 /// longer than this hands a trigger back before the lock, in both modes.
 pub(super) const MAX_SLOT_WAIT_WATCHED: Duration = Duration::from_secs(30);
+
+/// The longest a standalone holder waits for its budget's limit in its slot of the consumer
+/// (the waiting room full) before its trigger is handed back, to come again a second later: the
+/// slot may be the one a dead holder's message needs, and the budget's runs may be long. At
+/// most this is added to the recovery bound while holders wait for the limit in a full room.
+pub(super) const MAX_LIMIT_WAIT_IN_SLOT: Duration = Duration::from_secs(5);
 
 /// The longest pause a delivery under Functions waits out under its lease (a longer one hands
 /// it back): the wait holds one of the host's invocations, and while the host's invocations are
