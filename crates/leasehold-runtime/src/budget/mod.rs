@@ -452,7 +452,7 @@ impl Budgets {
     pub async fn admit_with(&self, scope: &Scope, lane: Lane, waiting: Waiting<'_>) -> Admission {
         let name = self.name_of(scope).to_string();
         let started = Instant::now();
-        let mut slot_deadline = waiting.slot.map(|w| started + w);
+        let slot_deadline = waiting.slot.map(|w| started + w);
         let pause_deadline = waiting.pause.map(|w| started + w);
         let notify = self.with_budget(&name, |b| b.notify.clone());
         let asker = decide::Asker {
@@ -466,7 +466,7 @@ impl Budgets {
             lane: None,
         };
         // Whether parking found a seat (asked once, just before the first wait), and until when a
-        // wait in the consumer's slot may go on.
+        // wait in what it could not free (the consumer's slot) may go on.
         let mut seat: Option<bool> = None;
         let mut in_slot_until: Option<Instant> = None;
         let mut waited = false;
@@ -496,10 +496,11 @@ impl Budgets {
                 }
                 Gate::Wait(held_until) => held_until,
             };
-            if let Some(park) = waiting.park {
-                // Parks once; where it waits is the core's, asked again at every wait (a holder
-                // waiting for the limit in its slot that meets a pause is handed back).
-                let got_seat = *seat.get_or_insert_with(park);
+            if seat.is_none()
+                && let Some(park) = waiting.park
+            {
+                let got_seat = park();
+                seat = Some(got_seat);
                 match (waits(held_until.is_some(), Some(got_seat)), held_until) {
                     (Waits::HandBack, Some(until)) => {
                         // Nowhere to wait without keeping others from work: back after the pause.
@@ -508,13 +509,9 @@ impl Budgets {
                             after: until.saturating_duration_since(Instant::now()),
                         };
                     }
-                    (Waits::InSlot, _) => {
-                        // A wait for the limit in what others may need: for a while only.
-                        if let Some(w) = waiting.in_slot {
-                            let until = *in_slot_until.get_or_insert(now + w);
-                            slot_deadline = Some(slot_deadline.map_or(until, |d| d.min(until)));
-                        }
-                    }
+                    // A wait for the limit in what others may need: for a while only (and so
+                    // is a pause it meets there).
+                    (Waits::InSlot, _) => in_slot_until = waiting.in_slot.map(|w| now + w),
                     _ => {}
                 }
             }
@@ -522,11 +519,20 @@ impl Budgets {
             let until = held_until
                 .or(slot_deadline)
                 .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            let until = in_slot_until.map_or(until, |d| until.min(d));
             // Biased, so the same instants give the same choice (the simulation replays).
             tokio::select! {
                 biased;
                 _ = &mut notified => {}
                 _ = tokio::time::sleep_until(until) => {
+                    let now = Instant::now();
+                    if in_slot_until.is_some_and(|d| now >= d) {
+                        // Back a second later, or when the pause it met ends.
+                        let after = held_until
+                            .map_or(Duration::ZERO, |h| h.saturating_duration_since(now))
+                            .max(Duration::from_secs(1));
+                        return Admission::Paused { budget: name.clone(), after };
+                    }
                     if held_until.is_none() && slot_deadline.is_some() {
                         return Admission::Paused { budget: name.clone(), after: Duration::from_secs(1) };
                     }
