@@ -177,6 +177,7 @@ impl World {
                     waited: false,
                     handed_back: false,
                     counted: false,
+                    in_slot: false,
                     for_the_dead: orphaned,
                     debouncing,
                     queued: None,

@@ -122,7 +122,9 @@ impl World {
         let turns = &mut self.turns[process];
         budget::start(&mut slots, &asker);
         turns.high_run = slots.high_run;
-        self.workers[w].delivery.as_mut().unwrap().counted = false;
+        let d = self.workers[w].delivery.as_mut().unwrap();
+        d.counted = false;
+        d.in_slot = false;
         let in_flight = slots.in_flight - 1;
         if asker.stand_in {
             // Beyond the limit if need be, and no turn of either lane.
@@ -345,6 +347,24 @@ impl World {
         if d.waited {
             // Waiting (in its slot or its seat) until the pause ends or a slot frees; counted
             // among its lane's waiting the first time it waits for a slot.
+            if d.in_slot {
+                // A wait in its slot of the consumer is bounded (the runner's
+                // `MAX_LIMIT_WAIT_IN_SLOT`, or a pause it meets there): the model has no time,
+                // so it may run out at any moment. Handed back, as a holder.
+                let mut next = self.clone();
+                let nd = next.workers[w].delivery.as_mut().unwrap();
+                nd.in_slot = false;
+                nd.counted = false;
+                nd.handed_back = true;
+                nd.step = nd.machine.on(Answer::RunEnded(RunEnd::CarriedOn));
+                let mut s = ok(
+                    next,
+                    actor,
+                    "its wait in its slot runs out: handed back, as a holder".into(),
+                );
+                s.reached = Some(25);
+                out.push(s);
+            }
             if !paused && !d.counted {
                 let mut next = self.clone();
                 next.workers[w].delivery.as_mut().unwrap().counted = true;
@@ -390,6 +410,9 @@ impl World {
                 let nd = next.workers[w].delivery.as_mut().unwrap();
                 nd.waited = true;
                 nd.counted = !paused;
+                // Bounded when it was offered a seat and found none (not when it was offered
+                // none: the code before the waiting room, `HolderKeepsItsSlot`).
+                nd.in_slot = seat.is_some();
                 (format!("{wait} in its slot"), reached.filter(|_| !paused))
             }
             budget::Waits::HandBack => {

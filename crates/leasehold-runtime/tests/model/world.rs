@@ -223,6 +223,9 @@ pub struct Delivery {
     pub handed_back: bool,
     /// Counted among its lane's holders waiting for a slot of the budget (not for its pause).
     pub counted: bool,
+    /// It waits in its slot of the consumer, the waiting room full: for a few seconds at most
+    /// (the runner's `MAX_LIMIT_WAIT_IN_SLOT`), so it may be handed back at any moment.
+    pub in_slot: bool,
     /// Its message is a dead holder's, taken again once the lease expired (with a budget).
     pub for_the_dead: bool,
     /// Its debounce step, while it lasts.
@@ -352,7 +355,7 @@ pub enum Violation {
 pub const STARVED: &str = "a dead holder's message waits for the budget's pause to end: no slot of a live consumer can take it before";
 
 /// Things the model can reach, for the `sometimes` properties.
-pub const SOMETIMES: [&str; 25] = [
+pub const SOMETIMES: [&str; 26] = [
     "a trigger coalesced onto a run",
     "a retrigger ran the record again",
     "a carrier looked again",
@@ -378,6 +381,7 @@ pub const SOMETIMES: [&str; 25] = [
     "a high-lane holder started while a low-lane holder waited for a slot",
     "a low-lane holder took its turn ahead of a waiting high-lane holder",
     "a dead holder's message started its run beyond the budget's limit",
+    "a holder's wait in its slot ran out and its trigger was handed back",
 ];
 
 pub struct Successor {
