@@ -2158,7 +2158,10 @@ async fn a_records_history_names_both_holders_when_one_was_killed_mid_run() {
         "the third run in the history",
         || async {
             let entries = history().await;
-            (entries.iter().filter(|e| e["event"] == "completed").count() >= 2).then_some(entries)
+            // Both runs' ends, and all three starts (written in batches of their own, which
+            // need not land in order).
+            let count = |event: &str| entries.iter().filter(|e| e["event"] == event).count();
+            (count("completed") >= 2 && count("started") >= 3).then_some(entries)
         },
     )
     .await;
@@ -2320,15 +2323,20 @@ impl Collector {
     }
 }
 
-/// A URL logic that records each call's `traceparent`; the first call takes `first`, the others
-/// answer at once.
-async fn traced_downstream(first: Duration) -> (std::sync::Arc<std::sync::Mutex<Vec<String>>>, String) {
+/// A URL logic that records each call's `traceparent`; the first call answers when the test
+/// releases it (the `Notify`), the others at once.
+async fn traced_downstream() -> (
+    std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    String,
+    std::sync::Arc<tokio::sync::Notify>,
+) {
     let seen: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
-    let state = seen.clone();
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let (state, first) = (seen.clone(), release.clone());
     let app = axum::Router::new().route(
         "/run",
         axum::routing::post(move |headers: axum::http::HeaderMap| {
-            let state = state.clone();
+            let (state, first) = (state.clone(), first.clone());
             async move {
                 let traceparent = headers
                     .get("traceparent")
@@ -2341,7 +2349,8 @@ async fn traced_downstream(first: Duration) -> (std::sync::Arc<std::sync::Mutex<
                     seen.len()
                 };
                 if n == 1 {
-                    tokio::time::sleep(first).await;
+                    // Bounded, so a failing test still ends.
+                    let _ = tokio::time::timeout(Duration::from_secs(60), first.notified()).await;
                 }
                 axum::http::StatusCode::OK
             }
@@ -2350,7 +2359,7 @@ async fn traced_downstream(first: Duration) -> (std::sync::Arc<std::sync::Mutex<
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/run", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (seen, url)
+    (seen, url, release)
 }
 
 /// Issue "What happened to record X": a stand-in OTLP collector receives one trace per
@@ -2361,7 +2370,7 @@ async fn traced_downstream(first: Duration) -> (std::sync::Arc<std::sync::Mutex<
 async fn a_trace_per_trigger_reaches_a_collector_with_each_run_linked_to_the_triggers_it_covered() {
     let env = Env::new();
     let (collector, endpoint) = Collector::serve().await;
-    let (seen, logic_url) = traced_downstream(Duration::from_secs(3)).await;
+    let (seen, logic_url, release) = traced_downstream().await;
     let settings = [
         ("LEASEHOLD_LOGIC_URL", logic_url),
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
@@ -2398,6 +2407,26 @@ async fn a_trace_per_trigger_reaches_a_collector_with_each_run_linked_to_the_tri
         coalesced.push(trace);
     }
     assert_ne!(coalesced[0], coalesced[1]);
+    // The first run ends once both saves have coalesced onto it (their deliveries' spans say so).
+    eventually(
+        Duration::from_secs(30),
+        "both saves' deliveries coalesced",
+        || async {
+            let spans = collector.spans();
+            coalesced
+                .iter()
+                .all(|trace| {
+                    spans.iter().any(|s| {
+                        &s.trace_id == trace
+                            && s.name.starts_with("process ")
+                            && s.attributes.get("leasehold.outcome").map(String::as_str) == Some("coalesced")
+                    })
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    release.notify_one();
     eventually(Duration::from_secs(30), "the follow-up run", || async {
         (seen.lock().unwrap().len() == 2).then_some(())
     })
