@@ -535,7 +535,7 @@ fn log(outcome: &Outcome) {
             outcome = "paused",
             budget = %budget,
             run_again_in_s = after.as_secs_f64(),
-            "the downstream budget is paused (a run was throttled): the trigger comes back when the pause ends, not counted as an attempt"
+            "handed back by the downstream budget (paused after a throttle, or no slot of its limit came in time): the trigger comes back then, not counted as an attempt"
         ),
         other => tracing::info!(outcome = other.name(), "trigger handled without a run"),
     }

@@ -531,9 +531,13 @@ impl Budgets {
                         let after = held_until
                             .map_or(Duration::ZERO, |h| h.saturating_duration_since(now))
                             .max(Duration::from_secs(1));
+                        tracing::info!(budget = %name, waited_s = waiting.in_slot.unwrap_or_default().as_secs_f64(),
+                            "no slot of the budget came while this delivery waited in the consumer's slot (the waiting room is full): handed back, so the slot is free for other work");
                         return Admission::Paused { budget: name.clone(), after };
                     }
                     if held_until.is_none() && slot_deadline.is_some() {
+                        tracing::info!(budget = %name, waited_s = waiting.slot.unwrap_or_default().as_secs_f64(),
+                            "no slot of the budget came in the longest wait allowed: handed back");
                         return Admission::Paused { budget: name.clone(), after: Duration::from_secs(1) };
                     }
                 }

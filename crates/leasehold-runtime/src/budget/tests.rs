@@ -571,7 +571,7 @@ async fn a_delivery_parks_before_it_waits_and_one_that_cannot_is_handed_back_fro
 /// `in_slot` at most, then comes back a second later; with a seat it waits as long as it takes.
 /// A pause it meets in its slot does not lengthen that: it comes back when the pause ends.
 #[tokio::test(start_paused = true)]
-async fn a_wait_for_the_limit_without_a_seat_is_bounded_and_a_pause_hands_it_back() {
+async fn a_wait_for_the_limit_without_a_seat_is_bounded_and_a_pause_met_there_does_not_lengthen_it() {
     let (b, _) = budgets(1);
     const NO_SEAT: &(dyn Fn() -> bool + Send + Sync) = &|| false;
     const SEAT: &(dyn Fn() -> bool + Send + Sync) = &|| true;
