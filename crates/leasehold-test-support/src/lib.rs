@@ -174,9 +174,11 @@ impl Azurite {
             std::fs::create_dir_all(&workdir).map_err(|e| format!("creating {}: {e}", workdir.display()))?;
             let log = std::fs::File::create(workdir.join("azurite.log")).map_err(|e| e.to_string())?;
             // A watchdog shell ends Azurite when this test process ends, however it ends, or
-            // when told to (a `stop` file in its folder: `Drop`).
+            // when told to (a `stop` file in its folder: `Drop`): asked first, then, after 5 s,
+            // killed outright (a busy Azurite was seen to outlive a SIGTERM by minutes).
             let script = format!(
-                "\"$0\" \"$@\" & child=$!; trap 'kill $child 2>/dev/null; wait $child' EXIT; \
+                "\"$0\" \"$@\" & child=$!; \
+                 trap 'kill $child 2>/dev/null; n=0; while kill -0 $child 2>/dev/null && [ $n -lt 25 ]; do sleep 0.2; n=$((n+1)); done; kill -9 $child 2>/dev/null; wait $child' EXIT; \
                  while kill -0 {parent} 2>/dev/null && kill -0 $child 2>/dev/null && [ ! -e stop ]; do sleep 0.2; done",
                 parent = std::process::id()
             );
