@@ -2620,40 +2620,28 @@ async fn traces_reach_application_insights_straight_from_its_connection_string()
     let (status, answer) = common::post(&start, &body, &[("content-type", "application/json")]).await;
     assert_eq!(status, 202, "{answer}");
     let trace = answer["traceId"].as_str().unwrap().to_string();
-    let of_trace = |name: &str| -> Option<Value> {
+    let of_trace = |named: &dyn Fn(&str) -> bool| -> Option<Value> {
         envelopes
             .lock()
             .unwrap()
             .iter()
             .find(|e| {
                 e["tags"]["ai.operation.id"] == trace.as_str()
-                    && e["data"]["baseData"]["name"].as_str() == Some(name)
+                    && e["data"]["baseData"]["name"].as_str().is_some_and(named)
             })
             .cloned()
     };
     let run = eventually(
         Duration::from_secs(30),
         "the run at Application Insights",
-        || async { of_trace("run account") },
+        || async { of_trace(&|n| n == "run account") },
     )
     .await;
     // The delivery's span ends after the run's, so it may reach the ingestion in a later batch.
     let process = eventually(
         Duration::from_secs(30),
         "the delivery's span at Application Insights",
-        || async {
-            envelopes
-                .lock()
-                .unwrap()
-                .iter()
-                .find(|e| {
-                    e["tags"]["ai.operation.id"] == trace.as_str()
-                        && e["data"]["baseData"]["name"]
-                            .as_str()
-                            .is_some_and(|n| n.starts_with("process "))
-                })
-                .cloned()
-        },
+        || async { of_trace(&|n| n.starts_with("process ")) },
     )
     .await;
     nix::sys::signal::kill(

@@ -465,9 +465,9 @@ impl Budgets {
             name: &name,
             lane: None,
         };
-        // Whether parking found a seat (asked once, just before the first wait), and until when a
-        // wait in what it could not free (the consumer's slot) may go on.
-        let mut seat: Option<bool> = None;
+        // Parked yet (once, just before the first wait), and until when a wait in what it could
+        // not free (the consumer's slot) may go on.
+        let mut parked = false;
         let mut in_slot_until: Option<Instant> = None;
         let mut waited = false;
         loop {
@@ -496,12 +496,9 @@ impl Budgets {
                 }
                 Gate::Wait(held_until) => held_until,
             };
-            if seat.is_none()
-                && let Some(park) = waiting.park
-            {
-                let got_seat = park();
-                seat = Some(got_seat);
-                match (waits(held_until.is_some(), Some(got_seat)), held_until) {
+            if !parked && let Some(park) = waiting.park {
+                parked = true;
+                match (waits(held_until.is_some(), Some(park())), held_until) {
                     (Waits::HandBack, Some(until)) => {
                         // Nowhere to wait without keeping others from work: back after the pause.
                         return Admission::Paused {
