@@ -460,6 +460,10 @@ async fn status(
         Some(lane_queue.as_ref().unwrap_or(&queue)),
         std::time::SystemTime::now(),
     );
+    let state = match &history_note {
+        Some(why) => state.history_unreadable(why),
+        None => state,
+    };
     if json {
         return to_json(&serde_json::json!({
             "state": state.state,

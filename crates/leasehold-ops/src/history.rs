@@ -434,14 +434,31 @@ impl RecordState {
             };
         }
         let Some(newest) = newest else {
-            return Self {
-                state: if view.retrigger_pending { "queued" } else { "idle" },
-                until: None,
-                reason: if view.retrigger_pending {
-                    format!("a retrigger is pending{}", ahead(queue))
-                } else {
-                    "idle: no history within the days kept".into()
-                },
+            let queued_somewhere = queue.is_some_and(|q| q.approximate_messages > 0);
+            return if view.retrigger_pending {
+                Self {
+                    state: "queued",
+                    until: None,
+                    reason: format!("a retrigger is pending{}", ahead(queue)),
+                }
+            } else if queued_somewhere {
+                // A trigger put in the last seconds is in the history only once delivered (and
+                // its entry gathered, 2 s at most): with messages queued, it may be one of them.
+                Self {
+                    state: "unknown",
+                    until: None,
+                    reason: format!(
+                        "no history within the days kept, and messages are queued{}: a trigger put \
+                         in the last few seconds is written to the history once it is delivered",
+                        ahead(queue)
+                    ),
+                }
+            } else {
+                Self {
+                    state: "idle",
+                    until: None,
+                    reason: "idle: no history within the days kept, and nothing queued".into(),
+                }
             };
         };
         let at = crate::clock::rfc3339(newest.time);
@@ -465,6 +482,30 @@ impl RecordState {
                     newest.budget.as_deref().unwrap_or("?"),
                 ),
             },
+            "at_limit" if later(newest).is_some() => Self {
+                state: "queued",
+                until: newest.until,
+                reason: format!(
+                    "waiting for a slot of budget {}'s limit (its runs are all under way): its \
+                     trigger comes back at {until}",
+                    newest.budget.as_deref().unwrap_or("?"),
+                ),
+            },
+            // Its `until` has passed: its trigger is visible again and has not run yet (its
+            // delivery would have written an entry since, its run a start).
+            "paused" | "at_limit" | "deferred" | "waiting" | "failed" | "lease_lost" | "rechecked"
+                if newest.until.is_some() && later(newest).is_none() =>
+            {
+                Self {
+                    state: "queued",
+                    until: newest.until,
+                    reason: format!(
+                        "{} at {at}; due since {until}: its trigger is on its way{}",
+                        newest.event,
+                        ahead(queue)
+                    ),
+                }
+            }
             "waiting" if later(newest).is_some() => Self {
                 state: "waiting",
                 until: newest.until,
@@ -490,6 +531,21 @@ impl RecordState {
                     state: "poisoned",
                     until: None,
                     reason: format!("given up at {at}{why}{failure} (leasehold poison list)"),
+                }
+            }
+            // A trigger that coalesced with no run under way (the lease free, nothing pending):
+            // a sweep after a give-up that found no trigger owed, which ends the give-ups. The
+            // record is as its give-up left it, if one came before.
+            "coalesced" if !view.retrigger_pending && poisoned_before(history).is_some() => {
+                let given_up = poisoned_before(history).expect("checked");
+                Self {
+                    state: "poisoned",
+                    until: None,
+                    reason: format!(
+                        "given up at {}; its sweep at {at} found no trigger owed \
+                         (leasehold poison list)",
+                        crate::clock::rfc3339(given_up.time)
+                    ),
                 }
             }
             "enqueued" | "requeued" | "coalesced" | "debounced" | "retriggered" | "failed" | "lease_lost" => {
@@ -538,6 +594,34 @@ impl RecordState {
             }
         }
     }
+}
+
+impl RecordState {
+    /// This state, knowing that the history could not be read (`why`): a state that came from
+    /// the history's silence (idle, or not known) says so, and why, instead of "idle".
+    pub fn history_unreadable(self, why: &str) -> Self {
+        if matches!(self.state, "idle" | "unknown") {
+            Self {
+                state: "unknown",
+                until: None,
+                reason: format!(
+                    "the run history could not be read ({why}); the lease is free and no retrigger is pending"
+                ),
+            }
+        } else {
+            self
+        }
+    }
+}
+
+/// The give-up entry the newest entries follow with no run since, if any: `coalesced`,
+/// `debounced` and the like may follow it, a start or another end of a run may not.
+fn poisoned_before(history: &[HistoryView]) -> Option<&HistoryView> {
+    history
+        .iter()
+        .skip(1)
+        .take_while(|e| matches!(e.event.as_str(), "coalesced" | "debounced" | "poisoned"))
+        .find(|e| e.event == "poisoned")
 }
 
 #[cfg(test)]
@@ -816,9 +900,49 @@ mod tests {
         assert!(paused.reason.contains("budget default"), "{paused:?}");
         let deferred = state(&view(false, false, false), &[entry("deferred", Some(60), now)]);
         assert!(deferred.reason.contains("429"), "{deferred:?}");
-        // Over: no longer deferred.
-        let over = state(&view(false, false, false), &[entry("deferred", Some(-1), now)]);
-        assert_eq!(over.state, "idle", "{over:?}");
+        // Over: no longer deferred, paused or waiting, but not idle either: its trigger is
+        // visible again and has not run (issue 44: it said idle, for up to the whole drain).
+        for event in ["deferred", "paused", "waiting", "at_limit", "failed"] {
+            let over = state(&view(false, false, false), &[entry(event, Some(-1), now)]);
+            assert_eq!(over.state, "queued", "{event}: {over:?}");
+            assert!(over.reason.contains("due since"), "{event}: {over:?}");
+        }
+        let limited = state(&view(false, false, false), &[entry("at_limit", Some(60), now)]);
+        assert_eq!(limited.state, "queued", "{limited:?}");
+        assert!(
+            limited.reason.contains("budget default's limit") && !limited.reason.contains("pause"),
+            "not a pause: {limited:?}"
+        );
+        // A sweep after a give-up that found no trigger owed: poisoned and idle, not queued
+        // (issue 44: "a trigger is on its way (about 0 messages)", for good).
+        let sweep = state(
+            &view(false, false, false),
+            &[entry("coalesced", None, now), entry("poisoned", None, now)],
+        );
+        assert_eq!(sweep.state, "poisoned", "{sweep:?}");
+        assert!(sweep.reason.contains("no trigger owed"), "{sweep:?}");
+        // A coalesced trigger after runs: still on its way.
+        assert_eq!(
+            state(
+                &view(false, false, false),
+                &[entry("coalesced", None, now), entry("completed", None, now)]
+            )
+            .state,
+            "queued"
+        );
+        // No history yet, with messages queued: not said idle.
+        let unknown = RecordState::of(
+            &view(false, false, false),
+            &[],
+            Some(&crate::QueueView {
+                name: "q".into(),
+                approximate_messages: 3,
+                oldest_visible_at: None,
+                oldest_visible_age_seconds: None,
+            }),
+            now,
+        );
+        assert_eq!(unknown.state, "unknown", "{unknown:?}");
         assert_eq!(
             state(&view(false, false, false), &[entry("poisoned", None, now)]).state,
             "poisoned"

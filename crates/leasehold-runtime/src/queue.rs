@@ -451,10 +451,12 @@ fn message(body: &str) -> azure_core::Result<RequestContent<QueueMessage, XmlFor
     .try_into()
 }
 
-/// Whole seconds for a visibility timeout; a non-zero delay is at least a second (the
-/// service's unit).
+/// Whole seconds for a visibility timeout (the service's unit), rounded **up**: a message is
+/// never visible before the time asked (rounded down, a hand-back with under a second to wait
+/// was visible at once). Zero stays zero where `at_least_one` is false (visible at once).
 fn seconds(d: Duration, at_least_one: bool) -> i32 {
-    let secs = i32::try_from(d.as_secs()).unwrap_or(i32::MAX);
+    let whole = d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0));
+    let secs = i32::try_from(whole).unwrap_or(i32::MAX);
     if at_least_one { secs.max(1) } else { secs }
 }
 
@@ -693,6 +695,22 @@ impl TriggerQueue for AzureQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A visibility timeout in the service's whole seconds is rounded up, never down: a message
+    /// hidden for under a second was visible at once (a hand-back for a pause with under a
+    /// second left came straight back, again and again).
+    #[test]
+    fn a_visibility_timeout_is_rounded_up_to_whole_seconds() {
+        let ms = Duration::from_millis;
+        assert_eq!(seconds(ms(300), false), 1);
+        assert_eq!(seconds(ms(999), false), 1);
+        assert_eq!(seconds(ms(1000), false), 1);
+        assert_eq!(seconds(ms(1001), false), 2);
+        assert_eq!(seconds(Duration::ZERO, false), 0);
+        assert_eq!(seconds(Duration::ZERO, true), 1);
+        assert_eq!(seconds(Duration::from_secs(35), true), 35);
+        assert_eq!(seconds(Duration::MAX, false), i32::MAX);
+    }
 
     /// The memory queue refuses what Azure refuses: a message over 64 KiB, put or updated,
     /// answered 413 `RequestBodyTooLarge` (the simulation relies on it to model oversized

@@ -279,12 +279,16 @@ pub async fn answer(backend: &Backend, request: &ApiRequest<'_>) -> ApiAnswer {
             // The state line from the lease and markers, and the history if there is one (off,
             // or unreadable: said so, and the record is still shown).
             let state = record.as_ref().ok().map(|view| {
-                leasehold_ops::RecordState::of(
+                let state = leasehold_ops::RecordState::of(
                     view,
                     history.as_deref().unwrap_or_default(),
                     None,
                     std::time::SystemTime::now(),
-                )
+                );
+                match &history {
+                    Err(e) => state.history_unreadable(&e.to_string()),
+                    Ok(_) => state,
+                }
             });
             let (status, mut body) = done(record);
             if status == 200

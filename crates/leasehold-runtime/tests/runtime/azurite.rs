@@ -498,6 +498,34 @@ async fn messages_are_kept_until_taken() {
     );
 }
 
+/// Issue 44, item 1: a message hidden again for under a second stays hidden (the service's unit
+/// is a second: the time was rounded down, to none, and a trigger handed back for a pause with
+/// under a second left was taken straight back, again and again).
+#[tokio::test]
+async fn a_message_hidden_for_under_a_second_is_not_visible_at_once() {
+    let account = Azurite::shared().account();
+    let queue = AzureQueue::new(&account, &unique_name("hide"), OpCounters::new());
+    queue.put("handed back", Duration::ZERO).await.unwrap();
+    let taken = queue.get(1, Duration::from_secs(30)).await.unwrap();
+    let [taken] = taken.as_slice() else {
+        panic!("one message: {taken:?}")
+    };
+    queue
+        .set_visibility(
+            &taken.id,
+            &taken.pop_receipt,
+            "handed back",
+            Duration::from_millis(300),
+        )
+        .await
+        .unwrap();
+    let again = queue.get(1, Duration::from_secs(30)).await.unwrap();
+    assert!(again.is_empty(), "visible at once: {again:?}");
+    // And it does come back, once its whole second is over.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert_eq!(queue.get(1, Duration::from_secs(30)).await.unwrap().len(), 1);
+}
+
 #[tokio::test]
 async fn round_trips_per_trigger() {
     for fencing in [false, true] {
