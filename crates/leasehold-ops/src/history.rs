@@ -537,16 +537,10 @@ impl RecordState {
             // a sweep after a give-up that found no trigger owed, which ends the give-ups. The
             // record is as its give-up left it, if one came before.
             "coalesced" if !view.retrigger_pending && poisoned_before(history).is_some() => {
-                let given_up = poisoned_before(history).expect("checked");
-                Self {
-                    state: "poisoned",
-                    until: None,
-                    reason: format!(
-                        "given up at {}; its sweep at {at} found no trigger owed \
-                         (leasehold poison list)",
-                        crate::clock::rfc3339(given_up.time)
-                    ),
-                }
+                let from = poisoned_before(history).expect("checked");
+                let mut state = Self::of(view, &history[from..], queue, now);
+                state.reason = format!("{}; its sweep at {at} found no trigger owed", state.reason);
+                state
             }
             "enqueued" | "requeued" | "coalesced" | "debounced" | "retriggered" | "failed" | "lease_lost" => {
                 Self {
@@ -614,14 +608,16 @@ impl RecordState {
     }
 }
 
-/// The give-up entry the newest entries follow with no run since, if any: `coalesced`,
-/// `debounced` and the like may follow it, a start or another end of a run may not.
-fn poisoned_before(history: &[HistoryView]) -> Option<&HistoryView> {
+/// Where the give-up entry is that the newest entries follow with no run since, if any:
+/// `coalesced` and `debounced` may follow it, a start or another end of a run may not.
+fn poisoned_before(history: &[HistoryView]) -> Option<usize> {
     history
         .iter()
+        .enumerate()
         .skip(1)
-        .take_while(|e| matches!(e.event.as_str(), "coalesced" | "debounced" | "poisoned"))
-        .find(|e| e.event == "poisoned")
+        .take_while(|(_, e)| matches!(e.event.as_str(), "coalesced" | "debounced" | "poisoned"))
+        .find(|(_, e)| e.event == "poisoned")
+        .map(|(i, _)| i)
 }
 
 #[cfg(test)]
