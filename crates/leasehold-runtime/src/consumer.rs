@@ -161,6 +161,8 @@ impl Consumer {
         let mut since_low = 0u32;
         // While every budget is paused: when the next poll may be.
         let mut paused_poll_at: Option<Instant> = None;
+        // While every budget is at its limit and the waiting room full: when the next poll may be.
+        let mut full_poll_at: Option<Instant> = None;
         loop {
             // Wait for a free slot before taking messages, so none sit hidden without a worker.
             let free = tokio::select! {
@@ -179,6 +181,26 @@ impl Consumer {
             // per message per pause), not a batch per PAUSED_POLL.
             let paused = self.runner.budgets().and_then(|b| b.all_paused());
             let now = Instant::now();
+            // Every budget at its limit and no seat left to wait in: a message taken now would
+            // only be handed back (for its turn). Take one batch per PAUSED_POLL at most — a dead
+            // holder's message, which runs beyond the limit, must still be taken within the
+            // recovery bound — or as soon as a run gives its slot back.
+            let room_full = seats.available_permits() == 0;
+            let full = paused.is_none() && self.runner.budgets().is_some_and(|b| b.all_at_limit(!room_full));
+            match (full, full_poll_at) {
+                (true, Some(at)) if at > now => {
+                    let budgets = self.runner.budgets().expect("full only with budgets");
+                    tokio::select! {
+                       biased;
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep_until(at) => {}
+                        _ = budgets.slot_freed() => {}
+                    }
+                    continue;
+                }
+                (true, _) => full_poll_at = Some(now + PAUSED_POLL),
+                (false, _) => full_poll_at = None,
+            }
             if let (Some(left), Some(at)) = (paused, paused_poll_at)
                 && at > now
             {
@@ -243,6 +265,12 @@ impl Consumer {
             if more_behind {
                 // More may be visible behind it: no pace until the lanes come back short.
                 paused_poll_at = None;
+            }
+            if more_behind {
+                // Every budget at its limit: what is visible now (a dead holder's message among
+                // it, or triggers whose turn came) is taken at once too; each trigger taken only
+                // to be handed back is hidden until its turn, so the pass ends.
+                full_poll_at = None;
             }
             if taken.is_empty() {
                 tokio::select! {
@@ -467,13 +495,16 @@ impl Consumer {
                 after,
                 ref next,
                 ref budget,
+                by,
             } => {
                 let hidden = self
                     .persist_in_place(received, receipt, next, after, "hand the paused trigger back")
                     .await;
                 // A resume (or a shorter pause) this worker learns of makes it visible again at
                 // once, not at the pause's original end.
-                if let (Ok(Some(receipt)), Some(budgets)) = (hidden, self.runner.budgets()) {
+                if let (Ok(Some(receipt)), Some(budgets), crate::HeldBy::Pause) =
+                    (hidden, self.runner.budgets(), by)
+                {
                     budgets.handed_back(budget, self.queue().clone(), &received.id, receipt, after);
                 }
                 outcome

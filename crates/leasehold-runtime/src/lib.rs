@@ -22,7 +22,8 @@ mod watchdog;
 
 pub use budget::{
     Admission, AzureBudgets, BUDGET_PREFIX, BadBudgetName, BudgetOptions, BudgetPermit, BudgetStore,
-    BudgetView, Budgets, DEFAULT_BUDGET, Lane, MemoryBudgets, SharedPause, Waiting, check_budget_name,
+    BudgetView, Budgets, DEFAULT_BUDGET, HeldBy, Lane, MAX_LIMIT_TURN, MemoryBudgets, SharedPause, Waiting,
+    check_budget_name,
 };
 pub use consumer::{Consumer, ConsumerOptions, low_queue_name, poison_queue_name};
 pub use error::{Error, LogicError};

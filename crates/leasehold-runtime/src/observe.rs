@@ -37,6 +37,7 @@ pub const LOCK_SECONDS: &str = "leasehold_lock_seconds";
 /// | `Waiting` (a scope that debounces: the record waits for its burst of triggers to end) | `waiting` |
 /// | `Debounced` (a scope that debounces: the trigger joined a wait in progress, or a waiter stood down for another's run) | `debounced` |
 /// | `Paused` (its downstream budget is paused after a throttle: handed back, not an attempt) | `paused` |
+/// | `Paused` by the budget's limit ([`HeldBy::Limit`](crate::HeldBy::Limit): no slot, the waiting room full: handed back for its turn, not an attempt) | `at_limit` |
 ///
 /// So the successful runs are `completed` + `retriggered`, and every failed delivery is
 /// `failed` or `lease_lost` in both modes (under Functions a failure is mostly `Retrying`,
@@ -55,11 +56,12 @@ pub enum OutcomeLabel {
     Waiting,
     Debounced,
     Paused,
+    AtLimit,
 }
 
 impl OutcomeLabel {
     /// Every label, in display order.
-    pub const ALL: [OutcomeLabel; 12] = [
+    pub const ALL: [OutcomeLabel; 13] = [
         OutcomeLabel::Completed,
         OutcomeLabel::Retriggered,
         OutcomeLabel::Coalesced,
@@ -72,6 +74,7 @@ impl OutcomeLabel {
         OutcomeLabel::Waiting,
         OutcomeLabel::Debounced,
         OutcomeLabel::Paused,
+        OutcomeLabel::AtLimit,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -88,6 +91,7 @@ impl OutcomeLabel {
             OutcomeLabel::Waiting => "waiting",
             OutcomeLabel::Debounced => "debounced",
             OutcomeLabel::Paused => "paused",
+            OutcomeLabel::AtLimit => "at_limit",
         }
     }
 }
@@ -119,6 +123,10 @@ impl Outcome {
             Outcome::Superseded { .. } => OutcomeLabel::Superseded,
             Outcome::Waiting { .. } => OutcomeLabel::Waiting,
             Outcome::Debounced { .. } => OutcomeLabel::Debounced,
+            Outcome::Paused {
+                by: crate::HeldBy::Limit,
+                ..
+            } => OutcomeLabel::AtLimit,
             Outcome::Paused { .. } => OutcomeLabel::Paused,
         }
     }
@@ -273,9 +281,19 @@ mod tests {
                 Outcome::Paused {
                     budget: "default".into(),
                     after: Duration::from_secs(10),
+                    by: crate::HeldBy::Pause,
                     next: Box::new(crate::TriggerMessage::parse("a", "b").unwrap()),
                 },
                 "paused",
+            ),
+            (
+                Outcome::Paused {
+                    budget: "default".into(),
+                    after: Duration::from_secs(10),
+                    by: crate::HeldBy::Limit,
+                    next: Box::new(crate::TriggerMessage::parse("a", "b").unwrap()),
+                },
+                "at_limit",
             ),
         ];
         for (outcome, label) in cases {
@@ -296,7 +314,8 @@ mod tests {
                 "superseded",
                 "waiting",
                 "debounced",
-                "paused"
+                "paused",
+                "at_limit"
             ]
         );
     }

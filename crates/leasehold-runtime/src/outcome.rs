@@ -68,9 +68,14 @@ pub enum Outcome {
     /// delivery counting as an attempt. Under Functions it is already queued (a copy);
     /// standalone the consumer turns the delivered message into it in place, which is also the
     /// acknowledgement. Acknowledge.
+    ///
+    /// Or, `by` [`HeldBy::Limit`](crate::HeldBy::Limit): no slot of the budget's limit was to be
+    /// had and nowhere to wait for one without keeping a slot of the consumer: the same
+    /// hand-back, at the trigger's turn. Not a pause.
     Paused {
         budget: String,
         after: Duration,
+        by: crate::HeldBy,
         next: Box<TriggerMessage>,
     },
     /// The run failed, timed out, lost its lease, was cancelled, or storage failed. Do not
@@ -143,6 +148,10 @@ impl Outcome {
             Outcome::Superseded { .. } => "superseded",
             Outcome::Waiting { .. } => "waiting",
             Outcome::Debounced { .. } => "debounced",
+            Outcome::Paused {
+                by: crate::HeldBy::Limit,
+                ..
+            } => "at_limit",
             Outcome::Paused { .. } => "paused",
             Outcome::Failed { .. } => "failed",
         }

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::budget::{Admission, BudgetPermit, Budgets, Lane, Waiting};
+use crate::budget::{Admission, BudgetPermit, Budgets, HeldBy, Lane, Waiting};
 use crate::error::{Error, LogicError};
 use crate::history::{History, HistoryEntry, HistoryEvent};
 use crate::markers::{MarkerStore, RecordStatus, record_status};
@@ -334,9 +334,14 @@ impl RecordRunner {
             Outcome::Poisoned { error } | Outcome::Failed { error, .. } => entry = entry.with_reason(error),
             Outcome::Deferred { after, why, .. } => entry = entry.until_after(*after).with_reason(why),
             Outcome::Waiting { after, .. } => entry = entry.until_after(*after),
-            Outcome::Paused { budget, after, .. } => {
+            Outcome::Paused {
+                budget, after, by, ..
+            } => {
                 entry.budget = Some(budget.clone());
                 entry = entry.until_after(*after);
+                if *by == crate::HeldBy::Limit {
+                    entry = entry.with_reason("no slot of the budget's limit (its runs are all under way) and the waiting room full: back at its turn");
+                }
             }
             Outcome::Coalesced | Outcome::Debounced { .. } => {}
         }
@@ -531,11 +536,22 @@ fn log(outcome: &Outcome) {
             run_ms = run_time.as_millis() as u64,
             "record run stopped: a trigger arrived during it; the record runs again on the new data"
         ),
-        Outcome::Paused { budget, after, .. } => tracing::info!(
+        Outcome::Paused {
+            budget,
+            after,
+            by: crate::HeldBy::Pause,
+            ..
+        } => tracing::info!(
             outcome = "paused",
             budget = %budget,
             run_again_in_s = after.as_secs_f64(),
-            "handed back by the downstream budget (paused after a throttle, or no slot of its limit came in time): the trigger comes back then, not counted as an attempt"
+            "handed back by the downstream budget's pause (after a throttle): the trigger comes back then, not counted as an attempt"
+        ),
+        Outcome::Paused { budget, after, .. } => tracing::info!(
+            outcome = "at_limit",
+            budget = %budget,
+            run_again_in_s = after.as_secs_f64(),
+            "handed back by the downstream budget's limit (no slot, and nowhere to wait without keeping the consumer's): the trigger comes back at its turn, not counted as an attempt"
         ),
         other => tracing::info!(outcome = other.name(), "trigger handled without a run"),
     }

@@ -188,7 +188,26 @@ struct Budget {
     handed_back: Vec<HandedBack>,
     /// Whether a task reads the pause while triggers are handed back (no run may start to).
     watching: bool,
+    /// How long a run of the budget holds its slot here, on average (the last few runs): the
+    /// pace at which slots free, for [`Budgets::limit_turn`].
+    run_mean: Option<Duration>,
+    /// The latest turn given to a trigger handed back for the limit, per lane (high, low).
+    turns_until: [Option<Instant>; 2],
+    /// When the latest runs of the budget succeeded here (the last [`SUCCESSES_KEPT`]): the
+    /// pace its runs get through, pauses and refusals included.
+    successes: std::collections::VecDeque<Instant>,
 }
+
+/// Runs at least this long, on average, make holders beyond one per slot of the limit wait by
+/// being handed back for their turn rather than under their leases
+/// ([`Budgets::limit_holds`]).
+const LONG_RUN: Duration = Duration::from_secs(5);
+
+/// How many of a budget's latest successes a worker keeps, for the pace of its turns.
+const SUCCESSES_KEPT: usize = 64;
+
+/// How far back successes count for the pace of a budget's turns.
+const PACE_WINDOW: Duration = Duration::from_secs(60);
 
 /// How many of a budget's latest refusals a worker keeps (their records and times).
 const REFUSALS_KEPT: usize = 32;
@@ -197,13 +216,19 @@ const REFUSALS_KEPT: usize = 32;
 /// refusal must have come for the chain's to count as the downstream's.
 const OTHERS_REFUSED_WITHIN: Duration = Duration::from_secs(30);
 
+/// The furthest turn a trigger handed back for its budget's limit is given
+/// ([`Budgets::limit_turn`]); one beyond it is handed back again then, if its turn has not come.
+pub const MAX_LIMIT_TURN: Duration = Duration::from_secs(600);
+
 /// The most triggers a worker remembers handing back for one budget's pause; one handed back
 /// beyond them comes back at the pause's end, resumed or not.
 pub const MAX_HANDED_BACK: usize = 10_000;
 
 /// How much later than a pause's end a handed-back trigger may be hidden and still count as
-/// hidden for that pause (the time between the decision and the update that hid it).
-const RELEASE_SLACK: Duration = Duration::from_secs(1);
+/// hidden for that pause: the time between the decision and the update that hid it (a second),
+/// and the rounding up to whole seconds ([`crate::protocol::budget::hidden_for`]: under a
+/// second).
+const RELEASE_SLACK: Duration = Duration::from_secs(2);
 
 /// Updates that make handed-back triggers visible again, at once.
 const RELEASES_AT_ONCE: usize = 16;
@@ -228,14 +253,38 @@ const PROBE_AFTER: u64 = 30;
 /// pause the budget every few seconds.
 const PROBE_EVERY: Duration = Duration::from_secs(60);
 
+/// What held a delivery handed back at its budget's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HeldBy {
+    /// The budget's pause after a throttle: the trigger comes back once it ends.
+    Pause,
+    /// The budget's limit (runs at once): no slot came, and nowhere to wait without keeping a
+    /// slot of the consumer. Not a pause: the trigger comes back at its turn
+    /// ([`Budgets::limit_turn`]).
+    Limit,
+}
+
+impl HeldBy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HeldBy::Pause => "pause",
+            HeldBy::Limit => "limit",
+        }
+    }
+}
+
 /// What a delivery may do, by its budget ([`Budgets::admit`]).
 #[derive(Debug)]
 pub enum Admission {
     /// Run: the slot is held until the permit is dropped (tell it how the run went first).
     Go(BudgetPermit),
-    /// The budget is paused for `after` more (or, for want of a slot, try again after `after`):
-    /// hand the message back, hidden that long.
-    Paused { budget: String, after: Duration },
+    /// The budget is paused for `after` more (`by` the pause), or no slot of its limit came
+    /// (`by` the limit: its turn is `after` away): hand the message back, hidden that long.
+    Paused {
+        budget: String,
+        after: Duration,
+        by: HeldBy,
+    },
 }
 
 /// How long a delivery may wait at a budget's gate ([`Budgets::admit_with`]).
@@ -284,6 +333,9 @@ struct Inner {
     /// Told when a pause ended early here (and the triggers handed back for it are visible
     /// again): a consumer pacing its polls through the pause polls now.
     ended_early: Notify,
+    /// Told when a run of any budget gives its slot back: a consumer pacing its polls while
+    /// every budget is at its limit polls now.
+    freed: Notify,
 }
 
 impl fmt::Debug for Budgets {
@@ -327,6 +379,7 @@ impl Budgets {
                 options,
                 budgets: Mutex::new(HashMap::new()),
                 ended_early: Notify::new(),
+                freed: Notify::new(),
             }),
         }
     }
@@ -392,6 +445,9 @@ impl Budgets {
             warned_cap: false,
             handed_back: Vec::new(),
             watching: false,
+            run_mean: None,
+            turns_until: [None, None],
+            successes: Default::default(),
         });
         f(budget)
     }
@@ -482,6 +538,7 @@ impl Budgets {
                     return Admission::Paused {
                         budget: name.clone(),
                         after,
+                        by: HeldBy::Pause,
                     };
                 }
                 Gate::Go(position) => {
@@ -492,6 +549,7 @@ impl Budgets {
                         told: false,
                         position,
                         waited,
+                        started: Instant::now(),
                     });
                 }
                 Gate::Wait(held_until) => held_until,
@@ -504,6 +562,7 @@ impl Budgets {
                         return Admission::Paused {
                             budget: name.clone(),
                             after: until.saturating_duration_since(Instant::now()),
+                            by: HeldBy::Pause,
                         };
                     }
                     // A wait for the limit in what others may need: for a while only (and so
@@ -524,21 +583,158 @@ impl Budgets {
                 _ = tokio::time::sleep_until(until) => {
                     let now = Instant::now();
                     if in_slot_until.is_some_and(|d| now >= d) {
-                        // Back a second later, or when the pause it met ends.
-                        let after = held_until
-                            .map_or(Duration::ZERO, |h| h.saturating_duration_since(now))
-                            .max(Duration::from_secs(1));
+                        // Back when the pause it met ends, or at its turn for the limit.
+                        let (after, by) = match held_until {
+                            Some(h) => (h.saturating_duration_since(now), HeldBy::Pause),
+                            None => (self.limit_turn_of(&name, lane), HeldBy::Limit),
+                        };
                         tracing::info!(budget = %name, waited_s = waiting.in_slot.unwrap_or_default().as_secs_f64(),
+                            back_in_s = after.as_secs_f64(),
                             "no slot of the budget came while this delivery waited in the consumer's slot (the waiting room is full): handed back, so the slot is free for other work");
-                        return Admission::Paused { budget: name.clone(), after };
+                        return Admission::Paused { budget: name.clone(), after, by };
                     }
                     if held_until.is_none() && slot_deadline.is_some() {
+                        let after = self.limit_turn_of(&name, lane);
                         tracing::info!(budget = %name, waited_s = waiting.slot.unwrap_or_default().as_secs_f64(),
+                            back_in_s = after.as_secs_f64(),
                             "no slot of the budget came in the longest wait allowed: handed back");
-                        return Admission::Paused { budget: name.clone(), after: Duration::from_secs(1) };
+                        return Admission::Paused { budget: name.clone(), after, by: HeldBy::Limit };
                     }
                 }
             }
+        }
+    }
+
+    /// Whether every budget the scopes draw on has all its slots taken here (its limit reached)
+    /// and, with `waiting_enough`, as many deliveries as it has slots waiting for one: a
+    /// consumer whose waiting room is full (or, with `waiting_enough`, any consumer) then takes
+    /// no message until a slot frees (but for a paced poll, for a dead holder's message),
+    /// instead of taking each only to hand it back.
+    pub fn all_at_limit(&self, waiting_enough: bool) -> bool {
+        self.inner.options.names.values().all(|name| {
+            self.with_budget(name, |b| {
+                let limit = self.limit_of(b);
+                b.in_flight >= limit
+                    && (!waiting_enough
+                        || (b.high_waiting + b.low_waiting >= limit
+                            && b.run_mean.is_some_and(|m| m >= LONG_RUN)))
+            })
+        })
+    }
+
+    /// Completes when a run of any budget gives its slot back.
+    pub async fn slot_freed(&self) {
+        self.inner.freed.notified().await
+    }
+
+    /// Whether a delivery of `lane` for `scope` would wait for a slot of its budget's limit now
+    /// (not for a pause: [`paused`](Self::paused) says that), and if so whether as many
+    /// deliveries as the limit has slots already wait for one ahead of it (its lane's, and for
+    /// the low lane the high lane's too).
+    pub fn limit_holds(&self, scope: &Scope, lane: Lane) -> (bool, bool) {
+        let name = self.name_of(scope);
+        // Only while runs are long (see below); short runs free a slot within the wait a holder
+        // is allowed in the consumer's slot.
+        let long = self.with_budget(name, |b| b.run_mean.is_some_and(|m| m >= LONG_RUN));
+        let at_limit = long && self.at_limit(scope, lane);
+        let enough = self.with_budget(name, |b| {
+            let ahead = match lane {
+                Lane::High => b.high_waiting,
+                Lane::Low => b.high_waiting + b.low_waiting,
+            };
+            // Only while runs are long: a holder waiting for one then holds its lease and its
+            // message (renewing both) for a run's time or more; short runs free slots sooner
+            // than a trigger handed back comes round.
+            ahead >= self.limit_of(b) && b.run_mean.is_some_and(|m| m >= LONG_RUN)
+        });
+        (at_limit, at_limit && enough)
+    }
+
+    /// Whether a delivery of `lane` for `scope` would wait for a slot of its budget's limit now
+    /// (not for a pause: [`paused`](Self::paused) says that): every slot of the limit is taken,
+    /// or the other lane goes first.
+    pub fn at_limit(&self, scope: &Scope, lane: Lane) -> bool {
+        let name = self.name_of(scope);
+        let now = Instant::now();
+        let asker = decide::Asker {
+            stand_in: false,
+            low: lane == Lane::Low,
+            pause_deadline: None,
+        };
+        self.with_budget(name, |b| {
+            let slots = self.slots_of(b);
+            matches!(decide::gate(&slots, None, now, &asker), decide::Gate::Wait(None))
+        })
+    }
+
+    /// A turn for a trigger of `lane` handed back because its budget's limit was reached: how
+    /// long from now it stays hidden. Slots free about once per [`run_mean`](Budget) / limit
+    /// (the pace); the deliveries waiting for one here go first, then the triggers handed back
+    /// before it, one pace apart: so each trigger of a backlog waiting for the limit is handed
+    /// back about once, not every few seconds (each time a lease, a fencing token and a
+    /// `paused` entry), and they come back at about the rate slots free. At most
+    /// [`MAX_LIMIT_TURN`] away (a trigger beyond it is handed back again then).
+    pub fn limit_turn(&self, scope: &Scope, lane: Lane) -> (String, Duration) {
+        let name = self.name_of(scope).to_string();
+        let after = self.limit_turn_of(&name, lane);
+        (name, after)
+    }
+
+    fn limit_turn_of(&self, name: &str, lane: Lane) -> Duration {
+        // A slot must free first.
+        self.turn_of(name, lane, Instant::now(), 1)
+    }
+
+    /// The next turn of `lane` in the budget's schedule, none before `not_before`, nor before
+    /// the deliveries waiting here (at least `at_least` of them) have had theirs.
+    fn turn_of(&self, name: &str, lane: Lane, not_before: Instant, at_least: u32) -> Duration {
+        let now = Instant::now();
+        self.with_budget(name, |b| {
+            let limit = self.limit_of(b).max(1) as u32;
+            // Slots free about once per run's time per slot of the limit; and runs get through
+            // no faster than they have lately (throttles, pauses and refusals take their share).
+            // Nothing seen yet: no spread (the pause's end, or a second for the limit).
+            let by_length = b.run_mean.unwrap_or(Duration::ZERO) / limit;
+            while b
+                .successes
+                .front()
+                .is_some_and(|t| now.saturating_duration_since(*t) > PACE_WINDOW)
+            {
+                b.successes.pop_front();
+            }
+            let by_successes = match (b.successes.front(), b.successes.len()) {
+                // Half the interval seen: turns lean early, so the pace can grow (a schedule at
+                // the pace seen would hold the runs to it).
+                (Some(first), n) if n >= 2 => now.saturating_duration_since(*first) / (2 * (n as u32 - 1)),
+                _ => Duration::ZERO,
+            };
+            let pace = by_length.max(by_successes);
+            let ahead = match lane {
+                Lane::High => b.high_waiting,
+                Lane::Low => b.high_waiting + b.low_waiting,
+            };
+            let start = not_before.max(now);
+            let earliest = (start + pace * u32::try_from(ahead).unwrap_or(u32::MAX).max(at_least))
+                .max(now + Duration::from_secs(u64::from(at_least)));
+            let slot = &mut b.turns_until[usize::from(lane == Lane::Low)];
+            let after_last = slot.filter(|t| *t > start).map(|t| t + pace);
+            let turn = after_last
+                .map_or(earliest, |t| t.max(earliest))
+                .min(start + MAX_LIMIT_TURN);
+            *slot = Some(turn);
+            turn - now
+        })
+    }
+
+    /// The budget's slots as its gate sees them.
+    fn slots_of(&self, b: &Budget) -> decide::Slots {
+        decide::Slots {
+            in_flight: b.in_flight,
+            limit: self.limit_of(b),
+            high_waiting: b.high_waiting,
+            low_waiting: b.low_waiting,
+            high_run: b.high_run,
+            low_every: self.inner.options.low_every,
         }
     }
 
@@ -553,14 +749,7 @@ impl Budgets {
         counted: &mut Counted<'_>,
     ) -> Gate {
         self.with_budget(name, |b| {
-            let mut slots = decide::Slots {
-                in_flight: b.in_flight,
-                limit: self.limit_of(b),
-                high_waiting: b.high_waiting,
-                low_waiting: b.low_waiting,
-                high_run: b.high_run,
-                low_every: self.inner.options.low_every,
-            };
+            let mut slots = self.slots_of(b);
             match decide::gate(&slots, b.paused_until, now, asker) {
                 decide::Gate::HandBack(until) => Gate::HandBack(until - now),
                 decide::Gate::Wait(Some(until)) => Gate::Wait(Some(until)),

@@ -12,6 +12,8 @@ pub struct BudgetPermit {
     pub(super) position: usize,
     /// Whether the delivery had to wait for it.
     pub(super) waited: bool,
+    /// When it was taken.
+    pub(super) started: Instant,
 }
 
 impl BudgetPermit {
@@ -33,6 +35,10 @@ impl BudgetPermit {
         }
         let max = self.budgets.inner.options.max_concurrency.max(1) as f64;
         self.budgets.with_budget(&self.name, |b| {
+            if b.successes.len() == SUCCESSES_KEPT {
+                b.successes.pop_front();
+            }
+            b.successes.push_back(Instant::now());
             b.since_cut += 1;
             let cap = match b.ceiling {
                 Some(c)
@@ -125,6 +131,10 @@ impl BudgetPermit {
                 b.shared_until = Some(until);
                 b.writes += 1;
                 b.writing += 1;
+            } else {
+                // Not written (it lengthens the shared pause by under a second): kept here
+                // whatever storage says, or the next read would end it at the shared end.
+                b.unshared_until = b.unshared_until.max(Some(until));
             }
             lengthens.then_some(b.limit as u32)
         });
@@ -147,9 +157,15 @@ impl BudgetPermit {
 
 impl Drop for BudgetPermit {
     fn drop(&mut self) {
+        let held = self.started.elapsed();
         self.budgets.with_budget(&self.name, |b| {
             b.in_flight -= 1;
+            // The pace at which slots free ([`Budgets::limit_turn`]): the last few runs, the
+            // newest an eighth.
+            b.run_mean = Some(b.run_mean.map_or(held, |m| (m * 7 + held) / 8));
             b.notify.notify_waiters();
         });
+        // One permit kept if the consumer is not waiting at this instant: it polls at once.
+        self.budgets.inner.freed.notify_one();
     }
 }

@@ -201,9 +201,10 @@ async fn a_paused_budget_turns_deliveries_away_until_the_pause_ends_and_shares_i
         .admit(&scope("contact"), Lane::Low, Some(Duration::from_secs(20)), true)
         .await
     {
-        Admission::Paused { budget, after } => {
+        Admission::Paused { budget, after, by } => {
             assert_eq!(budget, DEFAULT_BUDGET);
             assert_eq!(after, Duration::from_secs(30));
+            assert_eq!(by, HeldBy::Pause);
         }
         other => panic!("{other:?}"),
     }
@@ -298,7 +299,10 @@ async fn a_bounded_wait_for_a_slot_comes_back_soon() {
         .admit(&scope("a"), Lane::High, Some(Duration::from_secs(5)), true)
         .await
     {
-        Admission::Paused { after, .. } => assert_eq!(after, Duration::from_secs(1)),
+        Admission::Paused { after, by, .. } => {
+            // Its turn: one run's time (a second, none measured yet) per slot of the limit.
+            assert_eq!((after, by), (Duration::from_secs(1), HeldBy::Limit));
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -631,4 +635,36 @@ fn pauses_are_bounded() {
         Duration::from_secs(300)
     );
     assert_eq!(b.pause_for(Some(Duration::from_secs(7))), Duration::from_secs(7));
+}
+
+/// Triggers handed back for the limit get turns one pace apart (a run's time per slot of the
+/// limit: slots free about that often), per lane, behind the deliveries waiting here, and no
+/// further than [`MAX_LIMIT_TURN`]; the budget is at its limit only while every slot is taken.
+#[tokio::test(start_paused = true)]
+async fn triggers_handed_back_for_the_limit_get_turns_at_the_pace_slots_free() {
+    let (b, _) = budgets(2);
+    let account = scope("account");
+    assert!(!b.at_limit(&account, Lane::High));
+    // Two runs of 10 s: slots free every 5 s.
+    let runs = [go(&b, Lane::High).await, go(&b, Lane::High).await];
+    assert!(b.at_limit(&account, Lane::High));
+    assert!(b.at_limit(&account, Lane::Low));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    drop(runs);
+    assert!(!b.at_limit(&account, Lane::High));
+    let _runs = [go(&b, Lane::High).await, go(&b, Lane::High).await];
+    let turns: Vec<u64> = (0..3)
+        .map(|_| b.limit_turn(&account, Lane::High).1.as_secs())
+        .collect();
+    assert_eq!(turns, [5, 10, 15]);
+    // The low lane has its own turns.
+    assert_eq!(b.limit_turn(&account, Lane::Low).1, Duration::from_secs(5));
+    // Time passes: the turns given keep their place.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(b.limit_turn(&account, Lane::High).1, Duration::from_secs(16));
+    // Never beyond the furthest turn.
+    for _ in 0..200 {
+        assert!(b.limit_turn(&account, Lane::High).1 <= MAX_LIMIT_TURN);
+    }
+    assert_eq!(b.limit_turn(&account, Lane::High).1, MAX_LIMIT_TURN);
 }

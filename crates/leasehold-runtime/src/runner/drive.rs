@@ -279,6 +279,7 @@ impl RecordRunner {
                 Hold::HandedBack {
                     budget,
                     after,
+                    by,
                     mut next,
                 },
             ) => {
@@ -288,6 +289,7 @@ impl RecordRunner {
                 Outcome::Paused {
                     budget,
                     after,
+                    by,
                     next: Box::new(next),
                 }
             }

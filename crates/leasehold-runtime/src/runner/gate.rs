@@ -36,11 +36,33 @@ impl RecordRunner {
         if message.kind == TriggerKind::Trigger && self.options.debounce.get(&message.scope).is_some() {
             return None;
         }
-        let (budget, after) = budgets.paused(&message.scope)?;
+        let room_full = slot.is_some_and(ConsumerSlot::room_full);
+        let Some((budget, after)) = budgets.paused(&message.scope) else {
+            // Not paused, but at its limit with nowhere to wait: back at its turn, before it
+            // takes the record's lease (and a fencing token) only to wait in the consumer's slot.
+            // Only for a consumer's delivery (`slot`): it can be handed back in place; used
+            // directly, or under Functions (whose wait for a slot is bounded), a holder waits.
+            slot?;
+            let (at_limit, enough_waiting) = budgets.limit_holds(&message.scope, self.lane);
+            if !crate::protocol::budget::handed_back_for_the_limit(
+                at_limit,
+                room_full,
+                enough_waiting,
+                self.fault(),
+            ) {
+                return None;
+            }
+            let (budget, after) = budgets.limit_turn(&message.scope, self.lane);
+            return Some(Outcome::Paused {
+                budget,
+                after: hand_back_hidden(message, after),
+                by: HeldBy::Limit,
+                next: Box::new(message.clone()),
+            });
+        };
         // A pause that ends within what a holder may wait is waited out under the lease (where
         // triggers for the record coalesce onto it), not handed back: handing back costs the
         // message a round trip and, with a backlog, a pass over all of it per pause.
-        let room_full = slot.is_some_and(ConsumerSlot::room_full);
         if !crate::protocol::budget::handed_back_before_the_lock(
             after > longest_wait,
             room_full,
@@ -50,7 +72,8 @@ impl RecordRunner {
         }
         Some(Outcome::Paused {
             budget,
-            after,
+            after: hand_back_hidden(message, after),
+            by: HeldBy::Pause,
             next: Box::new(message.clone()),
         })
     }
@@ -74,7 +97,7 @@ impl RecordRunner {
         cancel: &CancellationToken,
         watched: bool,
         consumer_slot: Option<&ConsumerSlot>,
-    ) -> Result<Option<Slot>, (String, Duration)> {
+    ) -> Result<Option<Slot>, (String, Duration, HeldBy)> {
         let Some(budgets) = &self.budgets else {
             return Ok(None);
         };
@@ -118,9 +141,15 @@ impl RecordRunner {
                 waited: permit.waited(),
                 permit,
             })),
-            Admission::Paused { budget, after } => Err((budget, after)),
+            Admission::Paused { budget, after, by } => Err((budget, hand_back_hidden(message, after), by)),
         }
     }
+}
+
+/// How long a trigger handed back at its budget's gate with `left` to wait stays hidden: past
+/// what it waits for, in whole seconds ([`budget::hidden_for`]).
+fn hand_back_hidden(_message: &TriggerMessage, left: Duration) -> Duration {
+    crate::protocol::budget::hidden_for(left)
 }
 
 /// How a run's logic ended, for its downstream budget.

@@ -33,10 +33,12 @@ pub(super) enum Hold {
     FailedBefore(Option<leasehold_lock::Error>),
     /// A later run took this retry's duty over.
     StoodDown,
-    /// A paused budget handed the trigger back before its run: `next` comes back after `after`.
+    /// A paused budget (or its limit) handed the trigger back before its run: `next` comes back
+    /// after `after`.
     HandedBack {
         budget: String,
         after: Duration,
+        by: crate::HeldBy,
         next: TriggerMessage,
     },
     /// The logic did not stop within its grace; its lease is kept until it has ended.
@@ -95,14 +97,22 @@ impl RecordRunner {
         // With it, the pause a throttle of the run set, if one did.
         let (end, run_time, throttle_pause) = match self.slot(delivery, cancel, watched, consumer_slot).await
         {
-            Err((budget, after)) => {
+            Err((budget, after, by)) => {
                 // Put off before the run: the trigger is handed back as it is, hidden until the
                 // pause ends — as a holder: release, then take the marker, which the trigger
                 // handed back now stands for too. The streak and the notes stay as they are
                 // (nothing ran).
                 let message = &delivery.message;
                 let next = message.follow_up(message.kind, delivery.attempts().saturating_sub(1));
-                return (RunEnd::CarriedOn, Hold::HandedBack { budget, after, next });
+                return (
+                    RunEnd::CarriedOn,
+                    Hold::HandedBack {
+                        budget,
+                        after,
+                        by,
+                        next,
+                    },
+                );
             }
             Ok(slot) => {
                 let started = Started {

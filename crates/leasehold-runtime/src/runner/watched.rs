@@ -53,8 +53,9 @@ impl RecordRunner {
             };
             return self.poison_delivery(poison, delivery, error).await;
         }
-        if let Some(Outcome::Paused { budget, after, .. }) =
-            self.paused(delivery, None, MAX_PAUSE_WAIT_WATCHED)
+        if let Some(Outcome::Paused {
+            budget, after, by, ..
+        }) = self.paused(delivery, None, MAX_PAUSE_WAIT_WATCHED)
         {
             // Nothing was done: a copy comes back after the pause, carrying the attempts so far
             // (this delivery does not count), and the host's message is acknowledged.
@@ -63,6 +64,7 @@ impl RecordRunner {
                 Ok(()) => Outcome::Paused {
                     budget,
                     after,
+                    by,
                     next: Box::new(next),
                 },
                 Err(e) => storage_failed("put the paused trigger back", e),
