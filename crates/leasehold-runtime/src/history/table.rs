@@ -35,6 +35,13 @@ pub struct TableHistory {
 /// The longest `Entries` property written, in bytes (the service takes 64 KiB a property).
 const MAX_ENTRIES_BYTES: usize = 30_000;
 
+/// A history table prefix that makes no valid table names ([`TableHistory::check_prefix`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not a valid history table prefix: 1 to {MAX_HISTORY_PREFIX_LEN} letters and digits, starting with a letter"
+)]
+pub struct BadHistoryPrefix(pub String);
+
 /// The longest table name prefix: a table name is at most 63 characters, 8 of them the date.
 pub const MAX_HISTORY_PREFIX_LEN: usize = 55;
 
@@ -42,7 +49,7 @@ impl TableHistory {
     /// History in `client`'s account, tables named `<prefix><yyyymmdd>`, kept for `keep`
     /// (rounded up to whole days). `prefix`: letters and digits, starting with a letter, at
     /// most [`MAX_HISTORY_PREFIX_LEN`].
-    pub fn new(client: TableClient, prefix: &str, keep: Duration) -> Result<Self, String> {
+    pub fn new(client: TableClient, prefix: &str, keep: Duration) -> Result<Self, BadHistoryPrefix> {
         Self::check_prefix(prefix)?;
         Ok(Self {
             client,
@@ -61,7 +68,7 @@ impl TableHistory {
     }
 
     /// Whether `prefix` makes valid table names, and if not why.
-    pub fn check_prefix(prefix: &str) -> Result<(), String> {
+    pub fn check_prefix(prefix: &str) -> Result<(), BadHistoryPrefix> {
         let valid = !prefix.is_empty()
             && prefix.len() <= MAX_HISTORY_PREFIX_LEN
             && prefix.starts_with(|c: char| c.is_ascii_alphabetic())
@@ -69,9 +76,7 @@ impl TableHistory {
         if valid {
             return Ok(());
         }
-        Err(format!(
-            "{prefix:?} is not a valid history table prefix: 1 to {MAX_HISTORY_PREFIX_LEN} letters and digits, starting with a letter"
-        ))
+        Err(BadHistoryPrefix(prefix.to_string()))
     }
 
     /// The table prefix a deployment whose blob container is `container` uses by default: its
