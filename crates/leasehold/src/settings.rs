@@ -733,8 +733,9 @@ impl Settings {
     }
 }
 
-/// The longest history may be kept: a year.
-const MAX_HISTORY_DAYS: u64 = 366;
+// The longest history may be kept: a year (a history table's name holds its days, 3 digits
+// at most).
+use leasehold_runtime::MAX_HISTORY_DAYS;
 
 /// Reads the run history settings (`None`: `LEASEHOLD_HISTORY=false`).
 fn history_settings(

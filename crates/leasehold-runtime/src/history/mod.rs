@@ -27,8 +27,8 @@ use crate::record::{RecordId, Scope};
 
 pub use memory::MemoryHistory;
 pub use table::{
-    BadHistoryPrefix, MAX_HISTORY_PREFIX_LEN, RECENT_MAX_ENTITIES, RECENT_MAX_REQUESTS, RECENT_MAX_TIME,
-    TableHistory,
+    BadHistoryPrefix, LISTING_KEPT, MAX_HISTORY_DAYS, MAX_HISTORY_PREFIX_LEN, RECENT_MAX_ENTITIES,
+    RECENT_MAX_REQUESTS, RECENT_MAX_TIME, TableHistory,
 };
 pub use writer::{History, HistoryOptions};
 

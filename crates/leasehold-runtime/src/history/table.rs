@@ -1,6 +1,7 @@
 //! [`TableHistory`]: history in the account's Table service, a table per period.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -12,9 +13,10 @@ use super::{HistoryEntry, HistoryStore, Recent, RecentQuery, newest_first, unix_
 use crate::record::{RecordId, Scope};
 
 /// History in the account's Table service: one table per period of [`HistoryOptions::keep`]
-/// (whole days), named `<prefix><yyyymmdd>` after the period's first day (UTC), dropped whole
-/// once the period ended more than `keep` ago ([`sweep`](HistoryStore::sweep): a request per
-/// period, not per entry). A scope's records are spread by a hash of the record over
+/// (whole days, `P`), named `<prefix>p<P>d<yyyymmdd>` after the period's length and first day
+/// (UTC), dropped whole once the period ended more than the longer of `keep` and its own length
+/// ago ([`sweep`](HistoryStore::sweep): a request per period, not per entry; see
+/// [`TableSpan::droppable`]). A scope's records are spread by a hash of the record over
 /// [`BUCKETS`] partitions `<scope>|<bucket>` (the scope holds no `|`), so a write of many
 /// records' entries is a few entity group transactions (one per partition per 100 records), and
 /// no partition is hot however a bulk import is ordered. Each record's write is one entity whose
@@ -22,7 +24,11 @@ use crate::record::{RecordId, Scope};
 /// random suffix), so a record's entities are one key range of its partition, newest first,
 /// and whose `Entries` property holds the write's entries as JSON (`Newest`, the newest entry's
 /// time in 13 digits, lets [`recent`](HistoryStore::recent) filter by time). A record's history
-/// within `keep` is in the current period's table and the one before: read in 2 requests.
+/// within `keep` is in the current period's table and the one before: read in 2 requests (and
+/// a listing of the prefix's tables, kept for [`LISTING_KEPT`], that finds the tables a
+/// deployment with other days on the same prefix wrote, or the first layout's).
+///
+/// [`HistoryOptions::keep`]: super::HistoryOptions::keep
 #[derive(Debug, Clone)]
 pub struct TableHistory {
     client: TableClient,
@@ -30,6 +36,97 @@ pub struct TableHistory {
     period_days: u64,
     /// The bounds of one [`HistoryStore::recent`] read: requests, entities, time.
     recent_bounds: (usize, usize, Duration),
+    /// The prefix's tables as last listed, and when.
+    listing: Arc<Mutex<Option<Listing>>>,
+}
+
+/// A listing of the prefix's tables and when it was made.
+type Listing = (Instant, Arc<Vec<String>>);
+
+/// How long a listing of the prefix's tables is used by reads before it is listed again: a
+/// table another deployment (other days, same prefix) starts is read within this.
+pub const LISTING_KEPT: Duration = Duration::from_secs(300);
+
+/// The longest period a history table covers, in days (the longest `LEASEHOLD_HISTORY_DAYS`).
+pub const MAX_HISTORY_DAYS: u64 = 366;
+
+/// What a history table's name says it holds: the entries of the days
+/// `[start_day, start_day + days)` (days since 1970-01-01, UTC).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TableSpan {
+    pub(crate) start_day: u64,
+    /// `None`: a table of the first layout, `<prefix><yyyymmdd>`, whose length (the days kept by
+    /// the deployment that wrote it, up to [`MAX_HISTORY_DAYS`]) is not in its name.
+    pub(crate) days: Option<u64>,
+}
+
+impl TableSpan {
+    /// The table `<prefix>p<days>d<yyyymmdd>` of the period of `days` days starting `start_day`.
+    pub(crate) fn name(prefix: &str, start_day: u64, days: u64) -> String {
+        let (y, m, d) = civil_from_days(start_day as i64);
+        format!("{prefix}p{days}d{y:04}{m:02}{d:02}")
+    }
+
+    /// What `name` holds, if it is a history table of `prefix` (of either layout); `None` for
+    /// any other name (another prefix's that starts the same, a date that is not one).
+    pub(crate) fn parse(prefix: &str, name: &str) -> Option<TableSpan> {
+        let rest = name.strip_prefix(prefix)?;
+        let (days, date) = match rest.strip_prefix('p') {
+            Some(rest) => {
+                let (days, date) = rest.split_once('d')?;
+                let valid = (1..=3).contains(&days.len())
+                    && !days.starts_with('0')
+                    && days.chars().all(|c| c.is_ascii_digit());
+                (Some(days.parse::<u64>().ok().filter(|_| valid)?), date)
+            }
+            None => (None, rest),
+        };
+        if date.len() != 8 || !date.chars().all(|c| c.is_ascii_digit()) {
+            return None;
+        }
+        let (y, m, d): (i64, u32, u32) = (
+            date[..4].parse().ok()?,
+            date[4..6].parse().ok()?,
+            date[6..].parse().ok()?,
+        );
+        let day = days_from_civil(y, m, d);
+        if day < 0 || civil_from_days(day) != (y, m, d) {
+            return None;
+        }
+        Some(TableSpan {
+            start_day: day as u64,
+            days,
+        })
+    }
+
+    /// Whether a sweep keeping history for `keep` may drop this table at `now_ms`. A table of
+    /// `P` days holds entries up to its period's end; the deployment that wrote it keeps them
+    /// `P` days (its period is its days kept), the sweeping one `keep`: it is dropped once its
+    /// period ended more than the longer of the two ago, so a change of
+    /// `LEASEHOLD_HISTORY_DAYS` either way loses no entry younger than the longer setting. (The
+    /// sweep passes as `keep` the longest period of any table on the prefix too, so two
+    /// deployments with other days on one prefix keep each other's entries as long as the
+    /// longer of them.) A table of the first layout is taken to be [`MAX_HISTORY_DAYS`] long
+    /// and kept as long (its length is not in its name): dropped two years after its date.
+    pub(crate) fn droppable(self, keep: Duration, now_ms: u64) -> bool {
+        let day = DAY.as_millis() as u64;
+        let days = self.days.unwrap_or(MAX_HISTORY_DAYS);
+        let end = (self.start_day + days) * day;
+        let hold = (keep.as_millis() as u64).max(days * day);
+        end.saturating_add(hold) < now_ms
+    }
+
+    /// The times `[start, end)` (Unix ms) whose entries the table may hold, for a read; a table
+    /// of the first layout is read up to `next_day` (the next such table's first day: that
+    /// layout's tables follow one another), the newest of them to the end of time.
+    fn read_window(self, next_day: Option<u64>) -> (u64, u64) {
+        let day = DAY.as_millis() as u64;
+        let end = match self.days {
+            Some(days) => (self.start_day + days) * day,
+            None => next_day.map_or(u64::MAX, |next| next.max(self.start_day + 1) * day),
+        };
+        (self.start_day * day, end)
+    }
 }
 
 /// The longest `Entries` property written, in bytes (the service takes 64 KiB a property).
@@ -42,20 +139,22 @@ const MAX_ENTRIES_BYTES: usize = 30_000;
 )]
 pub struct BadHistoryPrefix(pub String);
 
-/// The longest table name prefix: a table name is at most 63 characters, 8 of them the date.
-pub const MAX_HISTORY_PREFIX_LEN: usize = 55;
+/// The longest table name prefix: a table name is at most 63 characters, 13 of them the
+/// period (`p<days>d`, days up to [`MAX_HISTORY_DAYS`]) and its date.
+pub const MAX_HISTORY_PREFIX_LEN: usize = 50;
 
 impl TableHistory {
-    /// History in `client`'s account, tables named `<prefix><yyyymmdd>`, kept for `keep`
-    /// (rounded up to whole days). `prefix`: letters and digits, starting with a letter, at
-    /// most [`MAX_HISTORY_PREFIX_LEN`].
+    /// History in `client`'s account, tables named `<prefix>p<days>d<yyyymmdd>`, kept for
+    /// `keep` (rounded up to whole days, at most [`MAX_HISTORY_DAYS`] a table). `prefix`:
+    /// letters and digits, starting with a letter, at most [`MAX_HISTORY_PREFIX_LEN`].
     pub fn new(client: TableClient, prefix: &str, keep: Duration) -> Result<Self, BadHistoryPrefix> {
         Self::check_prefix(prefix)?;
         Ok(Self {
             client,
             prefix: prefix.to_string(),
-            period_days: keep.as_secs().div_ceil(DAY.as_secs()).max(1),
+            period_days: keep.as_secs().div_ceil(DAY.as_secs()).clamp(1, MAX_HISTORY_DAYS),
             recent_bounds: (RECENT_MAX_REQUESTS, RECENT_MAX_ENTITIES, RECENT_MAX_TIME),
+            listing: Arc::default(),
         })
     }
 
@@ -100,23 +199,65 @@ impl TableHistory {
 
     /// The table of period `period`.
     fn table(&self, period: u64) -> String {
-        let (y, m, d) = civil_from_days((period * self.period_days) as i64);
-        format!("{}{y:04}{m:02}{d:02}", self.prefix)
+        TableSpan::name(&self.prefix, period * self.period_days, self.period_days)
     }
 
-    /// The period a table of this history is of, from its name.
-    fn period_of_table(&self, name: &str) -> Option<u64> {
-        let date = name.strip_prefix(&self.prefix)?;
-        if date.len() != 8 || !date.chars().all(|c| c.is_ascii_digit()) {
-            return None;
+    /// The prefix's tables, listed at most every [`LISTING_KEPT`] (`None`: the listing failed).
+    async fn listing(&self) -> Option<Arc<Vec<String>>> {
+        if let Some((at, names)) = &*self.listing.lock().unwrap()
+            && at.elapsed() < LISTING_KEPT
+        {
+            return Some(names.clone());
         }
-        let (y, m, d) = (
-            date[..4].parse().ok()?,
-            date[4..6].parse().ok()?,
-            date[6..].parse().ok()?,
-        );
-        let days = days_from_civil(y, m, d);
-        (days >= 0 && (days as u64).is_multiple_of(self.period_days)).then(|| days as u64 / self.period_days)
+        match self.client.list_tables(&self.prefix).await {
+            Ok(names) => {
+                let names = Arc::new(names);
+                *self.listing.lock().unwrap() = Some((Instant::now(), names.clone()));
+                Some(names)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "could not list the history tables: reading this deployment's own");
+                None
+            }
+        }
+    }
+
+    /// The tables that may hold entries of `[since_ms, until_ms]`, newest first: this
+    /// history's own periods' (named from the times: found without a listing), and any other
+    /// the listing has whose window meets it (a period of other days on the same prefix, a
+    /// table of the first layout).
+    async fn tables_for(&self, since_ms: u64, until_ms: u64) -> Vec<String> {
+        let mut tables: Vec<(u64, String)> = (self.period_of(since_ms)..=self.period_of(until_ms))
+            .map(|period| {
+                let end = (period + 1) * self.period_days * DAY.as_millis() as u64;
+                (end, self.table(period))
+            })
+            .collect();
+        if let Some(names) = self.listing().await {
+            let spans: Vec<(TableSpan, &String)> = names
+                .iter()
+                .filter_map(|name| Some((TableSpan::parse(&self.prefix, name)?, name)))
+                .collect();
+            let mut first_layout: Vec<u64> = spans
+                .iter()
+                .filter(|(span, _)| span.days.is_none())
+                .map(|(span, _)| span.start_day)
+                .collect();
+            first_layout.sort_unstable();
+            for (span, name) in &spans {
+                let next = span
+                    .days
+                    .is_none()
+                    .then(|| first_layout.iter().copied().find(|&d| d > span.start_day))
+                    .flatten();
+                let (start, end) = span.read_window(next);
+                if start <= until_ms && end > since_ms && !tables.iter().any(|(_, t)| t == *name) {
+                    tables.push((end, (*name).clone()));
+                }
+            }
+        }
+        tables.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        tables.into_iter().map(|(_, name)| name).collect()
     }
 
     /// The partition of `record`'s entities: its scope and its bucket, by FNV-1a (a hash that
@@ -278,17 +419,15 @@ impl HistoryStore for TableHistory {
             odata_literal(&Self::row_prefix(record)),
             odata_literal(&format!("{}}}", record.as_str())),
         );
-        let current = self.period_of(now);
         let mut found = Vec::new();
-        for period in [current, current.saturating_sub(1)] {
-            if found.len() >= limit || (period != current && self.period_of(since) > period) {
-                break;
-            }
-            let table = self.table(period);
+        // Every table that may hold entries of the window (its own two, nearly always): tables
+        // of other days may overlap, so the newest `limit` are known once all are read.
+        for table in self.tables_for(since, now).await {
             let mut next = None;
+            let mut got = 0;
             // A partition's page can be short and carry a continuation: read on while needed.
             for _ in 0..8 {
-                let top = (limit - found.len().min(limit)).clamp(1, 1000) as u32;
+                let top = (limit - got.min(limit)).clamp(1, 1000) as u32;
                 let (entities, more) = match self
                     .client
                     .query(&table, Some(&filter), Some(top), next.as_ref())
@@ -305,7 +444,9 @@ impl HistoryStore for TableHistory {
                     match serde_json::from_str::<Vec<HistoryEntry>>(text) {
                         Ok(mut entries) => {
                             entries.reverse();
+                            let before = found.len();
                             found.extend(entries.into_iter().filter(|e| e.time_ms >= since));
+                            got += found.len() - before;
                         }
                         Err(e) => {
                             tracing::debug!(table, error = %e, "a history entity that is not this version's: skipped")
@@ -313,7 +454,7 @@ impl HistoryStore for TableHistory {
                     }
                 }
                 next = more;
-                if next.is_none() || found.len() >= limit {
+                if next.is_none() || got >= limit {
                     break;
                 }
             }
@@ -338,11 +479,9 @@ impl HistoryStore for TableHistory {
         let started = Instant::now();
         let (max_requests, max_entities, max_time) = self.recent_bounds;
         let filter = Self::recent_filter(query);
-        let (first, last) = (self.period_of(query.since_ms), self.period_of(query.until_ms));
         let mut found = Vec::new();
         let (mut requests, mut scanned, mut partial) = (0, 0, false);
-        'tables: for period in (first..=last).rev() {
-            let table = self.table(period);
+        'tables: for table in self.tables_for(query.since_ms, query.until_ms).await {
             let mut next = None;
             loop {
                 let left = max_time.saturating_sub(started.elapsed());
@@ -384,16 +523,27 @@ impl HistoryStore for TableHistory {
     async fn sweep(&self, keep: Duration) -> Result<usize, StoreError> {
         let now = unix_ms(SystemTime::now());
         let mut dropped = 0;
-        for name in self.client.list_tables(&self.prefix).await? {
-            let Some(period) = self.period_of_table(&name) else {
-                continue;
-            };
-            // The period's end, in ms.
-            let end = (period + 1) * self.period_days * DAY.as_millis() as u64;
-            if end + (keep.as_millis() as u64) < now && self.client.delete_table(&name).await? {
+        let mut names = self.client.list_tables(&self.prefix).await?;
+        // A deployment keeping longer on this prefix (its tables say how long: their periods
+        // are its days) keeps its days here too: none of its entries is dropped by this one.
+        let longest = names
+            .iter()
+            .filter_map(|name| TableSpan::parse(&self.prefix, name)?.days)
+            .max()
+            .unwrap_or(0);
+        let keep = keep.max(DAY * longest as u32);
+        let mut kept = Vec::with_capacity(names.len());
+        for name in names.drain(..) {
+            // Never a name it cannot read (another prefix's that starts the same, or not a
+            // history table); each by its own period's length, not this history's.
+            let drop = TableSpan::parse(&self.prefix, &name).is_some_and(|span| span.droppable(keep, now));
+            if drop && self.client.delete_table(&name).await? {
                 dropped += 1;
+            } else if !drop {
+                kept.push(name);
             }
         }
+        *self.listing.lock().unwrap() = Some((Instant::now(), Arc::new(kept)));
         Ok(dropped)
     }
 }
@@ -487,5 +637,108 @@ mod tests {
         }
         assert_eq!(seen.len(), BUCKETS as usize, "{seen:?}");
         assert!(seen.values().all(|&n| (50..=150).contains(&n)), "{seen:?}");
+    }
+
+    const DAY_MS: u64 = 24 * 3600 * 1000;
+
+    /// A table's name holds its period's length and first day, and reads back; names that are
+    /// not this prefix's history tables (another prefix that starts the same, a bad date, a
+    /// length with a leading zero) are not read as its.
+    #[test]
+    fn a_table_name_holds_its_period_and_reads_back() {
+        let day = days_from_civil(2026, 11, 28) as u64;
+        assert_eq!(TableSpan::name("history", day, 7), "historyp7d20261128");
+        assert_eq!(TableSpan::name("h1", day, 366), "h1p366d20261128");
+        for days in [1, 7, 30, 366] {
+            let name = TableSpan::name("history", day, days);
+            assert_eq!(
+                TableSpan::parse("history", &name),
+                Some(TableSpan {
+                    start_day: day,
+                    days: Some(days)
+                })
+            );
+        }
+        assert_eq!(
+            TableSpan::parse("history", "history20261128"),
+            Some(TableSpan {
+                start_day: day,
+                days: None
+            }),
+            "the first layout"
+        );
+        for other in [
+            "historyp7d2026112",
+            "historyp07d20261128",
+            "historyp1234d20261128",
+            "historyp7d20261399",
+            "historypd20261128",
+            "historyx20261128",
+            "history120261128",
+            "historyp1d20261128p7d20261128",
+            "history1p7d20261128",
+            "other20261128",
+        ] {
+            assert_eq!(TableSpan::parse("history", other), None, "{other}");
+        }
+        // The longest name fits the service's 63 characters.
+        let longest = TableSpan::name(&"h".repeat(MAX_HISTORY_PREFIX_LEN), day, MAX_HISTORY_DAYS);
+        assert_eq!(longest.len(), 63);
+    }
+
+    /// Issue 44: a sweep drops a table once its own period ended more than the longer of the
+    /// days kept and its own length ago: after 7 → 1 days, a 7-day table is kept as a 7-day
+    /// deployment keeps it (the old rule read it as a 1-day one and dropped entries 74 s old);
+    /// after 1 → 7, a 1-day table is kept 7 days; a table of the first layout two years.
+    #[test]
+    fn a_sweep_drops_a_table_by_its_own_period_and_the_longer_setting() {
+        let start = 20_000;
+        let at = |days_after_start: f64| ((start as f64 + days_after_start) * DAY_MS as f64) as u64;
+        let days = |n: u64| Duration::from_secs(n * 24 * 3600);
+        let seven = TableSpan {
+            start_day: start,
+            days: Some(7),
+        };
+        // Its period ends on day 7; a 7-day deployment keeps it to day 14.
+        for keep in [days(1), days(7)] {
+            assert!(
+                !seven.droppable(keep, at(7.0) + 74_000),
+                "{keep:?}: its last entry is 74 s old"
+            );
+            assert!(!seven.droppable(keep, at(13.9)), "{keep:?}");
+            assert!(seven.droppable(keep, at(14.01)), "{keep:?}");
+        }
+        assert!(
+            !seven.droppable(days(30), at(36.9)),
+            "kept for the longer setting"
+        );
+        assert!(seven.droppable(days(30), at(37.01)));
+        let one = TableSpan {
+            start_day: start,
+            days: Some(1),
+        };
+        assert!(!one.droppable(days(1), at(1.99)));
+        assert!(one.droppable(days(1), at(2.01)));
+        assert!(
+            !one.droppable(days(7), at(7.99)),
+            "after 1 -> 7 it is kept 7 days"
+        );
+        assert!(one.droppable(days(7), at(8.01)));
+        let first_layout = TableSpan {
+            start_day: start,
+            days: None,
+        };
+        assert!(!first_layout.droppable(days(1), at(731.9)));
+        assert!(first_layout.droppable(days(1), at(732.01)));
+    }
+
+    /// A read's tables: a table of the first layout holds entries up to the next one's first
+    /// day, the newest of them up to now; one that names its length, its period.
+    #[test]
+    fn a_tables_read_window_is_its_period_or_up_to_the_next_first_layout_table() {
+        let span = |days| TableSpan { start_day: 10, days };
+        assert_eq!(span(Some(7)).read_window(None), (10 * DAY_MS, 17 * DAY_MS));
+        assert_eq!(span(None).read_window(Some(17)), (10 * DAY_MS, 17 * DAY_MS));
+        assert_eq!(span(None).read_window(None), (10 * DAY_MS, u64::MAX));
     }
 }
