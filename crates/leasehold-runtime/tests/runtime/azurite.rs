@@ -972,7 +972,7 @@ async fn run_history_is_written_and_read_back_in_two_requests_and_dropped_a_tabl
     let prefix = format!("h{}", &unique_name("t").replace('-', "")[..12]);
     let day = Duration::from_secs(24 * 3600);
     let keep = 2 * day;
-    let client = TableClient::new(&account, counters.clone());
+    let client = TableClient::new(&account, counters.clone()).unwrap();
     let history = TableHistory::new(client.clone(), &prefix, keep).unwrap();
     let scope = Scope::parse("account").unwrap();
     let record = RecordId::parse("8f9c1d2e-0000-4000-8000-000000000001").unwrap();
@@ -1070,7 +1070,7 @@ async fn recent_runs_are_read_across_records_by_window_and_scope_and_say_when_pa
     let prefix = format!("r{}", &unique_name("t").replace('-', "")[..12]);
     let day = Duration::from_secs(24 * 3600);
     let keep = day;
-    let client = TableClient::new(&account, counters.clone());
+    let client = TableClient::new(&account, counters.clone()).unwrap();
     let history = TableHistory::new(client.clone(), &prefix, keep).unwrap();
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1201,7 +1201,7 @@ async fn a_change_of_history_days_either_way_loses_no_entry_younger_than_the_lon
     let account = Azurite::shared().account();
     let prefix = format!("d{}", &unique_name("t").replace('-', "")[..12]);
     let day = Duration::from_secs(24 * 3600);
-    let client = TableClient::new(&account, OpCounters::new());
+    let client = TableClient::new(&account, OpCounters::new()).unwrap();
     let seven = TableHistory::new(client.clone(), &prefix, 7 * day).unwrap();
     let one = TableHistory::new(client.clone(), &prefix, day).unwrap();
     let scope = Scope::parse("account").unwrap();
