@@ -116,16 +116,19 @@ impl TableSpan {
         end.saturating_add(hold) < now_ms
     }
 
-    /// The times `[start, end)` (Unix ms) whose entries the table may hold, for a read; a table
+    /// The times `[start, end)` (Unix ms) whose entries the table may hold, for a read. A table
     /// of the first layout is read up to `next_day` (the next such table's first day: that
-    /// layout's tables follow one another), the newest of them to the end of time.
-    fn read_window(self, next_day: Option<u64>) -> (u64, u64) {
+    /// layout's tables follow one another), the newest of them for `own_days` (this history's
+    /// period, as the code before read every one of them): not longer, or a year-old table
+    /// would be scanned by every read of recent runs until it is dropped.
+    fn read_window(self, next_day: Option<u64>, own_days: u64) -> (u64, u64) {
         let day = DAY.as_millis() as u64;
-        let end = match self.days {
-            Some(days) => (self.start_day + days) * day,
-            None => next_day.map_or(u64::MAX, |next| next.max(self.start_day + 1) * day),
+        let end = match (self.days, next_day) {
+            (Some(days), _) => self.start_day + days,
+            (None, Some(next)) => next.max(self.start_day + 1),
+            (None, None) => self.start_day + own_days,
         };
-        (self.start_day * day, end)
+        (self.start_day * day, end * day)
     }
 }
 
@@ -250,7 +253,7 @@ impl TableHistory {
                     .is_none()
                     .then(|| first_layout.iter().copied().find(|&d| d > span.start_day))
                     .flatten();
-                let (start, end) = span.read_window(next);
+                let (start, end) = span.read_window(next, self.period_days);
                 if start <= until_ms && end > since_ms && !tables.iter().any(|(_, t)| t == *name) {
                     tables.push((end, (*name).clone()));
                 }
@@ -733,12 +736,13 @@ mod tests {
     }
 
     /// A read's tables: a table of the first layout holds entries up to the next one's first
-    /// day, the newest of them up to now; one that names its length, its period.
+    /// day, the newest of them for the reader's own period; one that names its length, its
+    /// period.
     #[test]
     fn a_tables_read_window_is_its_period_or_up_to_the_next_first_layout_table() {
         let span = |days| TableSpan { start_day: 10, days };
-        assert_eq!(span(Some(7)).read_window(None), (10 * DAY_MS, 17 * DAY_MS));
-        assert_eq!(span(None).read_window(Some(17)), (10 * DAY_MS, 17 * DAY_MS));
-        assert_eq!(span(None).read_window(None), (10 * DAY_MS, u64::MAX));
+        assert_eq!(span(Some(7)).read_window(None, 1), (10 * DAY_MS, 17 * DAY_MS));
+        assert_eq!(span(None).read_window(Some(17), 1), (10 * DAY_MS, 17 * DAY_MS));
+        assert_eq!(span(None).read_window(None, 3), (10 * DAY_MS, 13 * DAY_MS));
     }
 }

@@ -1258,6 +1258,26 @@ async fn a_change_of_history_days_either_way_loses_no_entry_younger_than_the_lon
     };
     let first_layout = format!("{prefix}{y:04}{m:02}{d:02}");
     client.create_table(&first_layout).await.unwrap();
+    // An entry of the 7-day deployment 2 days old, written there as the code before wrote it
+    // (the partition by FNV-1a of the record over 16 buckets, the row key by inverted time).
+    {
+        let mut e = HistoryEntry::new(scope.clone(), r7.clone(), HistoryEvent::Started);
+        e.time_ms = now_ms - (2 * day).as_millis() as u64;
+        e.attempt = 99;
+        let mut hash: u32 = 0x811c_9dc5;
+        for byte in r7.as_str().bytes() {
+            hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+        }
+        let mut entity = leasehold_storage::table::Entity::new();
+        entity.insert("PartitionKey".into(), format!("account|{:02x}", hash % 16).into());
+        entity.insert(
+            "RowKey".into(),
+            format!("{}|{:013}-x", r7.as_str(), 9_999_999_999_999u64 - e.time_ms).into(),
+        );
+        entity.insert("Newest".into(), format!("{:013}", e.time_ms).into());
+        entity.insert("Entries".into(), serde_json::to_string(&[e]).unwrap().into());
+        client.insert_entity(&first_layout, &entity).await.unwrap();
+    }
     let tables = client.list_tables(&prefix).await.unwrap();
 
     // Both deployments sweep, each with its own days, in either order.
@@ -1271,7 +1291,7 @@ async fn a_change_of_history_days_either_way_loses_no_entry_younger_than_the_lon
         a.sort_unstable();
         a
     };
-    let all7: Vec<u32> = (1..=ages7.len() as u32).collect();
+    let all7: Vec<u32> = (1..=ages7.len() as u32).chain([99]).collect();
     let all1: Vec<u32> = (1..=ages1.len() as u32).collect();
     let read = |history: &TableHistory, record: &RecordId, keep: Duration| {
         let (history, record, scope) = (history.clone(), record.clone(), scope.clone());
@@ -1280,7 +1300,7 @@ async fn a_change_of_history_days_either_way_loses_no_entry_younger_than_the_lon
     assert_eq!(
         attempts(read(&seven, &r7, 7 * day).await),
         all7,
-        "the 7-day deployment's entries, all younger than 7 days, after both swept (before: {tables:?}, after: {left:?})"
+        "the 7-day deployment's entries, all younger than 7 days (one in a table of the first layout), after both swept (before: {tables:?}, after: {left:?})"
     );
     assert_eq!(
         attempts(read(&seven, &r1, 7 * day).await),
@@ -1313,8 +1333,8 @@ async fn a_change_of_history_days_either_way_loses_no_entry_younger_than_the_lon
         .unwrap();
     assert_eq!(
         recent.entries.len(),
-        ages7.len() + ages1.len(),
-        "the run list finds both deployments' entries: {recent:?}"
+        ages7.len() + ages1.len() + 1,
+        "the run list finds both deployments' entries and the first layout's: {recent:?}"
     );
     for table in client.list_tables(&prefix).await.unwrap() {
         client.delete_table(&table).await.unwrap();
