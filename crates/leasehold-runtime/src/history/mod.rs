@@ -12,6 +12,7 @@
 //! fails for, or repeats for its history.
 
 mod memory;
+mod naming;
 mod table;
 mod writer;
 
@@ -26,9 +27,10 @@ use crate::observe::OutcomeLabel;
 use crate::record::{RecordId, Scope};
 
 pub use memory::MemoryHistory;
+pub use naming::MAX_HISTORY_DAYS;
 pub use table::{
-    BadHistoryPrefix, LISTING_KEPT, MAX_HISTORY_DAYS, MAX_HISTORY_PREFIX_LEN, RECENT_MAX_ENTITIES,
-    RECENT_MAX_REQUESTS, RECENT_MAX_TIME, TableHistory,
+    BadHistoryPrefix, LISTING_KEPT, MAX_HISTORY_PREFIX_LEN, RECENT_MAX_ENTITIES, RECENT_MAX_REQUESTS,
+    RECENT_MAX_TIME, TableHistory,
 };
 pub use writer::{History, HistoryOptions};
 
