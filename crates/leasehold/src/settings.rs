@@ -7,8 +7,8 @@ use anyhow::{Context, Result, bail};
 use leasehold_functions::start::{Secret, StartPolicy};
 use leasehold_lock::{LeaseDuration, LeaseOptions};
 use leasehold_runtime::{
-    BudgetOptions, ConsumerOptions, Debounce, PerScope, RunPolicy, RunnerOptions, Scope, TableHistory,
-    check_budget_name,
+    BudgetOptions, ConsumerOptions, Debounce, MAX_HISTORY_DAYS, PerScope, RunPolicy, RunnerOptions, Scope,
+    TableHistory, check_budget_name,
 };
 use leasehold_storage::StorageAccount;
 use serde::Deserialize;
@@ -748,10 +748,6 @@ const NO_TABLE_ENDPOINT: &str = "run history is off: the storage settings give B
      (AzureWebJobsStorage__tableServiceUri with an identity), and a Table endpoint is never derived beside explicit ones \
      (behind a private endpoint it would be the account's public one). Add TableEndpoint=<the account's Table endpoint> \
      to AzureWebJobsStorage to keep history, or set LEASEHOLD_HISTORY=false to say it is meant to be off";
-
-// The longest history may be kept: a year (a history table's name holds its days, 3 digits
-// at most).
-use leasehold_runtime::MAX_HISTORY_DAYS;
 
 /// Reads the run history settings (`None`: `LEASEHOLD_HISTORY=false`).
 fn history_settings(

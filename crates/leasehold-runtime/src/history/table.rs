@@ -19,9 +19,10 @@ use crate::record::{RecordId, Scope};
 /// ago ([`sweep`](HistoryStore::sweep): a request per period, not per entry; see `naming.rs`).
 /// A scope's records are spread by a hash of the record over [`BUCKETS`] partitions
 /// `<scope>|<bucket>` (the scope holds no `|`), so a write of many records' entries is a few
-/// entity group transactions (one per partition per 100 records), and no partition is hot however a bulk import is ordered. Each record's write is one entity whose
-/// row key is `<record>|` and the newest entry's time inverted (`9999999999999 − ms`, then a
-/// random suffix), so a record's entities are one key range of its partition, newest first,
+/// entity group transactions (one per partition per 100 records), and no partition is hot
+/// however a bulk import is ordered. Each record's write is one entity whose row key is
+/// `<record>|` and the newest entry's time inverted (`9999999999999 − ms`, then a random
+/// suffix), so a record's entities are one key range of its partition, newest first,
 /// and whose `Entries` property holds the write's entries as JSON (`Newest`, the newest entry's
 /// time in 13 digits, lets [`recent`](HistoryStore::recent) filter by time). A record's history
 /// within `keep` is in the current period's table and the one before: read in 2 requests (and
