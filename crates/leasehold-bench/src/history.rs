@@ -58,7 +58,7 @@ fn history_ops(c: &OpCounts) -> u64 {
 /// deployment's is after the period's first write.
 async fn history(az: &Azurite, counters: &OpCounters) -> (History, TableClient) {
     let keep = HistoryOptions::default().keep;
-    let client = TableClient::new(&az.account(), counters.clone());
+    let client = TableClient::new(&az.account(), counters.clone()).expect("Azurite has a Table endpoint");
     let store = TableHistory::new(client.clone(), PREFIX, keep).expect("a valid prefix");
     let history = History::new(
         Arc::new(store) as Arc<dyn HistoryStore>,
@@ -160,7 +160,7 @@ async fn drains(arm: Arm, records: usize, concurrency: usize, round: usize) -> D
 /// Every history entity of the drains' scope in `az` (counted apart from the drains): distinct
 /// partitions, entities, and the most entities of one partition.
 async fn count_partitions(az: &Azurite) -> (usize, usize, usize) {
-    let client = TableClient::new(&az.account(), OpCounters::new());
+    let client = TableClient::new(&az.account(), OpCounters::new()).expect("Azurite has a Table endpoint");
     let mut per_partition: HashMap<String, usize> = HashMap::new();
     let mut entities = 0;
     for table in client.list_tables(PREFIX).await.unwrap() {

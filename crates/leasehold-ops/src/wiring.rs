@@ -82,7 +82,7 @@ pub fn wire(settings: &StorageSettings) -> Result<Wiring> {
     let history = match &settings.history {
         Some(h) => Some(Arc::new(
             TableHistory::new(
-                TableClient::new(&settings.account, counters.clone()),
+                TableClient::new(&settings.account, counters.clone())?,
                 &h.table_prefix,
                 h.keep,
             )

@@ -29,10 +29,10 @@ pub use consumer::{Consumer, ConsumerOptions, low_queue_name, poison_queue_name}
 pub use error::{Error, LogicError};
 pub use flow::{PerScope, PerScopeError};
 pub use history::{
-    HISTORY_DROPPED_TOTAL, HISTORY_FAILURES_TOTAL, HISTORY_WRITTEN_TOTAL, History, HistoryEntry,
-    HistoryEvent, HistoryOptions, HistoryStore, MAX_HISTORY_PREFIX_LEN, MAX_REASON_CHARS, MemoryHistory,
-    RECENT_MAX_ENTITIES, RECENT_MAX_REQUESTS, RECENT_MAX_TIME, Recent, RecentQuery, TableHistory,
-    bounded_reason,
+    BadHistoryPrefix, HISTORY_DROPPED_TOTAL, HISTORY_FAILURES_TOTAL, HISTORY_WRITTEN_TOTAL, History,
+    HistoryEntry, HistoryEvent, HistoryOptions, HistoryStore, LISTING_KEPT, MAX_HISTORY_DAYS,
+    MAX_HISTORY_PREFIX_LEN, MAX_REASON_CHARS, MemoryHistory, RECENT_MAX_ENTITIES, RECENT_MAX_REQUESTS,
+    RECENT_MAX_TIME, Recent, RecentQuery, TableHistory, bounded_reason,
 };
 pub use markers::{
     AzureMarkers, MARKER_PREFIX, MarkerSet, MarkerStore, MemoryMarkers, RecordStatus, WAIT_PREFIX,

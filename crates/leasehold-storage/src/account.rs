@@ -50,9 +50,11 @@ pub struct StorageAccount {
     credential: Credential,
     blob: Url,
     queue: Url,
-    /// The Table service (run history). Always known: derived like the others when no
-    /// `TableEndpoint` is given, so connection strings written before it was used still work.
-    table: Url,
+    /// The Table service (run history). Derived like the others from the account name only when
+    /// no endpoint is explicit; `None` when Blob or Queue endpoints are given but no Table one:
+    /// behind a private endpoint the derived host would be the account's public one (and plain
+    /// HTTP with `DefaultEndpointsProtocol=http`), and history's requests name records.
+    table: Option<Url>,
     emulator: bool,
 }
 
@@ -154,7 +156,11 @@ impl StorageAccount {
         };
         let blob = location(get("BlobEndpoint"), "Blob")?;
         let queue = location(get("QueueEndpoint"), "Queue")?;
-        let table = location(get("TableEndpoint"), "Table")?;
+        // Never derived beside explicit Blob or Queue endpoints (see `table`).
+        let table = match get("TableEndpoint") {
+            None if get("BlobEndpoint").is_some() || get("QueueEndpoint").is_some() => None,
+            explicit => Some(location(explicit, "Table")?),
+        };
         Ok(Self {
             account,
             credential,
@@ -174,7 +180,7 @@ impl StorageAccount {
             credential: Credential::Key(EMULATOR_KEY.to_string()),
             blob: url(blob_port),
             queue: url(queue_port),
-            table: url(table_port),
+            table: Some(url(table_port)),
             account,
             emulator: true,
         }
@@ -217,8 +223,9 @@ impl StorageAccount {
     ///
     /// - `<prefix>__accountName`, or `<prefix>__blobServiceUri` and `<prefix>__queueServiceUri`
     ///   (https; default `https://<account>.<service>.core.windows.net`); `<prefix>__tableServiceUri`
-    ///   likewise (its default is derived from the account, so it is needed only for a custom
-    ///   endpoint; on its own it does not make the settings identity-based);
+    ///   likewise (derived from the account only when neither of the other two is given: beside
+    ///   them, none, and run history is off; on its own it does not make the settings
+    ///   identity-based);
     /// - `<prefix>__credential`: `managedidentity` for the app's managed identity; unset, the
     ///   identity is found where the process runs: workload identity on Kubernetes
     ///   (`AZURE_FEDERATED_TOKEN_FILE`), a managed identity in Azure (`IDENTITY_ENDPOINT`,
@@ -269,17 +276,40 @@ impl StorageAccount {
         self.queue.as_str().trim_end_matches('/').to_string()
     }
 
-    /// The table endpoint URL (no secrets in it).
-    pub fn table_endpoint(&self) -> String {
-        self.table.as_str().trim_end_matches('/').to_string()
+    /// The table endpoint URL (no secrets in it: no query, no user or password); `None` when
+    /// the settings give Blob or Queue endpoints but no Table endpoint (run history is then off:
+    /// a Table endpoint is never derived beside explicit ones).
+    pub fn table_endpoint(&self) -> Option<String> {
+        self.table.as_ref().map(|url| {
+            let mut url = url.clone();
+            url.set_query(None);
+            url.set_fragment(None);
+            let _ = url.set_password(None);
+            let _ = url.set_username("");
+            url.as_str().trim_end_matches('/').to_string()
+        })
+    }
+
+    /// Whether the account has a Table endpoint ([`table_endpoint`](Self::table_endpoint)).
+    pub fn has_table_endpoint(&self) -> bool {
+        self.table.is_some()
     }
 
     /// The URL of `path` (a container, a queue, a table resource) under the service's endpoint.
+    ///
+    /// # Panics
+    ///
+    /// For [`Service::Table`] on an account without a Table endpoint
+    /// ([`has_table_endpoint`](Self::has_table_endpoint)): `TableClient::new` refuses such an
+    /// account first.
     pub fn url(&self, service: Service, path: &str) -> Url {
         let base = match service {
             Service::Blob => &self.blob,
             Service::Queue => &self.queue,
-            Service::Table => &self.table,
+            Service::Table => self
+                .table
+                .as_ref()
+                .expect("a Table endpoint (TableClient::new checks has_table_endpoint)"),
         };
         let mut url = base.clone();
         url.path_segments_mut()
@@ -329,9 +359,14 @@ fn identity_account(
         }
         Ok(url)
     };
+    // A Table endpoint is never derived beside explicit blob or queue ones (see `table`).
+    let derive_table = blob.is_none() && queue.is_none();
     let blob = uri(blob, "blobServiceUri", "blob")?;
     let queue = uri(queue, "queueServiceUri", "queue")?;
-    let table = uri(table, "tableServiceUri", "table")?;
+    let table = match table {
+        None if !derive_table => None,
+        table => Some(uri(table, "tableServiceUri", "table")?),
+    };
     let credential = identity_credential(prefix, credential.as_deref(), client_id)?;
     Ok(StorageAccount {
         account,
@@ -434,12 +469,18 @@ mod tests {
         assert!(a.is_emulator());
         assert_eq!(a.blob_endpoint(), "http://127.0.0.1:10000/devstoreaccount1");
         assert_eq!(a.queue_endpoint(), "http://127.0.0.1:10001/devstoreaccount1");
-        assert_eq!(a.table_endpoint(), "http://127.0.0.1:10002/devstoreaccount1");
+        assert_eq!(
+            a.table_endpoint().as_deref(),
+            Some("http://127.0.0.1:10002/devstoreaccount1")
+        );
         let proxied = StorageAccount::from_connection_string(
             "UseDevelopmentStorage=true;DevelopmentStorageProxyUri=http://azurite",
         )
         .unwrap();
-        assert_eq!(proxied.table_endpoint(), "http://azurite:10002/devstoreaccount1");
+        assert_eq!(
+            proxied.table_endpoint().as_deref(),
+            Some("http://azurite:10002/devstoreaccount1")
+        );
     }
 
     #[test]
@@ -451,7 +492,10 @@ mod tests {
         assert_eq!(a.account(), "prodacct");
         assert_eq!(a.blob_endpoint(), "https://prodacct.blob.core.windows.net");
         assert_eq!(a.queue_endpoint(), "https://prodacct.queue.core.windows.net");
-        assert_eq!(a.table_endpoint(), "https://prodacct.table.core.windows.net");
+        assert_eq!(
+            a.table_endpoint().as_deref(),
+            Some("https://prodacct.table.core.windows.net")
+        );
         assert_eq!(
             a.url(Service::Table, "Tables").as_str(),
             "https://prodacct.table.core.windows.net/Tables"
@@ -462,14 +506,17 @@ mod tests {
         .unwrap();
         assert_eq!(sovereign.blob_endpoint(), "https://g.blob.core.usgovcloudapi.net");
         assert_eq!(
-            sovereign.table_endpoint(),
-            "https://g.table.core.usgovcloudapi.net"
+            sovereign.table_endpoint().as_deref(),
+            Some("https://g.table.core.usgovcloudapi.net")
         );
         let plain = StorageAccount::from_connection_string(
             "DefaultEndpointsProtocol=http;AccountName=p;AccountKey=c2VjcmV0",
         )
         .unwrap();
-        assert_eq!(plain.table_endpoint(), "http://p.table.core.windows.net");
+        assert_eq!(
+            plain.table_endpoint().as_deref(),
+            Some("http://p.table.core.windows.net")
+        );
     }
 
     #[test]
@@ -478,7 +525,10 @@ mod tests {
             "AccountName=acct;AccountKey=c2VjcmV0;TableEndpoint=https://tables.example.net/acct/",
         )
         .unwrap();
-        assert_eq!(a.table_endpoint(), "https://tables.example.net/acct");
+        assert_eq!(
+            a.table_endpoint().as_deref(),
+            Some("https://tables.example.net/acct")
+        );
         assert_eq!(a.blob_endpoint(), "https://acct.blob.core.windows.net");
         // The account named by the table endpoint alone (SAS, no AccountName).
         let sas = StorageAccount::from_connection_string(
@@ -486,7 +536,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(sas.account(), "only");
-        assert_eq!(sas.table_endpoint(), "https://only.table.core.windows.net");
+        assert_eq!(
+            sas.table_endpoint().as_deref(),
+            Some("https://only.table.core.windows.net")
+        );
         let e = StorageAccount::from_connection_string("AccountName=a;AccountKey=c2VjcmV0;TableEndpoint=::")
             .unwrap_err()
             .to_string();
@@ -500,7 +553,10 @@ mod tests {
         assert_eq!(a.account(), "devstoreaccount1");
         assert_eq!(a.blob_endpoint(), "http://127.0.0.1:41000/devstoreaccount1");
         assert_eq!(a.queue_endpoint(), "http://127.0.0.1:41001/devstoreaccount1");
-        assert_eq!(a.table_endpoint(), "http://127.0.0.1:41002/devstoreaccount1");
+        assert_eq!(
+            a.table_endpoint().as_deref(),
+            Some("http://127.0.0.1:41002/devstoreaccount1")
+        );
         assert_eq!(
             StorageAccount::emulator("127.0.0.1", 41000, 41001, 41002).table_endpoint(),
             a.table_endpoint()
@@ -524,6 +580,52 @@ mod tests {
         assert_eq!(
             a.url(Service::Queue, "triggers").as_str(),
             "https://acct.queue.core.windows.net/triggers"
+        );
+    }
+
+    /// Issue 44: Blob and Queue endpoints without a Table endpoint (the form the docs once
+    /// showed) give no Table endpoint, never a derived `<account>.table.core.windows.net` (the
+    /// account's public host behind a private endpoint, plain HTTP with `http`); the same for
+    /// identity settings. With an explicit one, or none explicit, as before; what is shown of
+    /// it carries no SAS.
+    #[test]
+    fn no_table_endpoint_is_derived_beside_explicit_blob_or_queue_endpoints() {
+        for cs in [
+            "DefaultEndpointsProtocol=http;AccountName=acct;AccountKey=c2VjcmV0;\
+             BlobEndpoint=http://10.0.0.4/acct;QueueEndpoint=http://10.0.0.5/acct",
+            "BlobEndpoint=https://acct.privatelink.blob.core.windows.net/;\
+             QueueEndpoint=https://acct.privatelink.queue.core.windows.net/;SharedAccessSignature=sv=1&sig=S",
+            "AccountName=acct;AccountKey=c2VjcmV0;BlobEndpoint=https://blob.example.net/acct",
+            "AccountName=acct;AccountKey=c2VjcmV0;QueueEndpoint=https://queue.example.net/acct",
+        ] {
+            let a = StorageAccount::from_connection_string(cs).unwrap();
+            assert_eq!(a.table_endpoint(), None, "{cs}");
+            assert!(!a.has_table_endpoint());
+            assert!(!format!("{a:?}").contains(".table."), "{a:?}");
+        }
+        let with_table = StorageAccount::from_connection_string(
+            "AccountName=acct;AccountKey=c2VjcmV0;BlobEndpoint=https://10.0.0.4/acct;\
+             QueueEndpoint=https://10.0.0.5/acct;TableEndpoint=https://10.0.0.6/acct?sv=1&sig=SECRET",
+        )
+        .unwrap();
+        assert_eq!(
+            with_table.table_endpoint().as_deref(),
+            Some("https://10.0.0.6/acct")
+        );
+        let by_identity = identity(&[
+            ("AzureWebJobsStorage__blobServiceUri", "https://10.0.0.4/acct"),
+            ("AzureWebJobsStorage__queueServiceUri", "https://10.0.0.5/acct"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(by_identity.table_endpoint(), None);
+        let by_name = identity(&[("AzureWebJobsStorage__accountName", "acct")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            by_name.table_endpoint().as_deref(),
+            Some("https://acct.table.core.windows.net"),
+            "nothing explicit: all three derived"
         );
     }
 
@@ -576,7 +678,10 @@ mod tests {
         assert_eq!(a.account(), "prodacct");
         assert_eq!(a.blob_endpoint(), "https://prodacct.blob.core.windows.net");
         assert_eq!(a.queue_endpoint(), "https://prodacct.queue.core.windows.net");
-        assert_eq!(a.table_endpoint(), "https://prodacct.table.core.windows.net");
+        assert_eq!(
+            a.table_endpoint().as_deref(),
+            Some("https://prodacct.table.core.windows.net")
+        );
         assert!(a.token_credential().is_some());
         let custom = identity(&[
             (
@@ -597,8 +702,8 @@ mod tests {
         .unwrap();
         assert_eq!(custom.account(), "devstoreaccount1");
         assert_eq!(
-            custom.table_endpoint(),
-            "https://127.0.0.1:41002/devstoreaccount1"
+            custom.table_endpoint().as_deref(),
+            Some("https://127.0.0.1:41002/devstoreaccount1")
         );
         assert!(
             identity(&[(

@@ -76,13 +76,27 @@ impl std::fmt::Debug for TableClient {
     }
 }
 
+/// Storage settings without a Table endpoint ([`TableClient::new`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "no Table endpoint: the storage settings give Blob or Queue endpoints but no TableEndpoint \
+     (AzureWebJobsStorage__tableServiceUri with an identity), and one is never derived beside them"
+)]
+pub struct NoTableEndpoint;
+
 impl TableClient {
     /// The Table service of `account`, recording round trips into `counters`.
     ///
     /// An identity-based account authorises with a bearer token for Azure Storage; its endpoints
     /// are https by construction ([`StorageAccount::from_identity_settings`] refuses others), so
     /// a token is never sent in the clear.
-    pub fn new(account: &StorageAccount, counters: OpCounters) -> Self {
+    ///
+    /// An account without a Table endpoint (Blob or Queue endpoints given but no Table one: it
+    /// is never derived beside them) has no Table service here: [`NoTableEndpoint`].
+    pub fn new(account: &StorageAccount, counters: OpCounters) -> Result<Self, NoTableEndpoint> {
+        if !account.has_table_endpoint() {
+            return Err(NoTableEndpoint);
+        }
         let per_try: Vec<Arc<dyn Policy>> = account
             .token_credential()
             .map(|credential| {
@@ -101,12 +115,12 @@ impl TableClient {
             per_try,
             None,
         );
-        Self {
+        Ok(Self {
             pipeline,
             endpoint: account.url(Service::Table, ""),
             counters,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
-        }
+        })
     }
 
     /// Sets the per-request time limit.

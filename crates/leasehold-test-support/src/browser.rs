@@ -26,6 +26,30 @@ pub const CHROMIUM_INSTALL_HINT: &str = "scripts/install-chromium.sh (apt-get in
 
 type Socket = WebSocketStream<MaybeTlsStream<AsyncTcpStream>>;
 
+/// What went wrong driving the browser, said in words (for a test's failure message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrowserError(pub String);
+
+impl std::fmt::Display for BrowserError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BrowserError {}
+
+impl From<String> for BrowserError {
+    fn from(text: String) -> Self {
+        BrowserError(text)
+    }
+}
+
+impl From<&str> for BrowserError {
+    fn from(text: &str) -> Self {
+        BrowserError(text.to_string())
+    }
+}
+
 /// A running headless Chromium and a DevTools connection to its page.
 #[derive(Debug)]
 pub struct Browser {
@@ -47,13 +71,14 @@ impl Browser {
 
     /// Starts Chromium headless on `about:blank` with a window of `width` × `height` CSS
     /// pixels and connects to its page.
-    pub async fn launch(width: u32, height: u32) -> Result<Browser, String> {
+    pub async fn launch(width: u32, height: u32) -> Result<Browser, BrowserError> {
         let exe = Self::executable();
         if !exe.exists() {
             return Err(format!(
                 "Chromium is not installed at {}. Install it with: {CHROMIUM_INSTALL_HINT}",
                 exe.display()
-            ));
+            )
+            .into());
         }
         let profile = std::env::temp_dir().join(format!(
             "leasehold-chromium-{}-{}",
@@ -115,7 +140,7 @@ impl Browser {
     }
 
     /// Sends a DevTools command and returns its `result` (events in between are skipped).
-    pub async fn call(&self, method: &str, params: Value) -> Result<Value, String> {
+    pub async fn call(&self, method: &str, params: Value) -> Result<Value, BrowserError> {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut socket = self.socket.lock().await;
         let text = json!({ "id": id, "method": method, "params": params }).to_string();
@@ -125,10 +150,10 @@ impl Browser {
             .map_err(|e| format!("DevTools {method}: sending: {e}"))?;
         let answer = tokio::time::timeout(Duration::from_secs(60), async {
             while let Some(message) = socket.next().await {
-                let message = message.map_err(|e| format!("DevTools {method}: {e}"))?;
+                let message = message.map_err(|e| BrowserError(format!("DevTools {method}: {e}")))?;
                 let Message::Text(text) = message else { continue };
-                let value: Value =
-                    serde_json::from_str(&text).map_err(|e| format!("DevTools {method}: {e}: {text}"))?;
+                let value: Value = serde_json::from_str(&text)
+                    .map_err(|e| BrowserError(format!("DevTools {method}: {e}: {text}")))?;
                 if value["id"].as_u64() == Some(id) {
                     return Ok(value);
                 }
@@ -144,21 +169,23 @@ impl Browser {
                         .push(text.to_string());
                 }
             }
-            Err(format!("DevTools {method}: the browser closed the connection"))
+            Err(BrowserError(format!(
+                "DevTools {method}: the browser closed the connection"
+            )))
         })
         .await
         .map_err(|_| format!("DevTools {method}: no answer within 60 s"))??;
         if let Some(error) = answer.get("error") {
-            return Err(format!("DevTools {method} failed: {error}"));
+            return Err(format!("DevTools {method} failed: {error}").into());
         }
         Ok(answer["result"].clone())
     }
 
     /// Navigates to `url` and waits until its document has loaded.
-    pub async fn navigate(&self, url: &str) -> Result<(), String> {
+    pub async fn navigate(&self, url: &str) -> Result<(), BrowserError> {
         let result = self.call("Page.navigate", json!({ "url": url })).await?;
         if let Some(error) = result.get("errorText").and_then(Value::as_str) {
-            return Err(format!("navigating to {url}: {error}"));
+            return Err(format!("navigating to {url}: {error}").into());
         }
         self.wait_for(
             "document.readyState === 'complete'",
@@ -170,7 +197,7 @@ impl Browser {
     }
 
     /// Evaluates `expression` in the page (a promise is awaited) and returns its value.
-    pub async fn eval(&self, expression: &str) -> Result<Value, String> {
+    pub async fn eval(&self, expression: &str) -> Result<Value, BrowserError> {
         let result = self
             .call(
                 "Runtime.evaluate",
@@ -182,33 +209,36 @@ impl Browser {
                 .as_str()
                 .or_else(|| exception["text"].as_str())
                 .unwrap_or("an exception");
-            return Err(format!("evaluating {expression:?}: {text}"));
+            return Err(format!("evaluating {expression:?}: {text}").into());
         }
         Ok(result["result"]["value"].clone())
     }
 
     /// Evaluates `expression` until it is truthy (not `false`, `null`, `0` or `""`) and returns
     /// that value; fails naming `what` after `limit`.
-    pub async fn wait_for(&self, expression: &str, limit: Duration, what: &str) -> Result<Value, String> {
+    pub async fn wait_for(
+        &self,
+        expression: &str,
+        limit: Duration,
+        what: &str,
+    ) -> Result<Value, BrowserError> {
         let deadline = tokio::time::Instant::now() + limit;
         let mut last;
         loop {
             match self.eval(expression).await {
                 Ok(v) if truthy(&v) => return Ok(v),
                 Ok(v) => last = v,
-                Err(e) => last = Value::String(e),
+                Err(e) => last = Value::String(e.0),
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(format!(
-                    "timed out after {limit:?} waiting for {what} (last: {last})"
-                ));
+                return Err(format!("timed out after {limit:?} waiting for {what} (last: {last})").into());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
     /// A PNG of the whole page (its full height, at the window's width).
-    pub async fn screenshot(&self) -> Result<Vec<u8>, String> {
+    pub async fn screenshot(&self) -> Result<Vec<u8>, BrowserError> {
         let metrics = self.call("Page.getLayoutMetrics", json!({})).await?;
         let size = &metrics["cssContentSize"];
         let (width, height) = (
@@ -228,20 +258,20 @@ impl Browser {
         let data = result["data"].as_str().ok_or("no screenshot data")?;
         base64::engine::general_purpose::STANDARD
             .decode(data)
-            .map_err(|e| format!("screenshot: {e}"))
+            .map_err(|e| format!("screenshot: {e}").into())
     }
 
     /// Saves [`screenshot`](Self::screenshot) to `path` (its folder is created).
-    pub async fn save_screenshot(&self, path: &Path) -> Result<(), String> {
+    pub async fn save_screenshot(&self, path: &Path) -> Result<(), BrowserError> {
         let png = self.screenshot().await?;
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
         }
-        std::fs::write(path, png).map_err(|e| format!("writing {}: {e}", path.display()))
+        std::fs::write(path, png).map_err(|e| format!("writing {}: {e}", path.display()).into())
     }
 
     /// Answers the page's next `confirm()` / `alert()` with `accept`.
-    pub async fn answer_dialogs(&self, accept: bool) -> Result<(), String> {
+    pub async fn answer_dialogs(&self, accept: bool) -> Result<(), BrowserError> {
         // Overriding in the page is simpler than waiting for the dialog event over the socket.
         self.eval(&format!(
             "window.confirm = () => {accept}; window.alert = () => undefined; true"

@@ -126,6 +126,21 @@ fn lanes(wiring: &Wiring, logic: Arc<dyn Logic>, settings: &Settings) -> Lanes {
     }
 }
 
+/// Says at the start where run history goes (the Table endpoint's URL only: no query, so no
+/// SAS), or why it is off when it was not turned off.
+fn log_history(settings: &Settings) {
+    match (&settings.history, &settings.history_off) {
+        (_, Some(why)) => tracing::warn!("{why}"),
+        (Some(history), None) => tracing::info!(
+            table_endpoint = %settings.account.table_endpoint().unwrap_or_default(),
+            tables = %history.table_prefix,
+            days = history.keep.as_secs() / 86_400,
+            "run history on"
+        ),
+        (None, None) => tracing::info!("run history off (LEASEHOLD_HISTORY=false)"),
+    }
+}
+
 /// How often an instance drops the history tables past their days (every instance does; a
 /// table already dropped costs the others a list request and nothing more).
 const HISTORY_SWEEP_EVERY: Duration = Duration::from_secs(3600);
@@ -185,6 +200,7 @@ impl Application {
     ) -> Result<Self> {
         telemetry::init();
         let traces = crate::traces::install()?;
+        log_history(&settings);
         let mut app = match mode {
             Mode::Handler => Self::handler(settings, supervisor).await,
             Mode::Standalone { port, demo } => Self::standalone(settings, port, demo, supervisor).await,

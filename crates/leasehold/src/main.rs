@@ -203,6 +203,10 @@ async fn run(cli: Cli) -> Result<()> {
             Mode::Standalone { port, demo }
         }
         Command::Ops(command) => {
+            // History commands would otherwise say only that history is off.
+            if let Some(why) = &settings.history_off {
+                eprintln!("leasehold: {why}");
+            }
             let status = leasehold_ops::cli::run(command, &settings.storage()).await?;
             if status != 0 {
                 use std::io::Write;

@@ -7,8 +7,8 @@ use anyhow::{Context, Result, bail};
 use leasehold_functions::start::{Secret, StartPolicy};
 use leasehold_lock::{LeaseDuration, LeaseOptions};
 use leasehold_runtime::{
-    BudgetOptions, ConsumerOptions, Debounce, PerScope, RunPolicy, RunnerOptions, Scope, TableHistory,
-    check_budget_name,
+    BudgetOptions, ConsumerOptions, Debounce, MAX_HISTORY_DAYS, PerScope, RunPolicy, RunnerOptions, Scope,
+    TableHistory, check_budget_name,
 };
 use leasehold_storage::StorageAccount;
 use serde::Deserialize;
@@ -312,6 +312,9 @@ pub struct Settings {
     /// `LEASEHOLD_HISTORY`, `LEASEHOLD_HISTORY_DAYS` and `LEASEHOLD_HISTORY_TABLE`: where run
     /// history is kept and for how long (`None`: history is off).
     pub history: Option<leasehold_ops::wiring::HistorySettings>,
+    /// Why run history is off though `LEASEHOLD_HISTORY` left it on (the storage settings give
+    /// no Table endpoint): logged as a warning at the start.
+    pub history_off: Option<String>,
 }
 
 impl std::fmt::Debug for Settings {
@@ -685,6 +688,12 @@ impl Settings {
             &raw.leasehold_history_table,
             &container,
         )?;
+        // History needs the Table service, which is never guessed beside explicit Blob or Queue
+        // endpoints (behind a private endpoint it would be the account's public one).
+        let (history, history_off) = match history {
+            Some(_) if !account.has_table_endpoint() => (None, Some(NO_TABLE_ENDPOINT.to_string())),
+            history => (history, None),
+        };
         let handler_port = match raw.functions_customhandler_port.or(raw.functions_httpworker_port) {
             Some(p) => Some(number("FUNCTIONS_CUSTOMHANDLER_PORT", &Some(p), 0u16)?),
             None => None,
@@ -729,12 +738,16 @@ impl Settings {
             consumer,
             budget,
             history,
+            history_off,
         })
     }
 }
 
-/// The longest history may be kept: a year.
-const MAX_HISTORY_DAYS: u64 = 366;
+/// The warning when history is off for want of a Table endpoint.
+const NO_TABLE_ENDPOINT: &str = "run history is off: the storage settings give BlobEndpoint or QueueEndpoint but no TableEndpoint \
+     (AzureWebJobsStorage__tableServiceUri with an identity), and a Table endpoint is never derived beside explicit ones \
+     (behind a private endpoint it would be the account's public one). Add TableEndpoint=<the account's Table endpoint> \
+     to AzureWebJobsStorage to keep history, or set LEASEHOLD_HISTORY=false to say it is meant to be off";
 
 /// Reads the run history settings (`None`: `LEASEHOLD_HISTORY=false`).
 fn history_settings(
@@ -1260,5 +1273,49 @@ mod tests {
             assert!(e.contains(expect), "expected {expect:?} in {e}");
             assert!(!e.contains("SECRET"), "{e}");
         }
+    }
+
+    /// Issue 44: with Blob and Queue endpoints but no Table endpoint, history is off and says
+    /// why (naming TableEndpoint), and the wiring builds no Table client: no request goes to a
+    /// derived `<account>.table.core.windows.net` (the account's public host behind a private
+    /// endpoint, in plain HTTP here). With a Table endpoint, or history turned off, as before.
+    #[test]
+    fn no_table_endpoint_turns_history_off_with_a_warning_and_wires_no_table_client() {
+        let explicit = "DefaultEndpointsProtocol=http;AccountName=acct;AccountKey=c2VjcmV0;\
+                        BlobEndpoint=http://10.0.0.4/acct;QueueEndpoint=http://10.0.0.5/acct";
+        let settings = |storage: String, history: Option<&str>| {
+            Settings::from_raw(Raw {
+                storage: Some(storage),
+                leasehold_history: history.map(str::to_string),
+                ..Raw::default()
+            })
+            .unwrap()
+        };
+        let off = settings(explicit.to_string(), None);
+        assert!(off.history.is_none());
+        let why = off.history_off.as_deref().unwrap();
+        assert!(why.contains("TableEndpoint"), "{why}");
+        assert!(!why.contains("c2VjcmV0"), "{why}");
+        let wiring = leasehold_ops::wiring::wire(&off.storage()).unwrap();
+        assert!(wiring.history.is_none(), "no history store, so no Table request");
+
+        let on = settings(format!("{explicit};TableEndpoint=http://10.0.0.6/acct"), None);
+        assert!(on.history.is_some() && on.history_off.is_none());
+        assert_eq!(
+            on.account.table_endpoint().as_deref(),
+            Some("http://10.0.0.6/acct")
+        );
+        assert!(
+            leasehold_ops::wiring::wire(&on.storage())
+                .unwrap()
+                .history
+                .is_some()
+        );
+
+        let meant = settings(explicit.to_string(), Some("false"));
+        assert!(
+            meant.history.is_none() && meant.history_off.is_none(),
+            "turned off: no warning"
+        );
     }
 }

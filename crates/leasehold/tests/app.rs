@@ -2711,3 +2711,58 @@ async fn https_stand_in(router: axum::Router, dir: &std::path::Path) -> (String,
     });
     (url, pem)
 }
+
+/// Issue 44: `serve` with a connection string that gives Blob and Queue endpoints but no Table
+/// endpoint runs records with history off, and its start-up log says so naming
+/// `TableEndpoint`; it never names (nor so writes to) a derived `….table.core.windows.net`. With
+/// the Table endpoint given, its log names the endpoint history writes to (no SAS).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_table_endpoint_serve_runs_with_history_off_and_says_so() {
+    let full = leasehold_test_support::Azurite::shared().connection_string();
+    let without: String = full
+        .split(';')
+        .filter(|part| !part.trim().starts_with("TableEndpoint="))
+        .collect::<Vec<_>>()
+        .join(";");
+    assert!(!without.contains("TableEndpoint"), "{without}");
+    let env = Env::new();
+    let mut child = env
+        .spawn(
+            &["serve"],
+            &[
+                ("AzureWebJobsStorage", without),
+                ("LEASEHOLD_LOGIC_COMMAND", env.logic("exit 0")),
+            ],
+        )
+        .await;
+    let (ok, out) = env.output(&["enqueue", "--scope", "account", RECORD]).await;
+    assert!(ok, "{out}");
+    eventually(Duration::from_secs(30), "the record's run", || async {
+        (!env.runs().is_empty()).then_some(())
+    })
+    .await;
+    terminate(&child);
+    child.wait().await.unwrap();
+    let log = env.log("serve");
+    assert!(
+        log.contains("run history is off") && log.contains("TableEndpoint"),
+        "{log}"
+    );
+    assert!(!log.contains("table.core.windows.net"), "{log}");
+    assert!(!log.contains("run history on"), "{log}");
+
+    let other = env.sibling("with-table");
+    let mut child = other
+        .spawn(&["serve"], &[("LEASEHOLD_LOGIC_COMMAND", other.logic("exit 0"))])
+        .await;
+    let table_endpoint = leasehold_test_support::Azurite::shared().table_uri();
+    eventually(Duration::from_secs(10), "the history line", || async {
+        other.log("serve").contains("run history on").then_some(())
+    })
+    .await;
+    terminate(&child);
+    child.wait().await.unwrap();
+    let log = other.log("serve");
+    let line = log.lines().find(|l| l.contains("run history on")).unwrap();
+    assert!(line.contains(&table_endpoint), "{line}");
+}

@@ -169,3 +169,111 @@ fn the_crates_depend_one_way_and_the_operator_layer_needs_no_server() {
         }
     }
 }
+
+/// Crates whose public functions may still answer `Result<_, String>` (none: each has an error
+/// type; name a crate here only with a reason).
+const STRING_ERRORS_ALLOWED_IN: &[&str] = &[];
+
+/// The public functions (`pub fn`, `pub async fn`, `pub const fn`; not `pub(crate)`) in `text`
+/// whose return type is `Result<…, String>`, as 1-based line numbers, up to the file's
+/// `#[cfg(test)]` module. A signature may span lines: it is read up to its body's `{` or a `;`.
+/// Trait impls (`impl FromStr` with `type Err = String`) are not functions declared `pub` and
+/// are not looked at: a trait fixes their shape.
+fn public_string_errors(text: &str) -> Vec<usize> {
+    let code = text.split("#[cfg(test)]").next().unwrap();
+    let lines: Vec<&str> = code.lines().collect();
+    let mut found = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let t = line.trim_start();
+        let public = ["pub fn ", "pub async fn ", "pub const fn ", "pub unsafe fn "]
+            .iter()
+            .any(|p| t.starts_with(p));
+        if !public {
+            continue;
+        }
+        let mut signature = String::new();
+        for next in &lines[i..] {
+            let next = next.split("//").next().unwrap();
+            signature.push_str(next);
+            signature.push(' ');
+            if next.contains('{') || next.trim_end().ends_with(';') {
+                break;
+            }
+        }
+        let signature = signature.split('{').next().unwrap();
+        let signature = signature.split(" where ").next().unwrap();
+        let Some((_, returns)) = signature.rsplit_once("->") else {
+            continue;
+        };
+        let returns: String = returns.chars().filter(|c| !c.is_whitespace()).collect();
+        let returns = returns.trim_end_matches(';');
+        let result = ["Result<", "std::result::Result<", "core::result::Result<"]
+            .iter()
+            .any(|p| returns.starts_with(p));
+        if result && returns.ends_with(",String>") {
+            found.push(i + 1);
+        }
+    }
+    found
+}
+
+#[test]
+fn the_string_error_scan_sees_one_line_and_wrapped_signatures() {
+    let text = "pub fn a() -> Result<(), String> {\n}\n\
+                pub(crate) fn b() -> Result<(), String> {}\n\
+                pub async fn c(\n    x: u32,\n) -> std::result::Result<Vec<u8>,\n    String> {\n}\n\
+                pub fn d() -> Result<String, Error> {}\n\
+                /// pub fn e() -> Result<(), String>\n\
+                pub fn f() -> Result<(), String>;\n\
+                #[cfg(test)]\nmod tests { pub fn g() -> Result<(), String> {} }\n";
+    assert_eq!(public_string_errors(text), [1, 4, 11]);
+}
+
+/// No public function of the workspace's crates answers `Result<_, String>` (issue 44): an
+/// error a caller can only print, not match on. Give it an error type (thiserror, as
+/// `BadBudgetName` or `BadHistoryPrefix`).
+#[test]
+fn no_public_function_returns_a_string_error() {
+    fn walk(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, files);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    let root = leasehold_test_support::workspace_root();
+    let mut offenders = Vec::new();
+    let mut scanned = 0;
+    for krate in std::fs::read_dir(root.join("crates")).unwrap() {
+        let krate = krate.unwrap().path();
+        let name = krate.file_name().unwrap().to_string_lossy().to_string();
+        let src = krate.join("src");
+        if STRING_ERRORS_ALLOWED_IN.contains(&name.as_str()) || !src.is_dir() {
+            continue;
+        }
+        let mut files = Vec::new();
+        walk(&src, &mut files);
+        for file in files {
+            scanned += 1;
+            let text = std::fs::read_to_string(&file).unwrap();
+            for line in public_string_errors(&text) {
+                offenders.push(format!(
+                    "{}:{line}",
+                    file.strip_prefix(&root).unwrap_or(&file).display()
+                ));
+            }
+        }
+    }
+    assert!(
+        scanned > 50,
+        "only {scanned} files scanned: is the workspace root right?"
+    );
+    assert!(
+        offenders.is_empty(),
+        "public functions answering Result<_, String> (give them an error type):\n{}",
+        offenders.join("\n")
+    );
+}

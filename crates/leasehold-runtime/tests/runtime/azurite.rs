@@ -1000,7 +1000,7 @@ async fn run_history_is_written_and_read_back_in_two_requests_and_dropped_a_tabl
     let prefix = format!("h{}", &unique_name("t").replace('-', "")[..12]);
     let day = Duration::from_secs(24 * 3600);
     let keep = 2 * day;
-    let client = TableClient::new(&account, counters.clone());
+    let client = TableClient::new(&account, counters.clone()).unwrap();
     let history = TableHistory::new(client.clone(), &prefix, keep).unwrap();
     let scope = Scope::parse("account").unwrap();
     let record = RecordId::parse("8f9c1d2e-0000-4000-8000-000000000001").unwrap();
@@ -1098,7 +1098,7 @@ async fn recent_runs_are_read_across_records_by_window_and_scope_and_say_when_pa
     let prefix = format!("r{}", &unique_name("t").replace('-', "")[..12]);
     let day = Duration::from_secs(24 * 3600);
     let keep = day;
-    let client = TableClient::new(&account, counters.clone());
+    let client = TableClient::new(&account, counters.clone()).unwrap();
     let history = TableHistory::new(client.clone(), &prefix, keep).unwrap();
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1208,6 +1208,162 @@ async fn recent_runs_are_read_across_records_by_window_and_scope_and_say_when_pa
         .unwrap();
     assert!(partial.partial, "{partial:?}");
     assert_eq!(partial.scanned, 2, "{partial:?}");
+    for table in client.list_tables(&prefix).await.unwrap() {
+        client.delete_table(&table).await.unwrap();
+    }
+}
+
+/// Issue 44: a change of `LEASEHOLD_HISTORY_DAYS` either way loses no entry younger than the
+/// longer setting. Two deployments share a prefix, one keeping 7 days and one keeping 1 (as one
+/// deployment before and after a change, or two with other days): each writes its entries of
+/// the last 7 days, each sweeps with its own days. No entry younger than 7 days is dropped (the
+/// old rule took a 7-day table for a 1-day one from its name and dropped entries 74 s old), each
+/// reads the other's within its own days, and a table of the first layout
+/// (`<prefix><yyyymmdd>`, its length not in its name) is not dropped days after its date.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_of_history_days_either_way_loses_no_entry_younger_than_the_longer_setting() {
+    use leasehold_runtime::{
+        HistoryEntry, HistoryEvent, HistoryStore, RecentQuery, RecordId, Scope, TableHistory,
+    };
+    use leasehold_storage::table::TableClient;
+    let account = Azurite::shared().account();
+    let prefix = format!("d{}", &unique_name("t").replace('-', "")[..12]);
+    let day = Duration::from_secs(24 * 3600);
+    let client = TableClient::new(&account, OpCounters::new()).unwrap();
+    let seven = TableHistory::new(client.clone(), &prefix, 7 * day).unwrap();
+    let one = TableHistory::new(client.clone(), &prefix, day).unwrap();
+    let scope = Scope::parse("account").unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let (r7, r1) = (
+        RecordId::parse("by-seven").unwrap(),
+        RecordId::parse("by-one").unwrap(),
+    );
+    let hour = Duration::from_secs(3600);
+    // Ages under 7 days, spread so that whichever day of its period today is, the 7-day
+    // deployment writes to two period tables, the older one started 7 days ago or more.
+    let ages7 = [
+        Duration::from_secs(74),
+        23 * hour,
+        2 * day,
+        3 * day,
+        4 * day,
+        5 * day,
+        6 * day,
+        6 * day + 23 * hour,
+    ];
+    let ages1 = [
+        Duration::from_secs(74),
+        12 * hour,
+        day + hour,
+        3 * day,
+        6 * day + 23 * hour,
+    ];
+    for (history, record, ages) in [(&seven, &r7, &ages7[..]), (&one, &r1, &ages1[..])] {
+        for (i, age) in ages.iter().enumerate() {
+            let mut e = HistoryEntry::new(scope.clone(), record.clone(), HistoryEvent::Started);
+            e.time_ms = now_ms - age.as_millis() as u64;
+            e.attempt = i as u32 + 1;
+            // One write an entry: an entity goes to the table of its newest entry's period.
+            history.append(&[e]).await.unwrap();
+        }
+    }
+    // A table of the first layout, dated 3 days ago.
+    let (y, m, d) = {
+        let days = (now_ms / 1000 / 86_400 - 3) as i64;
+        // H. Hinnant's civil_from_days.
+        let z = days + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z.rem_euclid(146_097);
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let d = doy - (153 * mp + 2) / 5 + 1;
+        let m = if mp < 10 { mp + 3 } else { mp - 9 };
+        (yoe + era * 400 + i64::from(m <= 2), m, d)
+    };
+    let first_layout = format!("{prefix}{y:04}{m:02}{d:02}");
+    client.create_table(&first_layout).await.unwrap();
+    // An entry of the 7-day deployment 2 days old, written there as the code before wrote it
+    // (the partition by FNV-1a of the record over 16 buckets, the row key by inverted time).
+    {
+        let mut e = HistoryEntry::new(scope.clone(), r7.clone(), HistoryEvent::Started);
+        e.time_ms = now_ms - (2 * day).as_millis() as u64;
+        e.attempt = 99;
+        let mut hash: u32 = 0x811c_9dc5;
+        for byte in r7.as_str().bytes() {
+            hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+        }
+        let mut entity = leasehold_storage::table::Entity::new();
+        entity.insert("PartitionKey".into(), format!("account|{:02x}", hash % 16).into());
+        entity.insert(
+            "RowKey".into(),
+            format!("{}|{:013}-x", r7.as_str(), 9_999_999_999_999u64 - e.time_ms).into(),
+        );
+        entity.insert("Newest".into(), format!("{:013}", e.time_ms).into());
+        entity.insert("Entries".into(), serde_json::to_string(&[e]).unwrap().into());
+        client.insert_entity(&first_layout, &entity).await.unwrap();
+    }
+    let tables = client.list_tables(&prefix).await.unwrap();
+
+    // Both deployments sweep, each with its own days, in either order.
+    one.sweep(day).await.unwrap();
+    seven.sweep(7 * day).await.unwrap();
+    one.sweep(day).await.unwrap();
+    let left = client.list_tables(&prefix).await.unwrap();
+
+    let attempts = |entries: Vec<HistoryEntry>| -> Vec<u32> {
+        let mut a: Vec<u32> = entries.iter().map(|e| e.attempt).collect();
+        a.sort_unstable();
+        a
+    };
+    let all7: Vec<u32> = (1..=ages7.len() as u32).chain([99]).collect();
+    let all1: Vec<u32> = (1..=ages1.len() as u32).collect();
+    let read = |history: &TableHistory, record: &RecordId, keep: Duration| {
+        let (history, record, scope) = (history.clone(), record.clone(), scope.clone());
+        async move { history.read(&scope, &record, keep, 100).await.unwrap() }
+    };
+    assert_eq!(
+        attempts(read(&seven, &r7, 7 * day).await),
+        all7,
+        "the 7-day deployment's entries, all younger than 7 days (one in a table of the first layout), after both swept (before: {tables:?}, after: {left:?})"
+    );
+    assert_eq!(
+        attempts(read(&seven, &r1, 7 * day).await),
+        all1,
+        "the 1-day deployment's entries, read by the 7-day one (before: {tables:?}, after: {left:?})"
+    );
+    assert_eq!(
+        attempts(read(&one, &r1, day).await),
+        [1, 2],
+        "its own within a day"
+    );
+    assert_eq!(
+        attempts(read(&one, &r7, day).await),
+        [1, 2],
+        "the 7-day deployment's within a day"
+    );
+    assert!(
+        left.contains(&first_layout),
+        "a table of the first layout was dropped: {left:?}"
+    );
+    let recent = seven
+        .recent(&RecentQuery {
+            since_ms: now_ms - (7 * day).as_millis() as u64,
+            until_ms: now_ms,
+            scope: None,
+            events: Vec::new(),
+            limit: 100,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        recent.entries.len(),
+        ages7.len() + ages1.len() + 1,
+        "the run list finds both deployments' entries and the first layout's: {recent:?}"
+    );
     for table in client.list_tables(&prefix).await.unwrap() {
         client.delete_table(&table).await.unwrap();
     }
