@@ -145,9 +145,16 @@ impl Operator {
                 "run history is off in this deployment (LEASEHOLD_HISTORY=false)".into(),
             ));
         };
-        let entries = store
-            .read(scope, record, *keep, limit)
+        // Bounded: the history is advice beside the lease and markers, and a Table endpoint that
+        // does not answer must not hold a status or a record page for its request's time limit.
+        let entries = tokio::time::timeout(HISTORY_READ_WAIT, store.read(scope, record, *keep, limit))
             .await
+            .map_err(|_| {
+                OpsError::Storage(format!(
+                    "read the record's history: no answer within {} s",
+                    HISTORY_READ_WAIT.as_secs()
+                ))
+            })?
             .map_err(|e| OpsError::storage("read the record's history", e))?;
         let mut views: Vec<HistoryView> = entries.iter().map(HistoryView::from).collect();
         coalesced_onto(&mut views);
@@ -179,11 +186,26 @@ impl Operator {
             return;
         };
         let (scope, record) = (entry.scope.clone(), entry.record.clone());
-        if let Err(e) = store.append(&[entry]).await {
-            tracing::warn!(%scope, record = %record, error = %e, "could not write the action to the record's history");
+        // Bounded: an action (an enqueue, "Run it again") is done once its trigger is put; a
+        // Table endpoint that does not answer must not hold it for the request's time limit.
+        match tokio::time::timeout(NOTE_WAIT, store.append(&[entry])).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(%scope, record = %record, error = %e, "could not write the action to the record's history");
+            }
+            Err(_) => {
+                tracing::warn!(%scope, record = %record, wait_s = NOTE_WAIT.as_secs_f64(),
+                    "the action's history entry was not written in time (the Table endpoint did not answer); the action itself is done");
+            }
         }
     }
 }
+
+/// The longest an operator's action waits for its history entry to be written.
+pub const NOTE_WAIT: Duration = Duration::from_secs(1);
+
+/// The longest a record's history is waited for (a status, a record page).
+pub const HISTORY_READ_WAIT: Duration = Duration::from_secs(3);
 
 /// The most runs one [`Operator::runs`] answers.
 pub const MAX_RUNS_LIMIT: usize = 1000;

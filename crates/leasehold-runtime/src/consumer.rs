@@ -195,6 +195,9 @@ impl Consumer {
                         _ = shutdown.cancelled() => break,
                         _ = tokio::time::sleep_until(at) => {}
                         _ = budgets.slot_freed() => {}
+                        // A trigger just put (a person's save in this process): a seat may
+                        // take it.
+                        _ = self.wake.notified() => full_poll_at = None,
                     }
                     continue;
                 }
