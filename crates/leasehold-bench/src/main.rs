@@ -1257,7 +1257,7 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
     .unwrap();
     writeln!(
         report,
-        "| adaptive concurrency | drained in | runs/s (of 20 allowed) | 429s per 1,000 runs | drain under a Retry-After | high-lane save → logic start p50 / p95 | poisoned | never run |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| adaptive concurrency | drained in | runs/s (of 20 allowed) | 429s per 1,000 runs | drain under a Retry-After | high-lane save → logic start p50 / p95 | storage requests per completed run | lease acquires per completed run | poisoned | never run |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     .unwrap();
     for adaptive in [true, false] {
@@ -1310,6 +1310,7 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
             tokio::spawn(async move { c.run(s).await })
         };
         let t = Instant::now();
+        let counted_from = e.counters.snapshot();
         let mut saves: Vec<(String, Instant)> = Vec::new();
         let bulk_done = |d: &FakeDownstream| {
             d.succeeded
@@ -1367,8 +1368,16 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
                 format!("{:.2} s", percentile(latencies, 0.95)),
             )
         };
+        let counted = e.counters.snapshot();
+        let per_run = |op: Option<leasehold_lock::Op>| {
+            let n = match op {
+                Some(op) => counted.get(op) - counted_from.get(op),
+                None => counted.total() - counted_from.total(),
+            };
+            n as f64 / succeeded.max(1) as f64
+        };
         let row = format!(
-            "| {} | {:.1} s | {:.1} ({:.0} %) | {:.0} | {:.0} % | {p50} / {p95} ({} saves) | {poisoned} | {never_run} |",
+            "| {} | {:.1} s | {:.1} ({:.0} %) | {:.0} | {:.0} % | {p50} / {p95} ({} saves) | {:.1} | {:.2} | {poisoned} | {never_run} |",
             if adaptive { "on" } else { "off" },
             drained.as_secs_f64(),
             rate,
@@ -1376,6 +1385,8 @@ async fn bulk(az: &Azurite, records: usize, report: &mut String) {
             1000.0 * downstream.throttled.load(Ordering::SeqCst) as f64 / runs.max(1) as f64,
             100.0 * paused_share,
             saves.len(),
+            per_run(None),
+            per_run(Some(leasehold_lock::Op::LeaseAcquire)),
         );
         eprintln!("bulk: {row}");
         writeln!(report, "{row}").unwrap();

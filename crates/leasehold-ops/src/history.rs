@@ -687,6 +687,17 @@ mod tests {
         );
         assert_eq!(views[2].reason.as_deref(), Some("onto the run with token 8"));
         assert_eq!(views[0].reason, None);
+        // A holder died mid-run (its start has no end) and the next run started: a trigger
+        // then coalesced onto the newest run, not the dead one (issue 44, item 7: naming the
+        // oldest open run went unseen).
+        let mut views = vec![
+            at("coalesced", None),
+            at("started", Some(4)),
+            at("started", Some(3)),
+        ];
+        coalesced_onto(&mut views);
+        assert_eq!(views[0].fencing_token, Some(4));
+        assert_eq!(views[0].reason.as_deref(), Some("onto the run with token 4"));
     }
 
     #[test]

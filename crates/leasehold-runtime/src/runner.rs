@@ -286,7 +286,11 @@ impl RecordRunner {
     /// Where a delivery's outcome goes once it is decided, in both modes: its log event, the
     /// [`crate::observe::DELIVERIES_TOTAL`] metric, the outcome sink and the history.
     pub(crate) fn finished(&self, delivery: &Delivery, outcome: &Outcome, ended: &Ended) {
-        log(outcome);
+        if swept_nothing(delivery, outcome) {
+            tracing::info!(outcome = "coalesced", "{SWEPT_NOTHING}");
+        } else {
+            log(outcome);
+        }
         if let Some(trace) = &ended.trace {
             self.trace_outcome(delivery, trace, outcome, ended.token);
         }
@@ -342,6 +346,9 @@ impl RecordRunner {
                 if *by == crate::HeldBy::Limit {
                     entry = entry.with_reason("no slot of the budget's limit (its runs are all under way) and the waiting room full: back at its turn");
                 }
+            }
+            Outcome::Coalesced if swept_nothing(delivery, outcome) => {
+                entry = entry.with_reason(SWEPT_NOTHING)
             }
             Outcome::Coalesced | Outcome::Debounced { .. } => {}
         }
@@ -483,6 +490,18 @@ impl RecordRunner {
         }
         Ok(())
     }
+}
+
+/// What a sweep that ended without a run did: the sweep put when a trigger was given up, of a
+/// chain given up more than once, runs only if the retrigger marker is set; it was not (no
+/// trigger came since, or the holder that took it puts its retrigger), so the sweep stood down,
+/// as a holder does, and the give-ups end here. Its outcome is `coalesced`, but no run of the
+/// record was under way: its log line and history entry say so.
+const SWEPT_NOTHING: &str = "a sweep after a give-up found no trigger left to honour (none came since, or the holder that took it puts its retrigger): it stood down without a run; the record stays given up (leasehold poison list)";
+
+/// Whether `outcome` is a sweep's stand-down for want of a trigger owed ([`SWEPT_NOTHING`]).
+fn swept_nothing(delivery: &Delivery, outcome: &Outcome) -> bool {
+    matches!(outcome, Outcome::Coalesced) && delivery.message.kind == TriggerKind::Sweep
 }
 
 /// The one event of a delivery's outcome; which record, attempt and fencing token it was are the

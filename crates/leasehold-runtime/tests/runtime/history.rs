@@ -114,3 +114,51 @@ async fn each_thing_that_happens_to_a_record_is_written_once() {
     assert_eq!(p[0].budget.as_deref(), Some("default"));
     assert_eq!(p[0].until_ms.map(|u| u - p[0].time_ms), Some(59_000));
 }
+
+/// Issue 44, item 3: the sweep of a trigger given up twice, delivered when no trigger came for
+/// its record since (the marker not set), stands down without a run: its outcome is
+/// `coalesced` (a holder's stand-down), and its history entry says what it was — a sweep that
+/// found no trigger left to honour — so that the record's state line does not read it as a
+/// trigger on its way.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_that_finds_nothing_owed_says_so_in_the_history() {
+    let f = fixture(4);
+    let store = Arc::new(MemoryHistory::new());
+    let history = History::new(store.clone(), HistoryOptions::default());
+    let runner = f.runner.clone().with_history(history.clone());
+    let mut sweep = crate::budgets::delivery("s", leasehold_runtime::TriggerKind::Sweep, 1);
+    sweep.message.given_up = 2;
+    assert!(matches!(handle(&runner, sweep).await, Outcome::Coalesced));
+    assert_eq!(f.logic.runs_of("s"), 0, "nothing ran");
+    history.flush().await;
+    let entries = history_of(&store, "s");
+    assert_eq!(entries.len(), 1, "{entries:#?}");
+    assert_eq!(entries[0].event.as_str(), "coalesced");
+    let reason = entries[0].reason.as_deref().unwrap_or_default();
+    assert!(
+        reason.contains("a sweep after a give-up found no trigger left to honour"),
+        "{entries:#?}"
+    );
+    // A trigger that coalesces onto a run says nothing of the kind.
+    f.logic
+        .length
+        .lock()
+        .unwrap()
+        .insert("t".into(), Duration::from_secs(2));
+    let first = tokio::spawn({
+        let runner = runner.clone();
+        async move { handle(&runner, trigger("t")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(matches!(handle(&runner, trigger("t")).await, Outcome::Coalesced));
+    first.await.unwrap();
+    history.flush().await;
+    let coalesced = history_of(&store, "t");
+    assert!(
+        coalesced
+            .iter()
+            .filter(|e| e.event.as_str() == "coalesced")
+            .all(|e| e.reason.is_none()),
+        "{coalesced:#?}"
+    );
+}
