@@ -1368,3 +1368,41 @@ async fn a_change_of_history_days_either_way_loses_no_entry_younger_than_the_lon
         client.delete_table(&table).await.unwrap();
     }
 }
+
+/// Issue 44, item 7: a busy record's history read with a limit gives its newest entries, not its
+/// oldest: each write of a record is an entity whose row key holds the newest entry's time
+/// inverted, so a read of the key range in order meets the newest first and stops at the
+/// limit. (Ordered by time instead, `leasehold history --limit N` and the record page showed a
+/// busy record's oldest entries; no test saw it.)
+#[tokio::test]
+async fn a_records_history_read_with_a_limit_gives_its_newest_entries() {
+    use leasehold_runtime::{
+        HistoryEntry, HistoryEvent, HistoryStore, OutcomeLabel, RecordId, Scope, TableHistory,
+    };
+    use leasehold_storage::table::TableClient;
+    let account = Azurite::shared().account();
+    let prefix = format!("h{}", &unique_name("n").replace('-', "")[..12]);
+    let keep = Duration::from_secs(24 * 3600);
+    let client = TableClient::new(&account, OpCounters::new()).unwrap();
+    let history = TableHistory::new(client, &prefix, keep).unwrap();
+    let scope = Scope::parse("account").unwrap();
+    let record = RecordId::parse("busy").unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    // Six writes, oldest first, a minute apart: each its own entity.
+    for minutes_ago in (1..=6u64).rev() {
+        let mut e = HistoryEntry::new(
+            scope.clone(),
+            record.clone(),
+            HistoryEvent::Outcome(OutcomeLabel::Completed),
+        );
+        e.time_ms = now_ms - minutes_ago * 60_000;
+        e.instance = format!("{minutes_ago} min ago");
+        history.append(&[e]).await.unwrap();
+    }
+    let read = history.read(&scope, &record, keep, 2).await.unwrap();
+    let seen: Vec<&str> = read.iter().map(|e| e.instance.as_str()).collect();
+    assert_eq!(seen, ["1 min ago", "2 min ago"]);
+}

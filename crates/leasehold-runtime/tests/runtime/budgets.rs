@@ -29,6 +29,9 @@ pub(crate) struct Downstream {
     /// Runs so far, in start order.
     runs: Mutex<Vec<String>>,
     started: Notify,
+    /// Runs under way now, and the most there were at once.
+    at_once: std::sync::atomic::AtomicUsize,
+    pub(crate) most_at_once: std::sync::atomic::AtomicUsize,
 }
 
 #[async_trait]
@@ -37,6 +40,9 @@ impl Logic for Downstream {
         let record = ctx.record_id.to_string();
         self.runs.lock().unwrap().push(record.clone());
         self.started.notify_waiters();
+        let now = self.at_once.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        self.most_at_once
+            .fetch_max(now, std::sync::atomic::Ordering::SeqCst);
         let length = self
             .length
             .lock()
@@ -45,6 +51,7 @@ impl Logic for Downstream {
             .copied()
             .unwrap_or(Duration::from_secs(1));
         tokio::time::sleep(length).await;
+        self.at_once.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         if let Some(asked) = self.throttle.lock().unwrap().remove(&record) {
             return Err(LogicError::throttled(asked, "429 Too Many Requests"));
         }
@@ -1246,4 +1253,53 @@ async fn waiting_for_a_budgets_limit_costs_about_what_a_cut_concurrency_costs() 
         requests <= 1.8 * control_requests,
         "{requests:.1} requests per run (control {control_requests:.1})"
     );
+}
+
+/// Issue 44, item 7: a resume ends the consumer's paced wait (every budget paused: one poll per
+/// 5 s) at once, not at the next paced poll: a trigger put during the pause runs as soon as the
+/// budget is resumed. (The existing resume tests' resumes land in other waits; removing the
+/// paced wait's wake-up went unseen.)
+#[tokio::test(start_paused = true)]
+async fn a_resume_ends_the_consumers_paced_wait_at_once() {
+    let w = paused_worker(2, false);
+    w.pause(Duration::from_secs(60)).await;
+    // The consumer polls the (empty) queue and paces its next poll 5 s on.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    w.put("account", "saved").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(w.f.logic.runs_of("saved"), 0, "the pause holds it");
+    let resumed = tokio::time::Instant::now();
+    w.budgets.resume("default").await.unwrap();
+    let ran = w.first_run_of("saved", resumed, Duration::from_secs(10)).await;
+    assert!(
+        ran.is_some_and(|t| t < Duration::from_secs(1)),
+        "ran {ran:?} after the resume (the paced poll was due 2.5 s later)"
+    );
+    w.stop().await;
+}
+
+/// Issue 44, item 7: holders that waited out a pause in the consumer's waiting room take a free
+/// slot of the consumer back once admitted; runs never exceed the consumer's concurrency. (A
+/// holder that ran in its seat instead let the consumer take and run more than its slots; no
+/// test saw it.) Two slots, a 10 s pause, six triggers of 3 s runs.
+#[tokio::test(start_paused = true)]
+async fn holders_admitted_after_a_wait_take_their_slots_back() {
+    let w = paused_worker(2, false);
+    w.pause(Duration::from_secs(10)).await;
+    for i in 0..6 {
+        let record = format!("w{i}");
+        w.f.logic
+            .length
+            .lock()
+            .unwrap()
+            .insert(record.clone(), Duration::from_secs(3));
+        w.put("account", &record).await;
+    }
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    for i in 0..6 {
+        assert_eq!(w.f.logic.runs_of(&format!("w{i}")), 1, "w{i}");
+    }
+    let most = w.f.logic.most_at_once.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(most <= 2, "{most} runs at once on a consumer of 2 slots");
+    w.stop().await;
 }

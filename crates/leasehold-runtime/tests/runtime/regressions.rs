@@ -3893,3 +3893,39 @@ async fn a_retry_that_failed_before_its_run_keeps_its_after_token() {
     assert_eq!(left.len(), 1, "{left:?}");
     assert_eq!(left[0].after_token, Some(7), "{left:?}");
 }
+
+/// Issue 44, item 7: a retry that stands down (a later run took its duty over: its `afterToken`
+/// no longer pending) checks the retrigger marker after its release, as any holder does; if that
+/// check fails (its answer lost, then no answer at all), the take may have consumed a marker set
+/// by a new trigger, which nobody else answers for. Its retry must then carry no `afterToken`,
+/// so it runs: keeping the token, it would stand down again and the new trigger would never run.
+#[tokio::test(start_paused = true)]
+async fn a_stand_down_whose_marker_check_failed_retries_without_its_after_token() {
+    let store = Scripted::new();
+    let logic = Script::new(Duration::from_secs(1), End::Succeed);
+    let runner = runner_on(&store, logic.clone(), supersede_options());
+    // Run 1 of the record completes: nothing is pending for it.
+    let first = Delivery {
+        message: TriggerMessage::parse("acct", "r").unwrap(),
+        dequeue_count: 1,
+    };
+    let outcome = runner.handle(&first, &CancellationToken::new()).await;
+    assert!(matches!(outcome, Outcome::Completed { .. }), "{outcome:?}");
+    let consumer = Consumer::new(
+        runner,
+        Arc::new(MemoryQueue::new("poison", OpCounters::new())),
+        ConsumerOptions::default(),
+    );
+    // A retry of run 1: it stands down; its check of the marker after the release fails.
+    let mut retry = TriggerMessage::parse("acct", "r").unwrap();
+    retry.after_token = Some(1);
+    store.queue().put(&retry.encode(), Duration::ZERO).await.unwrap();
+    store.then(Op::FlagDelete, &[Act::LoseAnswer]);
+    store.always(Op::FlagDelete, Act::Refuse(StoreErrorKind::Transient));
+    let taken = take_one(&store).await;
+    consumer.process(taken, CancellationToken::new()).await;
+    assert_eq!(logic.runs.load(Ordering::SeqCst), 1, "the retry stood down");
+    let left = messages(&store);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].after_token, None, "the retry must run: {left:?}");
+}
