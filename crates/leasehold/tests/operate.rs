@@ -1748,3 +1748,56 @@ async fn history_storage_that_hangs_or_refuses_never_delays_a_run() {
     );
     println!("[history trouble] {hangs}\n[history trouble] {refuses}");
 }
+
+/// Issue 44, item 7: command logic gets the run's trace context in `TRACEPARENT` (W3C's
+/// environment carrier), under the caller's trace: the trace id Start was given, a span id of
+/// the run's own. (Only the URL logic's header was checked; a command run without it went
+/// unseen.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn command_logic_gets_the_runs_traceparent_under_the_callers_trace() {
+    const KEY: &str = "operate-traceparent-key";
+    let live = Live::new();
+    let seen = live.dir.join("traceparent.log");
+    let serve = live
+        .serve(
+            "serve",
+            &[
+                ("LEASEHOLD_API_KEY", KEY.to_string()),
+                (
+                    "LEASEHOLD_LOGIC_COMMAND",
+                    format!("echo \"$TRACEPARENT\" >> {}", seen.display()),
+                ),
+            ],
+        )
+        .await;
+    let caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let (status, answer) = common::post(
+        &serve.url("/api/start"),
+        &serde_json::json!({"scope": "account", "recordId": "traced-1"}).to_string(),
+        &[
+            ("x-functions-key", KEY),
+            ("content-type", "application/json"),
+            ("traceparent", caller),
+        ],
+    )
+    .await;
+    assert_eq!(status, 202, "{answer}");
+    let line = eventually(Duration::from_secs(20), "the logic's TRACEPARENT", || async {
+        std::fs::read_to_string(&seen)
+            .ok()
+            .filter(|s| !s.trim().is_empty())
+    })
+    .await;
+    let traceparent = line.trim();
+    let parts: Vec<&str> = traceparent.split('-').collect();
+    assert_eq!(parts.len(), 4, "{traceparent:?}");
+    assert_eq!(
+        parts[1], "4bf92f3577b34da6a3ce929d0e0e4736",
+        "the caller's trace: {traceparent}"
+    );
+    assert_ne!(
+        parts[2], "00f067aa0ba902b7",
+        "a span of the run's own: {traceparent}"
+    );
+    serve.stop().await;
+}
