@@ -198,6 +198,22 @@ struct Budget {
     successes: std::collections::VecDeque<Instant>,
 }
 
+impl Budget {
+    /// Deliveries waiting here for a slot that go before one of `lane`: its lane's, and for the
+    /// low lane the high lane's too.
+    fn ahead_of(&self, lane: Lane) -> usize {
+        match lane {
+            Lane::High => self.high_waiting,
+            Lane::Low => self.high_waiting + self.low_waiting,
+        }
+    }
+
+    /// Whether the budget's runs here are long ([`LONG_RUN`] on average).
+    fn long_runs(&self) -> bool {
+        self.run_mean.is_some_and(|m| m >= LONG_RUN)
+    }
+}
+
 /// Runs at least this long, on average, make holders beyond one per slot of the limit wait by
 /// being handed back for their turn rather than under their leases
 /// ([`Budgets::limit_holds`]).
@@ -262,15 +278,6 @@ pub enum HeldBy {
     /// slot of the consumer. Not a pause: the trigger comes back at its turn
     /// ([`Budgets::limit_turn`]).
     Limit,
-}
-
-impl HeldBy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            HeldBy::Pause => "pause",
-            HeldBy::Limit => "limit",
-        }
-    }
 }
 
 /// What a delivery may do, by its budget ([`Budgets::admit`]).
@@ -614,10 +621,7 @@ impl Budgets {
         self.inner.options.names.values().all(|name| {
             self.with_budget(name, |b| {
                 let limit = self.limit_of(b);
-                b.in_flight >= limit
-                    && (!waiting_enough
-                        || (b.high_waiting + b.low_waiting >= limit
-                            && b.run_mean.is_some_and(|m| m >= LONG_RUN)))
+                b.in_flight >= limit && (!waiting_enough || (b.ahead_of(Lane::Low) >= limit && b.long_runs()))
             })
         })
     }
@@ -631,23 +635,19 @@ impl Budgets {
     /// (not for a pause: [`paused`](Self::paused) says that), and if so whether as many
     /// deliveries as the limit has slots already wait for one ahead of it (its lane's, and for
     /// the low lane the high lane's too).
+    ///
+    /// Only while the budget's runs are long ([`LONG_RUN`]): a holder waiting for a slot then
+    /// holds its lease and its message (renewing both) for a run's time or more; short runs
+    /// free a slot sooner than a trigger handed back comes round. Otherwise `(false, false)`.
     pub fn limit_holds(&self, scope: &Scope, lane: Lane) -> (bool, bool) {
-        let name = self.name_of(scope);
-        // Only while runs are long (see below); short runs free a slot within the wait a holder
-        // is allowed in the consumer's slot.
-        let long = self.with_budget(name, |b| b.run_mean.is_some_and(|m| m >= LONG_RUN));
-        let at_limit = long && self.at_limit(scope, lane);
-        let enough = self.with_budget(name, |b| {
-            let ahead = match lane {
-                Lane::High => b.high_waiting,
-                Lane::Low => b.high_waiting + b.low_waiting,
-            };
-            // Only while runs are long: a holder waiting for one then holds its lease and its
-            // message (renewing both) for a run's time or more; short runs free slots sooner
-            // than a trigger handed back comes round.
-            ahead >= self.limit_of(b) && b.run_mean.is_some_and(|m| m >= LONG_RUN)
-        });
-        (at_limit, at_limit && enough)
+        let at_limit = self.at_limit(scope, lane);
+        self.with_budget(self.name_of(scope), |b| {
+            let long = b.long_runs();
+            (
+                long && at_limit,
+                long && at_limit && b.ahead_of(lane) >= self.limit_of(b),
+            )
+        })
     }
 
     /// Whether a delivery of `lane` for `scope` would wait for a slot of its budget's limit now
@@ -681,19 +681,12 @@ impl Budgets {
     }
 
     fn limit_turn_of(&self, name: &str, lane: Lane) -> Duration {
-        // A slot must free first.
-        self.turn_of(name, lane, Instant::now(), 1)
-    }
-
-    /// The next turn of `lane` in the budget's schedule, none before `not_before`, nor before
-    /// the deliveries waiting here (at least `at_least` of them) have had theirs.
-    fn turn_of(&self, name: &str, lane: Lane, not_before: Instant, at_least: u32) -> Duration {
         let now = Instant::now();
         self.with_budget(name, |b| {
             let limit = self.limit_of(b).max(1) as u32;
             // Slots free about once per run's time per slot of the limit; and runs get through
             // no faster than they have lately (throttles, pauses and refusals take their share).
-            // Nothing seen yet: no spread (the pause's end, or a second for the limit).
+            // Nothing seen yet: no spread (a second).
             let by_length = b.run_mean.unwrap_or(Duration::ZERO) / limit;
             while b
                 .successes
@@ -709,18 +702,14 @@ impl Budgets {
                 _ => Duration::ZERO,
             };
             let pace = by_length.max(by_successes);
-            let ahead = match lane {
-                Lane::High => b.high_waiting,
-                Lane::Low => b.high_waiting + b.low_waiting,
-            };
-            let start = not_before.max(now);
-            let earliest = (start + pace * u32::try_from(ahead).unwrap_or(u32::MAX).max(at_least))
-                .max(now + Duration::from_secs(u64::from(at_least)));
+            // A slot must free first, and the deliveries waiting here have theirs before.
+            let ahead = u32::try_from(b.ahead_of(lane)).unwrap_or(u32::MAX).max(1);
+            let earliest = (now + pace * ahead).max(now + Duration::from_secs(1));
             let slot = &mut b.turns_until[usize::from(lane == Lane::Low)];
-            let after_last = slot.filter(|t| *t > start).map(|t| t + pace);
+            let after_last = slot.filter(|t| *t > now).map(|t| t + pace);
             let turn = after_last
                 .map_or(earliest, |t| t.max(earliest))
-                .min(start + MAX_LIMIT_TURN);
+                .min(now + MAX_LIMIT_TURN);
             *slot = Some(turn);
             turn - now
         })
